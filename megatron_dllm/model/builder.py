@@ -1,0 +1,100 @@
+"""TransformerConfig and model chunks from a preset and the parallel layout."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dllm import platform
+from megatron_dllm.model.dit import DiTModel
+from megatron_dllm.model.init import initialize_weights
+from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
+from megatron_dllm.model.presets import Preset
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a checkpoint must match: sizes, vocabulary and attention layout."""
+
+    preset: Preset
+    vocab_size: int  # real vocabulary including [MASK], before TP padding
+    seq_length: int
+    attention: str  # "bidirectional" | "causal"
+    make_vocab_size_divisible_by: int = 128
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def check_layout(arch: Architecture, tp: int, pp: int, vpp: int | None) -> None:
+    """Impossible parallel layouts stop here, naming the flag."""
+    p = arch.preset
+    if p.num_attention_heads % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the number of attention "
+                         f"heads {p.num_attention_heads} of this preset")
+    if arch.padded_vocab_size(tp) % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
+                         f"{arch.padded_vocab_size(tp)}")
+    chunks = pp * (vpp or 1)
+    if p.num_layers % chunks:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} x --virtual-pipeline-model-parallel-size "
+                         f"{vpp or 1} = {chunks} does not divide the {p.num_layers} layers of this preset")
+
+
+def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                       sequence_parallel: bool = False, bf16: bool = False,
+                       fp8: str | None = None, fp8_recipe: str = "delayed",
+                       fp8_amax_history_len: int = 1, fp8_amax_compute_algo: str = "most_recent",
+                       recompute: bool = False) -> tuple[TransformerConfig, TransformerConfig]:
+    """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output)."""
+    check_layout(arch, tp, pp, vpp)
+    p = arch.preset
+    dtype = platform.params_dtype(bf16)
+    config = TransformerConfig(
+        num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
+        ffn_hidden_size=p.ffn_hidden_size, kv_channels=p.hidden_size // p.num_attention_heads,
+        layernorm_epsilon=1e-5, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        activation_func=gelu_tanh, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        autocast_dtype=dtype, use_cpu_initialization=not platform.HAS_CUDA,
+        # megatron's own init also tags TP params (partition_dim ...); initialize_weights() then
+        # overwrites the values with layout-independent ones.
+        perform_initialization=True,
+        calculate_per_token_loss=True, variable_seq_lengths=False,
+        fp8=fp8, fp8_recipe=fp8_recipe, fp8_amax_history_len=fp8_amax_history_len,
+        fp8_amax_compute_algo=fp8_amax_compute_algo,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+    config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
+    mlp_config = dataclasses.replace(config, add_bias_linear=True)
+    return config, mlp_config
+
+
+def build_model(arch: Architecture, config: TransformerConfig, mlp_config: TransformerConfig,
+                seed: int, use_te: bool = False) -> list[DiTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised from `seed`."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    spec = dit_layer_spec(arch.attention, use_te=use_te)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = DiTModel(
+            config, spec, mlp_config, arch.padded_vocab_size(config.tensor_model_parallel_size),
+            arch.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        model.to(platform.device())
+        initialize_weights(model, seed)
+        chunks.append(model)
+    return chunks

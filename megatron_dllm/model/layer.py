@@ -1,0 +1,133 @@
+"""The DiT block as a megatron-core module tree, assembled through layer specs.
+
+One block (reference §1): pre-norm with a weight-only LayerNorm, adaLN-zero modulation with six
+chunks from the conditioning vector, megatron's SelfAttention (qkv and out projections without
+bias, rotary on per-token positions) and megatron's MLP (with bias, tanh-GELU). The local spec
+runs everywhere; the TransformerEngine spec swaps the linears and core attention for TE's (FP8)
+and keeps the same module tree. The norm cannot be fused into the qkv GEMM (TE's
+LayerNormLinear) because the modulation sits between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dllm.model.presets import COND_DIM
+
+ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal}
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def tag_replicated(module: torch.nn.Module, config: TransformerConfig) -> None:
+    """Mark parameters that every TP rank holds whole. Under sequence parallelism each rank sees
+    only its slice of the sequence, so megatron all-reduces the grads of params tagged this way."""
+    for p in module.parameters():
+        p.sequence_parallel = config.sequence_parallel
+
+
+class DiTLayerNorm(torch.nn.Module):
+    """LayerNorm without bias, computed in fp32 (reference `LayerNorm`)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.eps = config.layernorm_epsilon
+        self.weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+        tag_replicated(self, config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class AdaLNModulation(torch.nn.Module):
+    """Linear(cond_dim, chunks * hidden) over the conditioning vector, zero-initialised so every
+    block starts as the identity. Replicated over TP: it acts once per sequence, not per token."""
+
+    def __init__(self, config: TransformerConfig, chunks: int):
+        super().__init__()
+        self.chunks = chunks
+        self.linear = torch.nn.Linear(COND_DIM, chunks * config.hidden_size, dtype=config.params_dtype)
+        tag_replicated(self, config)
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # c: [b, cond_dim] -> chunks of [1, b, h], broadcast over the sequence dimension.
+        return self.linear(c).unsqueeze(0).chunk(self.chunks, dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+@dataclass
+class DiTLayerSubmodules:
+    self_attention: ModuleSpec
+    mlp: ModuleSpec
+
+
+class DiTLayer(MegatronModule):
+    """x -> x + gate_msa * Attn(mod(LN(x))) -> x + gate_mlp * MLP(mod(LN(x))); x is [s, b, h]."""
+
+    def __init__(self, config: TransformerConfig, submodules: DiTLayerSubmodules, layer_number: int,
+                 mlp_config: TransformerConfig):
+        super().__init__(config=config)
+        self.layer_number = layer_number  # global, 1-based, as in megatron's TransformerLayer
+        self.input_layernorm = DiTLayerNorm(config)
+        self.adaLN_modulation = AdaLNModulation(config, chunks=6)
+        self.self_attention = build_module(submodules.self_attention, config=config,
+                                           layer_number=layer_number)
+        self.pre_mlp_layernorm = DiTLayerNorm(config)
+        self.mlp = build_module(submodules.mlp, config=mlp_config,
+                                ffn_hidden_size=mlp_config.ffn_hidden_size)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
+        h = modulate(self.input_layernorm(x), shift_msa, scale_msa)
+        attn_out, _ = self.self_attention(h, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+        x = x + gate_msa * attn_out
+        h = modulate(self.pre_mlp_layernorm(x), shift_mlp, scale_mlp)
+        mlp_out, mlp_bias = self.mlp(h)
+        if mlp_bias is not None:  # megatron's fc2 returns its bias separately (skip_bias_add)
+            mlp_out = mlp_out + mlp_bias
+        return x + gate_mlp * mlp_out
+
+
+def dit_layer_spec(attention: str, use_te: bool = False) -> ModuleSpec:
+    """The block's spec for an attention layout (`bidirectional` or `causal`)."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TERowParallelLinear,
+        )
+
+        column, row, core_attention = TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+    else:
+        column, row, core_attention = ColumnParallelLinear, RowParallelLinear, DotProductAttention
+    return ModuleSpec(
+        module=DiTLayer,
+        submodules=DiTLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": ATTENTION_MASKS[attention]},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=column, core_attention=core_attention, linear_proj=row,
+                    q_layernorm=IdentityOp, k_layernorm=IdentityOp,
+                ),
+            ),
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+        ),
+    )

@@ -1,0 +1,56 @@
+"""Model sizes: the paper's 28 IsoFLOP presets (table `tab:model_sizes`) plus small CPU presets.
+
+Presets are named by their non-embedding parameter count in millions for the 32001-token
+vocabulary, as in the paper's table (all parameters minus the input embedding matrix; the untied
+output layer counts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COND_DIM = 128  # time-conditioning width, the same for every size (reference §1)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return 4 * self.hidden_size
+
+
+# name -> (n_embed, n_layers, n_heads), verbatim from the paper's table.
+PAPER_PRESETS = {
+    "14M": Preset(256, 6, 4), "29M": Preset(384, 8, 6), "44M": Preset(512, 8, 8),
+    "58M": Preset(576, 9, 9), "74M": Preset(640, 10, 10), "91M": Preset(640, 13, 10),
+    "107M": Preset(640, 16, 8), "116M": Preset(768, 12, 12), "140M": Preset(768, 15, 12),
+    "163M": Preset(768, 18, 12), "173M": Preset(896, 14, 14), "194M": Preset(896, 16, 14),
+    "214M": Preset(896, 18, 14), "247M": Preset(1024, 16, 16), "274M": Preset(1024, 18, 16),
+    "300M": Preset(1024, 20, 16), "413M": Preset(1280, 18, 10), "475M": Preset(1280, 21, 10),
+    "493M": Preset(1408, 18, 11), "537M": Preset(1280, 24, 10), "568M": Preset(1408, 21, 11),
+    "642M": Preset(1408, 24, 11), "698M": Preset(1536, 22, 12), "787M": Preset(1536, 25, 12),
+    "1016M": Preset(1792, 24, 14), "1208M": Preset(2048, 22, 16), "1364M": Preset(2048, 25, 16),
+    "1708M": Preset(2176, 28, 17),
+}
+
+# Small sizes for CPU development, tests and the embedded default.
+CPU_PRESETS = {
+    "cpu-tiny": Preset(64, 2, 4),
+    "cpu-small": Preset(128, 4, 4),
+    "cpu-base": Preset(256, 6, 4),
+}
+
+ALIASES = {"1.7B": "1708M"}
+
+PRESETS = {**PAPER_PRESETS, **CPU_PRESETS}
+
+
+def get_preset(name: str) -> Preset:
+    name = ALIASES.get(name, name)
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name!r} is not a known preset; expected one of: "
+                         f"{', '.join(PRESETS)} (alias 1.7B)")
+    return PRESETS[name]

@@ -1,0 +1,257 @@
+"""Device, backend and precision choice: the one place that knows CPU from GPU.
+
+On a CUDA machine this is a thin layer over NCCL and `torch.cuda`. On a machine without CUDA it
+makes megatron-core's *unmodified* code run on CPU over gloo by redirecting what megatron-core
+hard-codes for CUDA (see ../shared/docs/megatron-core-on-cpu.md):
+
+* `device="cuda"` arguments and `Tensor.cuda()/.to("cuda")` are rewritten to the CPU by a
+  `TorchFunctionMode`, which also answers `Tensor.type()` with the `torch.cuda.*` names that the
+  optimizers compare against;
+* `torch.cuda.current_device()` returns "cpu"; streams, events, synchronize, empty_cache,
+  set_device and memory queries become no-ops;
+* the "CUDA" RNG state that megatron's RNG tracker forks is the CPU default generator's.
+
+Nothing outside this module may branch on CPU vs GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+
+import numpy as np
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+HAS_CUDA = torch.cuda.is_available()
+
+try:  # TransformerEngine is optional: used on GPU when present, never needed on CPU.
+    import transformer_engine  # noqa: F401
+
+    HAS_TE = HAS_CUDA
+except ImportError:
+    HAS_TE = False
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    return torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if HAS_CUDA else "gloo"
+
+
+def params_dtype(requested_bf16: bool) -> torch.dtype:
+    """bf16 where the hardware has it and it was asked for; fp32 on CPU (exact tests, speed)."""
+    return torch.bfloat16 if (HAS_CUDA and requested_bf16) else torch.float32
+
+
+def synchronize() -> None:
+    if HAS_CUDA:
+        torch.cuda.synchronize()
+
+
+def peak_flops_per_device(dtype: torch.dtype) -> float | None:
+    """Dense peak of the local accelerator for MFU logging (None when unknown, e.g. on CPU)."""
+    if not HAS_CUDA:
+        return None
+    name = torch.cuda.get_device_name()
+    if "H100" in name or "H200" in name or "H800" in name:
+        return 989e12 if dtype != torch.float32 else 67e12
+    if "A100" in name:
+        return 312e12 if dtype != torch.float32 else 19.5e12
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU compatibility for megatron-core
+# ---------------------------------------------------------------------------------------------
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and (_is_cuda(args[1]) or isinstance(args[1], int)):
+            args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream/ExternalStream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _noop():
+    """A fresh no-op function (each patched name gets its own object)."""
+    return lambda *args, **kwargs: None
+
+
+_cpu_mode: _CpuDeviceMode | None = None
+
+
+def install_cpu_compat() -> None:
+    """Make megatron-core run on CPU. Idempotent; does nothing when CUDA is present."""
+    global _cpu_mode
+    if HAS_CUDA or _cpu_mode is not None:
+        return
+    # Import what maps torch.cuda's functions (dynamo's trace rules, megatron) before patching.
+    import torch._dynamo.trace_rules
+
+    torch._dynamo.trace_rules.get_torch_obj_rule_map()  # cached: built from the real functions
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.device_count = lambda: 1
+    cuda.set_device = _noop()
+    cuda.synchronize = _noop()
+    cuda.empty_cache = _noop()
+    cuda.Stream = cuda.ExternalStream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_stream = _noop()
+    cuda.memory_allocated = cuda.max_memory_allocated = cuda.memory_reserved = lambda *a, **k: 0
+    cuda.memory_stats = lambda *a, **k: {}
+    # The "CUDA" generator is the CPU default generator, so megatron's RNG tracker forks real state.
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    mcore_random._get_cuda_rng_state = lambda *a, clone=False, **k: (
+        torch.get_rng_state().clone() if clone else torch.get_rng_state()
+    )
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    _cpu_mode = _CpuDeviceMode()
+    _cpu_mode.__enter__()
+
+
+def init_distributed(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    seed: int = 1234,
+    timeout_minutes: int = 10,
+) -> None:
+    """Initialise torch.distributed from torchrun's environment, megatron's parallel state and
+    the RNGs (as Megatron-LM: seed + 100 * pipeline rank, and megatron's model-parallel tracker).
+
+    A single process without torchrun's variables runs as world size 1.
+    """
+    install_cpu_compat()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if HAS_CUDA:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    world = dist.get_world_size()
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {pipeline_model_parallel_size} = {model_parallel} "
+            f"does not divide the world size {world}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
