@@ -1,0 +1,90 @@
+"""Command-line flags, named as in Megatron-LM (plus --family, --loss and --preset)."""
+from __future__ import annotations
+
+import argparse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a DiT language model (AR, MDLM, ...) with megatron-core.",
+                                allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--family", default="mdlm", help="ar | mdlm")
+    g.add_argument("--loss", default=None, help="training objective; mdlm: low-var (default) | nelbo")
+    g.add_argument("--preset", default=None,
+                   help="model size: one of the paper's presets (14M ... 1708M, alias 1.7B) or cpu-tiny/"
+                        "cpu-small/cpu-base; default cpu-small on the embedded demo")
+    g.add_argument("--num-layers", type=int, default=None, help="overrides the preset")
+    g.add_argument("--hidden-size", type=int, default=None, help="overrides the preset")
+    g.add_argument("--num-attention-heads", type=int, default=None, help="overrides the preset")
+    g.add_argument("--seq-length", type=int, default=None, help="default 2048 (128 on the demo)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="default: transformer_engine when installed on a GPU, else local")
+    g.add_argument("--recompute-activations", action="store_true", help="full activation recompute")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+
+    g = p.add_argument_group("batch and schedule")
+    g.add_argument("--micro-batch-size", type=int, default=None, help="default 2 (8 on the demo)")
+    g.add_argument("--global-batch-size", type=int, default=None, help="default 256 (32 on the demo)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--lr", type=float, default=None, help="default 2e-4 (1e-3 on the demo)")
+    g.add_argument("--min-lr", type=float, default=None, help="default lr/10")
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "WSD"], default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: all training iterations")
+    g.add_argument("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential", "minus_sqrt"],
+                   default="cosine")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final decay (default: the last third)")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("precision")
+    g.add_argument("--bf16", action="store_true", help="bf16 params and compute (GPU; CPU runs fp32)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="TransformerEngine FP8 (H100)")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise", "blockwise", "mxfp8"], default="delayed")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefix | w1 prefix1 w2 prefix2 ... (no data flags: the embedded demo corpus)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None,
+                   help="SentencePieceTokenizer | HuggingFaceTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--demo-cache-dir", default=None,
+                   help="where the embedded demo corpus is prepared (default ~/.cache/megatron_dllm/demo)")
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ValueError("give --train-iters or --train-samples, not both")
+    return args

@@ -1,0 +1,28 @@
+"""Autoregressive family: causal attention, next-token cross-entropy, time input zero."""
+from __future__ import annotations
+
+import torch
+
+from megatron_dllm.families import vocab_parallel
+from megatron_dllm.families.base import Family, ModelInput, Noise
+
+
+class AR(Family):
+    name = "ar"
+    attention = "causal"
+    extra_token = True  # samples of seq_length + 1 tokens: inputs x[:-1], targets x[1:]
+    losses = ("nll",)
+
+    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        b, s = inputs.shape
+        return ModelInput(
+            input_ids=inputs, position_ids=torch.arange(s).expand(b, s), sigma=torch.zeros(b),
+            targets=targets, valid=torch.ones(b, s), t=torch.zeros(b),
+        )
+
+    def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
+        return vocab_parallel.cross_entropy(logits, inp.targets) * inp.valid
+
+    nelbo = loss  # exact NLL

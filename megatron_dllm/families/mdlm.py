@@ -1,0 +1,51 @@
+"""Masked diffusion (MDLM): absorbing-state forward process, SUBS parameterisation.
+
+Each token is replaced by [MASK] with probability 1 - alpha_t; the backbone is bidirectional and
+gets sigma = 0. Only masked positions are scored; carry-over of unmasked tokens is done by the
+loss mask (reference §2.2). `--loss low-var` (default, the paper's) weights -log p by 1;
+`--loss nelbo` by dalpha/(1 - alpha) = 1/t. Validation always reports the NELBO.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_dllm.families import vocab_parallel
+from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.schedules import LogLinear
+
+
+class MDLM(Family):
+    name = "mdlm"
+    attention = "bidirectional"
+    losses = ("low-var", "nelbo")
+    schedule = LogLinear()
+
+    def mask(self, tokens: torch.Tensor, noise: Noise) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_t, t): each token masked independently with probability 1 - alpha_t."""
+        t = noise.t()
+        u = noise.uniform("mask", tokens.shape[1])
+        masked = u < (1 - self.schedule.alpha(t))[:, None]
+        return torch.where(masked, torch.full_like(tokens, self.mask_id), tokens), t
+
+    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
+        z_t, t = self.mask(tokens, noise)
+        b, s = tokens.shape
+        return ModelInput(
+            input_ids=z_t, position_ids=torch.arange(s).expand(b, s), sigma=torch.zeros(b),
+            targets=tokens, valid=torch.ones(b, s), t=t.float(),
+        )
+
+    def _masked_nll(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
+        nll = vocab_parallel.cross_entropy(logits, inp.targets)
+        return nll * (inp.input_ids == self.mask_id) * inp.valid
+
+    def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        t = inp.t[:, None].to(torch.float32)
+        weight = -self.schedule.dalpha(t) / (1 - self.schedule.alpha(t))  # = 1/t
+        return self._masked_nll(logits, inp) * weight
+
+    def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        if self.loss_type == "nelbo":
+            return self.nelbo(logits, inp)
+        return self._masked_nll(logits, inp)

@@ -1,0 +1,26 @@
+"""Noise schedules as functions of t (reference §2.1)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_dllm.families.base import T_EPS
+
+
+class LogLinear:
+    """alpha_t = alpha_0 (1 - (1 - eps) t); sigma = -log alpha_t.
+
+    With t in [eps, 1] this gives 1 - alpha_t = (1 - eps) t and dalpha/(1 - alpha) = -1/t for
+    alpha_0 = 1: the MDLM NELBO weight is exactly 1/t.
+    """
+
+    def __init__(self, alpha_0: float = 1.0, eps: float = T_EPS):
+        self.alpha_0, self.eps = alpha_0, eps
+
+    def alpha(self, t: torch.Tensor) -> torch.Tensor:
+        return self.alpha_0 * (1 - (1 - self.eps) * t)
+
+    def dalpha(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, -self.alpha_0 * (1 - self.eps))
+
+    def sigma(self, t: torch.Tensor) -> torch.Tensor:
+        return -torch.log(self.alpha(t))

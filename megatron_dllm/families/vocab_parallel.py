@@ -1,0 +1,34 @@
+"""Loss primitives on logits sharded over the vocabulary across tensor-parallel ranks.
+
+Nothing here gathers the full logits: reductions over the vocabulary are tensor-parallel
+all-reduces inside megatron's `vocab_parallel_cross_entropy`.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+
+def local_vocab_range(logits: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the global vocabulary ids held by this rank's shard."""
+    size = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * size
+    return start, start + size
+
+
+def suppress(logits: torch.Tensor, mask_id: int, vocab_size: int) -> torch.Tensor:
+    """Never predict [MASK] or the TP padding ids (>= vocab_size): their logits become -inf.
+
+    In place on this rank's shard (no logits-sized copy); autograd gives them zero gradient.
+    """
+    start, end = local_vocab_range(logits)
+    for lo, hi in ((mask_id, mask_id + 1), (vocab_size, end)):
+        lo, hi = max(lo, start), min(hi, end)
+        if lo < hi:
+            logits[..., lo - start:hi - start] = float("-inf")
+    return logits
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log softmax(logits)[targets] per token, in fp32, over the sharded vocabulary."""
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
