@@ -8,7 +8,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a DiT language model (AR, MDLM, ...) with megatron-core.",
                                 allow_abbrev=False)
     g = p.add_argument_group("model")
-    g.add_argument("--family", default="mdlm", help="ar | mdlm")
+    g.add_argument("--family", default="mdlm", help="model family: ar | mdlm")
     g.add_argument("--loss", default=None, help="training objective; mdlm: low-var (default) | nelbo")
     g.add_argument("--preset", default=None,
                    help="model size: one of the paper's presets (14M ... 1708M, alias 1.7B) or cpu-tiny/"
@@ -85,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    from megatron_dllm.families import FAMILIES
+
+    if args.family not in FAMILIES:
+        raise SystemExit(f"error: --family {args.family!r} is not a known family; expected one of: "
+                         f"{', '.join(FAMILIES)}")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError("give --train-iters or --train-samples, not both")
     return args

@@ -1,4 +1,4 @@
-"""Loss primitives on logits sharded over the vocabulary across tensor-parallel ranks.
+"""Loss primitives on logits [s, b, V/tp] sharded over the vocabulary across tensor-parallel ranks.
 
 Nothing here gathers the full logits: reductions over the vocabulary are tensor-parallel
 all-reduces inside megatron's `vocab_parallel_cross_entropy`.
@@ -30,5 +30,9 @@ def suppress(logits: torch.Tensor, mask_id: int, vocab_size: int) -> torch.Tenso
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log softmax(logits)[targets] per token, in fp32, over the sharded vocabulary."""
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
+    """-log softmax(logits)[targets] per token, in fp32, over the sharded vocabulary.
+
+    logits: [s, b, V/tp] as the model returns them; targets [b, s]; result [b, s]. Megatron's
+    kernel works in place on `logits` (it holds exp(logits) afterwards): call it once per logits.
+    """
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets.t().contiguous()).t()

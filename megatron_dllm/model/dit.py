@@ -4,7 +4,7 @@ per-sequence sigma and an attention layout go in; vocab-parallel logits come out
     c      = SiLU(TimestepEmbedder(sigma))                        [b, 128], on every PP stage
     x      = VocabParallelEmbedding(ids)                          [s, b, h]  (first stage)
     x      = DiTLayer(x, c, rotary(position_ids))  x num_layers   (this stage's layers)
-    logits = Linear(mod(LN(x), adaLN_2(c)))                       [b, s, V/tp] (last stage)
+    logits = Linear(mod(LN(x), adaLN_2(c)))                       [s, b, V/tp] (last stage)
 
 The time embedder is replicated on every pipeline stage (each stage needs c) and kept in sync by
 megatron's conditional-embedder gradient all-reduce (`config.has_cond_embedder`).
@@ -16,6 +16,7 @@ import math
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -86,6 +87,8 @@ def rotary_freqs(position_ids: torch.Tensor, head_dim: int) -> torch.Tensor:
 class DiTModel(MegatronModule):
     """One pipeline chunk of the DiT (the whole model when there is no pipelining)."""
 
+    model_type = ModelType.encoder_or_decoder  # what megatron's schedules expect
+
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, mlp_config: TransformerConfig,
                  padded_vocab_size: int, max_sequence_length: int, pre_process: bool = True,
                  post_process: bool = True, vp_stage: int | None = None):
@@ -116,8 +119,9 @@ class DiTModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 sigma: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids: [b, s]; sigma: [b]. Returns logits [b, s, V/tp] on the last
-        stage (a view of megatron's [s, b, V/tp] layout: no copy), hidden states elsewhere."""
+        """input_ids, position_ids: [b, s]; sigma: [b]. Returns logits [s, b, V/tp] (megatron's
+        sequence-first layout, kept to avoid a logits-sized copy) on the last stage, hidden states
+        [s, b, h] elsewhere."""
         c = torch.nn.functional.silu(self.time_embedder(sigma))
         x = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
         rotary = rotary_freqs(position_ids, self.head_dim)
@@ -125,7 +129,7 @@ class DiTModel(MegatronModule):
             x = layer(x, c, rotary)
         if not self.post_process:
             return x
-        return self.final_layer(x, c).transpose(0, 1)
+        return self.final_layer(x, c)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Checkpoint keys use global layer numbers, so checkpoints reshard across PP layouts;

@@ -1,0 +1,46 @@
+"""Log lines on the last rank (which holds the losses, as in Megatron-LM) and TensorBoard."""
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+
+class Logger:
+    def __init__(self, tensorboard_dir: str | None):
+        self.active = dist.get_rank() == dist.get_world_size() - 1
+        self.writer = None
+        if self.active and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir)
+
+    def info(self, message: str) -> None:
+        if self.active:
+            print(message, flush=True)
+
+    def train(self, iteration, total, loss, lr, grad_norm, tokens_per_s, tflops, consumed) -> None:
+        if not self.active:
+            return
+        line = (f" iteration {iteration:7d}/{total} | consumed samples {consumed} | lr {lr:.3e} | "
+                f"loss {loss:.4f} | grad norm {grad_norm:.3f} | tokens/s {tokens_per_s:,.0f}")
+        if tflops is not None:
+            line += f" | TFLOP/s/GPU {tflops:.1f}"
+        print(line, flush=True)
+        if self.writer:
+            for name, value in (("loss", loss), ("lr", lr), ("grad-norm", grad_norm),
+                                ("tokens-per-second", tokens_per_s)):
+                self.writer.add_scalar(f"train/{name}", value, iteration)
+
+    def valid(self, iteration, nelbo) -> None:
+        if not self.active or nelbo is None:
+            return
+        ppl = math.exp(min(nelbo, 50.0))
+        print(f" validation at iteration {iteration} | nelbo {nelbo:.4f} | ppl {ppl:.3f}", flush=True)
+        if self.writer:
+            self.writer.add_scalar("valid/nelbo", nelbo, iteration)
+            self.writer.add_scalar("valid/ppl", ppl, iteration)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()

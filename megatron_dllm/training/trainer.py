@@ -1,0 +1,178 @@
+"""The training loop: megatron-core's schedules, DDP and optimizer around a family and the DiT.
+
+    data -> BatchSchedule (family.corrupt) -> DiTModel -> family.loss -> forward_backward_func
+         -> optimizer.step -> scheduler.step -> log / evaluate / save
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dllm import platform
+from megatron_dllm.families import get_family
+from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+from megatron_dllm.model.flops import train_flops_per_sequence
+from megatron_dllm.model.presets import get_preset
+from megatron_dllm.training import checkpointing
+from megatron_dllm.training.batches import BatchSchedule
+from megatron_dllm.training.config import resolve_run
+from megatron_dllm.training.logger import Logger
+from megatron_dllm.training.optim import build_optimizer, wrap_ddp
+
+
+class Trainer:
+    def __init__(self, args):
+        platform.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                  args.virtual_pipeline_model_parallel_size, seed=args.seed)
+        self.run = run = resolve_run(args)  # defaults, tokenizer, datasets, iterations
+        self.args, self.tokenizer = args, run.tokenizer
+        self.family = get_family(args.family, run.tokenizer.mask_id, run.tokenizer.vocab_size, args.loss)
+        preset = get_preset(args.preset)
+        if args.num_layers or args.hidden_size or args.num_attention_heads:
+            from megatron_dllm.model.presets import Preset
+
+            preset = Preset(args.hidden_size or preset.hidden_size, args.num_layers or preset.num_layers,
+                            args.num_attention_heads or preset.num_attention_heads)
+        self.arch = Architecture(preset, run.tokenizer.vocab_size, args.seq_length, self.family.attention,
+                                 args.make_vocab_size_divisible_by)
+        fp8 = args.fp8_format if platform.HAS_TE else None
+        self.config, mlp_config = transformer_config(
+            self.arch, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            vpp=args.virtual_pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
+            bf16=args.bf16, fp8=fp8, fp8_recipe=args.fp8_recipe,
+            fp8_amax_history_len=args.fp8_amax_history_len,
+            fp8_amax_compute_algo=args.fp8_amax_compute_algo, recompute=args.recompute_activations,
+        )
+        chunks = build_model(self.arch, self.config, mlp_config, args.seed,
+                             use_te=args.transformer_impl == "transformer_engine")
+        self.model = wrap_ddp(chunks, self.config, args)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.config, args, run.train_iters)
+
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        if args.global_batch_size % (args.micro_batch_size * dp_size):
+            raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp_size}")
+        self.train_batches = BatchSchedule(run.train_dataset, self.family, args.seed, args.micro_batch_size,
+                                           args.global_batch_size, dp_rank, dp_size)
+        # Validation draws fixed noise (its own seed stream) so evaluations are comparable.
+        self.valid_batches = BatchSchedule(run.valid_dataset, self.family, args.seed + 1,
+                                           args.micro_batch_size, args.global_batch_size, dp_rank, dp_size)
+        self.iteration, self.consumed_samples = 0, 0
+        if args.load:
+            common = checkpointing.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
+                                                   self.identity())
+            if common is not None:
+                self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
+        self.logger = Logger(args.tensorboard_dir)
+        self.flops_per_seq = train_flops_per_sequence(preset, run.tokenizer.vocab_size, args.seq_length)
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be loaded into this run."""
+        p = self.arch.preset
+        return {"family": self.family.name, "hidden_size": p.hidden_size, "num_layers": p.num_layers,
+                "num_attention_heads": p.num_attention_heads, "vocab_size": self.arch.vocab_size,
+                "mask_id": self.family.mask_id}
+
+    # ------------------------------------------------------------------ steps
+
+    def _forward_step(self, training: bool, data_iterator, model):
+        inp = next(data_iterator)
+        logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+        return logits, partial(self._loss_func, training, inp)
+
+    def _loss_func(self, training: bool, inp, logits):
+        per_token = self.family.loss(logits, inp) if training else self.family.nelbo(logits, inp)
+        total, count = per_token.sum(), inp.valid.sum()
+        return total, count.to(torch.int), {"loss": torch.stack([total.detach().double(), count.double()])}
+
+    def _run_schedule(self, batches: BatchSchedule, consumed: int, training: bool) -> float | None:
+        """Forward (and backward) over one global batch; returns the token-weighted mean loss on
+        the last pipeline stage (None elsewhere)."""
+        chunks = len(self.model)
+        iterators = [batches.iteration(consumed) for _ in range(chunks)]
+        losses = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, training),
+            data_iterator=iterators if chunks > 1 else iterators[0],
+            model=self.model if chunks > 1 else self.model[0],
+            num_microbatches=batches.num_microbatches, seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size, forward_only=not training,
+        )
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        summed = torch.stack([d["loss"] for d in losses]).sum(0)
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        return (summed[0] / summed[1]).item()
+
+    def train_step(self) -> tuple[float | None, float]:
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run_schedule(self.train_batches, self.consumed_samples, training=True)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Validation NELBO per token (exact NLL for AR) over --eval-iters global batches."""
+        for chunk in self.model:
+            chunk.eval()
+        total = []
+        for i in range(self.args.eval_iters):
+            loss = self._run_schedule(self.valid_batches, i * self.args.global_batch_size, training=False)
+            total.append(loss)
+        return None if total[0] is None else sum(total) / len(total)
+
+    # ------------------------------------------------------------------ loop
+
+    def train(self) -> dict:
+        args, run = self.args, self.run
+        self.logger.info(f"family {self.family.name} (loss {self.family.loss_type}) | preset {args.preset} | "
+                         f"vocab {self.arch.vocab_size} (padded {self.arch.padded_vocab_size(args.tensor_model_parallel_size)}) | "
+                         f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
+                         f"DP {parallel_state.get_data_parallel_world_size()} | device {platform.device()} | "
+                         f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens")
+        history, last = [], self.iteration
+        tick = time.perf_counter()
+        while self.iteration < run.train_iters:
+            loss, grad_norm = self.train_step()
+            history.append(loss)
+            if self.iteration % args.log_interval == 0 or self.iteration == run.train_iters:
+                platform.synchronize()
+                elapsed = time.perf_counter() - tick
+                steps = self.iteration - last
+                tokens_per_s = steps * args.global_batch_size * args.seq_length / elapsed
+                tflops = steps * args.global_batch_size * self.flops_per_seq / elapsed / 1e12 / dist.get_world_size()
+                self.logger.train(self.iteration, run.train_iters, loss, self.optimizer.param_groups[0]["lr"],
+                                  grad_norm, tokens_per_s, tflops if platform.HAS_CUDA else None,
+                                  self.consumed_samples)
+                last, tick = self.iteration, time.perf_counter()
+            if args.eval_interval and (self.iteration % args.eval_interval == 0 or self.iteration == run.train_iters):
+                self.logger.valid(self.iteration, self.evaluate())
+                tick = time.perf_counter()
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                self.save()
+                tick = time.perf_counter()
+        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+            self.save()
+        self.logger.close()
+        return {"losses": history}
+
+    def save(self) -> None:
+        path = checkpointing.save_checkpoint(
+            self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
+            {"consumed_samples": self.consumed_samples, "identity": self.identity()},
+        )
+        self.logger.info(f"saved checkpoint {path}")
