@@ -14,6 +14,7 @@ setup(
         "sentencepiece",
         "tensorboard",
         "pybind11",
+        "tokenizers",
         "psutil",
     ],
     extras_require={"test": ["pytest"]},

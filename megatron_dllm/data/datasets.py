@@ -1,0 +1,232 @@
+"""Train/valid token datasets on megatron-core's BlendedMegatronDatasetBuilder + GPTDataset.
+
+EOD/BOS convention: documents are stored back to back, each ended by the tokenizer's EOD
+(= EOS) id when preprocessed with `--append-eod`; no BOS is ever added. A sample is a window
+of the shuffled document stream and may cross document boundaries (no attention reset).
+
+A sample is `seq_length + 1` tokens when `add_extra_token=True` (AR: inputs/labels are the
+shifted halves) and exactly `seq_length` tokens when False (diffusion: no label shift).
+`ds[i]` is a 1-D int64 numpy array; no attention masks or position ids are built here.
+
+Index caches (`document/sample/shuffle_index.npy`) are megatron-core's, under `cache_path`
+(default: `<directory of the first prefix>/cache`). With torch.distributed initialised,
+megatron-core builds them on rank 0 first and the other ranks load them after a barrier, so
+`build_datasets` must then be called on every rank; without it, the caller just builds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_dllm.data.indexed_dataset import HEADER_SIZE, token_id_range, validate_indexed_dataset
+
+Blend = Tuple[List[str], Optional[List[float]]]
+
+
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blend:
+    """Megatron's `prefix` | `p1 p2 ...` | `w1 p1 w2 p2 ...` -> (prefixes, weights or None)."""
+    items = [str(x) for x in data_path]
+    if not items:
+        raise ValueError(f"{flag}: no dataset prefix given")
+    if len(items) % 2 == 0:
+        try:
+            weights = [float(w) for w in items[0::2]]
+        except ValueError:
+            weights = None
+        if weights is not None:
+            if any(w <= 0 for w in weights):
+                raise ValueError(f"{flag}: weights must be positive, got {weights}")
+            return items[1::2], weights
+    return items, None
+
+
+class MegatronTokenizerView:
+    """What GPTDatasetConfig/MegatronDataset read from a tokenizer.
+
+    `unique_identifiers` enters megatron's cache hash; it holds only what is stable across
+    machines (no absolute paths): the indices do not depend on the tokenizer file.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.vocab_size = tokenizer.vocab_size
+        self.eod = tokenizer.eod
+        self.eos = tokenizer.eod
+        self.pad = -1  # megatron's "no pad": never equal to a real token
+        self.unique_identifiers = OrderedDict(
+            [("class", getattr(tokenizer, "name", type(tokenizer).__name__)),
+             ("vocab_size", tokenizer.vocab_size), ("eod", tokenizer.eod)]
+        )
+
+
+class TokenGPTDataset(GPTDataset):
+    """GPTDataset returning raw token windows (no masks), and keyed on add_extra_token_to_sequence:
+    megatron-core 0.16.1 leaves it out of the cache hash, so an AR run and a diffusion run
+    sharing a cache directory would otherwise load each other's sample index."""
+
+    @staticmethod
+    def _key_config_attributes() -> List[str]:
+        return GPTDataset._key_config_attributes() + ["add_extra_token_to_sequence"]
+
+    def __getitem__(self, idx):
+        tokens, _ = self._query_document_sample_shuffle_indices(idx)
+        return {"tokens": tokens}
+
+
+class SingleProcessSafeBlendedDataset(BlendedDataset):
+    """megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() on a cache miss
+    even when torch.distributed is not initialised; a lone process is rank 0 for that call."""
+
+    def _build_indices(self):
+        if torch.distributed.is_initialized():
+            return super()._build_indices()
+        get_rank = torch.distributed.get_rank
+        torch.distributed.get_rank = lambda group=None: 0
+        try:
+            return super()._build_indices()
+        finally:
+            torch.distributed.get_rank = get_rank
+
+
+class DatasetBuilder(BlendedMegatronDatasetBuilder):
+    @staticmethod
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
+        if cls is BlendedDataset:
+            cls = SingleProcessSafeBlendedDataset
+        return BlendedMegatronDatasetBuilder.build_generic_dataset(
+            cls, is_built_on_rank, synchronize_ranks, *args)
+
+
+class TokenSamples:
+    """`len()` and `ds[i] -> np.ndarray[int64]` of length `sample_length` over a megatron
+    mid-level (TokenGPTDataset) or top-level (BlendedDataset) dataset."""
+
+    def __init__(self, dataset, sample_length: int) -> None:
+        self.megatron_dataset = dataset
+        self.sample_length = sample_length
+
+    def __len__(self) -> int:
+        return len(self.megatron_dataset)
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return np.asarray(self.megatron_dataset[int(idx)]["tokens"], dtype=np.int64)
+
+
+def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) -> int:
+    """Validate the files and the token range against the tokenizer; return the token count."""
+    if not (os.path.isfile(prefix + ".idx") or os.path.isfile(prefix + ".bin")):
+        raise ValueError(f"{flag}: no dataset at prefix {prefix!r} "
+                         f"(expected {prefix}.bin and {prefix}.idx)")
+    header = validate_indexed_dataset(prefix)
+    if header.num_tokens == 0:
+        raise ValueError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
+    lo, hi = token_id_range(prefix, cache_dir)
+    # An appended [MASK] id lies past the model's own vocabulary: data must never contain it.
+    limit = tokenizer.mask_id if getattr(tokenizer, "mask_appended", False) else tokenizer.vocab_size
+    if hi >= limit or lo < 0:
+        raise ValueError(
+            f"{flag}: {prefix}.bin holds token ids in [{lo}, {hi}] but the tokenizer "
+            f"({getattr(tokenizer, 'name', '?')}, vocab_size={tokenizer.vocab_size} incl. [MASK] id "
+            f"{tokenizer.mask_id}) accepts ids 0..{limit - 1}: was it preprocessed with another tokenizer?"
+        )
+    return header.num_tokens
+
+
+def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
+    """megatron-core loops forever on a split without tokens; say so instead."""
+    n = validate_indexed_dataset(prefix).sequence_count
+    lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
+    for name, bounds, size in zip(("train", "valid", "test"), split_matrix, sizes):
+        if bounds is None or size == 0:
+            continue
+        beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+        if end <= beg or not lengths[beg:end].any():
+            raise ValueError(f"{flag}: the {name} split {bounds} of {prefix} ({n} documents) is empty; "
+                             f"change --split or give --valid-data-path")
+
+
+def _check_all_prefixes(blends, tokenizer, cache_dir) -> None:
+    """Scan token ranges on rank 0 first (the scan reads whole .bin files and is cached), then
+    the other ranks, which find the cache."""
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    if distributed and rank != 0:
+        torch.distributed.barrier()
+    for flag, blend in blends:
+        for prefix in blend[0] if blend else []:
+            check_prefix(prefix, flag, tokenizer, cache_dir)
+    if distributed and rank == 0:
+        torch.distributed.barrier()
+
+
+def build_datasets(
+    data_path: Sequence[str],
+    split: Optional[str],
+    valid_data_path: Optional[Sequence[str]],
+    seq_length: int,
+    add_extra_token: bool,
+    seed: int,
+    num_train_samples: Optional[int],
+    num_valid_samples: Optional[int],
+    cache_path: Optional[str],
+    tokenizer,
+) -> Tuple[TokenSamples, Optional[TokenSamples]]:
+    """Build (train, valid).
+
+    `data_path` is in `--data-path` form. Without `valid_data_path`, `split` ('969,30,1')
+    carves train and valid out of it with Megatron's bounds (the test part is never built);
+    with it, train is all of `data_path` and valid all of `valid_data_path`. A sample count of
+    None means one full epoch; `num_valid_samples=0` gives valid None. Lengths are >= the
+    requested counts (megatron builds whole epochs for a single prefix).
+    """
+    train_blend = parse_data_path(data_path, "--data-path")
+    valid_blend = parse_data_path(valid_data_path, "--valid-data-path") if valid_data_path else None
+    if cache_path is None:
+        cache_path = os.path.join(os.path.dirname(os.path.abspath(train_blend[0][0])), "cache")
+    _check_all_prefixes((("--data-path", train_blend), ("--valid-data-path", valid_blend)),
+                        tokenizer, os.path.join(cache_path, "token_ranges"))
+    for name, blend, size in (("train", train_blend, num_train_samples),
+                              ("valid", valid_blend or train_blend, num_valid_samples)):
+        if blend[1] is not None and size is None:
+            raise ValueError(f"a weighted {name} blend needs a sample count (megatron cannot size it)")
+
+    sizes = [num_train_samples, num_valid_samples, 0]
+    common = dict(
+        random_seed=seed,
+        sequence_length=seq_length,
+        path_to_cache=cache_path,
+        tokenizer=MegatronTokenizerView(tokenizer),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        add_extra_token_to_sequence=add_extra_token,
+        drop_last_partial_validation_sequence=True,  # every sample full length, no padding
+        mmap_bin_files=True,
+    )
+    if valid_blend is None:
+        if not split:
+            raise ValueError("--split is required when --valid-data-path is not given")
+        config = GPTDatasetConfig(blend=train_blend, split=split, **common)
+        # Drop the test part (and an unused valid part) without moving Megatron's split bounds.
+        config.split_matrix = [config.split_matrix[0],
+                               config.split_matrix[1] if num_valid_samples != 0 else None, None]
+        for prefix in train_blend[0]:
+            _check_split_nonempty(prefix, config.split_matrix, sizes, "--data-path")
+    else:
+        config = GPTDatasetConfig(
+            blend_per_split=[train_blend, valid_blend if num_valid_samples != 0 else None, None],
+            **common,
+        )
+
+    train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
+    sample_length = seq_length + int(add_extra_token)
+    return (TokenSamples(train, sample_length),
+            TokenSamples(valid, sample_length) if valid is not None else None)

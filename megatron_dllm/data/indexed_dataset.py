@@ -1,0 +1,331 @@
+"""Megatron's `.bin/.idx` indexed dataset format: writer, validator, token-id scan.
+
+The layout is byte-for-byte that of `megatron.core.datasets.indexed_dataset` (all little endian):
+
+    .idx  magic b"MMIDIDX\\x00\\x00" (9) | version <Q = 1 | dtype code <B | sequence_count <Q |
+          document_count <Q (= documents + 1) | int32 lengths[S] | int64 byte pointers[S] |
+          int64 document_indices[D] | (optional int8 modes[S], multimodal only)
+    .bin  the token ids of all sequences, concatenated, no header
+
+We write one sequence per document (Megatron's preprocess without sentence splitting).
+Reading goes through megatron-core's own `IndexedDataset` (`open_indexed_dataset`), after
+`validate_indexed_dataset` has turned its bare asserts into messages that name the file.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Optional, Tuple
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + sequence_count 8 + document_count 8
+
+# Megatron's DType enum (codes are part of the file format).
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+
+_CHUNK = 1 << 22  # elements per chunk for scans and index writes (bounded memory)
+
+
+class DatasetFormatError(ValueError):
+    """A `.bin/.idx` pair that megatron-core would misread or crash on."""
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def optimal_dtype(vocab_size: int) -> type:
+    """Megatron's choice: uint16 when every id fits with margin, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class IndexedDatasetWriter:
+    """Streaming writer: tokens go straight to disk, only 4 bytes per document stay in memory.
+
+    Files are written under temporary names and renamed on `finalize()`, the `.idx` last, so
+    an interrupted run never leaves a pair that looks finished.
+
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            for ids in docs:
+                w.add_document(ids)
+        # finalized on clean exit, temporaries removed on exception
+    """
+
+    def __init__(self, prefix: str, dtype=np.int32) -> None:
+        self.prefix = prefix
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"dtype {self.dtype} has no Megatron .idx code")
+        if os.path.dirname(prefix):
+            os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        tag = f".tmp-{os.getpid()}"
+        self._tmp_bin = bin_path(prefix) + tag
+        self._tmp_idx = idx_path(prefix) + tag
+        self._bin = open(self._tmp_bin, "wb")
+        self._lengths = array.array("i")  # int32, as in the format
+        self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
+        self.num_tokens = 0
+        self.finalized = False
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._lengths)
+
+    def add_document(self, ids: Iterable[int]) -> None:
+        """Append one document as one sequence."""
+        arr = np.asarray(ids)
+        if arr.ndim != 1:
+            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+        if self._info is not None and arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < self._info.min or hi > self._info.max:
+                raise ValueError(
+                    f"{self.prefix}: token id range [{lo}, {hi}] does not fit dtype {self.dtype}"
+                )
+        if arr.size > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.prefix}: document of {arr.size} tokens exceeds int32 lengths")
+        self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
+        self._lengths.append(int(arr.size))
+        self.num_tokens += int(arr.size)
+
+    def finalize(self) -> None:
+        if self.finalized:
+            return
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        lengths = np.frombuffer(self._lengths, dtype=np.int32)
+        n = lengths.size
+        with open(self._tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
+            f.write(struct.pack("<Q", n))
+            f.write(struct.pack("<Q", n + 1))
+            f.write(lengths.tobytes(order="C"))
+            start = 0  # byte pointers = exclusive cumsum of lengths * itemsize, chunked
+            for i in range(0, n, _CHUNK):
+                chunk = lengths[i : i + _CHUNK].astype(np.int64) * self.dtype.itemsize
+                ptr = np.cumsum(chunk) - chunk + start
+                start = int(ptr[-1] + chunk[-1])
+                f.write(ptr.tobytes(order="C"))
+            for i in range(0, n + 1, _CHUNK):  # one sequence per document: 0, 1, ..., n
+                f.write(np.arange(i, min(i + _CHUNK, n + 1), dtype=np.int64).tobytes(order="C"))
+            f.flush()
+            os.fsync(f.fileno())
+        # An old .idx beside a new .bin would look valid until its sizes were checked.
+        if os.path.exists(idx_path(self.prefix)):
+            os.remove(idx_path(self.prefix))
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(self._tmp_idx, idx_path(self.prefix))
+        self.finalized = True
+
+    def abort(self) -> None:
+        """Drop the temporaries (e.g. after an error); the finished files are untouched."""
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(p):
+                os.remove(p)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        elif not self.finalized:
+            self.abort()
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    prefix: str
+    dtype: type
+    sequence_count: int
+    document_count: int  # len(document_indices) = documents + 1
+    num_tokens: int
+    multimodal: bool
+
+    @property
+    def num_documents(self) -> int:
+        return self.document_count - 1
+
+
+_VALIDATED = {}  # (prefix, idx size, idx mtime, bin size, bin mtime) -> IndexHeader
+
+
+def _fail(path: str, offset, message: str) -> DatasetFormatError:
+    where = f" at byte offset {offset}" if offset is not None else ""
+    return DatasetFormatError(f"{path}{where}: {message}")
+
+
+def validate_indexed_dataset(prefix: str) -> IndexHeader:
+    """Check that `prefix.idx/.bin` is a complete Megatron dataset; raise DatasetFormatError.
+
+    Every message names the file, the byte offset and what was expected. Cost is O(sequences)
+    on the index (memory-mapped, chunked); the `.bin` is only stat-ed.
+    """
+    ipath, bpath = idx_path(prefix), bin_path(prefix)
+    for p in (ipath, bpath):
+        if not os.path.isfile(p):
+            raise _fail(p, None, f"file not found (expected the {p[-4:]} half of the Megatron "
+                                  f"indexed dataset with prefix {prefix!r})")
+    ist, bst = os.stat(ipath), os.stat(bpath)
+    memo_key = (os.path.abspath(prefix), ist.st_size, ist.st_mtime_ns, bst.st_size, bst.st_mtime_ns)
+    if memo_key in _VALIDATED:  # build paths validate the same prefix several times
+        return _VALIDATED[memo_key]
+    isize, bsize = ist.st_size, bst.st_size
+    with open(ipath, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < HEADER_SIZE:
+        raise _fail(ipath, len(head), f".idx truncated: file is {isize} bytes, expected a "
+                                      f"{HEADER_SIZE}-byte header")
+    if head[:9] != MAGIC:
+        raise _fail(ipath, 0, f"bad magic {head[:9]!r}, expected {MAGIC!r} (not a Megatron .idx)")
+    (version,) = struct.unpack_from("<Q", head, 9)
+    if version != VERSION:
+        raise _fail(ipath, 9, f"bad version {version}, expected {VERSION}")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise _fail(ipath, 17, f"unknown dtype code {code}, expected one of "
+                               f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
+    dtype = DTYPE_CODES[code]
+    itemsize = np.dtype(dtype).itemsize
+    seq_count, doc_count = struct.unpack_from("<QQ", head, 18)
+    if doc_count < 1:
+        raise _fail(ipath, 26, "document_count is 0, expected documents + 1 >= 1")
+
+    off_lengths = HEADER_SIZE
+    off_pointers = off_lengths + 4 * seq_count
+    off_docs = off_pointers + 8 * seq_count
+    end = off_docs + 8 * doc_count
+    if isize < end:
+        raise _fail(ipath, isize, f".idx truncated: header promises {seq_count} sequences and "
+                                  f"{doc_count} document indices, i.e. {end} bytes, file has {isize}")
+    if isize not in (end, end + seq_count):
+        raise _fail(ipath, end, f"unexpected .idx size {isize}, expected {end} bytes "
+                                f"(or {end + seq_count} with sequence modes)")
+
+    mm = np.memmap(ipath, mode="r", dtype=np.uint8)
+    try:
+        lengths = np.frombuffer(mm, np.int32, seq_count, off_lengths)
+        pointers = np.frombuffer(mm, np.int64, seq_count, off_pointers)
+        docs = np.frombuffer(mm, np.int64, doc_count, off_docs)
+        if docs[0] != 0 or docs[-1] != seq_count:
+            raise _fail(ipath, off_docs, f"document_indices run from {docs[0]} to {docs[-1]}, "
+                                         f"expected 0 to sequence_count={seq_count}")
+        expected_ptr = 0  # pointers must tile the .bin contiguously (what every writer produces)
+        for i in range(0, seq_count, _CHUNK):
+            ln = lengths[i : i + _CHUNK]
+            if ln.size and ln.min() < 0:
+                j = i + int(np.argmax(ln < 0))
+                raise _fail(ipath, off_lengths + 4 * j, f"sequence {j} has negative length {lengths[j]}")
+            step = ln.astype(np.int64) * itemsize
+            want = np.cumsum(step) - step + expected_ptr
+            bad = np.nonzero(pointers[i : i + _CHUNK] != want)[0]
+            if bad.size:
+                j = i + int(bad[0])
+                raise _fail(ipath, off_pointers + 8 * j, f"sequence {j} points to byte {pointers[j]} "
+                                                         f"of the .bin, expected {want[bad[0]]}")
+            expected_ptr = int(want[-1] + step[-1])
+        if np.any(np.diff(docs) < 0):
+            j = int(np.argmax(np.diff(docs) < 0)) + 1
+            raise _fail(ipath, off_docs + 8 * j, "document_indices decrease, expected non-decreasing")
+    finally:
+        del mm
+    if bsize != expected_ptr:
+        short = bsize < expected_ptr
+        raise _fail(bpath, bsize if short else expected_ptr,
+                    f".bin is {bsize} bytes but {ipath} describes {expected_ptr} bytes "
+                    f"({expected_ptr // itemsize} tokens of {np.dtype(dtype).name})"
+                    + (" — truncated" if short else " — the .idx and .bin do not belong together"))
+    header = IndexHeader(prefix, dtype, int(seq_count), int(doc_count), expected_ptr // itemsize,
+                         isize != end)
+    _VALIDATED[memo_key] = header
+    return header
+
+
+def open_indexed_dataset(prefix: str, mmap: bool = True):
+    """Validate, then open with megatron-core's reader (imported lazily: it is slow to import)."""
+    header = validate_indexed_dataset(prefix)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    # numpy cannot mmap an empty .bin; the file reader handles it (there is nothing to read)
+    return IndexedDataset(prefix, multimodal=header.multimodal, mmap=mmap and header.num_tokens > 0)
+
+
+# --------------------------------------------------------------------------- token-id scan
+
+
+def token_id_range(prefix: str, cache_dir: Optional[str] = None) -> Tuple[int, int]:
+    """(min, max) token id of the `.bin`, or (0, -1) when empty; chunked, bounded memory.
+
+    The result is cached as a small JSON in `cache_dir` (if given), keyed by the `.bin`'s
+    absolute path, size and mtime, so a re-written file is re-scanned.
+    """
+    header = validate_indexed_dataset(prefix)
+    bpath = os.path.abspath(bin_path(prefix))
+    st = os.stat(bpath)
+    key = {"bin": bpath, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    cache_file = None
+    if cache_dir:
+        digest = hashlib.md5(bpath.encode("utf-8")).hexdigest()[:16]
+        cache_file = os.path.join(cache_dir, f"{os.path.basename(prefix)}-{digest}.token_range.json")
+        try:
+            with open(cache_file) as f:
+                cached = json.load(f)
+            if all(cached.get(k) == v for k, v in key.items()):
+                return int(cached["min"]), int(cached["max"])
+        except (OSError, ValueError, KeyError):
+            pass
+    lo, hi = 0, -1
+    if header.num_tokens:
+        data = np.memmap(bpath, mode="r", dtype=header.dtype, shape=(header.num_tokens,))
+        lo, hi = None, None
+        for i in range(0, header.num_tokens, _CHUNK):
+            chunk = data[i : i + _CHUNK]
+            cmin, cmax = int(chunk.min()), int(chunk.max())
+            lo = cmin if lo is None else min(lo, cmin)
+            hi = cmax if hi is None else max(hi, cmax)
+        del data
+    if cache_file:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{cache_file}.tmp-{os.getpid()}"  # concurrent ranks: each renames its own copy
+        with open(tmp, "w") as f:
+            json.dump({**key, "min": lo, "max": hi}, f)
+        os.replace(tmp, cache_file)
+    return lo, hi
+
+
+def max_token_id(prefix: str, cache_dir: Optional[str] = None) -> int:
+    """Largest token id in `prefix.bin` (-1 if empty). See `token_id_range`."""
+    return token_id_range(prefix, cache_dir)[1]

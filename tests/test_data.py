@@ -1,0 +1,393 @@
+"""Data layer: .bin/.idx format, validation, tokenizers, preprocessing, demo corpus, datasets."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dllm.data.datasets import build_datasets, parse_data_path
+from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
+from megatron_dllm.data.indexed_dataset import (
+    DatasetFormatError,
+    IndexedDatasetWriter,
+    max_token_id,
+    open_indexed_dataset,
+    optimal_dtype,
+    validate_indexed_dataset,
+)
+from megatron_dllm.data.preprocess import preprocess
+from megatron_dllm.data.tokenizers import build_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    return prepare_demo_corpus(str(tmp_path_factory.mktemp("demo")))
+
+
+@pytest.fixture(scope="session")
+def sp_tok(demo):
+    return build_tokenizer(demo["tokenizer_type"], demo["tokenizer_model"])
+
+
+@pytest.fixture(scope="session")
+def plays():
+    files = shakespeare_files()
+    return {os.path.basename(f): open(f, encoding="utf-8").read() for f in files[:3]}
+
+
+@pytest.fixture(scope="session")
+def paragraphs(plays):
+    text = next(iter(plays.values()))
+    return [p.strip() for p in text.split("\n\n") if p.strip()][:200]
+
+
+def _random_docs(n=50, vocab=3000, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=rng.integers(1, 200)).tolist() for _ in range(n)]
+
+
+def _write_ours(prefix, docs, dtype):
+    with IndexedDatasetWriter(prefix, dtype) as w:
+        for d in docs:
+            w.add_document(d)
+
+
+def _write_megatron(prefix, docs, dtype):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in docs:
+        b.add_document(torch.tensor(d), [len(d)])
+    b.finalize(prefix + ".idx")
+
+
+# ---------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_writer_matches_megatron_byte_for_byte(tmp_path, dtype):
+    docs = _random_docs()
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    _write_ours(ours, docs, dtype)
+    _write_megatron(theirs, docs, dtype)
+    for ext in (".idx", ".bin"):
+        assert open(ours + ext, "rb").read() == open(theirs + ext, "rb").read()
+    ds = open_indexed_dataset(ours)  # megatron-core's reader
+    assert len(ds) == len(docs)
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], np.array(d, dtype=dtype))
+    header = validate_indexed_dataset(theirs)
+    assert header.num_documents == len(docs) and header.num_tokens == sum(map(len, docs))
+
+
+def test_optimal_dtype():
+    assert optimal_dtype(32001) is np.uint16 and optimal_dtype(65499) is np.uint16
+    assert optimal_dtype(65500) is np.int32 and optimal_dtype(128256) is np.int32
+
+
+def test_writer_is_atomic_and_checks_range(tmp_path):
+    prefix = str(tmp_path / "d")
+    w = IndexedDatasetWriter(prefix, np.uint16)
+    w.add_document([1, 2, 3])
+    assert not os.path.exists(prefix + ".bin") and not os.path.exists(prefix + ".idx")
+    with pytest.raises(ValueError, match="does not fit"):
+        w.add_document([70000])
+    w.abort()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            w.add_document([1])
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path) == []
+
+
+def _corrupt(prefix, ext, offset=None, data=None, truncate=None):
+    path = prefix + ext
+    raw = bytearray(open(path, "rb").read())
+    if data is not None:
+        raw[offset : offset + len(data)] = data
+    if truncate is not None:
+        raw = raw[:truncate]
+    open(path, "wb").write(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, ext, kwargs, expected",
+    [
+        ("bad_magic", ".idx", dict(offset=0, data=b"XXXXXXX"), "bad magic"),
+        ("bad_version", ".idx", dict(offset=9, data=struct.pack("<Q", 2)), "bad version 2"),
+        ("bad_dtype", ".idx", dict(offset=17, data=bytes([9])), "unknown dtype code 9"),
+        ("short_header", ".idx", dict(truncate=20), "truncated"),
+        ("short_idx", ".idx", dict(truncate=100), "truncated"),
+        ("short_bin", ".bin", dict(truncate=50), "truncated"),
+        ("long_bin", ".bin", dict(offset=10**6, data=b"\0\0"), "do not belong together"),
+    ],
+)
+def test_malformed_files_raise_naming_file(tmp_path, case, ext, kwargs, expected):
+    prefix = str(tmp_path / case)
+    _write_ours(prefix, _random_docs(10), np.uint16)
+    path = _corrupt(prefix, ext, **kwargs)
+    with pytest.raises(DatasetFormatError, match=expected) as err:
+        validate_indexed_dataset(prefix)
+    assert path in str(err.value) and "byte offset" in str(err.value)
+
+
+def test_missing_file_raises(tmp_path):
+    prefix = str(tmp_path / "d")
+    _write_ours(prefix, _random_docs(3), np.uint16)
+    os.remove(prefix + ".bin")
+    with pytest.raises(DatasetFormatError, match="d.bin: file not found"):
+        validate_indexed_dataset(prefix)
+
+
+def test_max_token_id_is_cached_by_size_and_mtime(tmp_path):
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    _write_ours(prefix, [[5, 9, 1], [7]], np.uint16)
+    assert max_token_id(prefix, cache) == 9
+    (sidecar,) = os.listdir(cache)
+    assert json.load(open(os.path.join(cache, sidecar)))["max"] == 9
+    _write_ours(prefix, [[5, 900, 1]], np.uint16)  # rewritten: size changes, cache is stale
+    assert max_token_id(prefix, cache) == 900
+    assert max_token_id(prefix) == 900
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def test_sentencepiece_appends_mask(sp_tok):
+    assert (sp_tok.vocab_size, sp_tok.mask_id, sp_tok.eod, sp_tok.bos) == (4097, 4096, 2, 1)
+    ids = sp_tok.tokenize("Shall I compare thee to a summer's day?\nThou art")
+    assert sp_tok.bos not in ids and sp_tok.eod not in ids
+    assert sp_tok.detokenize(ids[:3] + [sp_tok.mask_id] + ids[3:]) == (
+        "Shall I compare thee to a summer's day?\nThou art")
+
+
+def test_sentencepiece_existing_mask(tmp_path, paragraphs):
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(paragraphs), model_prefix=str(tmp_path / "m"), vocab_size=300,
+        user_defined_symbols=["<mask>"], model_type="bpe", num_threads=1, minloglevel=2)
+    tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "m.model"))
+    assert tok.vocab_size == 300 and tok.mask_id == 3 and not tok.mask_appended
+
+
+def _hf_tokenizer_json(path, lines, specials):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    tok.save(path)
+
+
+def test_huggingface_tokenizer(tmp_path, paragraphs):
+    _hf_tokenizer_json(str(tmp_path / "tokenizer.json"), paragraphs, ["<unk>", "<s>", "</s>"])
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))  # directory form
+    n = tok.vocab_size - 1
+    assert tok.mask_id == n and tok.mask_appended and tok.eod == 2 and tok.bos == 1
+    text = "Now is the winter of our discontent\nMade glorious summer"
+    assert tok.detokenize(tok.tokenize(text) + [tok.mask_id]) == text
+    os.makedirs(tmp_path / "m")
+    _hf_tokenizer_json(str(tmp_path / "m" / "tokenizer.json"), paragraphs, ["<unk>", "</s>", "[MASK]"])
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.mask_id == 2 and not tok.mask_appended and tok.eod == 1 and tok.bos is None
+
+
+def test_tokenizer_errors_name_flags(tmp_path):
+    with pytest.raises(ValueError, match="--tokenizer-type 'GPT3'"):
+        build_tokenizer("GPT3", "x")
+    with pytest.raises(ValueError, match="--tokenizer-model .*missing.model.*file not found"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="--tokenizer-model .*junk.model.*not a loadable"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path / "junk.model"))
+    with pytest.raises(ValueError, match="--tokenizer-model .*tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+
+
+# ---------------------------------------------------------------- preprocessing
+
+
+@pytest.fixture()
+def jsonl_corpus(tmp_path, paragraphs):
+    path = tmp_path / "corpus.jsonl"
+    lines = [json.dumps({"text": p, "id": i}) for i, p in enumerate(paragraphs[:60])]
+    lines[5] = '{"text": "truncated'  # invalid JSON          -> line 6
+    lines[10] = json.dumps({"body": "no text key"})  # missing key -> line 11
+    lines[20] = json.dumps({"text": "   "})  # empty text                -> line 21
+    lines[30] = json.dumps({"text": 42})  # not text                      -> line 31
+    lines[40] = json.dumps({"text": ["O Romeo, ", "Romeo!"]})  # list of strings is fine
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_preprocess_counts_and_names_rejections(tmp_path, jsonl_corpus, demo, sp_tok):
+    messages = []
+    stats = preprocess([jsonl_corpus], str(tmp_path / "out"), demo["tokenizer_type"],
+                       demo["tokenizer_model"], append_eod=True, log=messages.append)
+    key = stats.keys["text"]
+    assert stats.read == 60 == key.written + sum(key.rejected.values())
+    assert dict(key.rejected) == {"invalid_json": 1, "missing_key": 1, "empty_text": 1, "not_text": 1}
+    assert {(line, reason) for _, line, _, reason in stats.rejections} == {
+        (6, "invalid_json"), (11, "missing_key"), (21, "empty_text"), (31, "not_text")}
+    assert any(f"{jsonl_corpus}:6" in m for m in messages)
+    assert "corpus.jsonl\t21\ttext\tempty_text" in open(stats.rejections_file).read()
+    assert "rejected: 4" in stats.summary() and f"tokens written: {key.tokens}" in stats.summary()
+    ds = open_indexed_dataset(stats.output_prefixes["text"])
+    assert len(ds) == key.written and sum(len(ds[i]) for i in range(len(ds))) == key.tokens
+    assert all(ds[i][-1] == sp_tok.eod for i in range(len(ds)))
+    assert ds.index.dtype == np.uint16
+
+
+def test_preprocess_cli_workers_and_plain_text(tmp_path, jsonl_corpus, demo, paragraphs):
+    txt = tmp_path / "plays.txt"
+    txt.write_text("\n\n".join(paragraphs[:30]) + "\n\n  \n\n" + paragraphs[30] + "\n", encoding="utf-8")
+    outputs = {}
+    for workers in (1, 2):
+        out = str(tmp_path / f"w{workers}")
+        run = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
+             jsonl_corpus, str(tmp_path / "*.txt"), "--output-prefix", out,
+             "--tokenizer-type", demo["tokenizer_type"], "--tokenizer-model", demo["tokenizer_model"],
+             "--append-eod", "--workers", str(workers)],
+            capture_output=True, text=True, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": ""})
+        assert run.returncode == 0, run.stderr
+        assert "documents read: 91" in run.stdout and "written: 87, rejected: 4" in run.stdout
+        outputs[workers] = open(out + "_text_document.bin", "rb").read()
+    assert outputs[1] == outputs[2]
+
+
+# ---------------------------------------------------------------- demo corpus
+
+
+def test_demo_corpus(demo, sp_tok):
+    train, valid = open_indexed_dataset(demo["data_prefix"]), open_indexed_dataset(demo["valid_prefix"])
+    assert len(train) >= 40 and len(valid) >= 1
+    assert max_token_id(demo["data_prefix"]) < sp_tok.mask_id
+    assert sp_tok.detokenize(valid[0][:200]).strip()
+    assert prepare_demo_corpus(os.path.dirname(demo["data_prefix"])) == demo  # cached
+
+
+def _prepare_in_subprocess(cache_dir):
+    code = (f"import json; from megatron_dllm.data.demo import prepare_demo_corpus; "
+            f"print(json.dumps(prepare_demo_corpus({cache_dir!r})))")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def test_demo_concurrent_and_interrupted(tmp_path):
+    cache = str(tmp_path / "demo")
+    procs = [_prepare_in_subprocess(cache) for _ in range(2)]
+    results = [p.communicate() for p in procs]
+    assert all(p.returncode == 0 for p in procs), results
+    assert json.loads(results[0][0]) == json.loads(results[1][0])
+    assert sum("prepared in" in err for _, err in results) == 1  # prepared once
+    model = open(os.path.join(cache, "shakespeare_bpe4096.model"), "rb").read()
+    os.remove(os.path.join(cache, "COMPLETE"))  # as if interrupted before the marker
+    prepare_demo_corpus(cache)
+    assert open(os.path.join(cache, "shakespeare_bpe4096.model"), "rb").read() == model  # deterministic
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_parse_data_path():
+    assert parse_data_path(["a"]) == (["a"], None)
+    assert parse_data_path(["a", "b"]) == (["a", "b"], None)
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+
+
+@pytest.mark.parametrize("add_extra_token", [True, False])
+def test_datasets_lengths_and_determinism(tmp_path, demo, sp_tok, add_extra_token):
+    args = dict(data_path=[demo["data_prefix"]], split="969,30,1", valid_data_path=[demo["valid_prefix"]],
+                seq_length=64, add_extra_token=add_extra_token, num_train_samples=500,
+                num_valid_samples=20, tokenizer=sp_tok)
+    train, valid = build_datasets(seed=7, cache_path=str(tmp_path / "c1"), **args)
+    again, _ = build_datasets(seed=7, cache_path=str(tmp_path / "c2"), **args)
+    other, _ = build_datasets(seed=8, cache_path=str(tmp_path / "c1"), **args)
+    n = 64 + int(add_extra_token)
+    assert len(train) >= 500 and len(valid) >= 20
+    for i in (0, 1, 499):
+        s = train[i]
+        assert s.dtype == np.int64 and s.shape == (n,) and s.max() < sp_tok.mask_id
+        np.testing.assert_array_equal(s, again[i])
+    assert valid[0].shape == (n,)
+    assert any(not np.array_equal(train[i], other[i]) for i in range(5))
+
+
+def test_datasets_split_blend_and_shared_cache(tmp_path, demo, sp_tok):
+    cache = str(tmp_path / "cache")
+    common = dict(data_path=["0.7", demo["data_prefix"], "0.3", demo["data_prefix"]],
+                  split="90,10,0", valid_data_path=None, seq_length=32, seed=1,
+                  num_train_samples=300, num_valid_samples=30, cache_path=cache, tokenizer=sp_tok)
+    ar_train, ar_valid = build_datasets(add_extra_token=True, **common)
+    dl_train, dl_valid = build_datasets(add_extra_token=False, **common)  # same cache dir
+    assert len(ar_train) == 300 and len(ar_valid) == 30
+    assert ar_train[10].shape == (33,) and dl_train[10].shape == (32,) and dl_valid[0].shape == (32,)
+    # The AR sample index is not reused for diffusion (megatron leaves the flag out of the hash):
+    # 2 prefixes x 2 modes of train sample indices.
+    assert len([f for f in os.listdir(cache) if f.endswith("-train-sample_index.npy")]) == 4
+
+
+def test_megatron_built_dataset_trains(tmp_path, sp_tok):
+    prefix = str(tmp_path / "mcore")
+    _write_megatron(prefix, _random_docs(40, vocab=sp_tok.vocab_size - 1), np.uint16)
+    train, valid = build_datasets([prefix], "80,20", None, 16, False, 3, 50, 5, str(tmp_path / "c"), sp_tok)
+    assert train[0].shape == (16,) and valid[0].shape == (16,)
+    assert build_datasets([prefix], "969,30,1", None, 16, True, 3, 50, 0, str(tmp_path / "c"), sp_tok)[1] is None
+
+
+def test_datasets_reject_bad_prefixes(tmp_path, demo, sp_tok):
+    args = dict(split="969,30,1", valid_data_path=None, seq_length=16, add_extra_token=False, seed=1,
+                num_train_samples=10, num_valid_samples=0, cache_path=str(tmp_path / "c"), tokenizer=sp_tok)
+    with pytest.raises(ValueError, match="--data-path: no dataset at prefix .*nowhere"):
+        build_datasets(data_path=[str(tmp_path / "nowhere")], **args)
+    big = str(tmp_path / "big")
+    _write_ours(big, [[1, 2, 3], [4, sp_tok.vocab_size + 5]], np.uint16)
+    with pytest.raises(ValueError, match=rf"big.bin holds token ids in \[1, {sp_tok.vocab_size + 5}\].*vocab_size=4097"):
+        build_datasets(data_path=[big], **args)
+    masked = str(tmp_path / "masked")  # the appended [MASK] id never belongs in data
+    _write_ours(masked, [[1, 2, sp_tok.mask_id]], np.uint16)
+    with pytest.raises(ValueError, match="masked.bin"):
+        build_datasets(data_path=[masked], **args)
+    bad = str(tmp_path / "bad")
+    _write_ours(bad, [[1, 2, 3]], np.uint16)
+    _corrupt(bad, ".idx", offset=0, data=b"NOTMEGA")
+    with pytest.raises(DatasetFormatError, match="bad.idx"):
+        build_datasets(data_path=[demo["data_prefix"]], **{**args, "valid_data_path": [bad], "split": None,
+                                                          "num_valid_samples": 4})
+
+
+# ---------------------------------------------------------------- torch.distributed (gloo)
+
+
+def _dist_worker(rank, world, init_file, demo, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    tok = build_tokenizer(demo["tokenizer_type"], demo["tokenizer_model"])
+    train, valid = build_datasets([demo["data_prefix"]], None, [demo["valid_prefix"]], 32, False, 5,
+                                  200, 10, os.path.join(out_dir, "cache"), tok)
+    np.save(os.path.join(out_dir, f"rank{rank}.npy"), np.stack([train[i] for i in range(8)] + [valid[0]]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_datasets_under_torch_distributed(tmp_path, demo):
+    # fork: the children inherit the imported megatron-core (spawn would re-import it, ~5 s each)
+    torch.multiprocessing.start_processes(_dist_worker, args=(2, str(tmp_path / "init"), demo, str(tmp_path)),
+                                          nprocs=2, start_method="fork")
+    np.testing.assert_array_equal(np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy"))
