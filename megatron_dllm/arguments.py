@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per logged iteration and per validation (last rank)")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)

@@ -68,6 +68,10 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         # overwrites the values with layout-independent ones.
         perform_initialization=True,
         calculate_per_token_loss=True, variable_seq_lengths=False,
+        # As Megatron-LM for the interleaved schedule: unbatched, overlapped p2p. Batched p2p posts
+        # forward and backward messages to the same peer in an order that pairs them wrongly
+        # when PP=2 (both neighbours are one rank).
+        overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
         fp8=fp8, fp8_recipe=fp8_recipe, fp8_amax_history_len=fp8_amax_history_len,
         fp8_amax_compute_algo=fp8_amax_compute_algo,
         recompute_granularity="full" if recompute else None,

@@ -98,6 +98,8 @@ class DiTModel(MegatronModule):
         self.padded_vocab_size = padded_vocab_size
         self.head_dim = config.kv_channels
         self.time_embedder = TimestepEmbedder(config)
+        for p in self.time_embedder.parameters():
+            p.shared = not pre_process  # count the replicas once in the grad norm (first chunk)
         if pre_process:
             self.embedding = LanguageModelEmbedding(
                 config, vocab_size=padded_vocab_size, max_sequence_length=max_sequence_length,

@@ -27,10 +27,11 @@ def _full_shape(param: torch.Tensor, tp: int) -> list[int]:
     return shape
 
 
-def _init_full(name: str, shape: list[int], fan_in: int | None, gen: torch.Generator) -> torch.Tensor:
+def _init_full(name: str, shape: list[int], fan_in: int | None, gen: torch.Generator,
+               adaln_zero: bool) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if "adaLN_modulation" in name or "output_layer" in name:
+    if adaln_zero and ("adaLN_modulation" in name or "output_layer" in name):
         return torch.zeros(shape)
     if "word_embeddings" in name:
         fan_in = shape[1]
@@ -39,7 +40,9 @@ def _init_full(name: str, shape: list[int], fan_in: int | None, gen: torch.Gener
 
 
 @torch.no_grad()
-def initialize_weights(model: torch.nn.Module, seed: int) -> None:
+def initialize_weights(model: torch.nn.Module, seed: int, adaln_zero: bool = True) -> None:
+    """Initialise in place. `adaln_zero=False` draws the adaLN and output layers like any linear
+    (tests use it: with zero gates every block is the identity and gradients stop at the head)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     params = dict(model.named_parameters())
@@ -49,7 +52,7 @@ def initialize_weights(model: torch.nn.Module, seed: int) -> None:
         weight = params.get(name.rsplit(".", 1)[0] + ".weight", param)
         fan_in = _full_shape(weight, tp)[1] if weight.dim() == 2 else None
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(gname.encode())) % 2**63)
-        full = _init_full(gname, shape, fan_in, gen)
+        full = _init_full(gname, shape, fan_in, gen, adaln_zero)
         if getattr(param, "tensor_model_parallel", False):
             full = full.chunk(tp, dim=param.partition_dim)[tp_rank]
         param.copy_(full.to(param.dtype))

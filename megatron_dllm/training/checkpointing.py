@@ -26,7 +26,10 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     for i, chunk in enumerate(model):
         state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading)
+        # fully_reshardable: the distributed optimizer's state in canonical per-parameter form, so
+        # checkpoints reshard across TP/PP/DP (megatron's default format cannot be saved in 0.16).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     return state
 
 

@@ -1,19 +1,27 @@
 """Log lines on the last rank (which holds the losses, as in Megatron-LM) and TensorBoard."""
 from __future__ import annotations
 
+import json
 import math
 
 import torch.distributed as dist
 
 
 class Logger:
-    def __init__(self, tensorboard_dir: str | None):
+    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None):
         self.active = dist.get_rank() == dist.get_world_size() - 1
-        self.writer = None
+        self.writer = self.metrics = None
         if self.active and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
+        if self.active and metrics_file:
+            self.metrics = open(metrics_file, "a")
+
+    def _record(self, **values) -> None:
+        if self.metrics:
+            self.metrics.write(json.dumps(values) + "\n")
+            self.metrics.flush()
 
     def info(self, message: str) -> None:
         if self.active:
@@ -27,6 +35,8 @@ class Logger:
         if tflops is not None:
             line += f" | TFLOP/s/GPU {tflops:.1f}"
         print(line, flush=True)
+        self._record(iteration=iteration, loss=loss, lr=lr, grad_norm=grad_norm,
+                     tokens_per_s=tokens_per_s, consumed_samples=consumed)
         if self.writer:
             for name, value in (("loss", loss), ("lr", lr), ("grad-norm", grad_norm),
                                 ("tokens-per-second", tokens_per_s)):
@@ -37,6 +47,7 @@ class Logger:
             return
         ppl = math.exp(min(nelbo, 50.0))
         print(f" validation at iteration {iteration} | nelbo {nelbo:.4f} | ppl {ppl:.3f}", flush=True)
+        self._record(iteration=iteration, valid_nelbo=nelbo, valid_ppl=ppl)
         if self.writer:
             self.writer.add_scalar("valid/nelbo", nelbo, iteration)
             self.writer.add_scalar("valid/ppl", ppl, iteration)
@@ -44,3 +55,5 @@ class Logger:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.metrics:
+            self.metrics.close()

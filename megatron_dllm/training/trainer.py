@@ -71,7 +71,7 @@ class Trainer:
                                                    self.identity())
             if common is not None:
                 self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
-        self.logger = Logger(args.tensorboard_dir)
+        self.logger = Logger(args.tensorboard_dir, args.metrics_file)
         self.flops_per_seq = train_flops_per_sequence(preset, run.tokenizer.vocab_size, args.seq_length)
 
     def identity(self) -> dict:
@@ -137,18 +137,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def train(self) -> dict:
+    def train(self) -> None:
         args, run = self.args, self.run
         self.logger.info(f"family {self.family.name} (loss {self.family.loss_type}) | preset {args.preset} | "
                          f"vocab {self.arch.vocab_size} (padded {self.arch.padded_vocab_size(args.tensor_model_parallel_size)}) | "
                          f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
                          f"DP {parallel_state.get_data_parallel_world_size()} | device {platform.device()} | "
                          f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens")
-        history, last = [], self.iteration
+        last = self.iteration
         tick = time.perf_counter()
         while self.iteration < run.train_iters:
             loss, grad_norm = self.train_step()
-            history.append(loss)
             if self.iteration % args.log_interval == 0 or self.iteration == run.train_iters:
                 platform.synchronize()
                 elapsed = time.perf_counter() - tick
@@ -168,7 +167,6 @@ class Trainer:
         if args.save and (not args.save_interval or self.iteration % args.save_interval):
             self.save()
         self.logger.close()
-        return {"losses": history}
 
     def save(self) -> None:
         path = checkpointing.save_checkpoint(

@@ -1,0 +1,56 @@
+"""Shared fixtures: the demo corpus prepared once per session, and a torchrun launcher."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> str:
+    from megatron_dllm.data.demo import prepare_demo_corpus
+
+    path = str(tmp_path_factory.mktemp("demo"))
+    prepare_demo_corpus(path)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
+    """Run pretrain_dllm.py under torchrun; returns (completed process, metrics JSON lines)."""
+    metrics = os.path.join(str(workdir), f"metrics-{len(os.listdir(str(workdir)))}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={_free_port()}", os.path.join(REPO, "pretrain_dllm.py"),
+           *args, "--metrics-file", metrics]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain_dllm.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    records = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            records = [json.loads(line) for line in f]
+    return proc, records
+
+
+@pytest.fixture
+def pretrain(demo_cache, tmp_path):
+    """pretrain(nproc, *flags) on the demo corpus in a temporary directory."""
+
+    def _run(nproc: int, *flags: str, check: bool = True):
+        base = ["--demo-cache-dir", demo_cache, "--tensorboard-dir", str(tmp_path / "tb")]
+        return run_pretrain(nproc, base + list(flags), tmp_path, check=check)
+
+    return _run
