@@ -159,5 +159,5 @@ class DiTModel(MegatronModule):
 def _replicated_sharded(module: torch.nn.Module, prefix: str, sharded_offsets: tuple):
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    return make_sharded_tensors_for_checkpoint(module.state_dict(prefix=prefix, keep_vars=True),
-                                               prefix, sharded_offsets=sharded_offsets)
+    return make_sharded_tensors_for_checkpoint(module.state_dict(keep_vars=True), prefix,
+                                               sharded_offsets=sharded_offsets)

@@ -21,15 +21,45 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _model_key(model, i: int) -> str:
+    return "model" if len(model) == 1 else f"model{i}"
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """torch's AdamW creates its state lazily at the first step, but megatron's loader needs the
+    state's structure (including `step`) to load into; the loaded values replace these."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(opt.optimizer, opt.config)
+        for param_state in opt.optimizer.state.values():
+            param_state.setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_step(optimizer, loaded: dict) -> None:
+    """megatron-core 0.16's distributed optimizer keeps torch AdamW's `step` in its param groups
+    but then overwrites the per-parameter `step` with the loading template's; put it back."""
+    groups = loaded.get("optimizer", {}).get("param_groups", [])
+    steps = {g["step"] for g in groups if "step" in g}
+    if len(steps) != 1:
+        return
+    step = float(steps.pop())
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param_state in opt.optimizer.state.values():
+            param_state["step"] = torch.tensor(step)
+
+
 def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     state = {}
-    for i, chunk in enumerate(model):
-        state["model" if len(model) == 1 else f"model{i}"] = chunk.sharded_state_dict()
+    for i, chunk in enumerate(model):  # chunks are DDP-wrapped: checkpoint the module itself
+        state[_model_key(model, i)] = chunk.module.sharded_state_dict()
     if optimizer is not None:
-        # fully_reshardable: the distributed optimizer's state in canonical per-parameter form, so
-        # checkpoints reshard across TP/PP/DP (megatron's default format cannot be saved in 0.16).
+        if is_loading:
+            _materialize_optimizer_state(optimizer)
+        # dp_reshardable, Megatron-LM's default for the distributed optimizer (megatron-core's
+        # own default cannot be saved in 0.16, and fully_reshardable cannot be loaded into torch's
+        # AdamW). Model weights reshard freely; this optimizer state reshards across DP only.
         state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return state
 
 
@@ -81,8 +111,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict) -> d
                          f"this run ({'; '.join(diffs)})")
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
     for i, chunk in enumerate(model):
-        chunk.load_state_dict(state["model" if len(model) == 1 else f"model{i}"])
+        chunk.module.load_state_dict(state[_model_key(model, i)])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of the fp32 params
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_step(optimizer, state["optimizer"])
     scheduler.load_state_dict(common["opt_param_scheduler"])
     return common
