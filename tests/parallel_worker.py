@@ -8,6 +8,7 @@ import json
 import sys
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_dllm import platform
 from megatron_dllm.arguments import parse_args
@@ -15,9 +16,21 @@ from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.training.trainer import Trainer
 
 
+def noise_fingerprints(trainer) -> list:
+    """(dp rank, z_t, sigma, t) of the first iteration's micro-batches, from every rank."""
+    inputs = list(trainer.train_batches.iteration(consumed=0))
+    mine = (parallel_state.get_data_parallel_rank(),
+            [(i.input_ids.tolist(), i.sigma.tolist(), i.t.tolist()) for i in inputs])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def main():
     out, argv = sys.argv[1], sys.argv[2:]
     trainer = Trainer(parse_args(argv))
+    prints = noise_fingerprints(trainer)
+    same_noise = all(a[1] == b[1] for a in prints for b in prints if a[0] == b[0])
     for chunk in trainer.model:
         initialize_weights(chunk.module, seed=7, adaln_zero=False)
     records = [trainer.train_step() for _ in range(trainer.run.train_iters)]
@@ -25,7 +38,7 @@ def main():
     if dist.get_rank() == dist.get_world_size() - 1:
         with open(out, "w") as f:
             json.dump({"loss": [r[0] for r in records], "grad_norm": [r[1] for r in records],
-                       "valid": valid}, f)
+                       "valid": valid, "same_noise_in_dp_group": same_noise}, f)
     platform.destroy_distributed()
 
 

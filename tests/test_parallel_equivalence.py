@@ -55,6 +55,7 @@ def test_layout_matches_single_process(family, layout, baselines, demo_cache, tm
     nproc, flags = LAYOUTS[layout]
     got = run_worker(nproc, ["--family", family, *SMALL, *flags], tmp_path, demo_cache)
     ref = baselines[family]
+    assert got["same_noise_in_dp_group"]  # every TP rank and PP stage drew the same z_t, sigma, t
     assert ref["grad_norm"][0] > 0.1  # random weights: every layer carries gradient
     assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)
