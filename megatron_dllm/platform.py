@@ -22,11 +22,15 @@ import random
 
 import numpy as np
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # expected on CPU: megatron-core falls back to its own kernels
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 try:  # TransformerEngine is optional: used on GPU when present, never needed on CPU.
     import transformer_engine  # noqa: F401
@@ -209,13 +213,14 @@ def init_distributed(
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if HAS_CUDA:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "WORLD_SIZE" in os.environ:  # torchrun, Slurm wrappers: env:// rendezvous
+            dist.init_process_group(backend=backend(), timeout=timeout)
+        else:  # a plain process (tools, notebooks): a world of one, leaving os.environ alone
+            dist.init_process_group(backend=backend(), init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:

@@ -1,0 +1,40 @@
+"""Sizes of a model preset: `python tools/model_info.py --preset 1.7B --vocab-size 32001 --json`."""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--vocab-size", type=int, default=32001,
+                        help="real vocabulary including [MASK] (the paper: 32000 + 1)")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from megatron_dllm.model.flops import forward_flops_per_sequence, train_flops_per_sequence
+    from megatron_dllm.model.params import count_parameters
+    from megatron_dllm.model.presets import get_preset
+
+    try:
+        preset = get_preset(args.preset)
+    except ValueError as err:
+        parser.error(str(err))
+    info = {"preset": args.preset, "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
+            "num_attention_heads": preset.num_attention_heads, "vocab_size": args.vocab_size,
+            "seq_length": args.seq_length, **count_parameters(preset, args.vocab_size),
+            "fwd_flops_per_seq": forward_flops_per_sequence(preset, args.vocab_size, args.seq_length),
+            "train_flops_per_seq": train_flops_per_sequence(preset, args.vocab_size, args.seq_length)}
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key:>22}: {value:,}" if isinstance(value, (int, float)) else f"{key:>22}: {value}")
+
+
+if __name__ == "__main__":
+    main()
