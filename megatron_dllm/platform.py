@@ -9,7 +9,8 @@ hard-codes for CUDA (see ../shared/docs/megatron-core-on-cpu.md):
   optimizers compare against;
 * `torch.cuda.current_device()` returns "cpu"; streams, events, synchronize, empty_cache,
   set_device and memory queries become no-ops;
-* the "CUDA" RNG state that megatron's RNG tracker forks is the CPU default generator's.
+* the "CUDA" RNG state that megatron's RNG tracker forks is the CPU default generator's;
+* activation recompute (which runs forward code inside autograd's backward) re-enters the mode.
 
 Nothing outside this module may branch on CPU vs GPU.
 """
@@ -192,6 +193,16 @@ def install_cpu_compat() -> None:
         torch.get_rng_state().clone() if clone else torch.get_rng_state()
     )
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    # Python function modes are not active inside autograd's backward, where megatron's
+    # activation recompute re-runs forward code: re-enter the mode there.
+    checkpoint_backward = mcore_random.CheckpointFunction.backward
+
+    def backward_in_cpu_mode(ctx, *grads):
+        with _CpuDeviceMode():
+            return checkpoint_backward(ctx, *grads)
+
+    mcore_random.CheckpointFunction.backward = staticmethod(backward_in_cpu_mode)
 
     _cpu_mode = _CpuDeviceMode()
     _cpu_mode.__enter__()

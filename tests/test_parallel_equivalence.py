@@ -25,6 +25,7 @@ LAYOUTS = {
     "PP2-VPP2": (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
     "DP2": (2, []),
     "DP2-distopt": (2, ["--use-distributed-optimizer"]),
+    "DP2-recompute": (2, ["--recompute-activations"]),
 }
 
 

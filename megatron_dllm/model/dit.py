@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.enums import ModelType
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -128,8 +129,13 @@ class DiTModel(MegatronModule):
         c = torch.nn.functional.silu(self.time_embedder(sigma))
         x = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
         rotary = rotary_freqs(position_ids, self.head_dim)
-        for layer in self.layers:
-            x = layer(x, c, rotary)
+        recompute = self.config.recompute_granularity == "full" and self.training
+        with get_fp8_context(self.config):  # FP8 autocast for every layer (no-op without --fp8-format)
+            for layer in self.layers:
+                if recompute:  # keep only each layer's input; recompute the rest in backward
+                    x = tensor_parallel.checkpoint(layer, False, x, c, rotary)
+                else:
+                    x = layer(x, c, rotary)
         if not self.post_process:
             return x
         return self.final_layer(x, c)

@@ -42,16 +42,18 @@ class Trainer:
                             args.num_attention_heads or preset.num_attention_heads)
         self.arch = Architecture(preset, run.tokenizer.vocab_size, args.seq_length, self.family.attention,
                                  args.make_vocab_size_divisible_by)
-        fp8 = args.fp8_format if platform.HAS_TE else None
+        use_te = platform.HAS_TE if args.transformer_impl is None else args.transformer_impl == "transformer_engine"
+        if (use_te or args.fp8_format) and not platform.HAS_TE:
+            raise ValueError("--transformer-impl transformer_engine and --fp8-format need TransformerEngine "
+                             "on a CUDA GPU (not found); use --transformer-impl local without FP8")
         self.config, mlp_config = transformer_config(
             self.arch, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
             vpp=args.virtual_pipeline_model_parallel_size, sequence_parallel=args.sequence_parallel,
-            bf16=args.bf16, fp8=fp8, fp8_recipe=args.fp8_recipe,
+            bf16=args.bf16, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe,
             fp8_amax_history_len=args.fp8_amax_history_len,
             fp8_amax_compute_algo=args.fp8_amax_compute_algo, recompute=args.recompute_activations,
         )
-        chunks = build_model(self.arch, self.config, mlp_config, args.seed,
-                             use_te=args.transformer_impl == "transformer_engine")
+        chunks = build_model(self.arch, self.config, mlp_config, args.seed, use_te=use_te)
         self.model = wrap_ddp(chunks, self.config, args)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.config, args, run.train_iters)
 
