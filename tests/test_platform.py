@@ -1,0 +1,64 @@
+"""The CPU compatibility layer: what megatron-core hard-codes for CUDA runs on the CPU."""
+import pytest
+import torch
+
+from megatron_dllm import platform
+
+pytestmark = pytest.mark.skipif(platform.HAS_CUDA, reason="the compatibility layer is installed only without CUDA")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    platform.init_distributed(1, 1, seed=5)
+    yield
+    platform.destroy_distributed()
+
+
+def test_cuda_requests_land_on_the_cpu():
+    assert torch.empty(3, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert torch.ones(2).to("cuda").device.type == "cpu"
+    assert torch.cuda.current_device() == "cpu"
+    assert platform.device() == torch.device("cpu") and platform.backend() == "gloo"
+
+
+def test_tensor_type_answers_with_cuda_names():
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(1).type(torch.float64).dtype == torch.float64  # conversions untouched
+
+
+def test_streams_and_events_are_no_ops():
+    stream = torch.cuda.current_stream()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    stream.wait_event(event)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda.synchronize()
+    assert event.query() and event.elapsed_time(event) == 0.0
+
+
+def test_megatron_rng_tracker_forks_the_cpu_generator():
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    before = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        inside = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is restored
+    with get_cuda_rng_tracker().fork():
+        again = torch.rand(4)
+    assert not torch.equal(inside, again)  # the model-parallel stream advanced
+
+
+def test_recompute_runs_forward_code_inside_backward():
+    from megatron.core import tensor_parallel
+
+    def f(x):  # megatron code that builds a mask on "cuda" in forward
+        from megatron.core.transformer.utils import get_default_causal_mask
+
+        return (x * (~get_default_causal_mask(x.shape[0])).float()).sum()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    tensor_parallel.checkpoint(f, False, x).backward()
+    assert torch.equal(x.grad, torch.tril(torch.ones(4, 4)))
