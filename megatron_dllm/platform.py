@@ -23,15 +23,11 @@ import random
 
 import numpy as np
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:  # expected on CPU: megatron-core falls back to its own kernels
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 try:  # TransformerEngine is optional: used on GPU when present, never needed on CPU.
     import transformer_engine  # noqa: F401

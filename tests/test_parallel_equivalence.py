@@ -24,7 +24,7 @@ LAYOUTS = {
     "PP2": (2, ["--pipeline-model-parallel-size", "2"]),
     "PP2-VPP2": (2, ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"]),
     "DP2": (2, []),
-    "DP2-distopt": (2, ["--use-distributed-optimizer"]),
+    "DP2-distopt-overlap": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce"]),
     "DP2-recompute": (2, ["--recompute-activations"]),
 }
 

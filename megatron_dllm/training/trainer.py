@@ -55,6 +55,7 @@ class Trainer:
         )
         chunks = build_model(self.arch, self.config, mlp_config, args.seed, use_te=use_te)
         self.model = wrap_ddp(chunks, self.config, args)
+        self.layer_impl = "transformer_engine" if use_te else "local"
         self.optimizer, self.scheduler = build_optimizer(self.model, self.config, args, run.train_iters)
 
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -145,6 +146,7 @@ class Trainer:
                          f"vocab {self.arch.vocab_size} (padded {self.arch.padded_vocab_size(args.tensor_model_parallel_size)}) | "
                          f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
                          f"DP {parallel_state.get_data_parallel_world_size()} | device {platform.device()} | "
+                         f"layers {self.layer_impl} | "
                          f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens")
         last = self.iteration
         tick = time.perf_counter()
