@@ -56,18 +56,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def peak_flops_per_device(dtype: torch.dtype) -> float | None:
-    """Dense peak of the local accelerator for MFU logging (None when unknown, e.g. on CPU)."""
-    if not HAS_CUDA:
-        return None
-    name = torch.cuda.get_device_name()
-    if "H100" in name or "H200" in name or "H800" in name:
-        return 989e12 if dtype != torch.float32 else 67e12
-    if "A100" in name:
-        return 312e12 if dtype != torch.float32 else 19.5e12
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # CPU compatibility for megatron-core
 # ---------------------------------------------------------------------------------------------

@@ -31,12 +31,11 @@ class Logger:
         if not self.active:
             return
         line = (f" iteration {iteration:7d}/{total} | consumed samples {consumed} | lr {lr:.3e} | "
-                f"loss {loss:.4f} | grad norm {grad_norm:.3f} | tokens/s {tokens_per_s:,.0f}")
-        if tflops is not None:
-            line += f" | TFLOP/s/GPU {tflops:.1f}"
+                f"loss {loss:.4f} | grad norm {grad_norm:.3f} | tokens/s {tokens_per_s:,.0f} | "
+                f"TFLOP/s per device {tflops:.2f}")
         print(line, flush=True)
         self._record(iteration=iteration, loss=loss, lr=lr, grad_norm=grad_norm,
-                     tokens_per_s=tokens_per_s, consumed_samples=consumed)
+                     tokens_per_s=tokens_per_s, tflops_per_device=tflops, consumed_samples=consumed)
         if self.writer:
             for name, value in (("loss", loss), ("lr", lr), ("grad-norm", grad_norm),
                                 ("tokens-per-second", tokens_per_s)):

@@ -5,8 +5,7 @@
 """
 from __future__ import annotations
 
-import math
-import os
+import dataclasses
 import time
 from functools import partial
 
@@ -34,12 +33,9 @@ class Trainer:
         self.run = run = resolve_run(args)  # defaults, tokenizer, datasets, iterations
         self.args, self.tokenizer = args, run.tokenizer
         self.family = get_family(args.family, run.tokenizer.mask_id, run.tokenizer.vocab_size, args.loss)
-        preset = get_preset(args.preset)
-        if args.num_layers or args.hidden_size or args.num_attention_heads:
-            from megatron_dllm.model.presets import Preset
-
-            preset = Preset(args.hidden_size or preset.hidden_size, args.num_layers or preset.num_layers,
-                            args.num_attention_heads or preset.num_attention_heads)
+        overrides = {"hidden_size": args.hidden_size, "num_layers": args.num_layers,
+                     "num_attention_heads": args.num_attention_heads}
+        preset = dataclasses.replace(get_preset(args.preset), **{k: v for k, v in overrides.items() if v})
         self.arch = Architecture(preset, run.tokenizer.vocab_size, args.seq_length, self.family.attention,
                                  args.make_vocab_size_divisible_by)
         use_te = platform.HAS_TE if args.transformer_impl is None else args.transformer_impl == "transformer_engine"
@@ -159,8 +155,7 @@ class Trainer:
                 tokens_per_s = steps * args.global_batch_size * args.seq_length / elapsed
                 tflops = steps * args.global_batch_size * self.flops_per_seq / elapsed / 1e12 / dist.get_world_size()
                 self.logger.train(self.iteration, run.train_iters, loss, self.optimizer.param_groups[0]["lr"],
-                                  grad_norm, tokens_per_s, tflops if platform.HAS_CUDA else None,
-                                  self.consumed_samples)
+                                  grad_norm, tokens_per_s, tflops, self.consumed_samples)
                 last, tick = self.iteration, time.perf_counter()
             if args.eval_interval and (self.iteration % args.eval_interval == 0 or self.iteration == run.train_iters):
                 self.logger.valid(self.iteration, self.evaluate())
