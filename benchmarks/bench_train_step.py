@@ -1,0 +1,267 @@
+"""One full training step (forward, backward, AdamW step) on CPU: megatron-core vs plain PyTorch.
+
+    python benchmarks/bench_train_step.py [--preset cpu-base] [--vocab 4097] [--batch 8] [--seq 128]
+                                          [--repeats 10] [--warmup 3] [--threads N] [--profile]
+
+Variants, run interleaved (A B C, A B C, ...) after warm-up rounds, in one process:
+
+* megatron      — the training path exactly as `training/trainer.py` runs it at TP=1: `DiTModel`
+                  wrapped by megatron's DDP (`training.optim.wrap_ddp`), `get_megatron_optimizer`
+                  + scheduler (`training.optim.build_optimizer`), `get_forward_backward_func` with
+                  the MDLM family loss, `optimizer.step()`, `scheduler.step()`. On CPU this runs
+                  under the `TorchFunctionMode` that `platform.install_cpu_compat` leaves active.
+* plain         — `model.reference.ReferenceDiT` (same weights, real vocabulary), the MDLM loss
+                  written densely with `F.cross_entropy`, `clip_grad_norm_` and `torch.optim.AdamW`
+                  with megatron's hyper-parameters and param groups (no decay on biases and norms),
+                  with the platform's TorchFunctionMode suspended: plain PyTorch.
+* plain+mode    — the same plain step with the TorchFunctionMode active (its cost in isolation).
+
+The megatron step cannot run with the mode suspended: megatron's schedule allocates with
+`device="cuda"` (`forward_backward_no_pipelining`), which only the mode redirects.
+
+The batch (tokens and MDLM corruption) is drawn once, outside the timed region. On a shared
+machine, rounds during which other processes used the CPU (from /proc/stat) are set aside, and
+rounds continue until --repeats undisturbed ones. Prints a markdown table (median and minimum
+wall time per step, median process CPU time, each with its ratio to `plain`) and the headline
+ratio: the median over undisturbed rounds of megatron/plain within the round.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from functools import partial
+from types import SimpleNamespace
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_dllm import platform  # noqa: E402
+from megatron_dllm.families import Noise, get_family  # noqa: E402
+from megatron_dllm.model.presets import get_preset  # noqa: E402
+from megatron_dllm.model.reference import ReferenceDiT  # noqa: E402
+
+OPT = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+           clip_grad=1.0)
+
+
+def mode_off():
+    """Suspends every TorchFunctionMode (the platform's CPU device mode) for plain PyTorch."""
+    return torch._C.DisableTorchFunction()
+
+
+def make_batch(family, vocab: int, batch: int, seq: int):
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab - 1, (batch, seq), generator=gen)
+    ids = torch.arange(batch, dtype=torch.int64)
+    return family.corrupt(tokens, Noise(seed=0, sample_ids=ids, strata=ids, num_strata=batch))
+
+
+# ------------------------------------------------------------------------------- megatron path
+
+class MegatronStep:
+    def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int):
+        from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+        from megatron_dllm.training.optim import build_optimizer, wrap_ddp
+
+        self.arch = Architecture(preset, vocab, seq, family.attention)
+        self.config, mlp_config = transformer_config(self.arch)
+        chunks = build_model(self.arch, self.config, mlp_config, seed=0)
+        self.initial_state = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        args = SimpleNamespace(overlap_grad_reduce=False, use_distributed_optimizer=False,
+                               lr_warmup_iters=0, lr_warmup_fraction=None, lr_decay_iters=None,
+                               lr_decay_style="cosine", lr_wsd_decay_iters=None, lr_wsd_decay_style="cosine",
+                               **OPT)
+        self.model = wrap_ddp(chunks, self.config, args)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.config, args, train_iters)
+        self.family, self.inp, self.batch, self.seq = family, inp, batch, seq
+
+    # The next three mirror Trainer._forward_step / _loss_func / train_step + _run_schedule.
+    def _forward_step(self, data_iterator, model):
+        inp = next(data_iterator)
+        logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+        return logits, partial(self._loss_func, inp)
+
+    def _loss_func(self, inp, logits):
+        per_token = self.family.loss(logits, inp)
+        total, count = per_token.sum(), inp.valid.sum()
+        return total, count.to(torch.int), {"loss": torch.stack([total.detach().double(), count.double()])}
+
+    def __call__(self) -> float:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iter([self.inp]), model=self.model[0],
+            num_microbatches=1, seq_length=self.seq, micro_batch_size=self.batch, forward_only=False,
+        )
+        summed = torch.stack([d["loss"] for d in losses]).sum(0)
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        loss = (summed[0] / summed[1]).item()
+        ok, _, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return loss
+
+
+# ------------------------------------------------------------------------------- plain path
+
+class PlainStep:
+    def __init__(self, state_dict, preset, vocab: int, family, inp):
+        self.model = ReferenceDiT.from_megatron_state_dict(state_dict, preset.num_attention_heads,
+                                                           causal=family.attention == "causal",
+                                                           vocab_size=vocab)
+        decay = [p for n, p in self.model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+        no_decay = [p for n, p in self.model.named_parameters() if not (p.dim() > 1 and not n.endswith(".bias"))]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": OPT["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=OPT["lr"], betas=(OPT["adam_beta1"], OPT["adam_beta2"]), eps=OPT["adam_eps"],
+        )
+        self.mask_id, self.inp = family.mask_id, inp
+
+    def __call__(self) -> float:
+        inp = self.inp
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.model(inp.input_ids, inp.position_ids, inp.sigma)  # [b, s, V]
+        logits[..., self.mask_id] = float("-inf")  # never predict [MASK] (as vocab_parallel.suppress)
+        nll = F.cross_entropy(logits.flatten(0, 1), inp.targets.flatten(), reduction="none")
+        loss = (nll.view_as(inp.targets) * (inp.input_ids == self.mask_id) * inp.valid).sum() / inp.valid.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), OPT["clip_grad"])
+        self.optimizer.step()
+        return loss.item()
+
+
+# ------------------------------------------------------------------------------- driver
+
+def _system_busy() -> float | None:
+    """CPU seconds all processes of this machine have used so far (Linux /proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(fn, context) -> tuple[float, float, float]:
+    """(wall seconds, this process's CPU seconds over all threads, CPU seconds other processes
+    used meanwhile) of one call."""
+    with context():
+        b0, t0, c0 = _system_busy(), time.perf_counter(), time.process_time()
+        fn()
+        wall, used, b1 = time.perf_counter() - t0, time.process_time() - c0, _system_busy()
+    others = 0.0 if b0 is None else max(0.0, (b1 - b0) - used)
+    return wall, used, others
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="cpu-base")
+    p.add_argument("--vocab", type=int, default=4097, help="real vocabulary including [MASK]")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=10, help="undisturbed rounds to collect")
+    p.add_argument("--max-rounds", type=int, default=None, help="give up after this many (default 4x)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--no-diagnostics", action="store_true", help="time only megatron and plain")
+    p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of both steps")
+    args = p.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    platform.init_distributed(1, 1, seed=0)
+    try:
+        preset = get_preset(args.preset)
+        family = get_family("mdlm", args.vocab - 1, args.vocab)
+        inp = make_batch(family, args.vocab, args.batch, args.seq)
+        max_rounds = args.max_rounds or 4 * args.repeats
+        train_iters = args.warmup + max_rounds + 100
+        megatron = MegatronStep(preset, args.vocab, args.batch, args.seq, family, inp, train_iters)
+        plain = PlainStep(megatron.initial_state, preset, args.vocab, family, inp)
+        loss_m, loss_p = megatron(), plain()  # first step from identical weights: same loss
+        print(f"first-step loss: megatron {loss_m:.6f}  plain {loss_p:.6f}", file=sys.stderr)
+
+        variants = {"megatron": (megatron, contextlib.nullcontext), "plain": (plain, mode_off)}
+        if not args.no_diagnostics:
+            variants["plain+mode"] = (plain, contextlib.nullcontext)
+        for _ in range(args.warmup):
+            for fn, ctx in variants.values():
+                timed(fn, ctx)
+        # Interleaved rounds (one step of each variant). A round in which other processes used
+        # more than 10% of a core during any of its steps is disturbed: it is kept for the
+        # "all rounds" columns only. Rounds continue until --repeats undisturbed ones.
+        rounds, clean = [], []
+        while len(clean) < args.repeats and len(rounds) < max_rounds:
+            r = {name: timed(fn, ctx) for name, (fn, ctx) in variants.items()}
+            rounds.append(r)
+            if all(others <= 0.1 * wall + 0.02 for wall, _, others in r.values()):
+                clean.append(r)
+        use = clean or rounds
+
+        def stat(rs, name, i, f=statistics.median):
+            return f(r[name][i] for r in rs)
+
+        tokens = args.batch * args.seq
+        print(f"\npreset {args.preset} (h={preset.hidden_size}, L={preset.num_layers}, "
+              f"heads={preset.num_attention_heads}), vocab {args.vocab} (megatron pads to "
+              f"{megatron.arch.padded_vocab_size(1)}), batch {args.batch} x seq {args.seq}, "
+              f"{torch.get_num_threads()} threads, {args.warmup} warm-up rounds, {len(clean)} undisturbed "
+              f"of {len(rounds)} interleaved rounds{'' if clean else ' (none undisturbed: all rounds used)'}\n")
+        print("| variant | median step (ms) | vs plain | min step (ms) | vs plain | median CPU time (ms) "
+              "| vs plain | tokens/s | median step, all rounds (ms) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name in variants:
+            med, low, cpu = stat(use, name, 0), stat(use, name, 0, min), stat(use, name, 1)
+            print(f"| {name} | {med * 1e3:.1f} | {med / stat(use, 'plain', 0):.3f} | {low * 1e3:.1f} | "
+                  f"{low / stat(use, 'plain', 0, min):.3f} | {cpu * 1e3:.1f} | "
+                  f"{cpu / stat(use, 'plain', 1):.3f} | {tokens / med:,.0f} | "
+                  f"{stat(rounds, name, 0) * 1e3:.1f} |")
+        ratio = statistics.median(r["megatron"][0] / r["plain"][0] for r in use)
+        print(f"\nmegatron / plain = {ratio:.3f} (median over undisturbed rounds of the per-round ratio); "
+              f"{stat(use, 'megatron', 0, min) / stat(use, 'plain', 0, min):.3f} (min / min)")
+
+        if args.profile:
+            profile(megatron, plain)
+    finally:
+        platform.destroy_distributed()
+
+
+def profile(megatron, plain, steps: int = 5) -> None:
+    for name, fn, ctx in (("megatron", megatron, contextlib.nullcontext), ("plain", plain, mode_off)):
+        prof = cProfile.Profile()
+        with ctx():
+            prof.enable()
+            for _ in range(steps):
+                fn()
+            prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"\n### cProfile, {name}, {steps} steps (sorted by tottime)\n```\n{out.getvalue()}\n```")
+        with ctx(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+            for _ in range(steps):
+                fn()
+        print(f"\n### torch.profiler, {name}, {steps} steps\n```\n"
+              f"{tp.key_averages().table(sort_by='self_cpu_time_total', row_limit=25)}\n```")
+
+
+if __name__ == "__main__":
+    main()
