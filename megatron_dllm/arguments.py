@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", default=None,
                    help="SentencePieceTokenizer | HuggingFaceTokenizer")
     g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--variable-seq-length-prob", type=float, default=0.0,
+                   help="probability that a micro-batch is cut to a length drawn from U[1, L] "
+                        "(the paper's 1.7B runs: 0.01; diffusion families only)")
     g.add_argument("--demo-cache-dir", default=None,
                    help="where the embedded demo corpus is prepared (default ~/.cache/megatron_dllm/demo)")
 

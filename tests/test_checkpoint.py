@@ -34,3 +34,20 @@ def test_checkpoint_of_another_family_is_refused(pretrain, tmp_path):
     proc, _ = pretrain(1, *RUN, "--family", "ar", "--load", str(ckpt), check=False)
     assert proc.returncode != 0
     assert "family: checkpoint 'mdlm' vs this run 'ar'" in proc.stderr
+
+
+def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):
+    """Phase 1 -> phase 2: resuming with another --data-path reads the new mix from its start."""
+    from megatron_dllm.data.demo import prepare_demo_corpus
+
+    demo = prepare_demo_corpus(demo_cache)
+    data = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", demo["tokenizer_model"],
+            "--valid-data-path", demo["valid_prefix"]]
+    ckpt = tmp_path / "ckpt"
+    pretrain(1, *RUN, *data, "--data-path", demo["data_prefix"], "--train-iters", "2", "--save", str(ckpt))
+    phase2 = ["--data-path", "0.5", demo["data_prefix"], "0.5", demo["valid_prefix"]]
+    proc, records = pretrain(1, *RUN, *data, *phase2, "--load", str(ckpt), "--save", str(ckpt))
+    assert "data mix changed at iteration 2" in proc.stdout
+    assert [r["consumed_samples"] for r in records if "loss" in r] == [24, 32]
+    proc, _ = pretrain(1, *RUN, *data, *phase2, "--train-iters", "5", "--load", str(ckpt), "--save", str(ckpt))
+    assert "data mix changed" not in proc.stdout  # the switch is remembered in the checkpoint

@@ -61,3 +61,13 @@ def test_layout_matches_single_process(family, layout, baselines, demo_cache, tm
     assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)
     assert got["valid"] == pytest.approx(ref["valid"], rel=2e-5)
+
+
+def test_variable_length_micro_batches_match_across_pipeline_stages(demo_cache, tmp_path):
+    """With half the micro-batches cut short, PP=2 (stages exchange shapes) equals one process."""
+    flags = ["--family", "mdlm", *SMALL, "--variable-seq-length-prob", "0.5"]
+    (tmp_path / "one").mkdir()
+    ref = run_worker(1, flags, tmp_path / "one", demo_cache)
+    got = run_worker(2, [*flags, "--pipeline-model-parallel-size", "2"], tmp_path, demo_cache)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)

@@ -11,6 +11,7 @@ class AR(Family):
     name = "ar"
     attention = "causal"
     extra_token = True  # samples of seq_length + 1 tokens: inputs x[:-1], targets x[1:]
+    variable_length = False
     losses = ("nll",)
 
     def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:

@@ -30,8 +30,8 @@ class ModelInput:
         return ModelInput(**{k: v.to(device) for k, v in self.__dict__.items()})
 
 
-def _mix(*values: int) -> int:
-    """A 63-bit seed from integers (stable across processes and Python versions)."""
+def seed_for(*values) -> int:
+    """A 63-bit seed from values (stable across processes and Python versions)."""
     return zlib.crc32(b"/".join(str(v).encode() for v in values)) * 2_654_435_761 % 2**63
 
 
@@ -55,7 +55,7 @@ class Noise:
         """[b, length] U(0,1) draws, one generator per (seed, sample, stream)."""
         rows = []
         for sid in self.sample_ids.tolist():
-            g = torch.Generator().manual_seed(_mix(self.seed, sid, stream))
+            g = torch.Generator().manual_seed(seed_for(self.seed, sid, stream))
             rows.append(torch.rand(length, generator=g, dtype=torch.float64))
         return torch.stack(rows)
 
@@ -72,6 +72,7 @@ class Family:
     name: str
     attention: str           # "bidirectional" | "causal"
     extra_token: bool = False  # AR reads seq_length + 1 tokens per sample
+    variable_length: bool = True  # --variable-seq-length-prob applies (reference: non-AR only)
     losses: tuple[str, ...] = ("nelbo",)  # training objectives; the first is the default
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):

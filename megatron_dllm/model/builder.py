@@ -49,7 +49,8 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
                        sequence_parallel: bool = False, bf16: bool = False,
                        fp8: str | None = None, fp8_recipe: str = "delayed",
                        fp8_amax_history_len: int = 1, fp8_amax_compute_algo: str = "most_recent",
-                       recompute: bool = False) -> tuple[TransformerConfig, TransformerConfig]:
+                       recompute: bool = False, variable_seq_lengths: bool = False,
+                       ) -> tuple[TransformerConfig, TransformerConfig]:
     """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output)."""
     check_layout(arch, tp, pp, vpp)
     p = arch.preset
@@ -67,7 +68,9 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         # megatron's own init also tags TP params (partition_dim ...); initialize_weights() then
         # overwrites the values with layout-independent ones.
         perform_initialization=True,
-        calculate_per_token_loss=True, variable_seq_lengths=False,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=variable_seq_lengths,  # pipeline stages exchange activation shapes
+        moe_token_dispatcher_type="alltoall",  # no MoE here; megatron's check for variable lengths
         # As Megatron-LM for the interleaved schedule: unbatched, overlapped p2p. Batched p2p posts
         # forward and backward messages to the same peer in an order that pairs them wrongly
         # when PP=2 (both neighbours are one rank).

@@ -48,6 +48,7 @@ class Trainer:
             bf16=args.bf16, fp8=args.fp8_format, fp8_recipe=args.fp8_recipe,
             fp8_amax_history_len=args.fp8_amax_history_len,
             fp8_amax_compute_algo=args.fp8_amax_compute_algo, recompute=args.recompute_activations,
+            variable_seq_lengths=args.variable_seq_length_prob > 0 and self.family.variable_length,
         )
         chunks = build_model(self.arch, self.config, mlp_config, args.seed, use_te=use_te)
         self.model = wrap_ddp(chunks, self.config, args)
@@ -59,19 +60,32 @@ class Trainer:
         if args.global_batch_size % (args.micro_batch_size * dp_size):
             raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                              f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp_size}")
-        self.train_batches = BatchSchedule(run.train_dataset, self.family, args.seed, args.micro_batch_size,
-                                           args.global_batch_size, dp_rank, dp_size)
-        # Validation draws fixed noise (its own seed stream) so evaluations are comparable.
+        self.train_batches = BatchSchedule(
+            run.train_dataset, self.family, args.seed, args.micro_batch_size, args.global_batch_size,
+            dp_rank, dp_size, variable_length_prob=args.variable_seq_length_prob,
+            length_multiple=args.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+        # Validation draws fixed noise (its own seed stream) at full length so evaluations compare.
         self.valid_batches = BatchSchedule(run.valid_dataset, self.family, args.seed + 1,
                                            args.micro_batch_size, args.global_batch_size, dp_rank, dp_size)
+        self.logger = Logger(args.tensorboard_dir, args.metrics_file)
         self.iteration, self.consumed_samples = 0, 0
         if args.load:
             common = checkpointing.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
                                                    self.identity())
             if common is not None:
                 self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
-        self.logger = Logger(args.tensorboard_dir, args.metrics_file)
+                self.train_batches.data_offset = self._data_mix_start(common)
         self.flops_per_seq = train_flops_per_sequence(preset, run.tokenizer.vocab_size, args.seq_length)
+
+    def _data_mix_start(self, common: dict) -> int:
+        """Where the current training mix started. Resuming with another --data-path (e.g. the
+        phase-2 mix from a phase-1 checkpoint) starts the new mix at its first sample now."""
+        start = common.get("data_mix_start", 0)
+        if common.get("data_mix", self.args.data_path) != self.args.data_path:
+            self.logger.info(f"data mix changed at iteration {self.iteration}: {common['data_mix']} -> "
+                             f"{self.args.data_path}; reading the new mix from its first sample")
+            start = self.consumed_samples
+        return start
 
     def identity(self) -> dict:
         """What a checkpoint must match to be loaded into this run."""
@@ -170,6 +184,7 @@ class Trainer:
     def save(self) -> None:
         path = checkpointing.save_checkpoint(
             self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
-            {"consumed_samples": self.consumed_samples, "identity": self.identity()},
+            {"consumed_samples": self.consumed_samples, "identity": self.identity(),
+             "data_mix": self.args.data_path, "data_mix_start": self.train_batches.data_offset},
         )
         self.logger.info(f"saved checkpoint {path}")

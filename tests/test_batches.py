@@ -1,0 +1,62 @@
+"""The micro-batch schedule: variable-length cuts and data-mix offsets, as pure functions."""
+import numpy as np
+import torch
+
+from megatron_dllm.families import get_family
+from megatron_dllm.training.batches import BatchSchedule
+
+
+class Rows:
+    """A dataset whose sample i is [i, i, ...]: shows which row a micro-batch read."""
+
+    def __init__(self, n, length):
+        self.n, self.length = n, length
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(self.length, i, dtype=np.int64)
+
+
+def _schedule(family="mdlm", prob=0.0, multiple=1, length=64):
+    fam = get_family(family, mask_id=10**6, vocab_size=10**6 + 1)
+    rows = Rows(100_000, length + int(fam.extra_token))
+    return BatchSchedule(rows, fam, seed=1, micro_batch_size=2, global_batch_size=8, dp_rank=0, dp_size=1,
+                         variable_length_prob=prob, length_multiple=multiple)
+
+
+def test_about_one_percent_of_micro_batches_are_cut():
+    schedule = _schedule(prob=0.01)
+    cuts = sum(schedule.cut_length(first, 64) < 64 for first in range(0, 40_000, 2))
+    assert 150 <= cuts <= 260  # 20,000 draws at 1%: mean 200, sd 14
+
+
+def test_cut_lengths_are_uniform_and_respect_the_tp_multiple():
+    lengths = [_schedule(prob=1.0).cut_length(first, 64) for first in range(4000)]
+    assert min(lengths) == 1 and max(lengths) == 64 and abs(np.mean(lengths) - 32.5) < 1.5
+    even = [_schedule(prob=1.0, multiple=2).cut_length(first, 64) for first in range(500)]
+    assert all(n % 2 == 0 and n >= 2 for n in even)
+
+
+def test_cut_is_a_pure_function_and_shapes_the_model_input():
+    a, b = _schedule(prob=1.0), _schedule(prob=1.0)
+    first = a.micro_batch(consumed=80, m=1)
+    assert torch.equal(first.input_ids, b.micro_batch(consumed=80, m=1).input_ids)
+    length = a.cut_length(82, 64)
+    assert first.input_ids.shape == (2, length) and first.valid.sum() == 2 * length
+
+
+def test_ar_is_never_cut():
+    schedule = _schedule(family="ar", prob=1.0)
+    assert schedule.micro_batch(consumed=0, m=0).input_ids.shape == (2, 64)
+
+
+def test_a_new_mix_is_read_from_its_first_sample_with_global_noise():
+    schedule = _schedule()
+    before = schedule.micro_batch(consumed=800, m=0)
+    schedule.data_offset = 800  # the mix switched at 800 consumed samples
+    after = schedule.micro_batch(consumed=800, m=0)
+    assert after.targets[:, 0].tolist() == [0, 1]  # rows 0 and 1 of the new mix
+    assert before.targets[:, 0].tolist() == [800, 801]
+    assert torch.equal(before.t, after.t)  # noise still follows the global sample index
