@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="prefix | w1 prefix1 w2 prefix2 ... (no data flags: the embedded demo corpus)")
     g.add_argument("--split", default="969,30,1")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="per-split paths (Megatron-LM): the training blend, with --valid-data-path")
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None,
@@ -90,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    if args.train_data_path is not None:
+        if args.data_path is not None or args.valid_data_path is None:
+            raise SystemExit("error: --train-data-path goes with --valid-data-path and replaces --data-path")
+        args.data_path = args.train_data_path
     from megatron_dllm.families import FAMILIES
 
     if args.family not in FAMILIES:
