@@ -1,12 +1,22 @@
 #!/usr/bin/env python
-"""Tokenize JSONL or plain text into Megatron `.bin/.idx` (Megatron-LM's flags).
+"""Tokenize JSONL (plain, .gz, .zst), Parquet or plain text into Megatron `.bin/.idx`
+(Megatron-LM's flags).
 
-    python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/corpus \\
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 8
 
-writes `data/corpus_text_document.bin/.idx`. Plain-text inputs (`.txt`) hold one document per
-paragraph block (non-blank lines separated by blank lines). Rejected records are listed with
-file and line; see megatron_dllm/data/preprocess.py.
+writes `data/corpus_text_document.bin/.idx`. `--json-keys` names the JSON fields (Parquet
+columns); plain-text inputs (`.txt`) hold one document per paragraph block. The input files
+are the expanded globs, sorted by path. Rejected records (invalid UTF-8 or JSON, missing
+field, non-text, empty text) are counted by reason and listed with file and line (Parquet:
+row) in `{prefix}_rejected.tsv`.
+
+Many machines: `--num-shards N --shard-index I` (defaults: SLURM_ARRAY_TASK_COUNT and
+SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN in a Slurm array job) processes a contiguous,
+byte-balanced run of the sorted file list into
+`{prefix}_shard{I:05d}of{N:05d}_{key}_document.bin/.idx`; re-running skips finished shards
+and redoes interrupted ones. Then `tools/merge_datasets.py` joins them. See
+megatron_dllm/data/preprocess.py and examples/preprocess_slurm_array.sbatch.
 """
 
 import argparse
@@ -19,24 +29,77 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dllm.data.preprocess import preprocess  # noqa: E402
+from megatron_dllm.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+
+def add_tokenizer_args(p):
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=list(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-model", required=True,
+                   help="SentencePiece .model, tokenizer.json (or its directory), or a .tiktoken file")
+    g.add_argument("--tiktoken-pattern", default=None,
+                   help="TikTokenizer pre-tokenisation regex: llama3 (default, cl100k-style), cl100k, "
+                        "o200k, or a literal regex")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer special tokens, given ids after the last rank "
+                        "(default: <|begin_of_text|> <|end_of_text|>)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                   help="pad the special tokens with <|reserved_special_token_i|> up to this many "
+                        "(Llama 3: 256)")
+    return g
+
+
+def tokenizer_options(args) -> dict:
+    if args.tokenizer_type != "TikTokenizer":
+        given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens", "tiktoken_num_special_tokens")
+                 if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies to --tokenizer-type TikTokenizer only")
+        return {}
+    return {"pattern": args.tiktoken_pattern, "special_tokens": args.tiktoken_special_tokens,
+            "num_special_tokens": args.tiktoken_num_special_tokens}
+
+
+def _slurm_default(name: str):
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
-    g.add_argument("--input", nargs="+", required=True, help="JSONL or .txt file(s); globs allowed")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys to extract (default: text)")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True,
-                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])
-    g.add_argument("--tokenizer-model", required=True, help=".model file or tokenizer.json (or its directory)")
-    g.add_argument("--append-eod", action="store_true", help="end every document with the EOD (EOS) id")
+    g.add_argument("--input", nargs="+", required=True,
+                   help="JSONL (.jsonl[.gz|.zst]), Parquet (.parquet) or .txt files; globs allowed")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="JSON keys / Parquet columns to extract (default: text)")
+    add_tokenizer_args(p)
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--append-eod", action="store_true", help="end every document with the EOD (EOS) id")
+    g = p.add_argument_group("sharding (many machines)")
+    g.add_argument("--num-shards", type=int, default=None,
+                   help="split the sorted inputs into this many shards (default: $SLURM_ARRAY_TASK_COUNT)")
+    g.add_argument("--shard-index", type=int, default=None,
+                   help="the shard to process (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
+    g.add_argument("--overwrite", action="store_true", help="redo a shard even if it is finished")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--chunksize", type=int, default=64, help="records per worker task (>= 32)")
-    return p.parse_args(argv)
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize in this process)")
+    g.add_argument("--chunksize", type=int, default=256, help="max records per worker task")
+    g.add_argument("--chunk-bytes", type=int, default=1 << 18, help="max text bytes per worker task")
+    g.add_argument("--log-interval", type=float, default=30.0,
+                   help="seconds between progress log lines when stderr is not a TTY")
+    g.add_argument("--no-progress", action="store_true", help="no TTY status line (log lines instead)")
+    args = p.parse_args(argv)
+    if args.num_shards is None:
+        args.num_shards = _slurm_default("SLURM_ARRAY_TASK_COUNT")
+    if args.num_shards is not None and args.shard_index is None:
+        task = _slurm_default("SLURM_ARRAY_TASK_ID")
+        args.shard_index = None if task is None else task - (_slurm_default("SLURM_ARRAY_TASK_MIN") or 0)
+    if args.shard_index is not None and args.num_shards is None:
+        p.error("--shard-index needs --num-shards")
+    if args.num_shards is not None and args.shard_index is None:
+        p.error("--num-shards needs --shard-index (or run inside a Slurm array job)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -45,7 +108,9 @@ def main(argv=None) -> int:
         stats = preprocess(
             args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
             json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-            chunksize=args.chunksize,
+            chunksize=args.chunksize, chunk_bytes=args.chunk_bytes, tokenizer_options=tokenizer_options(args),
+            num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
+            progress=False if args.no_progress else None, log_interval=args.log_interval,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -42,6 +42,7 @@ DTYPE_CODES = {
 CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 
 _CHUNK = 1 << 22  # elements per chunk for scans and index writes (bounded memory)
+_SPILL = 1 << 20  # document lengths kept in memory by the writer before spilling to disk
 
 
 class DatasetFormatError(ValueError):
@@ -86,15 +87,61 @@ class IndexedDatasetWriter:
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = bin_path(prefix) + tag
         self._tmp_idx = idx_path(prefix) + tag
+        self._tmp_lengths = idx_path(prefix) + tag + ".lengths"
         self._bin = open(self._tmp_bin, "wb")
-        self._lengths = array.array("i")  # int32, as in the format
+        self._lengths = array.array("i")  # int32, as in the format; spilled past _SPILL entries
+        self._spilled = 0  # lengths already in self._tmp_lengths
+        self._lengths_file = None
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.num_tokens = 0
         self.finalized = False
 
     @property
     def num_documents(self) -> int:
-        return len(self._lengths)
+        return self._spilled + len(self._lengths)
+
+    def _spill(self) -> None:
+        """Move the buffered lengths to a temporary file: memory stays bounded for any corpus."""
+        if self._lengths_file is None:
+            self._lengths_file = open(self._tmp_lengths, "w+b")
+        self._lengths_file.write(self._lengths.tobytes())
+        self._spilled += len(self._lengths)
+        self._lengths = array.array("i")
+
+    def add_documents(self, tokens: np.ndarray, lengths: Iterable[int]) -> None:
+        """Append several documents at once: `tokens` is their concatenation (already range-checked
+        by the caller or checked here), `lengths` their sizes."""
+        arr = np.asarray(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if arr.ndim != 1 or int(lengths.sum()) != arr.size or (lengths.size and lengths.min() < 0):
+            raise ValueError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
+        if arr.dtype != self.dtype:
+            if self._info is not None and arr.size and (int(arr.min()) < self._info.min
+                                                        or int(arr.max()) > self._info.max):
+                raise ValueError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
+                                 f"fit dtype {self.dtype}")
+            arr = arr.astype(self.dtype)
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
+        self._bin.write(arr.tobytes(order="C"))
+        self._lengths.extend(lengths.astype(np.int32).tolist())
+        self.num_tokens += int(arr.size)
+        if len(self._lengths) >= _SPILL:
+            self._spill()
+
+    def _length_chunks(self):
+        """The int32 lengths in file order, in chunks of at most _CHUNK."""
+        if self._lengths_file is not None:
+            self._lengths_file.flush()
+            self._lengths_file.seek(0)
+            while True:
+                raw = self._lengths_file.read(4 * _CHUNK)
+                if not raw:
+                    break
+                yield np.frombuffer(raw, dtype=np.int32)
+        buf = np.frombuffer(self._lengths, dtype=np.int32)
+        for i in range(0, buf.size, _CHUNK):
+            yield buf[i : i + _CHUNK]
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document as one sequence."""
@@ -112,6 +159,8 @@ class IndexedDatasetWriter:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
+        if len(self._lengths) >= _SPILL:
+            self._spill()
 
     def finalize(self) -> None:
         if self.finalized:
@@ -119,18 +168,20 @@ class IndexedDatasetWriter:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.frombuffer(self._lengths, dtype=np.int32)
-        n = lengths.size
+        n = self.num_documents
         with open(self._tmp_idx, "wb") as f:
             f.write(MAGIC)
             f.write(struct.pack("<Q", VERSION))
             f.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
             f.write(struct.pack("<Q", n))
             f.write(struct.pack("<Q", n + 1))
-            f.write(lengths.tobytes(order="C"))
+            for lengths in self._length_chunks():
+                f.write(lengths.tobytes(order="C"))
             start = 0  # byte pointers = exclusive cumsum of lengths * itemsize, chunked
-            for i in range(0, n, _CHUNK):
-                chunk = lengths[i : i + _CHUNK].astype(np.int64) * self.dtype.itemsize
+            for lengths in self._length_chunks():
+                if not lengths.size:
+                    continue
+                chunk = lengths.astype(np.int64) * self.dtype.itemsize
                 ptr = np.cumsum(chunk) - chunk + start
                 start = int(ptr[-1] + chunk[-1])
                 f.write(ptr.tobytes(order="C"))
@@ -138,6 +189,7 @@ class IndexedDatasetWriter:
                 f.write(np.arange(i, min(i + _CHUNK, n + 1), dtype=np.int64).tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
+        self._drop_lengths_file()
         # An old .idx beside a new .bin would look valid until its sizes were checked.
         if os.path.exists(idx_path(self.prefix)):
             os.remove(idx_path(self.prefix))
@@ -149,9 +201,17 @@ class IndexedDatasetWriter:
         """Drop the temporaries (e.g. after an error); the finished files are untouched."""
         if not self._bin.closed:
             self._bin.close()
+        self._drop_lengths_file()
         for p in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(p):
                 os.remove(p)
+
+    def _drop_lengths_file(self) -> None:
+        if self._lengths_file is not None:
+            self._lengths_file.close()
+            self._lengths_file = None
+        if os.path.exists(self._tmp_lengths):
+            os.remove(self._tmp_lengths)
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
@@ -188,11 +248,36 @@ def _fail(path: str, offset, message: str) -> DatasetFormatError:
     return DatasetFormatError(f"{path}{where}: {message}")
 
 
-def validate_indexed_dataset(prefix: str) -> IndexHeader:
+def _pointer_mismatch(ipath, j, want, lengths, pointers, itemsize, off_lengths, off_pointers,
+                      bsize) -> DatasetFormatError:
+    """Pointer j disagrees with the lengths before it: blame the right field.
+
+    A corrupted pointer j leaves pointer j+1 consistent with the lengths again; a corrupted
+    length j-1 shifts every later pointer, while the stored pointers still step by the other
+    lengths (pointer j+1 - pointer j = length j), so the length is the inconsistent field.
+    """
+    n = lengths.size
+    nxt = int(pointers[j + 1]) if j + 1 < n else bsize  # the .bin end closes the last sequence
+    if j > 0 and nxt - int(pointers[j]) == int(lengths[j]) * itemsize and nxt != want + int(lengths[j]) * itemsize:
+        stored = int(pointers[j]) - int(pointers[j - 1])
+        if stored >= 0 and stored % itemsize == 0:
+            return _fail(ipath, off_lengths + 4 * (j - 1),
+                         f"sequence {j - 1} has length {int(lengths[j - 1])} but the pointers around it "
+                         f"span {stored // itemsize} tokens ({stored} bytes); expected equal")
+    return _fail(ipath, off_pointers + 8 * j, f"sequence {j} points to byte {int(pointers[j])} of the "
+                                               f".bin, expected {want}")
+
+
+def validate_indexed_dataset(prefix: str, use_cache: bool = True) -> IndexHeader:
     """Check that `prefix.idx/.bin` is a complete Megatron dataset; raise DatasetFormatError.
 
-    Every message names the file, the byte offset and what was expected. Cost is O(sequences)
-    on the index (memory-mapped, chunked); the `.bin` is only stat-ed.
+    Checks, in file order, stopping at the first inconsistency: header (magic, version, dtype),
+    `.idx` size, document indices (0 .. sequence_count, non-decreasing), lengths (>= 0),
+    pointers (contiguous tiling of the `.bin`; a wrong length is told from a wrong pointer),
+    `.bin` size. Every message names the file, the byte offset and what was expected. Cost is
+    O(sequences) on the index (memory-mapped, chunked); the `.bin` is only stat-ed (token
+    values: `megatron_dllm.data.inspect.verify_dataset`). Results are memoised by size and
+    mtime unless `use_cache=False`.
     """
     ipath, bpath = idx_path(prefix), bin_path(prefix)
     for p in (ipath, bpath):
@@ -201,7 +286,7 @@ def validate_indexed_dataset(prefix: str) -> IndexHeader:
                                   f"indexed dataset with prefix {prefix!r})")
     ist, bst = os.stat(ipath), os.stat(bpath)
     memo_key = (os.path.abspath(prefix), ist.st_size, ist.st_mtime_ns, bst.st_size, bst.st_mtime_ns)
-    if memo_key in _VALIDATED:  # build paths validate the same prefix several times
+    if use_cache and memo_key in _VALIDATED:  # build paths validate the same prefix several times
         return _VALIDATED[memo_key]
     isize, bsize = ist.st_size, bst.st_size
     with open(ipath, "rb") as f:
@@ -254,8 +339,8 @@ def validate_indexed_dataset(prefix: str) -> IndexHeader:
             bad = np.nonzero(pointers[i : i + _CHUNK] != want)[0]
             if bad.size:
                 j = i + int(bad[0])
-                raise _fail(ipath, off_pointers + 8 * j, f"sequence {j} points to byte {pointers[j]} "
-                                                         f"of the .bin, expected {want[bad[0]]}")
+                raise _pointer_mismatch(ipath, j, int(want[bad[0]]), lengths, pointers, itemsize,
+                                        off_lengths, off_pointers, bsize)
             expected_ptr = int(want[-1] + step[-1])
         if np.any(np.diff(docs) < 0):
             j = int(np.argmax(np.diff(docs) < 0)) + 1

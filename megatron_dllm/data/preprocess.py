@@ -1,38 +1,59 @@
 """Text -> Megatron `.bin/.idx`, the logic behind `tools/preprocess_data.py`.
 
-Inputs (globs allowed, `.gz` read transparently):
-  * JSONL (any name not ending in `.txt`/`.txt.gz`): one JSON object per line; every key of
-    `json_keys` becomes its own dataset `{output_prefix}_{key}_document`. A value may be a string
-    or a list of strings (tokenized piecewise and concatenated into one document, as Megatron's
-    document mode does). Blank lines are not records and are skipped.
-  * Plain text (`.txt`): one document per paragraph block, i.e. per run of non-blank lines
-    separated by one or more blank (whitespace-only) lines; the block's line breaks are kept.
-    The documents go to the first json key (default `text`).
+Inputs (files or globs; expanded into one sorted list, see `sources.py`): JSONL (plain,
+`.gz`, `.zst`), Parquet (the `--json-keys` are columns, read in row-group batches) and plain
+text (`.txt`, one document per paragraph block). Every key of `json_keys` becomes its own
+dataset `{output_prefix}_{key}_document`. A value may be a string or a list of strings
+(tokenized piecewise and concatenated into one document, as Megatron's document mode does).
 
 Each document is one sequence; with `append_eod` the tokenizer's EOD (= EOS) id ends it. No
 BOS is added. A record that yields no document for a key is *rejected* with a reason
-(invalid_json, missing_key, not_text, empty_text), counted, and reported with its file and
-line, so for every key: read == written + rejected.
+(invalid_utf8, invalid_json, missing_key — absent or null —, not_text, empty_text), counted,
+and listed with its file and line (Parquet: row) in `{output_prefix}_rejected.tsv`, so for
+every key: read == written + rejected. Blank JSONL lines are not records (counted apart).
+
+Memory is bounded independently of the corpus: records stream through chunks of at most
+`chunk_records` records / `chunk_bytes` bytes, at most `2 * workers + 2` chunks are in flight,
+and the writer spills document lengths to disk. Output is identical for any worker count.
+
+Sharding (`num_shards`, `shard_index`): the shard's files are a contiguous, byte-balanced
+run of the sorted input list (`sources.shard_files`); it writes
+`{output_prefix}_shard{i:05d}of{n:05d}_{key}_document.bin/.idx` through temporary names and
+an atomic rename, then a `..._shard{i:05d}of{n:05d}.done.json` marker. A re-run skips a shard
+whose marker matches its inputs/tokenizer/flags and whose datasets validate, and redoes any
+other (an interrupted shard leaves only temporaries, which are removed). Merging the shards
+in order (`merge.merge_datasets`) equals a single unsharded run byte for byte.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
 import json
-import multiprocessing
+import math
 import os
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter, optimal_dtype
+import numpy as np
+
+from megatron_dllm.data.indexed_dataset import (
+    DatasetFormatError,
+    IndexedDatasetWriter,
+    optimal_dtype,
+    validate_indexed_dataset,
+)
+from megatron_dllm.data.sources import expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer
 
-REJECT_REASONS = ("invalid_json", "missing_key", "not_text", "empty_text")
+__all__ = ["preprocess", "expand_inputs", "shard_prefix", "PreprocessStats", "REJECT_REASONS"]
+
+REJECT_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "not_text", "empty_text")
 MAX_PRINTED_REJECTIONS = 20
+MAX_KEPT_REJECTIONS = 1000
+MARKER_VERSION = 1
 
 
 @dataclass
@@ -44,113 +65,276 @@ class KeyStats:
 
 @dataclass
 class PreprocessStats:
-    read: int = 0  # records (JSON lines / text paragraphs)
+    read: int = 0  # records (JSON lines / Parquet rows / text paragraphs)
     keys: Dict[str, KeyStats] = field(default_factory=dict)
     output_prefixes: Dict[str, str] = field(default_factory=dict)  # key -> dataset prefix
-    rejections: List[Tuple[str, int, str, str]] = field(default_factory=list)  # file, line, key, reason
+    rejections: List[Tuple[str, int, str, str]] = field(default_factory=list)  # file, line/row, key, reason
     rejections_file: Optional[str] = None
     seconds: float = 0.0
+    input_files: int = 0
+    input_bytes: int = 0
+    blank_lines: int = 0
+    skipped: bool = False  # a finished shard found on disk, not redone
+    shard: Optional[Tuple[int, int]] = None  # (index, count)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.keys.values())
 
     def summary(self) -> str:
-        lines = [f"documents read: {self.read} ({self.seconds:.1f} s)"]
+        rate = lambda n: n / self.seconds if self.seconds > 0 else float("nan")  # noqa: E731
+        where = f"shard {self.shard[0]} of {self.shard[1]}: " if self.shard else ""
+        if self.skipped:
+            where += "already finished, skipped (delete its .done.json or pass --overwrite to redo); "
+        lines = [f"{where}documents read: {self.read} from {self.input_files} files "
+                 f"({self.input_bytes / 1e6:.1f} MB) in {self.seconds:.1f} s; "
+                 f"{rate(self.read):.1f} docs/s, {rate(self.tokens):.0f} tokens/s, "
+                 f"{rate(self.input_bytes) / 1e6:.2f} MB/s"
+                 + (f"; {self.blank_lines} blank lines skipped" if self.blank_lines else "")]
         for key, s in self.keys.items():
             rej = sum(s.rejected.values())
             by_reason = ", ".join(f"{r}={n}" for r, n in sorted(s.rejected.items())) or "none"
             lines.append(f"  [{key}] written: {s.written}, rejected: {rej} ({by_reason}), "
                          f"tokens written: {s.tokens} -> {self.output_prefixes[key]}.bin/.idx")
         if self.rejections_file:
-            lines.append(f"  all rejections with file and line: {self.rejections_file}")
+            lines.append(f"  all rejections with file and line/row: {self.rejections_file}")
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["keys"] = {k: {"written": s.written, "tokens": s.tokens, "rejected": dict(s.rejected)}
+                     for k, s in self.keys.items()}
+        d["rejections"] = [list(r) for r in self.rejections[:MAX_PRINTED_REJECTIONS]]
+        return d
 
-def expand_inputs(patterns: Sequence[str]) -> List[str]:
-    """Expand globs; a pattern that matches nothing is an error, not an empty corpus."""
-    files: List[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        matches = [m for m in matches if os.path.isfile(m)]
-        if not matches:
-            raise ValueError(f"--input {pattern!r}: no such file")
-        files.extend(matches)
-    return files
-
-
-def _is_plain_text(path: str) -> bool:
-    return path.endswith(".txt") or path.endswith(".txt.gz")
-
-
-def _open_text(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    return open(path, "rt", encoding="utf-8", errors="replace")
+    @classmethod
+    def from_json(cls, d: dict) -> "PreprocessStats":
+        st = cls(**{k: v for k, v in d.items() if k not in ("keys", "rejections", "shard")})
+        st.keys = {k: KeyStats(v["written"], v["tokens"], Counter(v["rejected"])) for k, v in d["keys"].items()}
+        st.rejections = [tuple(r) for r in d.get("rejections", [])]
+        st.shard = tuple(d["shard"]) if d.get("shard") else None
+        return st
 
 
-def _read_records(files: Sequence[str]) -> Iterator[Tuple[int, int, bool, str]]:
-    """Yield (file index, 1-based line, is_plain_text, raw record) in input order."""
-    for fi, path in enumerate(files):
-        plain = _is_plain_text(path)
-        with _open_text(path) as f:
-            if not plain:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():  # blank lines in JSONL are not records
-                        yield fi, lineno, False, line
+def shard_prefix(output_prefix: str, shard_index: int, num_shards: int) -> str:
+    return f"{output_prefix}_shard{shard_index:05d}of{num_shards:05d}"
+
+
+# --------------------------------------------------------------------------- workers
+
+_worker = {}  # per process: the tokenizer, built once
+
+
+def _init_worker(tokenizer_type: str, tokenizer_model: str, tokenizer_options: dict,
+                 json_keys: Sequence[str], append_eod: bool, dtype_name: str) -> None:
+    tok = build_tokenizer(tokenizer_type, tokenizer_model, **(tokenizer_options or {}))
+    _worker.update(tok=tok, keys=list(json_keys), eod=tok.eod if append_eod else None,
+                   dtype=np.dtype(dtype_name))
+
+
+def _values(kind: str, payload, keys):
+    """-> dict of field values, or a reject reason for the whole record."""
+    if kind == "parquet":
+        return payload
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    if kind == "text":
+        return {keys[0]: text.replace("\r\n", "\n")}
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return "invalid_json"
+    return obj if isinstance(obj, dict) else "invalid_json"
+
+
+def _has_surrogates(pieces) -> bool:
+    try:
+        for t in pieces:
+            t.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _encode_chunk(records):
+    """Tokenize one chunk -> {key: (tokens array, int64 lengths, [(fi, pos, reason)])}, n records."""
+    tok, keys, eod, dtype = _worker["tok"], _worker["keys"], _worker["eod"], _worker["dtype"]
+    ids = {k: [] for k in keys}
+    lengths = {k: [] for k in keys}
+    rejects = {k: [] for k in keys}
+    for fi, pos, kind, payload in records:
+        values = _values(kind, payload, keys)
+        for key in keys:
+            if isinstance(values, str):
+                rejects[key].append((fi, pos, values))
                 continue
-            block: List[str] = []
-            start = 0
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    if not block:
-                        start = lineno
-                    block.append(line)
-                elif block:
-                    yield fi, start, True, "".join(block).rstrip("\n")
-                    block = []
-            if block:
-                yield fi, start, True, "".join(block).rstrip("\n")
+            text = values.get(key)
+            if text is None:  # absent or null
+                rejects[key].append((fi, pos, "missing_key"))
+                continue
+            if isinstance(text, bytes):  # a Parquet binary column
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError:
+                    rejects[key].append((fi, pos, "invalid_utf8"))
+                    continue
+            # Megatron's document mode: a list of strings is tokenized piecewise and concatenated.
+            pieces = [text] if isinstance(text, str) else text
+            if not isinstance(pieces, list) or not all(isinstance(t, str) for t in pieces):
+                rejects[key].append((fi, pos, "not_text"))
+                continue
+            try:
+                doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
+            except Exception:
+                if not _has_surrogates(pieces):
+                    raise
+                rejects[key].append((fi, pos, "invalid_utf8"))  # lone surrogates from JSON \ud800 escapes
+                continue
+            if not doc:
+                rejects[key].append((fi, pos, "empty_text"))
+                continue
+            if eod is not None:
+                doc.append(eod)
+            ids[key].extend(doc)
+            lengths[key].append(len(doc))
+    out = {k: (np.array(ids[k], dtype=dtype), np.array(lengths[k], dtype=np.int64), rejects[k])
+           for k in keys}
+    return out, len(records)
 
 
-# ---- worker side: a module global so each Pool worker builds its tokenizer once
-_worker = {}
+def _encoded_chunks(chunks, workers: int, init_args, max_inflight: int):
+    """Yield (encoded chunk, source Chunk without its records) in input order; at most
+    `max_inflight` chunks are submitted and not yet consumed."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            result = _encode_chunk(chunk.records)
+            chunk.records = None
+            yield result, chunk
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn: the parent may hold threads (pyarrow, tokenizers) that fork would copy mid-lock
+    ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init_worker, initargs=init_args)
+    pending = deque()
+    try:
+        for chunk in chunks:
+            pending.append((ex.submit(_encode_chunk, chunk.records), chunk))
+            chunk.records = None
+            while len(pending) >= max_inflight:
+                fut, c = pending.popleft()
+                yield fut.result(), c
+        while pending:
+            fut, c = pending.popleft()
+            yield fut.result(), c
+    finally:
+        for fut, _ in pending:
+            fut.cancel()
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str, json_keys: Sequence[str], append_eod: bool):
-    tok = build_tokenizer(tokenizer_type, tokenizer_model)
-    _worker.update(tok=tok, keys=list(json_keys), eod=tok.eod if append_eod else None)
+# --------------------------------------------------------------------------- progress
 
 
-def _encode(record: Tuple[int, int, bool, str]):
-    """-> (file index, line, {key: token ids | reject reason})."""
-    fi, lineno, plain, raw = record
-    keys = _worker["keys"]
-    if plain:
-        values = {keys[0]: raw}
-    else:
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--:--"
+    s = int(seconds)
+    return f"{s // 3600:d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class Progress:
+    """A redrawn status line on a TTY (docs/s, tokens/s, MB/s, % and ETA by input bytes read),
+    otherwise a log line every `log_interval` seconds."""
+
+    def __init__(self, total_bytes: int, log: Callable[[str], None], tty: Optional[bool] = None,
+                 log_interval: float = 30.0, label: str = "") -> None:
+        self.total, self.log, self.label = total_bytes, log, label
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.interval = 0.25 if self.tty else log_interval
+        self.t0 = self.last = time.time()
+        self.docs = self.tokens = self.bytes = 0
+
+    def line(self) -> str:
+        dt = max(time.time() - self.t0, 1e-9)
+        frac = self.bytes / self.total if self.total else float("nan")
+        eta = dt * (1 - frac) / frac if self.total and frac > 0 else float("nan")
+        pct = f"{100 * frac:5.1f}%" if self.total else "  ?  "
+        return (f"{self.label}{pct} {self.docs} docs {self.tokens} tokens | {self.docs / dt:.1f} docs/s "
+                f"{self.tokens / dt:.0f} tokens/s {self.bytes / dt / 1e6:.2f} MB/s | "
+                f"{self.bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB | elapsed {_hms(dt)} ETA {_hms(eta)}")
+
+    def update(self, docs: int, tokens: int, bytes_done: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        self.bytes = bytes_done
+        now = time.time()
+        if now - self.last >= self.interval:
+            self.last = now
+            if self.tty:
+                sys.stderr.write("\r\x1b[K" + self.line())
+                sys.stderr.flush()
+            else:
+                self.log(self.line())
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[K" + self.line() + "\n")
+            sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _fingerprint(files, tokenizer_type, tokenizer_model, tokenizer_options, json_keys, append_eod):
+    model = tokenizer_model
+    if os.path.isdir(model):
+        model = os.path.join(model, "tokenizer.json")
+    return {
+        "version": MARKER_VERSION,
+        "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
+        "tokenizer": [tokenizer_type, os.path.abspath(model),
+                      os.path.getsize(model) if os.path.isfile(model) else None,
+                      {k: v for k, v in sorted((tokenizer_options or {}).items()) if v is not None}],
+        "json_keys": list(json_keys),
+        "append_eod": bool(append_eod),
+    }
+
+
+def _remove_stale_temporaries(paths: Sequence[str], log) -> None:
+    """Temporaries `{path}.tmp-*` of an interrupted run (any pid); never finished files.
+    (Two runs of the same output at once are not supported.)"""
+    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")]
+    for p in sorted(set(stale)):
         try:
-            obj = json.loads(raw)
-        except ValueError:
-            return fi, lineno, {k: "invalid_json" for k in keys}
-        if not isinstance(obj, dict):
-            return fi, lineno, {k: "invalid_json" for k in keys}
-        values = obj
-    out = {}
-    for key in keys:
-        if key not in values:
-            out[key] = "missing_key"
-            continue
-        text = values[key]
-        # Megatron's document mode: a list of strings is tokenized piecewise and concatenated.
-        pieces = [text] if isinstance(text, str) else text
-        if not isinstance(pieces, list) or not all(isinstance(t, str) for t in pieces):
-            out[key] = "not_text"
-            continue
-        ids = [i for t in pieces if t.strip() for i in _worker["tok"].tokenize(t)]
-        if not ids:
-            out[key] = "empty_text"
-            continue
-        if _worker["eod"] is not None:
-            ids.append(_worker["eod"])
-        out[key] = ids
-    return fi, lineno, out
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    if stale:
+        log(f"removed {len(set(stale))} temporary files of an interrupted run: {sorted(set(stale))[:4]}")
+
+
+def _finished(marker: str, fingerprint: dict, prefixes: Sequence[str]) -> Tuple[Optional[dict], str]:
+    """(stats dict of a finished shard, "") or (None, why it must be (re)done)."""
+    if not os.path.isfile(marker):
+        return None, "no finished output"
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+    except (OSError, ValueError) as err:
+        return None, f"unreadable marker {marker} ({err})"
+    if info.get("fingerprint") != fingerprint:
+        return None, f"{marker} was written for other inputs, tokenizer or flags"
+    try:
+        for p in prefixes:
+            validate_indexed_dataset(p)
+    except DatasetFormatError as err:
+        return None, f"finished marker present but the dataset is invalid ({err})"
+    return info.get("stats"), ""
 
 
 def preprocess(
@@ -161,84 +345,134 @@ def preprocess(
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
     workers: int = 1,
-    chunksize: int = 64,
+    chunksize: int = 256,
     log: Optional[Callable[[str], None]] = None,
+    tokenizer_options: Optional[dict] = None,
+    num_shards: Optional[int] = None,
+    shard_index: Optional[int] = None,
+    overwrite: bool = False,
+    chunk_bytes: int = 1 << 18,
+    parquet_batch_rows: int = 1024,
+    progress: Optional[bool] = None,
+    log_interval: float = 30.0,
 ) -> PreprocessStats:
-    """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key.
+    """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key (with
+    `num_shards`: the shard's `{output_prefix}_shard{i:05d}of{n:05d}_{key}_document`).
 
-    `workers > 1` tokenizes in a multiprocessing Pool (imap keeps input order, so output is
-    identical for any worker count). `log` receives progress and rejection lines (default:
-    stderr). Rejections go to `{output_prefix}_rejected.tsv` when there are any.
+    `workers > 1` tokenizes in that many processes; the output is identical for any count.
+    `log` receives progress and rejection lines (default: stderr). `progress`: force the TTY
+    status line on/off (default: on when stderr is a TTY, else log lines every
+    `log_interval` s). Rejections go to `{prefix}_rejected.tsv` when there are any.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     json_keys = list(json_keys)
     if not json_keys:
         raise ValueError("--json-keys: at least one key is required")
-    files = expand_inputs(inputs)
-    if any(_is_plain_text(f) for f in files) and len(json_keys) > 1:
+    if len(set(json_keys)) != len(json_keys):
+        raise ValueError(f"--json-keys: duplicate keys in {json_keys}")
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: expected >= 1")
+    all_files = expand_inputs(inputs)
+    if any(file_format(f) == "text" for f in all_files) and len(json_keys) > 1:
         raise ValueError("--json-keys: plain-text inputs fill a single key, got several")
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)  # fail early, in this process
-    dtype = optimal_dtype(tokenizer.vocab_size)
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, **(tokenizer_options or {}))  # fail early
+    dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
 
-    stats = PreprocessStats()
+    sharded = num_shards is not None
+    if sharded:
+        shard_index = 0 if shard_index is None else shard_index
+        files = shard_files(all_files, num_shards, shard_index)
+        base = shard_prefix(output_prefix, shard_index, num_shards)
+    else:
+        files, base = all_files, output_prefix
+    prefixes = {key: f"{base}_{key}_document" for key in json_keys}
+    rejections_path = f"{base}_rejected.tsv"
+    marker = f"{base}.done.json"
+    label = f"[shard {shard_index}/{num_shards}] " if sharded else ""
+
+    fingerprint = _fingerprint(files, tokenizer_type, tokenizer_model, tokenizer_options, json_keys, append_eod)
+    if sharded and not overwrite:
+        done, why = _finished(marker, fingerprint, list(prefixes.values()))
+        if done is not None:
+            stats = PreprocessStats.from_json(done)
+            stats.skipped = True
+            log(f"{label}already finished ({marker}), skipping; --overwrite redoes it")
+            return stats
+        log(f"{label}{why}: processing {len(files)} files")
+    if sharded and os.path.exists(marker):
+        os.remove(marker)  # the outputs are about to be replaced
+    _remove_stale_temporaries([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
+                              + [rejections_path, marker], log)
+
+    stats = PreprocessStats(input_files=len(files), input_bytes=sum(os.path.getsize(f) for f in files),
+                            shard=(shard_index, num_shards) if sharded else None)
     writers = {}
     for key in json_keys:
-        prefix = f"{output_prefix}_{key}_document"
-        stats.output_prefixes[key] = prefix
+        stats.output_prefixes[key] = prefixes[key]
         stats.keys[key] = KeyStats()
-        writers[key] = IndexedDatasetWriter(prefix, dtype)
-    rejections_path = f"{output_prefix}_rejected.tsv"
+    rejections_tmp = f"{rejections_path}.tmp-{os.getpid()}"
     rejections_out = None
+    n_rejected = 0
+    bar = Progress(stats.input_bytes, log, tty=progress, log_interval=log_interval, label=label)
     t0 = time.time()
-    init_args = (tokenizer_type, tokenizer_model, json_keys, append_eod)
-    pool = None
+    init_args = (tokenizer_type, tokenizer_model, tokenizer_options or {}, json_keys, append_eod, dtype.name)
     try:
-        if workers > 1:
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=init_args)
-            results = pool.imap(_encode, _read_records(files), max(32, chunksize))
-        else:
-            _init_worker(*init_args)
-            results = map(_encode, _read_records(files))
-        for fi, lineno, out in results:
-            stats.read += 1
+        for key in json_keys:
+            writers[key] = IndexedDatasetWriter(prefixes[key], dtype)
+        chunks = iter_chunks(files, json_keys, max_records=chunksize, max_bytes=chunk_bytes,
+                             parquet_batch_rows=parquet_batch_rows)
+        for (encoded, n_records), chunk in _encoded_chunks(chunks, workers, init_args, 2 * workers + 2):
+            stats.read += n_records
+            stats.blank_lines += chunk.blank_lines
+            chunk_tokens = 0
             for key in json_keys:
-                value = out[key]
-                if isinstance(value, str):
-                    stats.keys[key].rejected[value] += 1
-                    entry = (files[fi], lineno, key, value)
-                    if len(stats.rejections) < 1000:
+                tokens, lengths, rejects = encoded[key]
+                if lengths.size:
+                    writers[key].add_documents(tokens, lengths)
+                ks = stats.keys[key]
+                ks.written += int(lengths.size)
+                ks.tokens += int(tokens.size)
+                chunk_tokens += int(tokens.size)
+                for fi, pos, reason in rejects:
+                    ks.rejected[reason] += 1
+                    entry = (files[fi], pos, key, reason)
+                    if len(stats.rejections) < MAX_KEPT_REJECTIONS:
                         stats.rejections.append(entry)
                     if rejections_out is None:
-                        rejections_out = open(rejections_path, "w", encoding="utf-8")
-                        rejections_out.write("file\tline\tkey\treason\n")
+                        rejections_out = open(rejections_tmp, "w", encoding="utf-8")
+                        rejections_out.write("file\tline_or_row\tkey\treason\n")
                     rejections_out.write("\t".join(map(str, entry)) + "\n")
-                    if sum(sum(s.rejected.values()) for s in stats.keys.values()) <= MAX_PRINTED_REJECTIONS:
-                        log(f"rejected {files[fi]}:{lineno} [{key}]: {value}")
-                else:
-                    writers[key].add_document(value)
-                    stats.keys[key].written += 1
-                    stats.keys[key].tokens += len(value)
-            if stats.read % 100000 == 0:
-                log(f"{stats.read} documents, {time.time() - t0:.0f} s")
+                    n_rejected += 1
+                    if n_rejected <= MAX_PRINTED_REJECTIONS:
+                        where = f"{files[fi]} row {pos}" if file_format(files[fi]) == "parquet" else f"{files[fi]}:{pos}"
+                        log(f"{label}rejected {where} [{key}]: {reason}")
+            bar.update(n_records, chunk_tokens, chunk.bytes_done)
+        bar.close()
+        for key in json_keys:
+            assert stats.read == stats.keys[key].written + sum(stats.keys[key].rejected.values()), key
+        # Order of completion: rejections report, datasets (.bin then .idx each), marker last.
+        if rejections_out is not None:
+            rejections_out.close()
+            os.replace(rejections_tmp, rejections_path)
+            stats.rejections_file = rejections_path
+        elif os.path.exists(rejections_path):
+            os.remove(rejections_path)  # stale report from an earlier run of the same prefix
         for w in writers.values():
             w.finalize()
     except BaseException:
-        if pool is not None:
-            pool.terminate()
         for w in writers.values():
             w.abort()
-        raise
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-        if rejections_out is not None:
+        if rejections_out is not None and not rejections_out.closed:
             rejections_out.close()
-    if rejections_out is not None:
-        stats.rejections_file = rejections_path
-    elif os.path.exists(rejections_path):
-        os.remove(rejections_path)  # stale report from an earlier run of the same prefix
+        if os.path.exists(rejections_tmp):
+            os.remove(rejections_tmp)
+        raise
     stats.seconds = time.time() - t0
-    for key, s in stats.keys.items():
-        assert stats.read == s.written + sum(s.rejected.values()), key
+    if sharded:
+        tmp = f"{marker}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"fingerprint": fingerprint, "stats": stats.to_json()}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, marker)
     return stats

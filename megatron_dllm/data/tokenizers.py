@@ -16,7 +16,25 @@ import os
 from typing import Iterable, List, Optional
 
 MASK_PIECES = ("<mask>", "[MASK]")
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer")
+
+# Pre-tokenisation regexes for TikTokenizer (`--tiktoken-pattern NAME` or a literal regex).
+TIKTOKEN_PATTERNS = {
+    # Llama 3's (128k vocabulary; cl100k's regex without possessive quantifiers)
+    "llama3": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "cl100k": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+    "o200k": "|".join([
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]),
+}
+DEFAULT_TIKTOKEN_PATTERN = "llama3"
+DEFAULT_TIKTOKEN_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
 
 
 def _bad_model(tokenizer_type: str, path, expected: str) -> ValueError:
@@ -160,11 +178,131 @@ class HuggingFaceTokenizer(_Tokenizer):
         return (HuggingFaceTokenizer, (self.model_path,))
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> _Tokenizer:
-    """Megatron-style factory; ValueError names the flag and what was expected."""
+class TikTokenizer(_Tokenizer):
+    """A tiktoken-format BPE file (`.tiktoken`: one `base64(token bytes) rank` per line), the
+    format of Llama 3's 128k vocabulary, encoded with the `tiktoken` package.
+
+    Ids: the file's ranks 0..R-1 (they must be exactly 0..R-1 and include all 256 single
+    bytes, so every text encodes), then `special_tokens` in order (default
+    `<|begin_of_text|>`, `<|end_of_text|>`), then, up to `num_special_tokens` specials in
+    all, `<|reserved_special_token_{i}|>` fillers (Llama 3: 128000 + 256 = 128256), then
+    [MASK]. EOD is `<|end_of_text|>` or `<|endoftext|>`, BOS `<|begin_of_text|>` if present.
+    `pattern` is a name in TIKTOKEN_PATTERNS (default "llama3", the cl100k-style regex) or a
+    literal regex. Special-token strings inside documents are encoded as ordinary text.
+    """
+
+    name = "TikTokenizer"
+    EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<|eot_id|>")
+    BOS_CANDIDATES = ("<|begin_of_text|>", "<s>")
+
+    def __init__(self, model_path: str, pattern: Optional[str] = None,
+                 special_tokens: Optional[Iterable[str]] = None,
+                 num_special_tokens: Optional[int] = None) -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            raise ValueError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
+                             "(pip install tiktoken)") from None
+        if not os.path.isfile(model_path):
+            raise _bad_model(self.name, model_path, "file not found, expected a .tiktoken file of "
+                                                    "`base64token rank` lines")
+        self.model_path = os.path.abspath(model_path)
+        self.pattern = pattern or DEFAULT_TIKTOKEN_PATTERN
+        self.special_tokens = list(special_tokens if special_tokens is not None
+                                   else DEFAULT_TIKTOKEN_SPECIAL_TOKENS)
+        self.num_special_tokens = num_special_tokens
+        ranks = self.load_ranks(self.model_path)
+        n = len(ranks)
+        specials = list(self.special_tokens)
+        if num_special_tokens is not None:
+            if num_special_tokens < len(specials):
+                raise ValueError(f"--tiktoken-num-special-tokens {num_special_tokens} is smaller than "
+                                 f"the {len(specials)} special tokens given")
+            specials += [f"<|reserved_special_token_{i}|>"
+                         for i in range(num_special_tokens - len(specials))]
+        if len(set(specials)) != len(specials):
+            raise ValueError(f"--tiktoken-special-tokens: duplicates in {specials}")
+        special_ids = {tok: n + i for i, tok in enumerate(specials)}
+        pat = TIKTOKEN_PATTERNS.get(self.pattern, self.pattern)
+        try:
+            self._enc = tiktoken.Encoding(name=os.path.basename(model_path), pat_str=pat,
+                                          mergeable_ranks=ranks, special_tokens=special_ids)
+        except Exception as err:  # a bad regex is reported by the Rust side
+            raise ValueError(f"--tiktoken-pattern {self.pattern!r}: not usable ({err})") from None
+        existing = next((special_ids[p] for p in MASK_PIECES if p in special_ids), None)
+        self._set_mask(n + len(specials), existing)
+        eos = next((special_ids[t] for t in self.EOS_CANDIDATES if t in special_ids), None)
+        if eos is None:
+            raise _bad_model(self.name, model_path, f"no EOS among the special tokens {specials[:8]}, "
+                                                    f"expected one of {self.EOS_CANDIDATES} to serve as EOD")
+        self.eod = eos
+        self.bos = next((special_ids[t] for t in self.BOS_CANDIDATES if t in special_ids), None)
+
+    @classmethod
+    def load_ranks(cls, path: str) -> dict:
+        """Parse a `.tiktoken` file into {token bytes: rank}; ValueError names file and line."""
+        import base64
+        import binascii
+
+        ranks = {}
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                parts = line.split()
+                try:
+                    if len(parts) != 2:
+                        raise ValueError
+                    token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+                except (ValueError, binascii.Error):
+                    raise _bad_model(cls.name, path, f"line {lineno} is not `base64token rank`") from None
+                if token in ranks:
+                    raise _bad_model(cls.name, path, f"line {lineno}: token {token!r} appears twice")
+                ranks[token] = rank
+        if not ranks:
+            raise _bad_model(cls.name, path, "empty .tiktoken file")
+        if sorted(ranks.values()) != list(range(len(ranks))):
+            raise _bad_model(cls.name, path, f"ranks are not exactly 0..{len(ranks) - 1}")
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise _bad_model(cls.name, path, f"{len(missing)} single bytes have no rank (first: "
+                                             f"{missing[0]}); every byte must, so any text encodes")
+        return ranks
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._enc.encode_ordinary(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(self._strip_mask(ids))
+
+    def __reduce__(self):
+        return (TikTokenizer, (self.model_path, self.pattern, self.special_tokens, self.num_special_tokens))
+
+
+def write_tiktoken_file(path: str, tokens: Iterable[bytes]) -> None:
+    """Write token byte strings as a `.tiktoken` file, rank = position (atomic)."""
+    import base64
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for rank, token in enumerate(tokens):
+            f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+    os.replace(tmp, path)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _Tokenizer:
+    """Megatron-style factory; ValueError names the flag and what was expected.
+
+    `options` go to the tokenizer class (TikTokenizer: pattern, special_tokens,
+    num_special_tokens); None values are dropped.
+    """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported, expected one of {TOKENIZER_TYPES}")
     if not tokenizer_model:
         raise ValueError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
-    cls = SentencePieceTokenizer if tokenizer_type == "SentencePieceTokenizer" else HuggingFaceTokenizer
-    return cls(tokenizer_model)
+    options = {k: v for k, v in options.items() if v is not None}
+    cls = {"SentencePieceTokenizer": SentencePieceTokenizer, "HuggingFaceTokenizer": HuggingFaceTokenizer,
+           "TikTokenizer": TikTokenizer}[tokenizer_type]
+    if options and cls is not TikTokenizer:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} takes no options, got {sorted(options)}")
+    return cls(tokenizer_model, **options)

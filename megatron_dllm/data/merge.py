@@ -1,0 +1,201 @@
+"""Join Megatron `.bin/.idx` datasets (e.g. preprocessing shards) into one, or write a blend.
+
+`merge_datasets(prefixes, out)` concatenates the datasets in the given order by streaming
+copies (the `.bin` in 16 MiB blocks, the index sections in chunks): memory does not grow with
+the corpus. The result is what megatron-core's `IndexedDatasetBuilder.add_index` would build
+(lengths concatenated, pointers recomputed, document indices shifted, modes kept), and for our
+shards it equals preprocessing all inputs in one run byte for byte. Outputs are written under
+temporary names and renamed, `.idx` last.
+
+`write_blend_file(prefixes, path)` writes the Megatron `--data-path` form `w1 p1 w2 p2 ...`
+(one pair per line; weights = token counts, so blending samples like the concatenation).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from megatron_dllm.data.indexed_dataset import (
+    _CHUNK,
+    CODE_OF_DTYPE,
+    HEADER_SIZE,
+    MAGIC,
+    VERSION,
+    bin_path,
+    idx_path,
+    validate_indexed_dataset,
+)
+
+SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")
+
+
+def expand_prefixes(patterns: Sequence[str]) -> List[str]:
+    """Prefixes or globs over prefixes (`out/corpus_shard*_text_document`, matched against the
+    `.idx` files); each glob's matches are sorted. Order of the patterns is kept."""
+    out: List[str] = []
+    for pattern in patterns:
+        if pattern.endswith(".idx") or pattern.endswith(".bin"):
+            pattern = pattern[:-4]
+        if glob.has_magic(pattern):
+            matches = sorted(p[:-4] for p in glob.glob(pattern + ".idx"))
+            if not matches:
+                raise ValueError(f"--input {pattern!r}: matches no .idx file")
+            out.extend(matches)
+        else:
+            out.append(pattern)
+    if len(set(out)) != len(out):
+        raise ValueError(f"--input: a dataset is listed twice in {out}")
+    return out
+
+
+def check_shard_set(prefixes: Sequence[str]) -> None:
+    """If the prefixes are preprocessing shards (`_shardIIIIIofNNNNN_`), they must be one
+    complete set, in order; ValueError names the missing or misplaced shards."""
+    found = [SHARD_RE.search(os.path.basename(p)) for p in prefixes]
+    if not any(found):
+        return
+    if not all(found):
+        raise ValueError("--input mixes shard outputs with other datasets; pass --allow-incomplete to merge anyway")
+    counts = {int(m.group(2)) for m in found}
+    stems = {SHARD_RE.sub("_", p) for p in prefixes}
+    if len(counts) != 1 or len(stems) != 1:
+        raise ValueError(f"--input holds shards of different runs ({sorted(stems)}, counts {sorted(counts)})")
+    (n,) = counts
+    indices = [int(m.group(1)) for m in found]
+    missing = sorted(set(range(n)) - set(indices))
+    if missing:
+        raise ValueError(f"--input has {len(indices)} of {n} shards; missing shard indices {missing[:20]} "
+                         f"(unfinished preprocessing? pass --allow-incomplete to merge anyway)")
+    if indices != sorted(indices):
+        raise ValueError("--input shards are out of order; list them by shard index")
+
+
+@dataclass
+class MergeStats:
+    output_prefix: str
+    datasets: int
+    sequences: int
+    documents: int
+    tokens: int
+    dtype: str
+
+
+def _copy_section(src, offset: int, nbytes: int, dst, transform=None, itemtype=None) -> None:
+    """Copy `nbytes` from `src` at `offset` to `dst` in chunks, optionally through
+    `transform(np.ndarray of itemtype) -> np.ndarray`."""
+    src.seek(offset)
+    step = _CHUNK * 8
+    left = nbytes
+    while left > 0:
+        raw = src.read(min(step, left))
+        if not raw:
+            raise OSError(f"{src.name}: unexpected end of file at byte {src.tell()}")
+        left -= len(raw)
+        if transform is None:
+            dst.write(raw)
+        else:
+            dst.write(transform(np.frombuffer(raw, dtype=itemtype)).tobytes(order="C"))
+
+
+def merge_datasets(prefixes: Sequence[str], output_prefix: str,
+                   log: Optional[Callable[[str], None]] = None) -> MergeStats:
+    """Concatenate the datasets `prefixes` (in order) into `output_prefix.bin/.idx`."""
+    log = log or (lambda m: None)
+    if not prefixes:
+        raise ValueError("--input: no dataset to merge")
+    out_abs = os.path.abspath(output_prefix)
+    if any(os.path.abspath(p) == out_abs for p in prefixes):
+        raise ValueError(f"--output-prefix {output_prefix!r} is also an input")
+    headers = [validate_indexed_dataset(p) for p in prefixes]
+    dtypes = {np.dtype(h.dtype) for h in headers}
+    if len(dtypes) != 1:
+        raise ValueError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
+                         f"cannot concatenate token files")
+    if len({h.multimodal for h in headers}) != 1:
+        raise ValueError("--input mixes datasets with and without sequence modes")
+    dtype = dtypes.pop()
+    multimodal = headers[0].multimodal
+    n_seq = sum(h.sequence_count for h in headers)
+    n_doc = sum(h.num_documents for h in headers)
+    if os.path.dirname(output_prefix):
+        os.makedirs(os.path.dirname(output_prefix), exist_ok=True)
+    tag = f".tmp-{os.getpid()}"
+    tmp_bin, tmp_idx = bin_path(output_prefix) + tag, idx_path(output_prefix) + tag
+    try:
+        with open(tmp_bin, "wb") as fb:
+            for p in prefixes:
+                with open(bin_path(p), "rb") as src:
+                    shutil.copyfileobj(src, fb, 1 << 24)
+            fb.flush()
+            os.fsync(fb.fileno())
+        with open(tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF_DTYPE[dtype]))
+            f.write(struct.pack("<Q", n_seq))
+            f.write(struct.pack("<Q", n_doc + 1))
+            srcs = [open(idx_path(p), "rb") for p in prefixes]
+            try:
+                for h, src in zip(headers, srcs):  # lengths
+                    _copy_section(src, HEADER_SIZE, 4 * h.sequence_count, f)
+                byte_offset = 0
+                for h, src in zip(headers, srcs):  # pointers, shifted by the bytes before
+                    _copy_section(src, HEADER_SIZE + 4 * h.sequence_count, 8 * h.sequence_count, f,
+                                  lambda a, o=byte_offset: a + np.int64(o), np.int64)
+                    byte_offset += h.num_tokens * dtype.itemsize
+                f.write(struct.pack("<q", 0))
+                seq_offset = 0
+                for h, src in zip(headers, srcs):  # document indices[1:], shifted by sequences before
+                    start = HEADER_SIZE + 12 * h.sequence_count + 8
+                    _copy_section(src, start, 8 * h.num_documents, f,
+                                  lambda a, o=seq_offset: a + np.int64(o), np.int64)
+                    seq_offset += h.sequence_count
+                if multimodal:
+                    for h, src in zip(headers, srcs):
+                        _copy_section(src, HEADER_SIZE + 12 * h.sequence_count + 8 * h.document_count,
+                                      h.sequence_count, f)
+            finally:
+                for src in srcs:
+                    src.close()
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(idx_path(output_prefix)):
+            os.remove(idx_path(output_prefix))
+        os.replace(tmp_bin, bin_path(output_prefix))
+        os.replace(tmp_idx, idx_path(output_prefix))
+    except BaseException:
+        for p in (tmp_bin, tmp_idx):
+            if os.path.exists(p):
+                os.remove(p)
+        raise
+    header = validate_indexed_dataset(output_prefix)
+    stats = MergeStats(output_prefix, len(prefixes), header.sequence_count, header.num_documents,
+                       header.num_tokens, dtype.name)
+    log(f"merged {len(prefixes)} datasets: {stats.documents} documents, {stats.tokens} tokens "
+        f"({dtype.name}) -> {output_prefix}.bin/.idx")
+    return stats
+
+
+def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True) -> List[tuple]:
+    """Write `tokens prefix` lines (Megatron `--data-path` weights, proportional to size); the
+    file's whitespace-split contents are a valid `--data-path` value. Returns the pairs."""
+    pairs = []
+    for p in prefixes:
+        h = validate_indexed_dataset(p)
+        if h.num_tokens == 0:
+            raise ValueError(f"--input {p!r} has no tokens; Megatron weights must be positive")
+        pairs.append((h.num_tokens, os.path.abspath(p) if absolute else p))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for w, p in pairs:
+            f.write(f"{w} {p}\n")
+    os.replace(tmp, path)
+    return pairs

@@ -1,0 +1,467 @@
+"""Preprocessing at scale: input formats, tokenizers (tiktoken), sharding, kill/rerun, merge,
+inspect/verify. Real text: Shakespeare's plays written by the tests as JSONL, .jsonl.gz,
+.jsonl.zst and Parquet."""
+
+import gzip
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dllm.data import indexed_dataset as idxmod
+from megatron_dllm.data.demo import shakespeare_files
+from megatron_dllm.data.indexed_dataset import (
+    HEADER_SIZE,
+    DatasetFormatError,
+    IndexedDatasetWriter,
+    open_indexed_dataset,
+    validate_indexed_dataset,
+)
+from megatron_dllm.data.inspect import describe_dataset, verify_dataset
+from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
+from megatron_dllm.data.preprocess import Progress, preprocess, shard_prefix
+from megatron_dllm.data.sources import expand_inputs, shard_files
+from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(REPO, "tools")
+SP = "SentencePieceTokenizer"
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _same(a, b):
+    return all(_read(a + ext) == _read(b + ext) for ext in (".bin", ".idx"))
+
+
+def _tool(name, *args, **kw):
+    return subprocess.run([sys.executable, os.path.join(TOOLS, name), *map(str, args)],
+                          capture_output=True, text=True, cwd=REPO, **kw)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def plays():
+    """12 plays, each a list of paragraphs (documents)."""
+    out = {}
+    for f in shakespeare_files()[:12]:
+        text = open(f, encoding="utf-8").read()
+        out[os.path.basename(f)[:-4]] = [p.strip("\n") for p in text.split("\n\n") if p.strip()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory, plays):
+    import sentencepiece as spm
+
+    path = str(tmp_path_factory.mktemp("tok") / "sp.model")
+    lines = [l for docs in list(plays.values())[:3] for p in docs for l in p.splitlines() if l.strip()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=path[:-6], vocab_size=1000, model_type="bpe",
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    return path
+
+
+def _bytelevel_decoder():
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@pytest.fixture(scope="module")
+def tiktoken_file(tmp_path_factory, plays):
+    """A .tiktoken file converted from a byte-level BPE trained with `tokenizers`: ranks in the
+    trainer's id order (merge order), all 256 bytes included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    docs = [p for d in list(plays.values())[:3] for p in d]
+    tok.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    dec = _bytelevel_decoder()
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    path = str(tmp_path_factory.mktemp("tik") / "shakespeare.tiktoken")
+    write_tiktoken_file(path, [bytes(dec[c] for c in t) for t, _ in vocab])
+    return path
+
+
+def _write_formats(directory, docs_by_file, formats=("jsonl", "jsonl.gz", "jsonl.zst", "parquet")):
+    """Write the same documents in each format; returns {format: [paths]}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    out = {}
+    for fmt in formats:
+        sub = os.path.join(directory, fmt.replace(".", "_"))
+        os.makedirs(sub, exist_ok=True)
+        out[fmt] = []
+        for name, docs in docs_by_file.items():
+            path = os.path.join(sub, f"{name}.{fmt}")
+            lines = b"".join(json.dumps({"text": d, "id": i}).encode() + b"\n" for i, d in enumerate(docs))
+            if fmt == "jsonl":
+                open(path, "wb").write(lines)
+            elif fmt == "jsonl.gz":
+                with gzip.open(path, "wb") as f:
+                    f.write(lines)
+            elif fmt == "jsonl.zst":
+                with open(path, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as w:
+                    w.write(lines[: len(lines) // 2])  # two frames
+                    w.flush(zstandard.FLUSH_FRAME)
+                    w.write(lines[len(lines) // 2:])
+            else:
+                pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), path, row_group_size=100)
+            out[fmt].append(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, plays):
+    d = str(tmp_path_factory.mktemp("corpus"))
+    return _write_formats(d, plays)
+
+
+# ---------------------------------------------------------------- formats
+
+
+def test_formats_give_identical_tokens(tmp_path, corpus, sp_model, plays):
+    outs = {}
+    for fmt, paths in corpus.items():
+        stats = preprocess([os.path.dirname(paths[0]) + "/*"], str(tmp_path / fmt), SP, sp_model,
+                           append_eod=True, workers=1, log=lambda m: None)
+        outs[fmt] = stats.output_prefixes["text"]
+        assert stats.read == sum(map(len, plays.values())) == stats.keys["text"].written
+    ref = outs.pop("jsonl")
+    for fmt, prefix in outs.items():
+        assert _same(ref, prefix), fmt
+    # 2 worker processes, small chunks: same bytes
+    stats = preprocess(corpus["parquet"], str(tmp_path / "w2"), SP, sp_model, append_eod=True, workers=2,
+                       chunksize=37, chunk_bytes=5000, log=lambda m: None)
+    assert _same(ref, stats.output_prefixes["text"])
+    ds = open_indexed_dataset(ref)
+    tok = build_tokenizer(SP, sp_model)
+    first = sorted(plays)[0]
+    assert tok.detokenize(ds[0][:-1].tolist()) == plays[first][0] and ds[0][-1] == tok.eod
+    assert ds.index.dtype == np.uint16
+
+
+def test_rejections_named_in_every_format(tmp_path, sp_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = json.dumps({"text": "To be, or not to be"}).encode()
+    lines = [good, b'{"text": "caf\xe9 au lait"}', b'{"text": "unterminated', json.dumps({"body": "x"}).encode(),
+             json.dumps({"text": "  \n "}).encode(), json.dumps({"text": None}).encode(),
+             json.dumps({"text": 7}).encode(), b"", json.dumps({"text": "\ud800"}).encode(), good]
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    msgs = []
+    st = preprocess([str(tmp_path / "a.jsonl")], str(tmp_path / "a"), SP, sp_model, log=msgs.append)
+    k = st.keys["text"]
+    assert st.read == 9 == k.written + sum(k.rejected.values()) and st.blank_lines == 1
+    assert dict(k.rejected) == {"invalid_utf8": 2, "invalid_json": 1, "missing_key": 2, "empty_text": 1,
+                                "not_text": 1}
+    assert {(pos, r) for _, pos, _, r in st.rejections} == {
+        (2, "invalid_utf8"), (3, "invalid_json"), (4, "missing_key"), (5, "empty_text"),
+        (6, "missing_key"), (7, "not_text"), (9, "invalid_utf8")}
+    assert any(m.endswith("a.jsonl:3 [text]: invalid_json") for m in msgs)
+    assert "a.jsonl\t2\ttext\tinvalid_utf8" in open(st.rejections_file).read()
+    assert "rejected: 7 (empty_text=1, invalid_json=1, invalid_utf8=2" in st.summary()
+    # Parquet: null cells, a binary column with bad UTF-8, a missing column; rows are 1-based
+    pq.write_table(pa.table({"text": ["Good morrow", None, "", "Adieu"],
+                             "raw": [b"ok", b"\xff\xfe", b"fine", None]}), tmp_path / "b.parquet", row_group_size=2)
+    st = preprocess([str(tmp_path / "b.parquet")], str(tmp_path / "b"), SP, sp_model,
+                    json_keys=["text", "raw", "absent"], log=msgs.append)
+    assert st.read == 4 and st.keys["text"].written == 2 and st.keys["raw"].written == 2
+    assert {(pos, key, r) for _, pos, key, r in st.rejections} == {
+        (2, "text", "missing_key"), (3, "text", "empty_text"), (2, "raw", "invalid_utf8"),
+        (4, "raw", "missing_key"), *((i, "absent", "missing_key") for i in range(1, 5))}
+    assert any("b.parquet row 2 [raw]: invalid_utf8" in m for m in msgs)
+
+
+# ---------------------------------------------------------------- sharding, merge
+
+
+def test_shard_rule_is_contiguous_and_byte_balanced(tmp_path):
+    sizes = [5, 100, 1, 1, 50, 50, 0, 300, 7]
+    files = []
+    for i, s in enumerate(sizes):
+        p = tmp_path / f"f{i}.jsonl"
+        p.write_bytes(b"x" * s)
+        files.append(str(p))
+    files = expand_inputs([str(tmp_path / "f*.jsonl"), files[0]])  # sorted, deduplicated
+    assert files == sorted(files) and len(files) == len(sizes)
+    for n in (1, 2, 3, 4, 12):
+        parts = [shard_files(files, n, i) for i in range(n)]
+        assert sum(parts, []) == files  # in order: concatenating shards = the full list
+    assert [len(shard_files(files, 12, i)) for i in range(12)].count(0) > 0  # empty shards allowed
+    with pytest.raises(ValueError, match="--shard-index 3"):
+        shard_files(files, 3, 3)
+
+
+def test_sharded_then_merged_equals_single_run(tmp_path, corpus, sp_model):
+    inputs = corpus["jsonl.zst"]
+    one = preprocess(inputs, str(tmp_path / "one"), SP, sp_model, append_eod=True, log=lambda m: None)
+    n, out = 4, str(tmp_path / "sh" / "corpus")
+    for i in range(n):
+        st = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=i,
+                        workers=1 + i % 2, log=lambda m: None)
+        assert st.output_prefixes["text"] == shard_prefix(out, i, n) + "_text_document"
+        assert os.path.isfile(shard_prefix(out, i, n) + ".done.json")
+    msgs = []
+    again = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=2, log=msgs.append)
+    assert again.skipped and "skipping" in msgs[0] and "already finished" in again.summary()
+    r = _tool("merge_datasets.py", "--input", out + "_shard*_text_document", "--output-prefix", tmp_path / "merged")
+    assert r.returncode == 0, r.stderr
+    assert _same(one.output_prefixes["text"], str(tmp_path / "merged"))
+    prefixes = expand_prefixes([out + "_shard*_text_document"])
+    with pytest.raises(ValueError, match=r"3 of 4 shards; missing shard indices \[1\]"):
+        check_shard_set(prefixes[:1] + prefixes[2:])
+    r = _tool("merge_datasets.py", "--input", *prefixes[:2], "--output-prefix", tmp_path / "bad")
+    assert r.returncode == 2 and "missing shard indices [2, 3]" in r.stderr
+    pairs = write_blend_file(prefixes, str(tmp_path / "blend.txt"))
+    from megatron_dllm.data.datasets import parse_data_path
+
+    paths, weights = parse_data_path(open(tmp_path / "blend.txt").read().split())
+    assert paths == [os.path.abspath(p) for p in prefixes] and sum(weights) == one.keys["text"].tokens
+    assert [w for w, _ in pairs] == weights
+    # a changed input invalidates the finished marker of the shard that holds it
+    last = shard_files(sorted(inputs), n, n - 1)[-1]
+    with open(last, "ab") as f:
+        import zstandard
+
+        f.write(zstandard.ZstdCompressor().compress(b'{"text": "Exeunt."}\n'))
+    msgs = []
+    st = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, log=msgs.append)
+    assert not st.skipped and "other inputs" in msgs[0]
+
+
+def _wait_for(pred, timeout=60.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model):
+    # A bigger shard so the kill lands mid-run: 2 copies of the 12 plays, 24 files.
+    docs = {f"{k}_{c}": v for c in range(2) for k, v in plays.items()}
+    inputs = _write_formats(str(tmp_path / "in"), docs, formats=("jsonl",))["jsonl"]
+    ref = str(tmp_path / "ref" / "c")
+    for i in range(2):
+        preprocess(inputs, ref, SP, sp_model, append_eod=True, num_shards=2, shard_index=i, log=lambda m: None)
+    out = str(tmp_path / "run" / "c")
+    cmd = ["preprocess_data.py", "--input", str(tmp_path / "in" / "jsonl" / "*.jsonl"), "--output-prefix", out,
+           "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--append-eod", "--num-shards", "2",
+           "--chunksize", "64"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["SLURM_ARRAY_TASK_COUNT"], env["SLURM_ARRAY_TASK_ID"] = "2", "0"  # shard 0 via Slurm defaults
+    r = _tool(*cmd, env=env)
+    assert r.returncode == 0 and "shard 0 of 2" in r.stdout, r.stderr
+    final = shard_prefix(out, 1, 2) + "_text_document"
+
+    def started():
+        return [f for f in os.listdir(tmp_path / "run") if "shard00001" in f and ".bin.tmp-" in f
+                and os.path.getsize(tmp_path / "run" / f) > 0]
+
+    # 1) SIGKILL one tokenizer worker: the shard fails loudly and leaves no finished file
+    import psutil
+
+    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1",
+                          "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True)
+    proc = psutil.Process(p.pid)
+    assert _wait_for(lambda: len(proc.children()) >= 2 and started())
+    kids = [c for c in proc.children() if "resource_tracker" not in " ".join(c.cmdline())]
+    os.kill(kids[-1].pid, signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
+    assert not os.path.exists(final + ".idx")
+
+    # 2) SIGKILL the whole shard process mid-run: only temporaries remain
+    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert _wait_for(started), p.communicate()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not os.path.exists(final + ".idx") and not os.path.exists(final + ".bin") and started()
+    assert not os.path.exists(shard_prefix(out, 1, 2) + ".done.json")
+    with pytest.raises(DatasetFormatError):
+        validate_indexed_dataset(final)
+
+    # 3) rerun the whole array: shard 0 skipped, shard 1 redone; equal to the uninterrupted run
+    for i in range(2):
+        r = _tool(*cmd, "--shard-index", i)
+        assert r.returncode == 0, r.stderr
+        assert ("already finished" in r.stdout) == (i == 0)
+    assert "temporary files of an interrupted run" in r.stderr
+    for i in range(2):
+        assert _same(shard_prefix(ref, i, 2) + "_text_document", shard_prefix(out, i, 2) + "_text_document")
+    assert not [f for f in os.listdir(tmp_path / "run") if ".tmp-" in f]
+
+
+# ---------------------------------------------------------------- merge/inspect megatron-built data
+
+
+def test_megatron_built_dataset_merges_and_inspects(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    parts = []
+    for k in range(3):  # documents of several sequences (sentence mode), int32
+        prefix = str(tmp_path / f"m{k}")
+        b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+        for _ in range(20 + k):
+            lens = rng.integers(1, 30, size=rng.integers(1, 4)).tolist()
+            b.add_document(torch.tensor(rng.integers(0, 70000, size=sum(lens))), lens)
+        b.finalize(prefix + ".idx")
+        parts.append(prefix)
+    ref = str(tmp_path / "ref")  # megatron-core's own merge
+    b = IndexedDatasetBuilder(ref + ".bin", dtype=np.int32)
+    for p in parts:
+        b.add_index(p)
+    b.finalize(ref + ".idx")
+    stats = merge_datasets(parts, str(tmp_path / "ours"))
+    assert _same(ref, str(tmp_path / "ours")) and stats.documents == 63
+    rep = describe_dataset(str(tmp_path / "ours"), samples=2, sample_tokens=5)
+    assert rep.documents == 63 and rep.sequences > 63 and rep.dtype == "int32"
+    assert sum(c for _, _, c in rep.histogram) == 63 and rep.samples[0]["document"] == 0
+    r = _tool("inspect_dataset.py", tmp_path / "ours", "--verify", "--samples", "1")
+    assert r.returncode == 0 and "documents 63" in r.stdout and "verify: OK" in r.stdout, r.stderr
+    r = _tool("inspect_dataset.py", tmp_path / "ours", "--verify", "--vocab-size", "1000")
+    assert r.returncode == 1 and "outside the vocabulary [0, 1000)" in r.stderr
+
+
+def test_verify_reports_first_inconsistency_offset(tmp_path):
+    prefix = str(tmp_path / "d")
+    docs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]]
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    good = _read(prefix + ".idx")
+    s = len(docs)
+    off_len, off_ptr, off_doc = HEADER_SIZE, HEADER_SIZE + 4 * s, HEADER_SIZE + 12 * s
+
+    def corrupt(offset, data):
+        raw = bytearray(good)
+        raw[offset: offset + len(data)] = data
+        open(prefix + ".idx", "wb").write(bytes(raw))
+
+    cases = [
+        (off_ptr + 8 * 3, struct.pack("<q", 10), f"at byte offset {off_ptr + 24}: sequence 3 points to byte 10"),
+        (off_len + 4 * 1, struct.pack("<i", 3), f"at byte offset {off_len + 4}: sequence 1 has length 3"),
+        (off_len + 4 * 2, struct.pack("<i", -1), f"at byte offset {off_len + 8}: sequence 2 has negative length"),
+        (off_doc + 8 * 2, struct.pack("<q", 0), f"at byte offset {off_doc + 16}: document_indices decrease"),
+    ]
+    for offset, data, expected in cases:
+        corrupt(offset, data)
+        with pytest.raises(DatasetFormatError) as err:
+            verify_dataset(prefix)
+        assert expected in str(err.value), str(err.value)
+        r = _tool("inspect_dataset.py", prefix, "--verify")
+        assert r.returncode == 1 and expected in r.stderr
+    open(prefix + ".idx", "wb").write(good)
+    raw = bytearray(_read(prefix + ".bin"))
+    raw[2 * 7: 2 * 8] = struct.pack("<H", 5000)  # token 7 (in sequence 3) out of a 4097 vocabulary
+    open(prefix + ".bin", "wb").write(bytes(raw))
+    with pytest.raises(DatasetFormatError, match=r"d.bin at byte offset 14: token 7 \(in sequence 3\) is 5000"):
+        verify_dataset(prefix, vocab_size=4097)
+
+
+def test_writer_spills_lengths_byte_identical(tmp_path, monkeypatch):
+    docs = [list(range(i % 13 + 1)) for i in range(100)]
+    with IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    monkeypatch.setattr(idxmod, "_SPILL", 7)
+    monkeypatch.setattr(idxmod, "_CHUNK", 5)
+    with IndexedDatasetWriter(str(tmp_path / "b"), np.uint16) as w:
+        for d in docs[:50]:
+            w.add_document(d)
+        w.add_documents(np.concatenate(docs[50:]), [len(d) for d in docs[50:]])
+        assert os.path.exists(w._tmp_lengths) and w.num_documents == 100
+    assert _same(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx", "b.bin", "b.idx"]
+
+
+# ---------------------------------------------------------------- tiktoken
+
+
+def test_tiktoken_round_trip_and_preprocess(tmp_path, tiktoken_file, plays, corpus):
+    tok = build_tokenizer("TikTokenizer", tiktoken_file)
+    n = len(TikTokenizer.load_ranks(tiktoken_file))
+    assert (tok.bos, tok.eod, tok.mask_id, tok.vocab_size) == (n, n + 1, n + 2, n + 3)
+    text = "\n\n".join(plays[sorted(plays)[-1]][:200]) + "\nÀ bientôt — 123456 ✓ <|end_of_text|>"
+    ids = tok.tokenize(text)
+    assert tok.detokenize(ids[:10] + [tok.mask_id] + ids[10:]) == text
+    assert len(ids) < len(text.encode()) / 2 and tok.eod not in ids  # real merges; specials are text
+    for pattern in ("cl100k", "o200k", r"\S+|\s+"):
+        t = build_tokenizer("TikTokenizer", tiktoken_file, pattern=pattern)
+        assert t.detokenize(t.tokenize(text)) == text
+    big = build_tokenizer("TikTokenizer", tiktoken_file, num_special_tokens=256)
+    assert big.vocab_size == n + 257 and big.eod == n + 1
+    st = preprocess(corpus["jsonl"][:2], str(tmp_path / "tik"), "TikTokenizer", tiktoken_file, append_eod=True,
+                    workers=2, log=lambda m: None)
+    ds = open_indexed_dataset(st.output_prefixes["text"])
+    first = plays[sorted(plays)[0]]
+    assert tok.detokenize(ds[0][:-1].tolist()) == first[0] and ds[0][-1] == tok.eod
+    r = _tool("inspect_dataset.py", st.output_prefixes["text"], "--verify", "--tokenizer-type", "TikTokenizer",
+              "--tokenizer-model", tiktoken_file, "--samples", "1", "--sample-tokens", "8")
+    assert r.returncode == 0 and "verify: OK" in r.stdout and first[0][:5] in r.stdout, r.stderr
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_text("QQ== 0\nnot-base64!! 1\n")
+    with pytest.raises(ValueError, match="line 2 is not `base64token rank`"):
+        build_tokenizer("TikTokenizer", str(bad))
+    bad.write_text("QQ== 0\n")
+    with pytest.raises(ValueError, match="single bytes have no rank"):
+        build_tokenizer("TikTokenizer", str(bad))
+
+
+# ---------------------------------------------------------------- progress and CLI
+
+
+def test_progress_display_and_log_lines(capsys):
+    lines = []
+    p = Progress(1000, lines.append, tty=False, log_interval=0.0, label="[shard 1/4] ")
+    p.update(10, 500, 250)
+    assert "25.0%" in lines[0] and "tokens/s" in lines[0] and "ETA" in lines[0] and lines[0].startswith("[shard")
+    p = Progress(1000, lines.append, tty=True)
+    p.interval = 0.0
+    p.update(1, 2, 500)
+    p.close()
+    err = capsys.readouterr().err
+    assert "\r" in err and "50.0%" in err and "ETA" in err and err.endswith("\n")
+
+
+def test_cli_flags_and_errors(tmp_path, corpus, sp_model):
+    r = _tool("preprocess_data.py", "--input", tmp_path / "none*.jsonl", "--output-prefix", tmp_path / "x",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model)
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = _tool("preprocess_data.py", "--input", corpus["jsonl"][0], "--output-prefix", tmp_path / "x",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--tiktoken-pattern", "o200k")
+    assert r.returncode == 2 and "TikTokenizer only" in r.stderr
+    r = _tool("preprocess_data.py", "--input", corpus["jsonl"][0], "--output-prefix", tmp_path / "x",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--shard-index", "1")
+    assert r.returncode == 2 and "needs --num-shards" in r.stderr
+    r = _tool("preprocess_data.py", "--input", corpus["parquet"][0], "--output-prefix", tmp_path / "x",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--log-interval", "0", "--json-keys", "text")
+    assert r.returncode == 0 and "ETA" in r.stderr and "tokens/s" in r.stdout
