@@ -8,9 +8,12 @@ A sample is `seq_length + 1` tokens when `add_extra_token=True` (AR: inputs/labe
 shifted halves) and exactly `seq_length` tokens when False (diffusion: no label shift).
 `ds[i]` is a 1-D int64 numpy array; no attention masks or position ids are built here.
 
-Index caches (`document/sample/shuffle_index.npy`) are megatron-core's, under `cache_path`
-(default: `<directory of the first prefix>/cache`). With torch.distributed initialised,
-megatron-core builds them on rank 0 first and the other ranks load them after a barrier, so
+Index caches (`document/sample/shuffle_index.npy`, and a blend's `dataset_index.npy` /
+`dataset_sample_index.npy`) are megatron-core's files and names, under `cache_path` (default:
+`<directory of the first prefix>/cache`). Megatron's own build-and-cache code writes them, but the
+sample and blending indices inside come from `megatron_dllm.data.index_builders` (C++, multi-
+threaded, output-identical to megatron's helpers_cpp, so either side's caches load in the other).
+With torch.distributed initialised, megatron-core builds them on rank 0 first and the other ranks load them after a barrier, so
 `build_datasets` must then be called on every rank; without it, the caller just builds.
 """
 
@@ -26,6 +29,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import HEADER_SIZE, token_id_range, validate_indexed_dataset
 
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -75,24 +79,32 @@ class TokenGPTDataset(GPTDataset):
     def _key_config_attributes() -> List[str]:
         return GPTDataset._key_config_attributes() + ["add_extra_token_to_sequence"]
 
+    def _build_document_sample_shuffle_indices(self):
+        # megatron imports `helpers` inside this method: our sample-index builder stands in.
+        with megatron_helpers_replaced():
+            return super()._build_document_sample_shuffle_indices()
+
     def __getitem__(self, idx):
         tokens, _ = self._query_document_sample_shuffle_indices(idx)
         return {"tokens": tokens}
 
 
 class SingleProcessSafeBlendedDataset(BlendedDataset):
-    """megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() on a cache miss
-    even when torch.distributed is not initialised; a lone process is rank 0 for that call."""
+    """BlendedDataset whose blending indices come from our builders (bit-identical to megatron's).
+
+    Also: megatron-core 0.16.1's BlendedDataset calls torch.distributed.get_rank() on a cache
+    miss even when torch.distributed is not initialised; a lone process is rank 0 for that call."""
 
     def _build_indices(self):
-        if torch.distributed.is_initialized():
-            return super()._build_indices()
-        get_rank = torch.distributed.get_rank
-        torch.distributed.get_rank = lambda group=None: 0
-        try:
-            return super()._build_indices()
-        finally:
-            torch.distributed.get_rank = get_rank
+        with megatron_helpers_replaced():
+            if torch.distributed.is_initialized():
+                return super()._build_indices()
+            get_rank = torch.distributed.get_rank
+            torch.distributed.get_rank = lambda group=None: 0
+            try:
+                return super()._build_indices()
+            finally:
+                torch.distributed.get_rank = get_rank
 
 
 class DatasetBuilder(BlendedMegatronDatasetBuilder):

@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Precompute the dataset index caches a training run needs, so that training starts without
+building them (rank 0 of a large run would otherwise spend minutes on it while the others wait).
+
+Takes the training command's own flags (any `pretrain_dllm.py` flag is accepted; the ones that
+matter are the data ones):
+
+    python tools/build_indexes.py --family mdlm \\
+        --data-path 0.7 /data/web_text_document 0.3 /data/math_text_document --split 969,30,1 \\
+        --seq-length 2048 --seed 1234 --train-iters 1001358 --global-batch-size 1024 \\
+        --eval-interval 1000 --eval-iters 10 \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model /data/tokenizer.json \\
+        --data-cache-path /data/index-cache
+
+It resolves the run exactly as `pretrain_dllm.py` does (defaults, sample counts, the family's
+extra token: AR samples are seq_length + 1 tokens) and builds the datasets once, in this process.
+That writes megatron-core's cache files under `--data-cache-path` (default
+`<directory of the first prefix>/cache`): per dataset and split
+`{hash}-TokenGPTDataset-{split}-{description.txt,document_index,sample_index,shuffle_index}.npy`,
+per blend `{hash}-BlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
+plus the token-range scan of each prefix. Training with the same flags then loads them (its log
+says "Load the ... indices"). The sample and blending indices come from
+`megatron_dllm.data.index_builders` (C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).
+"""
+
+import logging
+import os
+import sys
+import time
+
+try:
+    import megatron_dllm  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cache_files(path):
+    if not path or not os.path.isdir(path):
+        return {}
+    return {name: os.stat(os.path.join(path, name)).st_mtime_ns
+            for name in os.listdir(path) if name.endswith((".npy", ".txt"))}
+
+
+def main(argv=None) -> dict:
+    from megatron_dllm.arguments import parse_args
+    from megatron_dllm.data import index_builders
+    from megatron_dllm.data.datasets import parse_data_path
+    from megatron_dllm.training.config import resolve_run
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("megatron.core.datasets").setLevel(logging.INFO)
+
+    cache = args.data_cache_path
+    if cache is None and args.data_path:
+        first_prefix = parse_data_path(args.data_path)[0][0]
+        cache = os.path.join(os.path.dirname(os.path.abspath(first_prefix)), "cache")
+    before = _cache_files(cache)
+    t0 = time.perf_counter()
+    run = resolve_run(args)
+    elapsed = time.perf_counter() - t0
+    if cache is None:  # the embedded demo: its prefixes are known only now
+        first_prefix = parse_data_path(args.data_path)[0][0]
+        cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)), "cache")
+    after = _cache_files(cache)
+    new = sorted(n for n, m in after.items() if before.get(n) != m)
+
+    backend = "C++" if index_builders.HAVE_CPP else "numpy (extension not built)"
+    print(f"build_indexes: family {args.family}, seq_length {args.seq_length}, seed {args.seed}, "
+          f"{args.train_iters} iterations x {args.global_batch_size} = "
+          f"{args.train_iters * args.global_batch_size} training samples; index builders: {backend}")
+    print(f"build_indexes: train dataset {len(run.train_dataset)} samples"
+          + (f", valid dataset {len(run.valid_dataset)} samples" if run.valid_dataset is not None else ""))
+    print(f"build_indexes: cache {cache}: {len(new)} files written, "
+          f"{len(after) - len(new)} already present")
+    for name in new:
+        print(f"  {name}")
+    print(f"build_indexes: done in {elapsed:.2f} s")
+    return {"cache": cache, "written": new, "seconds": elapsed}
+
+
+if __name__ == "__main__":
+    main()
