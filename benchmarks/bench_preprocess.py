@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Preprocessing throughput on the real demo corpus, and what it means for 2.1T tokens.
 
-    python benchmarks/bench_preprocess.py [--repeat 3] [--copies 2] [--out benchmarks/RESULTS_preprocess.md]
+    python benchmarks/bench_preprocess.py [--repeat 3] [--copies 2] [--out results.md]  # figures: RESULTS.md
 
 Corpus: the 42 Shakespeare plays (demo corpus), one JSONL document per paragraph block, copied
 `--copies` times (written as `--files` JSONL files). Tokenizers: the demo's 4096-piece
@@ -94,7 +94,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--copies", type=int, default=2)
     ap.add_argument("--files", type=int, default=8)
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "RESULTS_preprocess.md"))
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = ap.parse_args()
     demo = prepare_demo_corpus()
     rows = []
@@ -185,8 +185,9 @@ def main():
               "With `--num-shards` ≥ machines (e.g. a Slurm array of 256–1024 shards over the corpus files) each "
               "machine takes its byte-balanced share, and `tools/merge_datasets.py` (or a `--blend-file`) joins "
               "the outputs.", ""]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines))
     print("\n".join(lines))
 
 
