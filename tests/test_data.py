@@ -391,3 +391,30 @@ def test_datasets_under_torch_distributed(tmp_path, demo):
     torch.multiprocessing.start_processes(_dist_worker, args=(2, str(tmp_path / "init"), demo, str(tmp_path)),
                                           nprocs=2, start_method="fork")
     np.testing.assert_array_equal(np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy"))
+
+
+def test_a_different_tokenizer_is_refused_naming_both(tmp_path, jsonl_corpus, demo, sp_tok):
+    """The sidecar written by preprocessing catches a tokenizer mismatch even when every id
+    would fit the other vocabulary (which the id-range check alone cannot see)."""
+    from types import SimpleNamespace
+
+    from megatron_dllm.data.datasets import check_prefix
+    from megatron_dllm.data.indexed_dataset import read_metadata
+    from megatron_dllm.data.merge import merge_datasets
+
+    prefix = preprocess([jsonl_corpus], str(tmp_path / "a"), demo["tokenizer_type"],
+                        demo["tokenizer_model"], append_eod=True).output_prefixes["text"]
+    assert read_metadata(prefix)["vocab_size"] == sp_tok.vocab_size == 4097
+    check_prefix(prefix, "--data-path", sp_tok, None)  # the tokenizer it was made with
+    bigger = SimpleNamespace(name="TikTokenizer", model_path="/m/o200k.tiktoken", vocab_size=200_001,
+                             mask_id=200_000, mask_appended=True)
+    with pytest.raises(ValueError, match=r"was preprocessed with SentencePieceTokenizer .*vocab_size=4097.* "
+                                         r"but --tokenizer-model gives TikTokenizer \(o200k.tiktoken, vocab_size=200001\)"):
+        check_prefix(prefix, "--data-path", bigger, None)
+    merged = str(tmp_path / "merged")
+    merge_datasets([prefix, prefix], merged)
+    assert read_metadata(merged) == read_metadata(prefix)
+    other = str(tmp_path / "other")
+    _write_ours(other, _random_docs(5), np.uint16)  # no sidecar: made elsewhere
+    with pytest.raises(ValueError, match="different tokenizers"):
+        merge_datasets([prefix, other], str(tmp_path / "mixed"))

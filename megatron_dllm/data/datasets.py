@@ -30,7 +30,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
-from megatron_dllm.data.indexed_dataset import HEADER_SIZE, token_id_range, validate_indexed_dataset
+from megatron_dllm.data.indexed_dataset import (HEADER_SIZE, read_metadata, token_id_range,
+                                                validate_indexed_dataset)
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -137,6 +138,13 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
         raise ValueError(f"{flag}: no dataset at prefix {prefix!r} "
                          f"(expected {prefix}.bin and {prefix}.idx)")
     header = validate_indexed_dataset(prefix)
+    made_with = read_metadata(prefix)
+    if made_with is not None and made_with.get("vocab_size") != tokenizer.vocab_size:
+        raise ValueError(
+            f"{flag}: {prefix} was preprocessed with {made_with.get('tokenizer')} "
+            f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
+            f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
+            f"({os.path.basename(str(getattr(tokenizer, 'model_path', '?')))}, vocab_size={tokenizer.vocab_size})")
     if header.num_tokens == 0:
         raise ValueError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
     lo, hi = token_id_range(prefix, cache_dir)

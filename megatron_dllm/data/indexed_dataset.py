@@ -65,6 +65,33 @@ def optimal_dtype(vocab_size: int) -> type:
 # --------------------------------------------------------------------------- writer
 
 
+def meta_path(prefix: str) -> str:
+    return prefix + ".meta.json"
+
+
+def write_metadata(prefix: str, metadata: dict) -> None:
+    """Sidecar `{prefix}.meta.json` saying how the dataset was made (tokenizer, vocabulary), so
+    training can name both sides of a tokenizer mismatch. Written atomically; Megatron ignores it."""
+    tmp = meta_path(prefix) + f".tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(metadata, f, indent=1, sort_keys=True)
+    os.replace(tmp, meta_path(prefix))
+
+
+def read_metadata(prefix: str) -> Optional[dict]:
+    """The sidecar, or None for datasets made elsewhere (e.g. by Megatron-LM)."""
+    try:
+        with open(meta_path(prefix)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def tokenizer_metadata(tokenizer) -> dict:
+    return {"tokenizer": tokenizer.name, "tokenizer_model": os.path.basename(str(tokenizer.model_path)),
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "mask_id": tokenizer.mask_id}
+
+
 class IndexedDatasetWriter:
     """Streaming writer: tokens go straight to disk, only 4 bytes per document stay in memory.
 

@@ -17,6 +17,7 @@ import glob
 import os
 import re
 import shutil
+import json
 import struct
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -30,6 +31,8 @@ from megatron_dllm.data.indexed_dataset import (
     MAGIC,
     VERSION,
     bin_path,
+    read_metadata,
+    write_metadata,
     idx_path,
     validate_indexed_dataset,
 )
@@ -115,6 +118,10 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     if any(os.path.abspath(p) == out_abs for p in prefixes):
         raise ValueError(f"--output-prefix {output_prefix!r} is also an input")
     headers = [validate_indexed_dataset(p) for p in prefixes]
+    metas = [read_metadata(p) for p in prefixes]
+    if any(m != metas[0] for m in metas):
+        different = sorted({json.dumps(m, sort_keys=True) for m in metas})
+        raise ValueError(f"--input datasets were made with different tokenizers: {'; '.join(different)}")
     dtypes = {np.dtype(h.dtype) for h in headers}
     if len(dtypes) != 1:
         raise ValueError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
@@ -177,6 +184,8 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
                 os.remove(p)
         raise
     header = validate_indexed_dataset(output_prefix)
+    if metas[0] is not None:
+        write_metadata(output_prefix, metas[0])
     stats = MergeStats(output_prefix, len(prefixes), header.sequence_count, header.num_documents,
                        header.num_tokens, dtype.name)
     log(f"merged {len(prefixes)} datasets: {stats.documents} documents, {stats.tokens} tokens "

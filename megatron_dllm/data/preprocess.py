@@ -43,7 +43,9 @@ from megatron_dllm.data.indexed_dataset import (
     DatasetFormatError,
     IndexedDatasetWriter,
     optimal_dtype,
+    tokenizer_metadata,
     validate_indexed_dataset,
+    write_metadata,
 )
 from megatron_dllm.data.sources import expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer
@@ -459,6 +461,7 @@ def preprocess(
             os.remove(rejections_path)  # stale report from an earlier run of the same prefix
         for w in writers.values():
             w.finalize()
+            write_metadata(w.prefix, tokenizer_metadata(tokenizer))
     except BaseException:
         for w in writers.values():
             w.abort()
