@@ -21,6 +21,41 @@ if Pybind11Extension is not None:
         )
     )
     cmdclass["build_ext"] = build_ext
+    ext_modules.append(
+        Pybind11Extension(
+            "megatron_dllm._esolm_shuffle",
+            ["csrc/esolm_shuffle.cpp"],
+            cxx_std=17,
+            # -ffp-contract=off: the sort key is_mask + 0.9*u is rounded exactly as torch rounds it.
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+            extra_link_args=["-pthread"],
+            optional=True,  # a failed compile warns; megatron_dllm.families.shuffle falls back to torch
+        )
+    )
+
+
+def _cuda_shuffle_extension():
+    """The Eso-LM shuffle's CUDA kernel, only where nvcc and a CUDA build of torch both exist
+    (never under build isolation, where torch is not importable); None elsewhere."""
+    import shutil
+
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except Exception:
+        return None
+    if torch.version.cuda is None or CUDA_HOME is None or not (shutil.which("nvcc") or CUDA_HOME):
+        return None
+    ext = CUDAExtension("megatron_dllm._esolm_shuffle_cuda", ["csrc/esolm_shuffle_cuda.cu"],
+                        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})
+    ext.optional = True  # a failed CUDA compile never fails the install
+    return ext, BuildExtension
+
+
+_cuda_ext = _cuda_shuffle_extension()
+if _cuda_ext is not None:
+    ext_modules.append(_cuda_ext[0])
+    cmdclass["build_ext"] = _cuda_ext[1].with_options(use_ninja=False)
 
 setup(
     name="megatron_dllm",

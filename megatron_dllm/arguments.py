@@ -5,11 +5,12 @@ import argparse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a DiT language model (AR, MDLM, ...) with megatron-core.",
+    p = argparse.ArgumentParser(description="Pretrain a DiT language model (AR, MDLM, Duo, Eso-LM) with megatron-core.",
                                 allow_abbrev=False)
     g = p.add_argument_group("model")
-    g.add_argument("--family", default="mdlm", help="model family: ar | mdlm")
-    g.add_argument("--loss", default=None, help="training objective; mdlm: low-var (default) | nelbo")
+    g.add_argument("--family", default="mdlm", help="model family: ar | mdlm | duo | esolm")
+    g.add_argument("--loss", default=None,
+                   help="training objective; mdlm, esolm: low-var (default) | nelbo; duo: nelbo; ar: nll")
     g.add_argument("--preset", default=None,
                    help="model size: one of the paper's presets (14M ... 1708M, alias 1.7B) or cpu-tiny/"
                         "cpu-small/cpu-base; default cpu-small on the embedded demo")

@@ -32,7 +32,7 @@ def _error(proc) -> str:
 
 def test_unknown_family(pretrain):
     proc, _ = pretrain(1, "--family", "sedd", check=False)
-    assert "--family 'sedd' is not a known family; expected one of: ar, mdlm" in _error(proc)
+    assert "--family 'sedd' is not a known family; expected one of: ar, mdlm, duo, esolm" in _error(proc)
 
 
 def test_tp_that_does_not_divide_heads(pretrain):

@@ -1,9 +1,11 @@
 """Family registry: `--family NAME` -> class."""
 from megatron_dllm.families.ar import AR
 from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.duo import Duo
+from megatron_dllm.families.esolm import EsoLM
 from megatron_dllm.families.mdlm import MDLM
 
-FAMILIES = {cls.name: cls for cls in (AR, MDLM)}
+FAMILIES = {cls.name: cls for cls in (AR, MDLM, Duo, EsoLM)}
 
 
 def get_family(name: str, mask_id: int, vocab_size: int, loss: str | None = None) -> Family:

@@ -78,7 +78,7 @@ class DiTBlock(nn.Module):
         self.attn_out = nn.Linear(dim, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
 
-    def forward(self, x, c, cos, sin):
+    def forward(self, x, c, cos, sin, attn_mask=None):
         b, s, d = x.shape
         (shift_msa, scale_msa, gate_msa,
          shift_mlp, scale_mlp, gate_mlp) = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
@@ -86,8 +86,10 @@ class DiTBlock(nn.Module):
         qkv = self.attn_qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads)
         q, k, v = qkv.unbind(dim=2)  # [b, s, h, dh]; V is not rotated
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if attn_mask is not None:  # explicit [b, s, s] boolean mask (True = attend) replaces the layout
+            attn_mask = attn_mask[:, None]
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=self.causal)
+                                           attn_mask=attn_mask, is_causal=self.causal and attn_mask is None)
         x = x + gate_msa * self.attn_out(y.transpose(1, 2).reshape(b, s, d))
         return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
@@ -117,13 +119,15 @@ class ReferenceDiT(nn.Module):
                                                                    self.output_layer.linear]:
             nn.init.zeros_(m.weight), nn.init.zeros_(m.bias)  # adaLN-zero: initial logits are 0
 
-    def forward(self, input_ids, position_ids, sigma):
-        """input_ids, position_ids: [b, s]; sigma: [b]. Returns logits [b, s, V]."""
+    def forward(self, input_ids, position_ids, sigma, attn_mask=None):
+        """input_ids, position_ids: [b, s]; sigma: [b]; optional attn_mask [b, s, s] bool (query i
+        attends to key j iff attn_mask[:, i, j]; replaces the causal/bidirectional layout).
+        Returns logits [b, s, V]."""
         x = self.vocab_embed[input_ids]
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim)
         for block in self.blocks:
-            x = block(x, c, cos, sin)
+            x = block(x, c, cos, sin, attn_mask)
         return self.output_layer(x, c)
 
     @classmethod

@@ -1,0 +1,238 @@
+"""Duo: uniform-state diffusion with the closed-form token-level NELBO (reference §2.3, `DUO_BASE`).
+
+Forward process. With probability 1 - alpha_t (log-linear schedule, eps 1e-3, stratified t) a
+token is replaced by one drawn uniformly from the V *real* ids: every id < vocab_size except
+[MASK]. The decision and the drawn id come from `Noise.uniform("replace", L)` and
+`Noise.uniform("replace_id", L)`, so z_t is a pure function of (seed, global sample index); a
+replacement may redraw the clean token itself, as in the reference. The backbone is bidirectional
+and gets sigma = -log alpha_t through its adaLN time path.
+
+Choice of V (differs from the reference). The reference draws `randint(0, V)` with V the full
+vocabulary *including* [MASK], so noise can emit [MASK] although its logit is -1e6, and its
+closed form sums log xbar over V entries, one of which (the mask id) is the constant log(1 - a).
+Here the prior, the model's support and the formula agree: V = number of ids a token can take
+(vocab_size - 1 with the tokenizer's appended [MASK]), [MASK] never appears in z_t, the [MASK] and
+TP-padding logits are suppressed (zero probability), and Σ_j log xbar_theta_j runs over exactly
+those V ids — the suppressed columns are excluded explicitly, not left to contribute log(1 - a).
+
+Loss (notation of reference §2.3; a = alpha_t, a' = dalpha_t, e = [x == z]):
+    xbar_theta = V a x_theta + (1 - a),  xbar_z = (1 - a) + V a e,  c = (1 - a) / (V a + 1 - a)
+    term1 = V (1/xbar_z - 1/xbar_theta[z])
+    term2 = -(e c + 1 - e)(Σ_j log xbar_theta_j - V log xbar_theta[z])
+            - (V a / (1 - a))(log xbar_theta[x] - log xbar_theta[z])(1 - e)
+            + ((V - 1) c e - (1 - e)/c) log c
+    loss  = (a' / (V a)) (term1 - term2)
+`nelbo` is the same bound (per token [b, s]; the trainer divides the sum by valid.sum()).
+
+Vocab-parallel evaluation. With r_j = (V a / (1 - a)) x_theta_j, log xbar_theta_j = log(1 - a) +
+log1p(r_j), so only four per-token statistics of the [s, b, V/tp] logits enter the formula:
+lse = log Σ_j exp(l_j), S1 = Σ_j log1p(r_j) (the V log(1 - a) part cancels analytically against
+V log xbar_theta[z]), and the logits at z and x. `_DuoStats` (a custom autograd function)
+computes them shard-locally plus tensor-parallel all-reduces of [s*b]-sized vectors (max, sum-exp,
+then S1 with W2 = Σ_j r_j^2/(1 + r_j), then the masked picks at z and x), never gathering logits.
+Suppressed columns ([MASK], TP padding; the columns of `vocab_parallel.suppress`) are set to -inf
+in each fp32 chunk copy, not in the tracked logits, so r = 0 and p = 0 there; they are also
+zeroed explicitly before the S1 sum. The backward is analytic, shard-local and needs no
+communication (outputs are replicated over TP ranks, so each rank's upstream gradients agree):
+    dL/dl_j = g_lse p_j + g_S1 (p_j W2 - r_j^2/(1 + r_j)) + g_lz [j = z] + g_lx [j = x]
+(the textbook form g_S1 (w_j - p_j W) with w = r/(1 + r) loses ~3 digits to cancellation at t ~ 1).
+
+Precision and memory. Vocabulary-sized work is fp32 over row chunks of at most `CHUNK_ELEMENTS`
+elements (bf16 logits are upcast per chunk); vocabulary sums accumulate in fp64; the per-token
+combination runs in fp64 on [s*b] vectors (factors 1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
+The forward allocates nothing logits-sized (it saves the logits, which exist anyway);
+the backward allocates only the logits gradient it returns (input dtype) plus chunk temporaries.
+So beyond the logits and their gradient, the head needs O(chunk) memory, not a logits-sized buffer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dllm.families import vocab_parallel
+from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.schedules import LogLinear
+
+CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries per chunk: 16 MiB each
+
+
+def _tp_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
+    return tensor
+
+
+def _excluded_columns(start: int, end: int, mask_id: int, vocab_size: int) -> list[tuple[int, int]]:
+    """Local [lo, hi) column ranges of this shard that are not real ids ([MASK], TP padding)."""
+    out = []
+    for lo, hi in ((mask_id, mask_id + 1), (vocab_size, end)):
+        lo, hi = max(lo, start), min(hi, end)
+        if lo < hi:
+            out.append((lo - start, hi - start))
+    return out
+
+
+def _local_pick(logits2d: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """logits2d[row, ids[row]] for ids this shard owns, 0 elsewhere (fp32, [rows])."""
+    local = ids - start
+    owned = (local >= 0) & (local < logits2d.shape[1])
+    picked = logits2d.gather(1, local.clamp(0, logits2d.shape[1] - 1)[:, None])[:, 0].float()
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def _chunk(logits2d: torch.Tensor, rows: slice, excluded) -> torch.Tensor:
+    """An fp32 copy of rows of the logits with the excluded columns at -inf (vocab_parallel.suppress
+    applied to the copy: suppressing the autograd-tracked logits in place would make autograd
+    clone the whole logits gradient in backward, a second logits-sized buffer)."""
+    out = logits2d[rows].to(torch.float32, copy=True)
+    for lo, hi in excluded:
+        out[:, lo:hi] = float("-inf")
+    return out
+
+
+class _DuoStats(torch.autograd.Function):
+    """(lse [fp64], S1 [fp64], l_z, l_x) per token from suppressed vocab-parallel logits [rows, V/tp].
+
+    A = V a and B = 1 - a are per-row fp32 constants ([rows]); excluded columns are set to -inf in
+    every fp32 chunk (probability exactly 0, gradient exactly 0) and dropped from S1 explicitly.
+    """
+
+    @staticmethod
+    def forward(ctx, logits2d, z, x, A, B, start, excluded):
+        rows, width = logits2d.shape
+        step = max(1, CHUNK_ELEMENTS // max(width, 1))
+        dev = logits2d.device
+        # 1. global max over the real ids
+        m = torch.empty(rows, dtype=torch.float32, device=dev)
+        for r in range(0, rows, step):
+            m[r:r + step] = _chunk(logits2d, slice(r, r + step), excluded).amax(1)
+        _tp_all_reduce(m, dist.ReduceOp.MAX)
+        # 2. global sum of exp(l - m)
+        se = torch.empty(rows, dtype=torch.float64, device=dev)  # vocabulary sums accumulate in fp64
+        for r in range(0, rows, step):
+            se[r:r + step] = _chunk(logits2d, slice(r, r + step), excluded).sub_(m[r:r + step, None]).exp_().sum(
+                1, dtype=torch.float64)
+        _tp_all_reduce(se)
+        lse64 = m.double() + se.log()
+        lse = lse64.float()
+        # 3. S1 = Σ_j log1p(r_j) with r_j = (A/B) p_j, and W2 = Σ_j r_j^2 / (1 + r_j), over the
+        #    real ids. log xbar_j = log B + log1p(r_j): the V log B part is added analytically.
+        log_ratio = (A / B).log()
+        sw = torch.zeros(2, rows, dtype=torch.float64, device=dev)
+        for r in range(0, rows, step):
+            ratio = _chunk(logits2d, slice(r, r + step), excluded).sub_(
+                (lse[r:r + step] - log_ratio[r:r + step])[:, None]).exp_()
+            tmp = torch.log1p(ratio)
+            for lo, hi in excluded:  # already 0 there (p = 0); dropped explicitly all the same
+                tmp[:, lo:hi] = 0.0
+            sw[0, r:r + step] = tmp.sum(1, dtype=torch.float64)
+            torch.div(ratio, ratio + 1.0, out=tmp)
+            sw[1, r:r + step] = tmp.mul_(ratio).sum(1, dtype=torch.float64)
+            del ratio, tmp
+        _tp_all_reduce(sw)
+        lz = _tp_all_reduce(_local_pick(logits2d, z, start))
+        lx = _tp_all_reduce(_local_pick(logits2d, x, start))
+        ctx.save_for_backward(logits2d, z, x, A, B, lse, sw[1].clone())
+        ctx.start, ctx.step, ctx.excluded = start, step, excluded
+        return lse64, sw[0].clone(), lz, lx
+
+    @staticmethod
+    def backward(ctx, g_lse, g_s1, g_lz, g_lx):
+        logits2d, z, x, A, B, lse, W2 = ctx.saved_tensors
+        step, start, excluded = ctx.step, ctx.start, ctx.excluded
+        rows, width = logits2d.shape
+        # dS1/dl_j = w_j - p_j W with w_j = r_j / (1 + r_j), W = Σ_k w_k. Since Σ_k p_k = 1,
+        # A/B - W = W2, so w_j - p_j W = p_j W2 - r_j^2 / (1 + r_j): no first-order cancellation.
+        # grad_j = g_lse p_j + g_S1 (p_j W2 - r_j^2/(1+r_j)) = r_j (k1 - g_S1 r_j / (1 + r_j)).
+        g_lse, g_s1 = g_lse.double(), g_s1.double()
+        k1 = ((g_lse + g_s1 * W2.double()) * (B.double() / A.double())).float()
+        k2 = g_s1.float()
+        log_ratio = (A / B).log()
+        grad = torch.empty_like(logits2d)
+        for r in range(0, rows, step):
+            sl = slice(r, r + step)
+            ratio = _chunk(logits2d, sl, excluded).sub_((lse[sl] - log_ratio[sl])[:, None]).exp_()
+            tmp = ratio + 1.0
+            torch.div(ratio, tmp, out=tmp)
+            tmp.mul_(-k2[sl, None]).add_(k1[sl, None]).mul_(ratio)
+            grad[sl] = tmp
+            del ratio, tmp
+        for ids, g in ((z, g_lz), (x, g_lx)):
+            local = ids - start
+            owned = (local >= 0) & (local < width)
+            idx = local.clamp(0, width - 1)[:, None]
+            grad.scatter_add_(1, idx, torch.where(owned, g.float(), torch.zeros_like(g.float()))[:, None]
+                              .to(grad.dtype))
+        return grad, None, None, None, None, None, None
+
+
+class Duo(Family):
+    name = "duo"
+    attention = "bidirectional"
+    losses = ("nelbo",)
+    schedule = LogLinear()
+
+    @property
+    def num_real(self) -> int:
+        """V: the number of ids a token can take (all ids < vocab_size except [MASK])."""
+        return self.vocab_size - (1 if 0 <= self.mask_id < self.vocab_size else 0)
+
+    def replace(self, tokens: torch.Tensor, noise: Noise):
+        """(z_t, t, replaced): with probability 1 - alpha_t a token is redrawn uniformly from the
+        V real ids ([MASK] skipped); `replaced` marks the decisions (a redraw may equal x)."""
+        t = noise.t()
+        length = tokens.shape[1]
+        replaced = noise.uniform("replace", length) < (1 - self.schedule.alpha(t))[:, None]
+        k = (noise.uniform("replace_id", length) * self.num_real).long().clamp_(max=self.num_real - 1)
+        if 0 <= self.mask_id < self.vocab_size:
+            k = k + (k >= self.mask_id).long()
+        return torch.where(replaced, k, tokens), t, replaced
+
+    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
+        z_t, t, _ = self.replace(tokens, noise)
+        b, s = tokens.shape
+        return ModelInput(
+            input_ids=z_t, position_ids=torch.arange(s).expand(b, s),
+            sigma=self.schedule.sigma(t).float(), targets=tokens, valid=torch.ones(b, s), t=t.float(),
+        )
+
+    def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        s, b, width = logits.shape
+        V = self.num_real
+        # [MASK] and TP padding are suppressed inside _DuoStats (same columns as vocab_parallel.suppress)
+        start, end = vocab_parallel.local_vocab_range(logits)
+        excluded = _excluded_columns(start, end, self.mask_id, self.vocab_size)
+
+        t = inp.t.to(device=logits.device, dtype=torch.float64)
+        a = self.schedule.alpha(t)                       # [b]
+        da = self.schedule.dalpha(t)
+        A64 = (V * a)[None, :].expand(s, b)              # rows are (s, b)-ordered
+        B64 = (1 - a)[None, :].expand(s, b)
+        z = inp.input_ids.t().reshape(-1).to(logits.device)
+        x = inp.targets.t().reshape(-1).to(logits.device)
+        lse, s1, lz, lx = _DuoStats.apply(
+            logits.reshape(s * b, width), z, x, A64.reshape(-1).float().contiguous(),
+            B64.reshape(-1).float().contiguous(), start, excluded)
+
+        # per-token combination, float64 on [s*b]; log xbar_theta[k] = log B + log1p(r_k)
+        A, B = A64.reshape(-1), B64.reshape(-1)
+        lse, s1, lz, lx = (v.double() for v in (lse, s1, lz, lx))
+        log_ratio = torch.log(A) - torch.log(B)
+        l1p_z = torch.log1p(torch.exp(lz - lse + log_ratio))
+        l1p_x = torch.log1p(torch.exp(lx - lse + log_ratio))
+        e = (x == z).double()
+        xbar_z = B + A * e
+        c = B / (A + B)
+        term1 = V * (1 / xbar_z - torch.exp(-l1p_z) / B)
+        # Σ_j log xbar_j - V log xbar_z = S1 - V log1p(r_z): the V log B terms cancel exactly
+        term2 = (-(e * c + 1 - e) * (s1 - V * l1p_z)
+                 - (A / B) * (l1p_x - l1p_z) * (1 - e)
+                 + ((V - 1) * c * e - (1 - e) / c) * torch.log(c))
+        loss = (da[None, :].expand(s, b).reshape(-1) / A) * (term1 - term2)
+        loss = loss.view(s, b).t().to(torch.float32)
+        return loss * inp.valid.to(loss.device)
+
+    def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        return self.nelbo(logits, inp)
+
