@@ -44,10 +44,9 @@ class EsoLM(Family):
         b, s = tokens.shape
         keys = noise.uniform("shuffle", s)  # float64 [b, s]
         sort_idx, z_sorted, x0_sorted = _shuffle.shuffle(z_t == self.mask_id, keys, z_t, tokens)
-        valid = torch.gather(torch.ones(b, s), 1, sort_idx)
         return ModelInput(
             input_ids=z_sorted, position_ids=sort_idx, sigma=torch.zeros(b),
-            targets=x0_sorted, valid=valid, t=t.float(),
+            targets=x0_sorted, valid=torch.ones(b, s), t=t.float(),
         )
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
