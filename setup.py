@@ -8,30 +8,16 @@ except ImportError:  # pragma: no cover
 
 ext_modules, cmdclass = [], {}
 if Pybind11Extension is not None:
-    ext_modules.append(
-        Pybind11Extension(
-            "megatron_dllm._index_builders",
-            ["csrc/index_builders.cpp"],
-            cxx_std=17,
-            # -ffp-contract=off: no FMA contraction, so the blending greedy's floating-point
-            # comparisons stay bit-identical to megatron-core's helpers_cpp.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            extra_link_args=["-pthread"],
-            optional=True,  # a failed compile warns; megatron_dllm.data.index_builders falls back to numpy
-        )
-    )
+    # -ffp-contract=off: no FMA contraction, so floating-point comparisons stay bit-identical to
+    # their references (megatron-core's blending greedy; the Eso-LM key is_mask + 0.9*u as torch
+    # rounds it). optional=True: a failed compile warns and the Python references serve instead.
+    ext_modules = [
+        Pybind11Extension(name, [source], cxx_std=17, extra_compile_args=["-O3", "-ffp-contract=off"],
+                          extra_link_args=["-pthread"], optional=True)
+        for name, source in (("megatron_dllm._index_builders", "csrc/index_builders.cpp"),
+                             ("megatron_dllm._esolm_shuffle", "csrc/esolm_shuffle.cpp"))
+    ]
     cmdclass["build_ext"] = build_ext
-    ext_modules.append(
-        Pybind11Extension(
-            "megatron_dllm._esolm_shuffle",
-            ["csrc/esolm_shuffle.cpp"],
-            cxx_std=17,
-            # -ffp-contract=off: the sort key is_mask + 0.9*u is rounded exactly as torch rounds it.
-            extra_compile_args=["-O3", "-ffp-contract=off"],
-            extra_link_args=["-pthread"],
-            optional=True,  # a failed compile warns; megatron_dllm.families.shuffle falls back to torch
-        )
-    )
 
 
 def _cuda_shuffle_extension():

@@ -51,6 +51,12 @@ def params_dtype(requested_bf16: bool) -> torch.dtype:
     return torch.bfloat16 if (HAS_CUDA and requested_bf16) else torch.float32
 
 
+def megatron_config_overrides() -> dict:
+    """TransformerConfig fields that depend on the device: on CPU, megatron must build weights on
+    the host (its GPU path allocates on CUDA and forks the CUDA RNG)."""
+    return {"use_cpu_initialization": not HAS_CUDA}
+
+
 def synchronize() -> None:
     if HAS_CUDA:
         torch.cuda.synchronize()

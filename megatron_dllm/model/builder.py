@@ -64,7 +64,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-        autocast_dtype=dtype, use_cpu_initialization=not platform.HAS_CUDA,
+        autocast_dtype=dtype,
         # megatron's own init also tags TP params (partition_dim ...); initialize_weights() then
         # overwrites the values with layout-independent ones.
         perform_initialization=True,
@@ -80,6 +80,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
+        **platform.megatron_config_overrides(),
     )
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
     mlp_config = dataclasses.replace(config, add_bias_linear=True)
