@@ -6,6 +6,9 @@ try:  # pybind11 is needed at build time; without it the numpy references serve 
 except ImportError:  # pragma: no cover
     Pybind11Extension = build_ext = None
 
+# tools/convert_{to,from}_hf.py and the exported models (protobuf converts SentencePiece models).
+HF_EXPORT = ["transformers>=5.0,<6", "safetensors>=0.4,<1", "protobuf>=3.20"]
+
 ext_modules, cmdclass = [], {}
 if Pybind11Extension is not None:
     # -ffp-contract=off: no FMA contraction, so floating-point comparisons stay bit-identical to
@@ -62,7 +65,10 @@ setup(
         "pyarrow>=14",
         "psutil",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        "hf": HF_EXPORT,
+        "test": ["pytest", *HF_EXPORT],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

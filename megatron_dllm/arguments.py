@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="--load: leave the optimizer state fresh (weights, LR schedule, counters still load)")
+    g.add_argument("--no-load-rng", action="store_true", help="--load: do not restore the RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load: weights only; iteration and consumed samples restart at 0, fresh "
+                        "optimizer and LR schedule")
+    g.add_argument("--ema-decay", type=float, default=None,
+                   help="keep an fp32 exponential moving average of the weights with this decay, "
+                        "saved in checkpoints under 'ema'")
     return p
 
 

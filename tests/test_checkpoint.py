@@ -34,6 +34,9 @@ def test_checkpoint_of_another_family_is_refused(pretrain, tmp_path):
     proc, _ = pretrain(1, *RUN, "--family", "ar", "--load", str(ckpt), check=False)
     assert proc.returncode != 0
     assert "family: checkpoint 'mdlm' vs this run 'ar'" in proc.stderr
+    proc, _ = pretrain(1, *RUN, "--family", "mdlm", "--hidden-size", "96", "--load", str(ckpt), check=False)
+    assert proc.returncode != 0
+    assert "hidden_size: checkpoint 64 vs this run 96" in proc.stderr
 
 
 def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):

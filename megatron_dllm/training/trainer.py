@@ -22,6 +22,7 @@ from megatron_dllm.model.presets import get_preset
 from megatron_dllm.training import checkpointing
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.config import resolve_run
+from megatron_dllm.training.ema import EMA
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
@@ -68,11 +69,14 @@ class Trainer:
         self.valid_batches = BatchSchedule(run.valid_dataset, self.family, args.seed + 1,
                                            args.micro_batch_size, args.global_batch_size, dp_rank, dp_size)
         self.logger = Logger(args.tensorboard_dir, args.metrics_file)
+        self.ema = EMA(self.model, args.ema_decay) if args.ema_decay is not None else None
         self.iteration, self.consumed_samples = 0, 0
         if args.load:
-            common = checkpointing.load_checkpoint(args.load, self.model, self.optimizer, self.scheduler,
-                                                   self.identity())
-            if common is not None:
+            common = checkpointing.load_checkpoint(
+                args.load, self.model, self.optimizer, self.scheduler, self.identity(),
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+                ema=self.ema, log=self.logger.info)
+            if common is not None and not args.finetune:
                 self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
                 self.train_batches.data_offset = self._data_mix_start(common)
         self.flops_per_seq = train_flops_per_sequence(preset, run.tokenizer.vocab_size, args.seq_length)
@@ -133,6 +137,8 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+            if self.ema is not None:
+                self.ema.update()
         self.iteration += 1
         self.consumed_samples += self.args.global_batch_size
         return loss, grad_norm
@@ -158,6 +164,13 @@ class Trainer:
                          f"DP {parallel_state.get_data_parallel_world_size()} | device {platform.device()} | "
                          f"layers {self.layer_impl} | "
                          f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens")
+        if self.iteration >= run.train_iters:  # loaded a checkpoint at (or past) the end: evaluate only
+            self.logger.info(f"iteration {self.iteration} already reaches --train-iters {run.train_iters}: "
+                             f"evaluating only")
+            if args.eval_iters:
+                self.logger.valid(self.iteration, self.evaluate())
+            self.logger.close()
+            return
         last = self.iteration
         tick = time.perf_counter()
         while self.iteration < run.train_iters:
@@ -186,5 +199,6 @@ class Trainer:
             self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
             {"consumed_samples": self.consumed_samples, "identity": self.identity(),
              "data_mix": self.args.data_path, "data_mix_start": self.train_batches.data_offset},
+            ema=self.ema,
         )
         self.logger.info(f"saved checkpoint {path}")

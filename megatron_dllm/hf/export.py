@@ -1,0 +1,254 @@
+"""Conversion between megatron_dllm checkpoints (torch_dist, any TP/PP layout) and Hugging Face
+directories (config.json + model.safetensors + the self-contained modeling files + tokenizer).
+
+Names: HF keys are "backbone." + ReferenceDiT's names (megatron_dllm/model/reference.py), with the
+embedding as `vocab_embed.weight`; the fused qkv rows are [3, heads, head_dim] in HF and
+[heads, 3, head_dim] in megatron. HF drops megatron's vocabulary padding (real vocab incl. [MASK]).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL_FILES = ("configuration_dllm.py", "modeling_dllm.py")
+TRACKER = "latest_checkpointed_iteration.txt"
+DEFAULT_SEQ_LENGTH = 2048
+
+# megatron (TP=1, PP=1 DiTModel.state_dict()) -> HF suffix after "backbone."
+_RENAMES = [("time_embedder.mlp.", "sigma_map.mlp."),
+            ("embedding.word_embeddings.weight", "vocab_embed.weight"),
+            ("final_layer.norm.", "output_layer.norm_final."),
+            ("final_layer.adaLN_modulation.linear.", "output_layer.adaLN_modulation."),
+            ("final_layer.output_layer.", "output_layer.linear."), ("layers.", "blocks."),
+            ("input_layernorm.", "norm1."), ("pre_mlp_layernorm.", "norm2."),
+            ("adaLN_modulation.linear.", "adaLN_modulation."),
+            ("self_attention.linear_qkv.", "attn_qkv."), ("self_attention.linear_proj.", "attn_out."),
+            ("mlp.linear_fc1.", "mlp.0."), ("mlp.linear_fc2.", "mlp.2.")]
+_VOCAB_KEYS = ("vocab_embed.weight", "output_layer.linear.weight", "output_layer.linear.bias")
+
+
+def _qkv(value: torch.Tensor, heads: int, to_hf: bool) -> torch.Tensor:
+    three_d, d = value.shape
+    dh = three_d // 3 // heads
+    shape = (heads, 3, dh, d) if to_hf else (3, heads, dh, d)
+    return value.reshape(shape).transpose(0, 1).reshape(three_d, d).contiguous()
+
+
+def megatron_name_to_hf(key: str) -> str:
+    for old, rep in _RENAMES:
+        key = key.replace(old, rep)
+    return "backbone." + key
+
+
+def megatron_to_hf(state_dict: dict, num_heads: int, vocab_size: int) -> dict:
+    """TP=1/PP=1 DiTModel state dict (global layer numbers) -> HF state dict (fp32, real vocab)."""
+    out = {}
+    for key, value in state_dict.items():
+        if "_extra_state" in key or value is None:
+            continue
+        new = megatron_name_to_hf(key)
+        value = value.detach().float().cpu()
+        if new.endswith("attn_qkv.weight"):
+            value = _qkv(value, num_heads, to_hf=True)
+        if new[len("backbone."):] in _VOCAB_KEYS:
+            value = value[:vocab_size]
+        out[new] = value.contiguous().clone()
+    return out
+
+
+def hf_to_megatron_tensor(hf_state: dict, megatron_key: str, num_heads: int, padded_vocab_size: int):
+    """The full (TP=1) megatron tensor `megatron_key` (global layer number) from an HF state dict:
+    qkv rows back to [heads, 3, head_dim], the vocabulary zero-padded to `padded_vocab_size`."""
+    key = megatron_name_to_hf(megatron_key)
+    if key not in hf_state:
+        raise KeyError(f"{key} (megatron {megatron_key}) is missing from the HF weights")
+    value = hf_state[key]
+    if key.endswith("attn_qkv.weight"):
+        value = _qkv(value, num_heads, to_hf=False)
+    if key[len("backbone."):] in _VOCAB_KEYS and value.shape[0] < padded_vocab_size:
+        pad = value.new_zeros((padded_vocab_size - value.shape[0],) + tuple(value.shape[1:]))
+        value = torch.cat([value, pad])
+    return value
+
+
+# ---------------------------------------------------------------------- megatron side
+
+
+def latest_checkpoint(load: str) -> tuple[str, int]:
+    tracker = os.path.join(load, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = int(f.read().strip())
+        return os.path.join(load, f"iter_{it:07d}"), it
+    if os.path.isfile(os.path.join(load, "metadata.json")):  # an iter_XXXXXXX directory itself
+        return load, -1
+    raise FileNotFoundError(f"--load {load}: no {TRACKER} (and not a checkpoint directory itself)")
+
+
+def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
+    """model key (TP1 DiTModel, prefix '') -> saved key. Model tensors are saved under their bare
+    names (global layer numbers, the same for every PP/VPP layout) and the EMA copy under `ema.`."""
+    import re
+
+    pattern = re.compile(r"ema[\w.]*" if use_ema else r"model\d*")
+    by_suffix = {}
+    for saved in saved_keys:
+        if "optimizer" in saved:
+            continue
+        parts = saved.split(".")
+        if not use_ema:
+            by_suffix.setdefault(saved, []).append(saved)
+        for i in range(1, len(parts)):
+            if pattern.fullmatch(".".join(parts[:i])):
+                by_suffix.setdefault(".".join(parts[i:]), []).append(saved)
+    if use_ema and not by_suffix:
+        raise ValueError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
+                         f"train with EMA enabled or export without --use-ema")
+    mapping = {}
+    for key in model_keys:
+        found = by_suffix.get(key, [])
+        if len(found) != 1:
+            raise ValueError(f"{path}: model tensor {key!r} found {len(found)} times in the checkpoint "
+                             f"({found[:4]}); is it a megatron_dllm checkpoint of this architecture?")
+        mapping[key] = found[0]
+    return mapping
+
+
+def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None = None):
+    """Rebuild the TP=1/PP=1 DiTModel of the latest checkpoint under `load` (saved at any TP/PP/VPP
+    layout; megatron reshards on load) in the current world (call platform.init_distributed(1, 1)
+    first). Returns (model, identity, common state, arch)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.presets import Preset
+
+    path, _ = latest_checkpoint(load)
+    common = dist_checkpointing.load_common_state_dict(path)
+    identity = common.get("identity")
+    if not identity:
+        raise ValueError(f"--load {load}: the checkpoint has no 'identity' in its common state")
+    family = FAMILIES[identity["family"]]
+    meta = dist_checkpointing.load_tensors_metadata(path)
+    emb = [k for k in meta if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
+           and k.startswith("ema") == use_ema]
+    if not emb:
+        if use_ema:
+            raise ValueError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
+                             f"train with EMA enabled or export without --use-ema")
+        raise ValueError(f"{path}: no embedding tensor in the checkpoint")
+    padded = int(meta[emb[0]].global_shape[0])
+    seq = seq_length or common.get("seq_length") or DEFAULT_SEQ_LENGTH
+    arch = Architecture(Preset(identity["hidden_size"], identity["num_layers"], identity["num_attention_heads"]),
+                        identity["vocab_size"], int(seq), family.attention, make_vocab_size_divisible_by=padded)
+    config, mlp_config = transformer_config(arch)
+    model = build_model(arch, config, mlp_config, seed=0)[0]
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    mapping = _match_keys(list(sharded), list(meta), use_ema, path)
+    for key, ten in sharded.items():
+        ten.key = mapping[key]
+    loaded = dist_checkpointing.load(sharded, path)  # also returns the common state
+    state = {k: loaded[k] for k in sharded}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any("_extra_state" not in k for k in missing):
+        raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    return model, identity, common, arch
+
+
+def save_megatron_checkpoint(save: str, model, identity: dict, iteration: int = 0, extra: dict | None = None):
+    """Model-only checkpoint in our layout: SAVE/iter_XXXXXXX + latest_checkpointed_iteration.txt."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    path = os.path.join(save, f"iter_{iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    state = {"model": model.sharded_state_dict(), "iteration": iteration, "identity": identity,
+             "consumed_samples": 0, **(extra or {})}
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(save, TRACKER + ".tmp"), "w") as f:
+            f.write(str(iteration))
+        os.replace(os.path.join(save, TRACKER + ".tmp"), os.path.join(save, TRACKER))
+    dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------------- HF side
+
+
+def hf_config_dict(identity: dict, attention: str, max_length: int) -> dict:
+    causal_lm = identity["family"] == "ar"
+    arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
+    auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
+            ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
+    return {"model_type": "dllm", "architectures": [arch_name], "auto_map": auto,
+            "family": identity["family"], "hidden_size": identity["hidden_size"],
+            "num_layers": identity["num_layers"], "num_heads": identity["num_attention_heads"],
+            "vocab_size": identity["vocab_size"], "mask_token_id": identity["mask_id"],
+            "cond_dim": 128, "time_freq_dim": 256, "noise_schedule": "loglinear", "noise_eps": 1e-3,
+            "attention": attention, "rope_theta": 10000.0, "layer_norm_eps": 1e-5,
+            "max_position_embeddings": int(max_length), "tie_word_embeddings": False,
+            "use_cache": False, "torch_dtype": "float32"}
+
+
+def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file({k: v.contiguous() for k, v in sorted(hf_state.items())}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    for name in MODEL_FILES:
+        shutil.copyfile(os.path.join(HERE, name), os.path.join(out, name))
+    if config["family"] == "ar":  # generate() defaults
+        gen = {"use_cache": False, "do_sample": False}
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(gen, f, indent=2)
+
+
+def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int) -> None:
+    """Write a tokenizer that `AutoTokenizer.from_pretrained(out)` loads offline, with [MASK] at
+    `mask_id` (checked against the model's vocabulary)."""
+    from megatron_dllm.data.tokenizers import build_tokenizer
+
+    ours = build_tokenizer(tokenizer_type, tokenizer_model)
+    if (ours.vocab_size, ours.mask_id) != (vocab_size, mask_id):
+        raise ValueError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
+                         f"{ours.mask_id} do not match the checkpoint's {vocab_size} / {mask_id}")
+    import tempfile
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if tokenizer_type == "SentencePieceTokenizer":
+            shutil.copyfile(ours.model_path, os.path.join(tmp, "tokenizer.model"))
+            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
+                           "add_eos_token": False, "legacy": True}, f)
+            tok = AutoTokenizer.from_pretrained(tmp)
+        elif tokenizer_type == "HuggingFaceTokenizer":
+            cfg = ours._read_config(os.path.dirname(ours.model_path))
+            tok = PreTrainedTokenizerFast(tokenizer_file=ours.model_path,
+                                          eos_token=ours._tok.id_to_token(ours.eod),
+                                          bos_token=None if ours.bos is None else ours._tok.id_to_token(ours.bos),
+                                          **{k: cfg[k] for k in ("unk_token", "pad_token") if k in cfg})
+        else:
+            raise ValueError(f"--tokenizer-type {tokenizer_type}: export supports SentencePieceTokenizer "
+                             f"and HuggingFaceTokenizer")
+        mask_piece = "[MASK]" if ours.mask_appended else None
+        if mask_piece is None:
+            mask_piece = tok.convert_ids_to_tokens(mask_id)
+        tok.add_special_tokens({"mask_token": mask_piece})
+        if tok.mask_token_id != mask_id:
+            raise ValueError(f"exported tokenizer maps {mask_piece} to {tok.mask_token_id}, expected {mask_id}")
+        tok.save_pretrained(out)

@@ -1,0 +1,257 @@
+"""The megatron_dllm DiT as a transformers model (self-contained: torch + transformers only).
+
+Pre-norm DiT blocks with adaLN-zero time conditioning c = SiLU(MLP(sinusoidal(sigma))), rotary
+over the full head dimension from explicit per-token positions, SDPA attention (no bias on qkv
+and out projections), tanh-GELU MLP with bias, final LN + adaLN + Linear(h, V) with bias.
+
+forward(input_ids, position_ids=None, sigma=None, timesteps=None, attention_mask=None) -> logits
+[b, s, V]. `sigma` is the per-sequence time input ([b] or a scalar); for Duo it is -log alpha_t.
+`timesteps` t in [0, 1] is converted with the log-linear schedule, sigma = -log(1 - (1 - eps) t).
+AR, MDLM and Eso-LM were trained with sigma = 0 (the default). Eso-LM takes the sequence in its
+shuffled order with `position_ids` = the original positions, and attends causally over that order.
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput, MaskedLMOutput
+
+try:
+    from .configuration_dllm import DLLMConfig
+except ImportError:  # loaded as a top-level module
+    from configuration_dllm import DLLMConfig
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.freq_dim = config.time_freq_dim
+        self.mlp = nn.Sequential(nn.Linear(config.time_freq_dim, config.cond_dim), nn.SiLU(),
+                                 nn.Linear(config.cond_dim, config.cond_dim))
+
+    def forward(self, sigma):
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
+                                                            device=sigma.device) / half)
+        args = sigma.float()[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class LayerNorm(nn.Module):
+    """fp32 layer norm without bias (weight only)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
+
+
+def modulate(x, shift, scale):
+    return x * (1 + scale) + shift
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rotary_cos_sin(position_ids, head_dim, base):
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                           device=position_ids.device) / head_dim)
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x, cos, sin):
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.n_heads = config.num_heads
+        self.norm1 = LayerNorm(d, config.layer_norm_eps)
+        self.norm2 = LayerNorm(d, config.layer_norm_eps)
+        self.adaLN_modulation = nn.Linear(config.cond_dim, 6 * d)
+        self.attn_qkv = nn.Linear(d, 3 * d, bias=False)  # rows [3, heads, head_dim]
+        self.attn_out = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x, c, cos, sin, attn_mask, causal):
+        b, s, d = x.shape
+        (shift_msa, scale_msa, gate_msa,
+         shift_mlp, scale_mlp, gate_mlp) = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
+        h = modulate(self.norm1(x), shift_msa, scale_msa)
+        q, k, v = self.attn_qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(dim=2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=attn_mask, is_causal=causal and attn_mask is None)
+        x = x + gate_msa * self.attn_out(y.transpose(1, 2).reshape(b, s, d))
+        return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.norm_final = LayerNorm(d, config.layer_norm_eps)
+        self.adaLN_modulation = nn.Linear(config.cond_dim, 2 * d)
+        self.linear = nn.Linear(d, config.vocab_size)
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=2)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.hidden_size // config.num_heads
+        self.vocab_embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.sigma_map = TimestepEmbedder(config)
+        self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.num_layers))
+        self.output_layer = FinalLayer(config)
+
+    def forward(self, input_ids, position_ids, sigma, attn_mask=None):
+        x = self.vocab_embed(input_ids)
+        c = F.silu(self.sigma_map(sigma))
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
+        causal = self.config.attention == "causal"
+        for block in self.blocks:
+            x = block(x, c, cos, sin, attn_mask, causal)
+        return self.output_layer(x, c)
+
+
+class DLLMPreTrainedModel(PreTrainedModel):
+    config_class = DLLMConfig
+    base_model_prefix = "backbone"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _no_split_modules = ["DiTBlock"]
+
+    def _init_weights(self, module):
+        """The training initialisation: nn.Linear defaults, U(+-1/sqrt(h)) embedding, adaLN-zero and
+        a zero output layer (initial logits are 0)."""
+        if isinstance(module, nn.Embedding):
+            bound = 1.0 / math.sqrt(module.weight.shape[1])
+            nn.init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+        elif isinstance(module, LayerNorm):
+            nn.init.ones_(module.weight)
+        if isinstance(module, (DiTBlock, FinalLayer)):
+            for m in [module.adaLN_modulation] + ([module.linear] if isinstance(module, FinalLayer) else []):
+                nn.init.zeros_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _sigma(self, input_ids, sigma, timesteps):
+        b = input_ids.shape[0]
+        if sigma is None and timesteps is not None:
+            t = torch.as_tensor(timesteps, dtype=torch.float32, device=input_ids.device)
+            if self.config.noise_schedule != "loglinear":
+                raise ValueError(f"unknown noise schedule {self.config.noise_schedule!r}")
+            sigma = -torch.log1p(-(1 - self.config.noise_eps) * t)
+        if sigma is None:
+            return torch.zeros(b, dtype=torch.float32, device=input_ids.device)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=input_ids.device)
+        return sigma.reshape(-1).expand(b) if sigma.numel() == 1 else sigma.reshape(b)
+
+    def _attn_mask(self, input_ids, attention_mask):
+        """None (the family's layout) or a [b, 1, s, s] boolean mask from a [b, s] key padding
+        mask (1 = attend) or an explicit [b, s, s] mask, combined with the causal layout."""
+        if attention_mask is None:
+            return None
+        s = input_ids.shape[1]
+        mask = attention_mask.to(device=input_ids.device).bool()
+        if mask.dim() == 2:
+            if bool(mask.all()):
+                return None
+            mask = mask[:, None, :].expand(-1, s, -1)
+            if self.config.attention == "causal":
+                mask = mask & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+            mask = mask | torch.eye(s, dtype=torch.bool, device=mask.device)  # no empty rows
+        return mask[:, None]
+
+    def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+        return self.backbone(input_ids, position_ids, self._sigma(input_ids, sigma, timesteps),
+                             self._attn_mask(input_ids, attention_mask))
+
+
+class DLLMForMaskedLM(DLLMPreTrainedModel):
+    """Diffusion families (mdlm, duo, esolm): logits for every position."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = DiT(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.vocab_embed
+
+    def set_input_embeddings(self, value):
+        self.backbone.vocab_embed = value
+
+    def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
+                sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                return_dict: Optional[bool] = None, **kwargs):
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask)
+        loss = None
+        if labels is not None:  # plain CE over positions with label != -100
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=-100)
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
+    """The AR family: causal attention, sigma = 0. No KV cache: each step recomputes the prefix."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = DiT(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.vocab_embed
+
+    def set_input_embeddings(self, value):
+        self.backbone.vocab_embed = value
+
+    def get_output_embeddings(self):
+        return self.backbone.output_layer.linear
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
+                sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
+                return_dict: Optional[bool] = None, logits_to_keep: int = 0, **kwargs):
+        if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        if return_dict is False:
+            return (logits,) if loss is None else (loss, logits)
+        return CausalLMOutput(loss=loss, logits=logits)

@@ -1,0 +1,87 @@
+"""Import a Hugging Face directory written by tools/convert_to_hf.py back into a megatron_dllm
+checkpoint (model weights + identity; no optimizer state) at any TP/PP layout:
+
+    torchrun --nproc-per-node T*P tools/convert_from_hf.py --hf DIR --save CKPT \
+        --tensor-model-parallel-size T --pipeline-model-parallel-size P
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
+    parser.add_argument("--save", required=True, help="checkpoint root to write")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--iteration", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+    from megatron.core import parallel_state
+    from safetensors.torch import load_file
+
+    from megatron_dllm import platform
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.presets import Preset
+
+    with open(os.path.join(args.hf, "config.json")) as f:
+        cfg = json.load(f)
+    if cfg.get("model_type") != "dllm":
+        print(f"error: --hf {args.hf}: model_type {cfg.get('model_type')!r}, expected 'dllm'", file=sys.stderr)
+        return 1
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    family = FAMILIES[cfg["family"]]
+    arch = Architecture(Preset(cfg["hidden_size"], cfg["num_layers"], cfg["num_heads"]), cfg["vocab_size"],
+                        cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH), family.attention,
+                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    try:
+        platform.init_distributed(tp, pp)
+        config, mlp_config = transformer_config(arch, tp=tp, pp=pp)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    model = build_model(arch, config, mlp_config, seed=0)[0]
+    hf_state = load_file(os.path.join(args.hf, "model.safetensors"))
+    used = set()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    local = model.state_dict()
+    new_state = {}
+    for name, param in local.items():
+        if "_extra_state" in name:
+            new_state[name] = param
+            continue
+        global_name = name
+        if name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            global_name = f"layers.{model.layer_offset + int(i)}.{rest}"
+        value = export.hf_to_megatron_tensor(hf_state, global_name, cfg["num_heads"], arch.padded_vocab_size(tp))
+        used.add(export.megatron_name_to_hf(global_name))
+        live = dict(model.named_parameters()).get(name)
+        if live is not None and getattr(live, "tensor_model_parallel", False) and tp > 1:
+            value = value.chunk(tp, dim=live.partition_dim)[tp_rank]
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: shape {tuple(value.shape)} from {args.hf} vs model {tuple(param.shape)}")
+        new_state[name] = value.to(param.dtype)
+    model.load_state_dict(new_state)
+    if pp == 1 and set(hf_state) != used:
+        raise ValueError(f"{args.hf}: unused weights {sorted(set(hf_state) - used)[:5]}")
+    identity = {"family": cfg["family"], "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_layers"],
+                "num_attention_heads": cfg["num_heads"], "vocab_size": cfg["vocab_size"],
+                "mask_id": cfg["mask_token_id"]}
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration,
+                                           {"seq_length": arch.seq_length})
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote {path} (TP={tp}, PP={pp}, model weights only)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

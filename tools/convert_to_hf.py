@@ -1,0 +1,51 @@
+"""Export a megatron_dllm checkpoint (any TP/PP layout) to a Hugging Face directory.
+
+    python tools/convert_to_hf.py --load CKPT --out DIR [--use-ema] \
+        [--tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model] [--seq-length 2048]
+
+Runs as one process: the checkpoint is resharded to TP=1/PP=1 on load (model weights only).
+The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModelForCausalLM` (ar)
+`.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR)`.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--use-ema", action="store_true", help="export the EMA weights (checkpoint key 'ema')")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="max_position_embeddings (default: the checkpoint's, else 2048)")
+    parser.add_argument("--tokenizer-type", default=None, choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    parser.add_argument("--tokenizer-model", default=None)
+    args = parser.parse_args(argv)
+    if bool(args.tokenizer_type) != bool(args.tokenizer_model):
+        parser.error("--tokenizer-type and --tokenizer-model go together")
+
+    from megatron_dllm import platform
+    from megatron_dllm.hf import export
+
+    try:
+        platform.init_distributed(1, 1)
+        model, identity, _, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length)
+        hf_state = export.megatron_to_hf(model.state_dict(), identity["num_attention_heads"], identity["vocab_size"])
+        config = export.hf_config_dict(identity, arch.attention, arch.seq_length)
+        export.write_hf_dir(args.out, hf_state, config)
+        if args.tokenizer_type:
+            export.export_tokenizer(args.out, args.tokenizer_type, args.tokenizer_model,
+                                    identity["vocab_size"], identity["mask_id"])
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} ({identity['family']}, {len(hf_state)} tensors"
+          f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
