@@ -139,6 +139,17 @@ class DLLMPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _no_split_modules = ["DiTBlock"]
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = DiT(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.vocab_embed
+
+    def set_input_embeddings(self, value):
+        self.backbone.vocab_embed = value
+
     def _init_weights(self, module):
         """The training initialisation: nn.Linear defaults, U(+-1/sqrt(h)) embedding, adaLN-zero and
         a zero output layer (initial logits are 0)."""
@@ -194,16 +205,6 @@ class DLLMPreTrainedModel(PreTrainedModel):
 class DLLMForMaskedLM(DLLMPreTrainedModel):
     """Diffusion families (mdlm, duo, esolm): logits for every position."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.backbone = DiT(config)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.backbone.vocab_embed
-
-    def set_input_embeddings(self, value):
-        self.backbone.vocab_embed = value
 
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
@@ -222,16 +223,6 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
 class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
     """The AR family: causal attention, sigma = 0. No KV cache: each step recomputes the prefix."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.backbone = DiT(config)
-        self.post_init()
-
-    def get_input_embeddings(self):
-        return self.backbone.vocab_embed
-
-    def set_input_embeddings(self, value):
-        self.backbone.vocab_embed = value
 
     def get_output_embeddings(self):
         return self.backbone.output_layer.linear
