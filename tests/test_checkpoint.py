@@ -54,3 +54,27 @@ def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):
     assert [r["consumed_samples"] for r in records if "loss" in r] == [24, 32]
     proc, _ = pretrain(1, *RUN, *data, *phase2, "--train-iters", "5", "--load", str(ckpt), "--save", str(ckpt))
     assert "data mix changed" not in proc.stdout  # the switch is remembered in the checkpoint
+
+
+def test_no_load_optim_and_finetune(pretrain, tmp_path):
+    full = tmp_path / "full"
+    _, records = pretrain(1, *RUN, "--save", str(full), "--save-interval", "2")
+    uninterrupted = _losses(records)
+    part = tmp_path / "part"  # the run's iteration-2 checkpoint
+    part.mkdir()
+    shutil.copytree(full / "iter_0000002", part / "iter_0000002")
+    (part / "latest_checkpointed_iteration.txt").write_text("2")
+
+    # --no-load-optim: the weights load, so iteration 3's loss (computed before any update) is the
+    # uninterrupted one; the fresh AdamW state then makes iteration 4 differ.
+    proc, records = pretrain(1, *RUN, "--load", str(part), "--no-load-optim", "--save", str(tmp_path / "a"))
+    losses = _losses(records)
+    assert losses[0] == uninterrupted[2] and losses[1] != uninterrupted[3]
+
+    # --finetune: weights only; the run starts over at sample 0, where the trained weights fit the
+    # same samples and noise better than the untrained model did at its iteration 1.
+    proc, records = pretrain(1, *RUN, "--load", str(part), "--finetune", "--train-iters", "1",
+                             "--save", str(tmp_path / "b"))
+    assert [r["consumed_samples"] for r in records if "loss" in r] == [8]
+    assert _losses(records)[0] < uninterrupted[0]
+    assert "weights only (--finetune)" in proc.stdout
