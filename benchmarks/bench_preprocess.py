@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files  # noqa: E402
-from megatron_dllm.data.tokenizers import write_tiktoken_file  # noqa: E402
+from megatron_dllm.data.tokenizers import write_tiktoken_from_bytelevel  # noqa: E402
 
 TARGET_TOKENS = 2.1e12
 
@@ -58,17 +58,8 @@ def _tiktoken(directory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=2000, show_progress=False,
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    dec = {chr(c): b for b, c in zip(bs, cs)}
     path = os.path.join(directory, "shakespeare2000.tiktoken")
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    write_tiktoken_file(path, [bytes(dec[c] for c in t) for t, _ in vocab])
+    write_tiktoken_from_bytelevel(path, tok.get_vocab())
     return path
 
 

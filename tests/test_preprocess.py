@@ -28,7 +28,7 @@ from megatron_dllm.data.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
 from megatron_dllm.data.preprocess import Progress, preprocess, shard_prefix
 from megatron_dllm.data.sources import expand_inputs, shard_files
-from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_file
+from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_from_bytelevel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
@@ -75,17 +75,6 @@ def sp_model(tmp_path_factory, plays):
     return path
 
 
-def _bytelevel_decoder():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 @pytest.fixture(scope="module")
 def tiktoken_file(tmp_path_factory, plays):
     """A .tiktoken file converted from a byte-level BPE trained with `tokenizers`: ranks in the
@@ -97,10 +86,8 @@ def tiktoken_file(tmp_path_factory, plays):
     docs = [p for d in list(plays.values())[:3] for p in d]
     tok.train_from_iterator(docs, trainers.BpeTrainer(
         vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    dec = _bytelevel_decoder()
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     path = str(tmp_path_factory.mktemp("tik") / "shakespeare.tiktoken")
-    write_tiktoken_file(path, [bytes(dec[c] for c in t) for t, _ in vocab])
+    write_tiktoken_from_bytelevel(path, tok.get_vocab())
     return path
 
 
