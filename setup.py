@@ -64,6 +64,8 @@ setup(
         "zstandard>=0.22",
         "pyarrow>=14",
         "psutil",
+        "scipy",  # scaling-law fits (megatron_dllm/scaling/fits.py)
+        "matplotlib",  # scaling-law figures (megatron_dllm/scaling/plots.py)
     ],
     extras_require={
         "hf": HF_EXPORT,

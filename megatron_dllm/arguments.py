@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None, help="default 256 (32 on the demo)")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--train-flops", type=float, default=None,
+                   help="training compute budget (e.g. 6e18): iterations = floor(budget / (training FLOPs "
+                        "per sequence x --global-batch-size)); replaces --train-iters/--train-samples")
+    g.add_argument("--flops-convention", choices=["calflops", "full"], default="calflops",
+                   help="how --train-flops and the logged cumulative FLOPs count: calflops (the paper's, "
+                        "no attention matmuls) | full (every matmul); see megatron_dllm/scaling/flops.py")
     g.add_argument("--lr", type=float, default=None, help="default 2e-4 (1e-3 on the demo)")
     g.add_argument("--min-lr", type=float, default=None, help="default lr/10")
     g.add_argument("--lr-warmup-iters", type=int, default=None)
@@ -113,4 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"{', '.join(FAMILIES)}")
     if args.train_iters is not None and args.train_samples is not None:
         raise ValueError("give --train-iters or --train-samples, not both")
+    if args.train_flops is not None:
+        if args.train_iters is not None or args.train_samples is not None:
+            raise SystemExit("error: --train-flops sets the number of iterations; give it without "
+                             "--train-iters/--train-samples")
+        if args.train_flops <= 0:
+            raise SystemExit(f"error: --train-flops must be positive, got {args.train_flops:g}")
     return args

@@ -6,6 +6,7 @@ sweep settings. Flags given explicitly always win.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -13,6 +14,9 @@ from megatron_dllm.data.datasets import build_datasets
 from megatron_dllm.data.demo import prepare_demo_corpus
 from megatron_dllm.data.tokenizers import build_tokenizer
 from megatron_dllm.families import FAMILIES
+from megatron_dllm.model.presets import Preset, get_preset
+from megatron_dllm.scaling.flops import train_flops_per_sequence
+from megatron_dllm.scaling.plan import iterations_for_budget
 
 DEMO_DEFAULTS = dict(
     preset="cpu-small", seq_length=128, micro_batch_size=8, global_batch_size=32, train_iters=300,
@@ -38,6 +42,13 @@ def _fill(args, defaults: dict) -> None:
             setattr(args, key, value.format(family=args.family) if isinstance(value, str) else value)
 
 
+def resolve_preset(args) -> Preset:
+    """The --preset with any --hidden-size/--num-layers/--num-attention-heads override applied."""
+    overrides = {"hidden_size": args.hidden_size, "num_layers": args.num_layers,
+                 "num_attention_heads": args.num_attention_heads}
+    return dataclasses.replace(get_preset(args.preset), **{k: v for k, v in overrides.items() if v})
+
+
 def resolve_run(args) -> Run:
     demo = args.data_path is None
     if demo:
@@ -55,11 +66,20 @@ def resolve_run(args) -> Run:
         _fill(args, DEFAULTS)
     if args.min_lr is None:
         args.min_lr = args.lr / 10
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    if args.train_flops is not None:
+        per_sequence = train_flops_per_sequence(resolve_preset(args), tokenizer.vocab_size, args.seq_length,
+                                                args.flops_convention)
+        # rounded down, so the run spends at most the budget
+        args.train_iters = iterations_for_budget(args.train_flops, per_sequence, args.global_batch_size)
+        if args.train_iters < 1:
+            raise ValueError(f"--train-flops {args.train_flops:g} pays for no iteration: one costs "
+                             f"{per_sequence * args.global_batch_size:.4g} FLOPs ({args.flops_convention}) "
+                             f"at --global-batch-size {args.global_batch_size}")
     if args.train_iters is None:
         if args.train_samples is None:
-            raise ValueError("give --train-iters or --train-samples")
+            raise ValueError("give --train-iters, --train-samples or --train-flops")
         args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     extra_token = FAMILIES[args.family].extra_token  # AR reads seq_length + 1 tokens
     num_valid = args.eval_iters * args.global_batch_size if args.eval_interval else 0
     train, valid = build_datasets(

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-import dataclasses
+import os
 import time
 from functools import partial
 
@@ -17,11 +17,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_dllm import platform
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
-from megatron_dllm.model.flops import train_flops_per_sequence
-from megatron_dllm.model.presets import get_preset
+from megatron_dllm.scaling.flops import train_flops_per_sequence
 from megatron_dllm.training import checkpointing
 from megatron_dllm.training.batches import BatchSchedule
-from megatron_dllm.training.config import resolve_run
+from megatron_dllm.training.config import resolve_preset, resolve_run
 from megatron_dllm.training.ema import EMA
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
@@ -34,9 +33,7 @@ class Trainer:
         self.run = run = resolve_run(args)  # defaults, tokenizer, datasets, iterations
         self.args, self.tokenizer = args, run.tokenizer
         self.family = get_family(args.family, run.tokenizer.mask_id, run.tokenizer.vocab_size, args.loss)
-        overrides = {"hidden_size": args.hidden_size, "num_layers": args.num_layers,
-                     "num_attention_heads": args.num_attention_heads}
-        preset = dataclasses.replace(get_preset(args.preset), **{k: v for k, v in overrides.items() if v})
+        preset = resolve_preset(args)
         self.arch = Architecture(preset, run.tokenizer.vocab_size, args.seq_length, self.family.attention,
                                  args.make_vocab_size_divisible_by)
         use_te = platform.HAS_TE if args.transformer_impl is None else args.transformer_impl == "transformer_engine"
@@ -79,7 +76,10 @@ class Trainer:
             if common is not None and not args.finetune:
                 self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
                 self.train_batches.data_offset = self._data_mix_start(common)
-        self.flops_per_seq = train_flops_per_sequence(preset, run.tokenizer.vocab_size, args.seq_length)
+        vocab = run.tokenizer.vocab_size
+        # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
+        self.flops_per_seq = train_flops_per_sequence(preset, vocab, args.seq_length, "full")
+        self.budget_flops_per_seq = train_flops_per_sequence(preset, vocab, args.seq_length, args.flops_convention)
 
     def _data_mix_start(self, common: dict) -> int:
         """Where the current training mix started. Resuming with another --data-path (e.g. the
@@ -163,12 +163,14 @@ class Trainer:
                          f"TP {args.tensor_model_parallel_size} PP {args.pipeline_model_parallel_size} "
                          f"DP {parallel_state.get_data_parallel_world_size()} | device {platform.device()} | "
                          f"layers {self.layer_impl} | "
-                         f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens")
+                         f"{run.train_iters} iterations of {args.global_batch_size} x {args.seq_length} tokens | "
+                         f"{run.train_iters * args.global_batch_size * self.budget_flops_per_seq:.4g} training FLOPs "
+                         f"({args.flops_convention})")
         if self.iteration >= run.train_iters:  # loaded a checkpoint at (or past) the end: evaluate only
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {run.train_iters}: "
                              f"evaluating only")
             if args.eval_iters:
-                self.logger.valid(self.iteration, self.evaluate())
+                self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops())
             self.logger.close()
             return
         last = self.iteration
@@ -182,10 +184,10 @@ class Trainer:
                 tokens_per_s = steps * args.global_batch_size * args.seq_length / elapsed
                 tflops = steps * args.global_batch_size * self.flops_per_seq / elapsed / 1e12 / dist.get_world_size()
                 self.logger.train(self.iteration, run.train_iters, loss, self.optimizer.param_groups[0]["lr"],
-                                  grad_norm, tokens_per_s, tflops, self.consumed_samples)
+                                  grad_norm, tokens_per_s, tflops, self.consumed_samples, self.cumulative_flops())
                 last, tick = self.iteration, time.perf_counter()
             if args.eval_interval and (self.iteration % args.eval_interval == 0 or self.iteration == run.train_iters):
-                self.logger.valid(self.iteration, self.evaluate())
+                self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops())
                 tick = time.perf_counter()
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
@@ -194,11 +196,18 @@ class Trainer:
             self.save()
         self.logger.close()
 
+    def cumulative_flops(self) -> int:
+        """Training FLOPs so far (--flops-convention), from the consumed samples so resumes continue."""
+        return self.consumed_samples * self.budget_flops_per_seq
+
     def save(self) -> None:
         path = checkpointing.save_checkpoint(
             self.args.save, self.iteration, self.model, self.optimizer, self.scheduler,
             {"consumed_samples": self.consumed_samples, "identity": self.identity(),
-             "data_mix": self.args.data_path, "data_mix_start": self.train_batches.data_offset},
+             "data_mix": self.args.data_path, "data_mix_start": self.train_batches.data_offset,
+             # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
+             "seq_length": self.args.seq_length,
+             "tokenizer": {"type": self.args.tokenizer_type, "model": os.path.abspath(self.args.tokenizer_model)}},
             ema=self.ema,
         )
         self.logger.info(f"saved checkpoint {path}")

@@ -1,0 +1,1 @@
+"""Scaling-law tooling: FLOPs accounting, IsoFLOP planning, fits, Pareto frontier and plots."""

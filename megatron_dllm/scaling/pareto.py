@@ -1,0 +1,121 @@
+"""Speed-quality Pareto frontier (paper §3.3).
+
+For each family and model: fit Gen PPL(T) and throughput(T) (fits.StepCurve), find the fewest
+steps T that reach a target Gen PPL, read the throughput there, and keep the best model per family
+and target. T is searched only inside the measured step range (no extrapolation); a model measured
+at fewer than 3 step counts (AR: one) is used at its measured points, without a fit.
+
+Input records are tools/evaluate.py's: Gen PPL {"family", "steps", "gen_ppl", "entropy"} and
+throughput {"family", "steps", "tokens_per_s", "samples_per_s", "batch_size"}. A record's model is
+its "model" or "preset" key, else the name of the file's directory: write each model's evaluate.py
+--output files into that model's run directory so Gen PPL and throughput pair up.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_dllm.scaling.fits import StepCurve, fit_step_curve
+
+
+def load_records(paths) -> list[dict]:
+    """Records from JSON files (an object or a list of objects) or JSON-lines files, each tagged
+    with its model (see the module docstring)."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            text = f.read().strip()
+        try:
+            data = json.loads(text)
+            items = data if isinstance(data, list) else [data]
+        except json.JSONDecodeError:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        default_model = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        for item in items:
+            if item.get("steps") is None:
+                raise ValueError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
+                                 f"against the sampling steps T)")
+            records.append({**item, "model": str(item.get("model", item.get("preset", default_model)))})
+    return records
+
+
+@dataclass
+class ModelCurves:
+    family: str
+    model: str
+    gen_ppl_points: dict  # steps -> Gen PPL
+    throughput_points: dict  # steps -> tokens/s
+    gen_ppl: StepCurve | None = None  # None: fewer than 3 step counts
+    throughput: StepCurve | None = None
+
+    def throughput_at(self, steps: float) -> float:
+        if self.throughput is not None:
+            return float(self.throughput(steps))
+        known = sorted(self.throughput_points.items())
+        if len(known) == 1:
+            return known[0][1]
+        xs, ys = zip(*known)  # interpolate in log T between the measured points
+        return float(np.interp(math.log(steps), np.log(xs), ys))
+
+    def steps_for(self, target: float) -> float | None:
+        """Fewest measured-range steps with Gen PPL <= target, None if none."""
+        if self.gen_ppl is None:
+            ok = [t for t, g in self.gen_ppl_points.items() if g <= target]
+            return min(ok) if ok else None
+        lo, hi = min(self.gen_ppl_points), max(self.gen_ppl_points)
+        if self.gen_ppl(lo) <= target:
+            return float(lo)
+        if self.gen_ppl(hi) > target:
+            return None
+        return self.gen_ppl.steps_for(target)
+
+
+def fit_models(gen_ppl_records, throughput_records) -> list[ModelCurves]:
+    """One ModelCurves per (family, model) with both kinds of measurement."""
+    gen, thr = defaultdict(dict), defaultdict(dict)
+    for r in gen_ppl_records:
+        gen[(r["family"], r["model"])][float(r["steps"])] = float(r["gen_ppl"])
+    for r in throughput_records:
+        thr[(r["family"], r["model"])][float(r["steps"])] = float(r["tokens_per_s"])
+    models = []
+    for key in sorted(gen.keys() & thr.keys()):
+        m = ModelCurves(*key, gen[key], thr[key])
+        if len(m.gen_ppl_points) >= 3:
+            m.gen_ppl = fit_step_curve(list(m.gen_ppl_points), list(m.gen_ppl_points.values()))
+        if len(m.throughput_points) >= 3:
+            m.throughput = fit_step_curve(list(m.throughput_points), list(m.throughput_points.values()))
+        models.append(m)
+    return models
+
+
+def pareto_frontier(models: list[ModelCurves], targets) -> list[dict]:
+    """For every target Gen PPL and family, the highest throughput over the family's models:
+    rows {"target", "family", "model", "steps", "tokens_per_s"}; families that reach no target
+    are left out of that target's rows."""
+    rows = []
+    for target in targets:
+        best = {}
+        for m in models:
+            steps = m.steps_for(target)
+            if steps is None:
+                continue
+            speed = m.throughput_at(steps)
+            if m.family not in best or speed > best[m.family]["tokens_per_s"]:
+                best[m.family] = {"target": float(target), "family": m.family, "model": m.model,
+                                  "steps": steps, "tokens_per_s": speed}
+        rows.extend(best[f] for f in sorted(best))
+    return rows
+
+
+def winners(frontier: list[dict]) -> dict:
+    """target -> the family with the highest throughput there."""
+    out = {}
+    for row in frontier:
+        if row["target"] not in out or row["tokens_per_s"] > out[row["target"]]["tokens_per_s"]:
+            out[row["target"]] = row
+    return {t: r["family"] for t, r in out.items()}

@@ -1,0 +1,105 @@
+"""IsoFLOP run grids (paper §3.1) and the run manifest that tools/scaling_laws.py reads back.
+
+For every budget C, family and preset the planner trains floor(C / (training FLOPs per sequence x
+global batch)) iterations, so a run spends at most C (the paper's reference code rounds the same
+way). The paper states no tokens-per-parameter bounds; runs with fewer than one iteration are
+dropped, and optional bounds can drop more.
+
+The manifest (JSON) lists every planned run with its metrics file, so the fits never have to parse
+run names:  {"runs": [{"name", "family", "preset", "budget", "non_embedding_params",
+"iterations", "tokens", "flops", "metrics_file"}, ...], ...settings}; paths relative to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from megatron_dllm.model.presets import PAPER_PRESETS, get_preset
+from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sequence
+
+PAPER_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20)  # §3.1
+PAPER_SETTINGS = dict(seq_length=2048, global_batch_size=256, vocab_size=32001)  # §3: data, tokenizer
+FAMILY_ORDER = ("ar", "mdlm", "duo", "esolm")
+
+
+def iterations_for_budget(budget: float, flops_per_sequence: int, global_batch_size: int) -> int:
+    """Whole iterations the budget pays for, rounded down so a run never exceeds its budget."""
+    return int(budget) // (flops_per_sequence * global_batch_size)
+
+
+def budget_label(budget: float) -> str:
+    """6e18 -> '6e18', 3.5e19 -> '3.5e19', 1e8 -> '1e8' (for run names and flags)."""
+    mantissa, _, exponent = f"{budget:g}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    name: str
+    family: str
+    preset: str
+    budget: float
+    non_embedding_params: int
+    iterations: int
+    tokens: int
+    flops: int  # what the iterations actually spend, <= budget
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.non_embedding_params
+
+
+def plan_isoflop(budgets, families, presets=tuple(PAPER_PRESETS), *, seq_length: int, global_batch_size: int,
+                 vocab_size: int, convention: str = "calflops", min_tokens_per_param: float | None = None,
+                 max_tokens_per_param: float | None = None) -> tuple[list[PlannedRun], list[tuple[PlannedRun, str]]]:
+    """(kept runs, [(dropped run, reason)]) for every budget x family x preset."""
+    kept, dropped = [], []
+    for budget in budgets:
+        for family in families:
+            for name in presets:
+                preset = get_preset(name)
+                per_seq = train_flops_per_sequence(preset, vocab_size, seq_length, convention)
+                iters = iterations_for_budget(budget, per_seq, global_batch_size)
+                run = PlannedRun(f"{family}-{name}-C{budget_label(budget)}", family, name, budget,
+                                 non_embedding_params(preset, vocab_size), iters,
+                                 iters * global_batch_size * seq_length, iters * global_batch_size * per_seq)
+                if iters < 1:
+                    dropped.append((run, "fewer than 1 iteration"))
+                elif min_tokens_per_param is not None and run.tokens_per_param < min_tokens_per_param:
+                    dropped.append((run, f"{run.tokens_per_param:.3g} tokens/param < {min_tokens_per_param:g}"))
+                elif max_tokens_per_param is not None and run.tokens_per_param > max_tokens_per_param:
+                    dropped.append((run, f"{run.tokens_per_param:.3g} tokens/param > {max_tokens_per_param:g}"))
+                else:
+                    kept.append(run)
+    return kept, dropped
+
+
+def write_manifest(path: str, runs: list[PlannedRun], runs_dir: str, **settings) -> None:
+    """Writes the manifest; each run's metrics file is <runs_dir>/<name>/metrics.jsonl."""
+    base = os.path.dirname(os.path.abspath(path))
+    entries = [{**asdict(r), "metrics_file": os.path.relpath(os.path.join(runs_dir, r.name, "metrics.jsonl"), base)}
+               for r in runs]
+    with open(path, "w") as f:
+        json.dump({**settings, "runs": entries}, f, indent=1)
+
+
+def read_manifest(path: str) -> list[dict]:
+    """The manifest's runs, metrics_file made absolute."""
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    base = os.path.dirname(os.path.abspath(path))
+    return [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in runs]
+
+
+def final_validation(metrics_file: str) -> dict | None:
+    """The last validation record (`valid_nelbo`) of a --metrics-file JSONL, None if there is none."""
+    if not os.path.exists(metrics_file):
+        return None
+    last = None
+    with open(metrics_file) as f:
+        for line in f:
+            record = json.loads(line)
+            if "valid_nelbo" in record:
+                last = record
+    return last

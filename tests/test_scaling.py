@@ -1,0 +1,253 @@
+"""Scaling-law tooling: FLOPs conventions, --train-flops, the IsoFLOP planner, fits, Pareto, plots."""
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dllm.model.presets import PAPER_PRESETS, Preset, get_preset
+from megatron_dllm.model.reference import ReferenceDiT
+from megatron_dllm.scaling import pareto
+from megatron_dllm.scaling.fits import analyze_isoflop, fit_step_curve
+from megatron_dllm.scaling.flops import forward_flops_per_sequence, non_embedding_params, train_flops_per_sequence
+from megatron_dllm.scaling.plan import PlannedRun, budget_label, plan_isoflop, write_manifest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+# ------------------------------------------------------------------ FLOPs conventions
+
+# calflops 0.3.2, calculate_flops(ReferenceDiT(h, L, heads, V, causal), kwargs=(ids, positions, sigma),
+# include_backPropagation=True) / batch: fwd + bwd FLOPs per sequence, measured on this repo's model
+# (recorded: importing calflops pulls in transformers and accelerate, ~10 s, too dear for a test).
+RECORDED_CALFLOPS = [  # (hidden, layers, heads, vocab, seq, causal) -> training FLOPs per sequence
+    ((64, 2, 4, 4097, 32, False), 70_374_144),
+    ((128, 3, 4, 300, 48, True), 183_927_552),
+    ((96, 2, 3, 1000, 64, True), 123_642_624),
+]
+# The paper's own calflops forward FLOPs per sequence (s-sahoo/scaling-dllms configs/flops/*.json;
+# vocab 32001, length 2048), rounded by calflops' string output.
+PAPER_CALFLOPS = {(384, 8): 108.6e9, (768, 12): 449.41e9, (1280, 18): 1618.7e9, (2048, 25): 5425.4e9}
+
+
+def _inputs(vocab, seq, batch):
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return dict(input_ids=ids, position_ids=torch.arange(seq).expand(batch, seq), sigma=torch.zeros(batch))
+
+
+@pytest.mark.parametrize("config,flops", RECORDED_CALFLOPS)
+def test_calflops_convention_reproduces_recorded_calflops(config, flops):
+    h, layers, heads, vocab, seq, _ = config
+    assert train_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "calflops") == flops
+    assert forward_flops_per_sequence(Preset(h, layers, heads), vocab, seq) * 3 == flops  # default: calflops
+
+
+@pytest.mark.parametrize("shape", list(PAPER_CALFLOPS))
+def test_calflops_convention_matches_the_papers_figures(shape):
+    preset = Preset(shape[0], shape[1], shape[0] // 64)
+    ours = forward_flops_per_sequence(preset, 32001, 2048, "calflops")
+    assert ours == pytest.approx(PAPER_CALFLOPS[shape], rel=2.5e-3)  # their elementwise ops differ slightly
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_convention_equals_flop_counter_mode(causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    h, layers, heads, vocab, seq, batch = 64, 2, 4, 300, 48, 2
+    model = ReferenceDiT(h, layers, heads, vocab, causal)
+    # the math backend runs attention as matmuls FlopCounterMode sees (the CPU fused kernel has no formula)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(**_inputs(vocab, seq, batch))
+    per_module = counter.get_flop_counts()
+    assert per_module["Global"][torch.ops.aten.bmm] == batch * layers * 4 * seq * seq * h  # attention: full square
+    assert sum(per_module["ReferenceDiT.blocks.0.adaLN_modulation"].values()) == batch * 2 * 128 * 6 * h
+    full = forward_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "full")
+    assert counter.get_total_flops() == batch * full
+    assert train_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "full") == 3 * full
+    # the two conventions differ by attention and calflops' elementwise terms
+    calflops = forward_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "calflops")
+    assert full - calflops == layers * (4 * seq * seq * h - 12 * seq * h) - 4 * seq * h - 2 * 128
+
+
+def test_non_embedding_params_closed_form():
+    for name in ("cpu-tiny", "14M"):
+        p = get_preset(name)
+        with torch.device("meta"):
+            model = ReferenceDiT(p.hidden_size, p.num_layers, p.num_attention_heads, 32001, causal=False)
+        total = sum(t.numel() for t in model.parameters())
+        assert non_embedding_params(p, 32001) == total - model.vocab_embed.numel()
+    for name, p in PAPER_PRESETS.items():  # the paper's table truncates to millions
+        assert non_embedding_params(p, 32001) // 10**6 == int(name[:-1])
+
+
+def test_model_info_reports_both_conventions(capsys):
+    _tool("model_info").main(["--preset", "cpu-tiny", "--vocab-size", "4097", "--seq-length", "32", "--family", "ar", "--json"])
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["train_flops_per_seq_calflops"] == 70_374_144 and info["family"] == "ar"
+    assert info["train_flops_per_seq_full"] == 3 * info["fwd_flops_per_seq_full"] > info["train_flops_per_seq_calflops"]
+
+
+# ------------------------------------------------------------------ budgets and planning
+
+CPU_TINY_TRAIN_FLOPS = 70_374_144  # vocab 4097, 32 tokens, calflops (the first recorded figure)
+
+
+def test_planner_iterations_by_hand():
+    runs, dropped = plan_isoflop([1e12, 1e8], ["ar", "duo"], ["cpu-tiny"], seq_length=32, global_batch_size=8,
+                                 vocab_size=4097)
+    # 1e12 / (70,374,144 x 8) = 1776.2 -> 1776 iterations; 1e8 buys less than one
+    assert [(r.family, r.iterations, r.tokens, r.flops) for r in runs] == [
+        ("ar", 1776, 1776 * 8 * 32, 1776 * 8 * CPU_TINY_TRAIN_FLOPS),
+        ("duo", 1776, 1776 * 8 * 32, 1776 * 8 * CPU_TINY_TRAIN_FLOPS)]
+    assert runs[0].name == "ar-cpu-tiny-C1e12" and budget_label(3.5e19) == "3.5e19"
+    assert [(r.name, why) for r, why in dropped] == [("ar-cpu-tiny-C1e8", "fewer than 1 iteration"),
+                                                     ("duo-cpu-tiny-C1e8", "fewer than 1 iteration")]
+    runs, dropped = plan_isoflop([1e12], ["ar"], ["cpu-tiny", "cpu-small"], seq_length=32, global_batch_size=8,
+                                 vocab_size=4097, max_tokens_per_param=0.5)
+    # cpu-tiny: 454,656 tokens for 530,561 parameters (0.857 per parameter) is over the bound
+    assert [r.preset for r in runs] == ["cpu-small"] and runs[0].tokens_per_param < 0.5
+    assert [(r.preset, why) for r, why in dropped] == [("cpu-tiny", "0.857 tokens/param > 0.5")]
+
+
+def test_train_flops_runs_the_budgeted_iterations(pretrain):
+    per_iteration = 8 * CPU_TINY_TRAIN_FLOPS
+    budget = 3.5 * per_iteration  # pays for 3 whole iterations
+    proc, records = pretrain(1, "--preset", "cpu-tiny", "--seq-length", "32", "--global-batch-size", "8",
+                             "--micro-batch-size", "8", "--train-flops", repr(budget), "--log-interval", "1",
+                             "--eval-interval", "3", "--eval-iters", "1")
+    train = [r for r in records if "loss" in r]
+    assert [(r["iteration"], r["flops"]) for r in train] == [(i, i * per_iteration) for i in (1, 2, 3)]
+    valid = [r for r in records if "valid_nelbo" in r]
+    assert [(r["iteration"], r["flops"]) for r in valid] == [(3, 3 * per_iteration)]
+    assert "3 iterations of 8 x 32 tokens" in proc.stdout and f"FLOPs {3 * per_iteration:.4g}" in proc.stdout
+
+
+def test_train_flops_excludes_train_iters():
+    from megatron_dllm.arguments import parse_args
+
+    for other in (["--train-iters", "3"], ["--train-samples", "24"]):
+        with pytest.raises(SystemExit, match="--train-flops sets the number of iterations; give it without "
+                                             "--train-iters/--train-samples"):
+            parse_args(["--train-flops", "6e18", *other])
+
+
+# ------------------------------------------------------------------ fits
+
+def _synthetic_isoflop(rng, noise=0.003):
+    """AR: N*(C) = 0.1 C^0.5, L*(C) = 40 C^-0.05; duo needs 20x AR's compute (same exponent) with
+    optimal models half AR's size. Each budget trains 7 sizes around N*."""
+    runs = []
+    for family, compute_factor, size_factor in (("ar", 1.0, 1.0), ("duo", 20.0, 0.5)):
+        for budget in (1e16, 3e16, 1e17, 3e17, 1e18):
+            n_opt = size_factor * 0.1 * budget ** 0.5
+            loss_opt = 40 * (budget / compute_factor) ** -0.05
+            for n in n_opt * np.geomspace(0.2, 5, 7):
+                loss = loss_opt * math.exp(0.02 * math.log(n / n_opt) ** 2) * math.exp(rng.normal(0, noise))
+                runs.append({"family": family, "budget": budget, "non_embedding_params": int(n), "loss": loss})
+    return runs
+
+
+def test_isoflop_fits_recover_minima_exponents_and_multiplier():
+    result = analyze_isoflop(_synthetic_isoflop(np.random.default_rng(0)))
+    ar, duo = result["families"]["ar"], result["families"]["duo"]
+    for fit in ar["isoflop"]:
+        assert fit.n_opt == pytest.approx(0.1 * fit.budget ** 0.5, rel=0.15)
+        assert fit.loss_opt == pytest.approx(40 * fit.budget ** -0.05, rel=0.005)
+        assert not fit.extrapolated
+    assert ar["loss_law"].exponent == pytest.approx(-0.05, abs=0.005)
+    assert ar["params_law"].exponent == pytest.approx(0.5, abs=0.05)
+    assert duo["loss_law"].exponent == pytest.approx(-0.05, abs=0.005)
+    assert duo["compute_multiplier_vs_ar"] == pytest.approx(20, rel=0.3)
+    assert duo["size_ratio_vs_ar"] == pytest.approx(0.5, rel=0.15)
+    assert ar["compute_multiplier_vs_ar"] == pytest.approx(1.0) and result["reference_compute"] == 1e18
+
+
+def test_isoflop_fit_without_a_minimum_is_skipped():
+    runs = [{"family": "ar", "budget": 1e18, "non_embedding_params": n, "loss": math.exp(-0.01 * math.log(n) ** 2)}
+            for n in (1e6, 1e7, 1e8)]  # log L concave in log N: a maximum, no minimum
+    result = analyze_isoflop(runs)
+    assert result["families"]["ar"]["isoflop"] == []
+    assert any("no minimum" in s for s in result["skipped"])
+
+
+def test_step_curve_fit_recovers_parameters():
+    rng = np.random.default_rng(1)
+    steps = np.array([8, 16, 32, 64, 128, 256, 512, 1024])
+    ppl = (30 + 400 * steps ** -0.6) * np.exp(rng.normal(0, 0.005, len(steps)))
+    fit = fit_step_curve(steps, ppl)
+    assert (fit.alpha, fit.beta, fit.gamma) == pytest.approx((30, 400, -0.6), rel=0.1)
+    speed = fit_step_curve(steps, 2e4 / steps)  # throughput ~ 1 / T
+    assert speed.gamma == pytest.approx(-1, abs=1e-3) and abs(speed.alpha) < 1e-2
+
+
+# ------------------------------------------------------------------ Pareto frontier
+
+def _hand_records():
+    """m1: Gen PPL 20 + 800/T at 10000/T tokens/s; m2 (smaller, faster): 60 + 800/T at 30000/T;
+    AR: one point, Gen PPL 30 at 50 tokens/s. Measured at T = 4 ... 256."""
+    gen, speed = [], []
+    for model, floor, scale in (("m1", 20, 1e4), ("m2", 60, 3e4)):
+        for t in (4, 8, 16, 32, 64, 128, 256):
+            gen.append({"family": "mdlm", "model": model, "steps": t, "gen_ppl": floor + 800 / t, "entropy": 5.0})
+            speed.append({"family": "mdlm", "model": model, "steps": t, "tokens_per_s": scale / t,
+                          "samples_per_s": scale / t / 128, "batch_size": 16})
+    gen.append({"family": "ar", "model": "ar", "steps": 128, "gen_ppl": 30.0, "entropy": 5.0})
+    speed.append({"family": "ar", "model": "ar", "steps": 128, "tokens_per_s": 50.0, "samples_per_s": 0.4,
+                  "batch_size": 16})
+    return gen, speed
+
+
+def test_pareto_frontier_hand_example():
+    frontier = pareto.pareto_frontier(pareto.fit_models(*_hand_records()), [25, 50, 100, 400])
+    got = {(r["target"], r["family"]): (r["model"], r["steps"], r["tokens_per_s"]) for r in frontier}
+    # target 25: only m1 (T = 800/5 = 160); AR (30) and m2 (>= 60) cannot reach it
+    assert set(got) == {(25, "mdlm"), (50, "ar"), (50, "mdlm"), (100, "ar"), (100, "mdlm"), (400, "ar"), (400, "mdlm")}
+    assert got[(25, "mdlm")] == pytest.approx(("m1", 160, 1e4 / 160), rel=1e-4)
+    assert got[(50, "mdlm")] == pytest.approx(("m1", 800 / 30, 1e4 * 30 / 800), rel=1e-4)  # m2 cannot reach 50
+    assert got[(100, "mdlm")] == pytest.approx(("m2", 20, 3e4 / 20), rel=1e-4)  # m2 at T=20 beats m1 at T=10
+    assert got[(400, "mdlm")] == pytest.approx(("m2", 4, 3e4 / 4), rel=1e-4)  # reached below T=4: measured minimum
+    assert got[(50, "ar")] == ("ar", 128, 50.0)
+    assert pareto.winners(frontier) == {25: "mdlm", 50: "mdlm", 100: "mdlm", 400: "mdlm"}
+
+
+# ------------------------------------------------------------------ tools/scaling_laws.py end to end
+
+def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
+    main = _tool("scaling_laws").main
+    runs = _synthetic_isoflop(np.random.default_rng(2))
+    planned = [PlannedRun(f"{r['family']}-{i}", r["family"], "x", r["budget"], r["non_embedding_params"], 100, 0, 0)
+               for i, r in enumerate(runs)]
+    write_manifest(str(tmp_path / "manifest.json"), planned, str(tmp_path / "runs"))
+    for i, (plan, run) in enumerate(zip(planned, runs)):
+        os.makedirs(tmp_path / "runs" / plan.name)
+        with open(tmp_path / "runs" / plan.name / "metrics.jsonl", "w") as f:
+            f.write(json.dumps({"iteration": 100, "loss": 9.0, "flops": 1}) + "\n")
+            if i != 3:  # run 3 never validated: skipped
+                f.write(json.dumps({"iteration": 50, "valid_nelbo": 99.0}) + "\n")
+                f.write(json.dumps({"iteration": 100, "valid_nelbo": run["loss"], "valid_ppl": 1.0}) + "\n")
+    gen, speed = _hand_records()
+    (tmp_path / "gen.json").write_text(json.dumps(gen))
+    (tmp_path / "speed.jsonl").write_text("\n".join(json.dumps(r) for r in speed))
+    out = tmp_path / "fits"
+    main(["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "gen.json"),
+          "--throughput", str(tmp_path / "speed.jsonl"), "--targets", "50", "100", "--out-dir", str(out)])
+    for name in ("isoflop.png", "loss_vs_flops.png", "params_vs_flops.png", "pareto.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads((out / "results.json").read_text())
+    assert result["families"]["duo"]["compute_multiplier_vs_ar"] == pytest.approx(20, rel=0.3)
+    assert result["families"]["ar"]["loss_law"]["exponent"] == pytest.approx(-0.05, abs=0.005)
+    assert result["pareto_winners"] == {"50.0": "mdlm", "100.0": "mdlm"}
+    assert any(s.startswith(f"{planned[3].name}: unfinished") for s in result["skipped"])
+    markdown = (out / "results.md").read_text()
+    assert "## Power laws" in markdown and "| duo |" in markdown and "## Speed-quality Pareto frontier" in markdown
