@@ -1,7 +1,8 @@
 """Hugging Face export/import (tools/convert_to_hf.py, tools/convert_from_hf.py): for every family
 the exported transformers model reproduces the megatron model's logits (fp32), including Eso-LM's
-permuted positions and Duo's non-zero sigma; AR generates; the tokenizer knows [MASK]; and
-HF -> megatron (TP=2) -> HF is bit-exact. The Eso-LM checkpoint is trained at TP=2 (sharded)."""
+permuted positions and Duo's non-zero sigma; AR generates; the tokenizer knows [MASK]; HF ->
+megatron (TP=2) -> HF is bit-exact, and training starts from the converted checkpoint. The Eso-LM
+checkpoint is trained at TP=2 (sharded), the AR one at PP=2 with 2 virtual stages (interleaved)."""
 import os
 import subprocess
 import sys
@@ -23,8 +24,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB
 def checkpoints(demo_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_ckpts")
     out = {}
+    layouts = {"esolm": ["--tensor-model-parallel-size", "2"],  # sharded over TP
+               "ar": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                      "--num-layers", "4"]}  # interleaved pipeline chunks
     for family in FAMILIES:
-        layout = ["--tensor-model-parallel-size", "2"] if family == "esolm" else []
+        layout = layouts.get(family, [])
         nproc = 2 if layout else 1
         work = root / family
         work.mkdir()
@@ -66,6 +70,16 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()), k
     assert (hf1 / "config.json").read_text() == (hf2 / "config.json").read_text()
+
+    # training starts from the converted (model-only) checkpoint exactly as from the original
+    # weights: the first loss equals a --finetune run's from the original checkpoint
+    losses = []
+    for load in (["--load", checkpoints["mdlm"], "--finetune"], ["--load", str(ckpt)]):
+        proc, records = run_pretrain(1, ["--demo-cache-dir", demo_cache, "--family", "mdlm", *RUN, "--train-iters", "1",
+                                         *load, "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+        losses.append([r["loss"] for r in records if "loss" in r])
+    assert "weights only (a model-only checkpoint)" in proc.stdout
+    assert losses[0] == losses[1] and len(losses[0]) == 1
 
 
 def test_use_ema_without_ema_fails_clearly(checkpoints, tmp_path):

@@ -142,7 +142,8 @@ class DiTModel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Checkpoint keys use global layer numbers, so checkpoints reshard across PP layouts;
-        the time embedder is stored once (pipeline stage 0 holds the main replica)."""
+        the time embedder is stored once (pipeline stage 0 holds the main replica); the
+        vocabulary-sized tensors load across TP sizes whose padding differs."""
         sharded = {}
         for name, module in self.named_children():
             if name == "layers":
@@ -154,6 +155,10 @@ class DiTModel(MegatronModule):
         for key, ten in sharded.items():
             if key.startswith(f"{prefix}time_embedder."):
                 ten.replica_id = (pp_rank * 1000 + (self.vp_stage or 0),) + tuple(ten.replica_id[1:])
+            if key.startswith(f"{prefix}final_layer.output_layer."):
+                # the vocabulary padding grows with TP (divisible-by x TP): load the rows both
+                # layouts have and zero the rest, as megatron-core does for the embedding
+                ten.allow_shape_mismatch = True
         for i, layer in enumerate(self.layers):
             local, global_ = f"{prefix}layers.{i}.", f"{prefix}layers.{self.layer_offset + i}."
             layer_sd = layer.sharded_state_dict(local, (), metadata)

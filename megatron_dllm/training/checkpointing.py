@@ -165,7 +165,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
     The run's identity (family, architecture, vocabulary) must match the checkpoint's.
     Partial (unfinished) iteration directories are removed first. `load_optim=False` leaves the
     optimizer fresh (the LR schedule is still restored); `finetune` loads the weights only (no
-    optimizer, schedule, RNG or EMA). With `ema`, the checkpoint's EMA weights are loaded when it
+    optimizer, schedule, RNG or EMA), as happens for a model-only checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it
     has them (else the EMA starts at the loaded weights).
     """
     remove_partial_checkpoints(root, log)
@@ -180,7 +180,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
     if diffs:
         raise ValueError(f"--load {root}: the checkpoint at iteration {iteration} does not match "
                          f"this run ({'; '.join(diffs)})")
-    if finetune:
+    # a model-only checkpoint (tools/convert_from_hf.py) starts training from its weights
+    weights_only = finetune or "opt_param_scheduler" not in common
+    if weights_only:
         load_optim = load_rng = False
     load_optim = load_optim and optimizer is not None
     sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
@@ -200,7 +202,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
         with torch.no_grad():  # the distributed optimizer copies into views of the fp32 params
             optimizer.load_state_dict(state["optimizer"])
         _restore_adam_step(optimizer, state["optimizer"])
-    if not finetune:
+    if not weights_only:
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if "rng_state" in sharded:
         _restore_rng(state["rng_state"])
@@ -211,7 +213,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
             ema.reset()
             log(f"EMA starts at the weights loaded from iteration {iteration}"
                 + ("" if finetune else " (the checkpoint holds no EMA)"))
-    what = "weights only (--finetune)" if finetune else "weights" + (", optimizer" if load_optim else "") + \
-        (", RNG" if "rng_state" in sharded else "") + (", EMA" if load_ema else "")
+    what = ("weights only (--finetune)" if finetune else "weights only (a model-only checkpoint)" if weights_only
+            else "weights" + (", optimizer" if load_optim else "") + (", RNG" if "rng_state" in sharded else "")
+            + (", EMA" if load_ema else ""))
     log(f"loaded checkpoint {path} at iteration {iteration}: {what}")
     return common
