@@ -69,7 +69,8 @@ setup(
     ],
     extras_require={
         "hf": HF_EXPORT,
-        "test": ["pytest", *HF_EXPORT],
+        # gguf + accelerate: transformers' GGUF loading (the SmolLM2 judge of tests/test_evaluate.py)
+        "test": ["pytest", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -92,3 +92,8 @@ class Family:
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         """Per-token evaluation bound [b, s] (exact NLL for AR); same normalisation."""
         raise NotImplementedError
+
+    def sampler(self, inf, cfg):
+        """The family's sampler (megatron_dllm/sampling/<family>.py) for an InferenceModel and a
+        SamplingConfig; `sampler.sample(prompt, generator)` generates one batch."""
+        raise NotImplementedError

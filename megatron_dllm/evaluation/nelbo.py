@@ -1,0 +1,105 @@
+"""Validation NELBO / perplexity of a trained model on a dataset split (reference §4, Validation PPL).
+
+This is the trainer's validation (`Trainer.evaluate`) run outside the trainer:
+- the same validation dataset, built by `training.config.resolve_run` from the same data flags
+  (with no data flags, the embedded demo corpus's validation split, as pretrain_dllm.py);
+- the same `BatchSchedule` over it with the validation seed stream `seed + 1` and the same
+  global-batch strata, so t draw 0 is exactly the noise the training-time validation drew;
+- each family's own evaluation bound, `family.nelbo` (MDLM and Eso-LM: the MDLM NELBO whatever
+  their training loss; Duo: its closed-form NELBO; AR: exact NLL), on the logits of the
+  plain-PyTorch model that `sampling.loading` builds from a checkpoint or an HF directory.
+With one t draw per sequence the figure therefore equals the `valid_nelbo` the trainer logged
+for the same data, --seed, --global-batch-size and --eval-iters (the micro-batch size only
+changes how the work is split). Draw k >= 1 of `--num-t-draws K` uses a seed stream of its own.
+
+Aggregation: Σ nll / Σ tokens in float64 over all batches and draws (token-weighted, not a mean
+of batch means); ppl = exp(nelbo), bpd = nelbo / ln 2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dllm.families.base import Family, seed_for
+
+BOUND = {"ar": "exact NLL", "mdlm": "MDLM NELBO", "duo": "Duo NELBO", "esolm": "MDLM NELBO"}
+
+
+def validation_run(family: str, seq_length: int, *, data_path=None, valid_data_path=None, split=None,
+                   tokenizer_type=None, tokenizer_model=None, global_batch_size=None, eval_iters=None,
+                   seed=None, demo_cache_dir=None, data_cache_path=None):
+    """(Run, args) for the validation split, resolved exactly as pretraining resolves it.
+
+    Parsing an empty pretraining command line gives every default pretrain_dllm.py has; the
+    sizes that shape megatron's validation index (seq_length, eval_iters x global_batch_size,
+    seed) are then the training run's, so the same samples come out in the same order."""
+    from megatron_dllm.arguments import build_parser
+    from megatron_dllm.training.config import resolve_run
+
+    args = build_parser().parse_args([])
+    given = dict(family=family, seq_length=seq_length, data_path=data_path, valid_data_path=valid_data_path,
+                 split=split, tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
+                 global_batch_size=global_batch_size, eval_iters=eval_iters, seed=seed,
+                 demo_cache_dir=demo_cache_dir, data_cache_path=data_cache_path)
+    for key, value in given.items():
+        if value is not None:
+            setattr(args, key, value)
+    args.eval_interval = 1  # any non-zero value: build the validation split
+    args.train_iters = 1    # the train split is built too (resolve_run always does): keep it one batch
+    return resolve_run(args), args
+
+
+@dataclass
+class NelboResult:
+    nelbo: float                 # Σ bound / Σ tokens over all draws
+    tokens: int                  # tokens scored per draw
+    samples: int                 # sequences per draw
+    per_draw: list[float] = field(default_factory=list)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(self.nelbo, 700.0))
+
+    @property
+    def bpd(self) -> float:
+        return self.nelbo / math.log(2)
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """Noise seed of t draw `draw`: draw 0 is the training-time validation stream seed + 1."""
+    return seed + 1 if draw == 0 else seed_for(seed + 1, "t-draw", draw)
+
+
+@torch.no_grad()
+def evaluate_nelbo(model: torch.nn.Module, family: Family, dataset, seed: int, global_batch_size: int,
+                   micro_batch_size: int, eval_iters: int, num_t_draws: int = 1) -> NelboResult:
+    """The family's bound over `eval_iters` global batches of `dataset`, `num_t_draws` t draws each.
+
+    `model` is the HF-format model (logits [b, s, V]); the family losses take megatron's
+    vocab-parallel layout [s, b, V] in a world of one (megatron_dllm.platform.init_distributed)."""
+    from megatron_dllm.training.batches import BatchSchedule
+
+    if global_batch_size % micro_batch_size:
+        raise ValueError(f"--global-batch-size {global_batch_size} is not a multiple of "
+                         f"--micro-batch-size {micro_batch_size}")
+    total_nll = total_tokens = 0.0
+    per_draw, samples = [], 0
+    for draw in range(num_t_draws):
+        batches = BatchSchedule(dataset, family, draw_seed(seed, draw), micro_batch_size, global_batch_size,
+                                dp_rank=0, dp_size=1)
+        nll = torch.zeros((), dtype=torch.float64)
+        tokens = torch.zeros((), dtype=torch.float64)
+        samples = 0
+        for i in range(eval_iters):
+            for inp in batches.iteration(i * global_batch_size):
+                logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma).logits
+                per_token = family.nelbo(logits.float().transpose(0, 1).contiguous(), inp)
+                nll += per_token.double().sum().cpu()
+                tokens += inp.valid.double().sum().cpu()
+                samples += inp.input_ids.shape[0]
+        per_draw.append((nll / tokens).item())
+        total_nll += nll.item()
+        total_tokens += tokens.item()
+    return NelboResult(total_nll / total_tokens, int(total_tokens) // num_t_draws, samples, per_draw)

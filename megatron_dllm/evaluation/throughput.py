@@ -1,0 +1,64 @@
+"""Sampling throughput: generated tokens/s and samples/s at a given number of steps and batch size.
+
+Each measurement is one `sampling.generate` call of exactly one batch, wall-clock between device
+synchronisations; one warm-up call (allocator, kernels, caches) is run first and not counted.
+The figure is total generated tokens / total time over `repeats` calls (plus each call's time).
+
+`batch_size="auto"` finds the largest power of two that runs: it tries 1, 2, 4, ... until a call
+runs out of device memory or `max_batch_size` is reached. Running out of host memory is not an
+error Python can catch (the OS kills the process), hence the cap, which a CPU run must give.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_dllm import platform
+
+
+def _generate_once(inf, cfg, batch_size: int, seed: int) -> tuple[torch.Tensor, float]:
+    from megatron_dllm.sampling import generate
+
+    platform.synchronize()
+    tick = time.perf_counter()
+    tokens = generate(inf, cfg, num_samples=batch_size, batch_size=batch_size, seed=seed)
+    platform.synchronize()
+    return tokens, time.perf_counter() - tick
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
+    """The largest power of two <= max_batch_size for which one generate call fits in memory."""
+    if max_batch_size is None and inf.device.type == "cpu":
+        raise ValueError("--batch-size auto on CPU needs --max-batch-size (host OOM kills the process "
+                         "instead of raising an error)")
+    best, b = None, 1
+    while max_batch_size is None or b <= max_batch_size:
+        try:
+            _generate_once(inf, cfg, b, seed)
+        except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
+            if not _out_of_memory(err):
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            break
+        best, b = b, b * 2
+    if best is None:
+        raise ValueError("--batch-size auto: even a batch of 1 runs out of memory")
+    return best
+
+
+def measure_throughput(inf, cfg, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:
+    """Generated tokens/s and samples/s over `repeats` timed calls after one warm-up call."""
+    if repeats < 1:
+        raise ValueError(f"--repeats {repeats}: expected at least 1")
+    tokens, _ = _generate_once(inf, cfg, batch_size, seed)  # warm-up, not timed
+    length = tokens.shape[1]
+    times = [_generate_once(inf, cfg, batch_size, seed + 1 + r)[1] for r in range(repeats)]
+    total = sum(times)
+    return {"batch_size": batch_size, "seq_length": length, "tokens_per_s": repeats * batch_size * length / total,
+            "samples_per_s": repeats * batch_size / total, "seconds_per_batch": times}

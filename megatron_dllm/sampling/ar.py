@@ -1,0 +1,40 @@
+"""AR sampler: next-token sampling with an optional KV cache (reference §3, "AR sampler").
+
+Start token: the training data are documents back to back, each ended by EOD and never started
+by a BOS, so a document starts right after an EOD. Unconditional generation therefore starts
+from one EOD token at position 0 (the reference starts from BOS, which our data never contain);
+the output row keeps it and `decode` drops leading EOS tokens. With a prompt, generation starts
+right after the prompt as given. Each row stops at its first generated EOS (rest filled with EOS).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_dllm.hf.modeling_dllm import KVCache
+from megatron_dllm.sampling.base import Sampler
+
+
+class ARSampler(Sampler):
+    predictors = ("ancestral", "left-to-right")  # both name the one left-to-right AR sampler
+
+    def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if prompt.shape[1] == 0:
+            if self.eos_id is None:
+                raise ValueError("AR generation without a prompt starts after an EOS token, and there is "
+                                 "no tokenizer to name it: give --tokenizer-type/--tokenizer-model, a "
+                                 "--prompt, or SamplingConfig.eos_id")
+            prompt = torch.full((prompt.shape[0], 1), self.eos_id, dtype=torch.long, device=prompt.device)
+        x = self.canvas(prompt)
+        cache = KVCache(self.model.config.num_layers) if self.cfg.kv_cache else None
+        fed = 0  # tokens the cache holds
+
+        def next_logits(x, pos):
+            # next-token logits after x[:, :pos]; with the cache only the tokens not yet fed run
+            nonlocal fed
+            if cache is None:
+                return self.model(input_ids=x[:, :pos]).logits[:, -1]
+            logits = self.model(input_ids=x[:, fed:pos], kv_cache=cache).logits[:, -1]
+            fed = pos
+            return logits
+
+        return self.fill_left_to_right(x, prompt.shape[1], generator, next_logits)

@@ -1,0 +1,90 @@
+"""What every family's sampler shares: settings checks, the [b, L] canvas with the prompt in front,
+the denoiser's probabilities, the diffusion time grid, left-to-right filling and EOS stopping.
+
+A sampler turns a prompt [b, P] (P may be 0) into a full sequence [b, L] whose first P tokens are
+the prompt, unchanged. All randomness comes from the generator passed to `sample`.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_dllm.sampling import categorical
+from megatron_dllm.sampling.config import SamplingConfig
+
+FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (reference §3)
+
+
+class EosStop:
+    """Left-to-right stopping: once a row has emitted EOS it only emits EOS; `done` when all have."""
+
+    def __init__(self, eos_id: int | None, rows: int, enabled: bool, device):
+        self.eos_id = eos_id
+        self.enabled = enabled and eos_id is not None
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def __call__(self, new: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return new
+        new = torch.where(self.finished, torch.full_like(new, self.eos_id), new)
+        self.finished |= new == self.eos_id
+        return new
+
+    @property
+    def done(self) -> bool:
+        return self.enabled and bool(self.finished.all())
+
+
+class Sampler:
+    """Base of the family samplers; a subclass implements `sample(prompt, generator)`."""
+
+    predictors: tuple[str, ...] = ("ancestral", "left-to-right")
+
+    def __init__(self, family, inf, cfg: SamplingConfig):
+        cfg.check()
+        if cfg.predictor not in self.predictors:
+            raise ValueError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
+                             f"valid: {', '.join(self.predictors)}")
+        self.family, self.inf, self.cfg = family, inf, cfg
+        self.model = inf.model
+        self.mask_id = inf.mask_id
+        self.dtype = categorical.precision(cfg.float64)
+        self.length = cfg.seq_length or inf.seq_length
+        if self.length > inf.seq_length:
+            raise ValueError(f"--seq-length {self.length} exceeds the model's context {inf.seq_length}")
+        tokenizer_eos = getattr(inf.tokenizer, "eod", None)
+        self.eos_id = cfg.eos_id if cfg.eos_id is not None else tokenizer_eos
+
+    # ------------------------------------------------------------------ pieces for subclasses
+
+    def canvas(self, prompt: torch.Tensor, filler: torch.Tensor | None = None) -> torch.Tensor:
+        """[b, L]: the prompt, then `filler` ([b, L - P]; default [MASK])."""
+        b, p = prompt.shape
+        x = torch.full((b, self.length), self.mask_id, dtype=torch.long, device=prompt.device)
+        x[:, :p] = prompt
+        if filler is not None:
+            x[:, p:] = filler
+        return x
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's distribution in the sampling dtype: temperature, [MASK] suppressed, top-p."""
+        return categorical.probabilities(logits, self.dtype, self.cfg.temperature, self.cfg.top_p,
+                                         suppress=self.mask_id)
+
+    def timesteps(self) -> list[float]:
+        return torch.linspace(1.0, FINAL_T, self.cfg.steps + 1, dtype=torch.float64).tolist()
+
+    def alpha(self, t: float) -> float:
+        return float(self.family.schedule.alpha(torch.tensor(t, dtype=torch.float64)))
+
+    def fill_left_to_right(self, x: torch.Tensor, start: int, generator, logits_at) -> torch.Tensor:
+        """One position per step from `start` on: sample from `logits_at(x, pos)` ([b, V]) there."""
+        stop = EosStop(self.eos_id, x.shape[0], self.cfg.stop_at_eos, x.device)
+        for pos in range(start, self.length):
+            x[:, pos] = stop(categorical.sample(self.probs(logits_at(x, pos)), generator))
+            if stop.done:
+                x[:, pos + 1:] = self.eos_id
+                break
+        return x
+
+    def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,44 @@
+"""Categorical sampling shared by every sampler (reference §3, "Categorical sampling").
+
+Sampling is an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-argmax in
+probability space), so p need not be normalised. It runs in float64 by default: float32 noise
+truncates the tail of the distribution, which lowers entropy and gen-PPL artificially
+(facebookresearch/flow_matching#27). Samplers call `sample` through this module, so a test can
+watch which dtype reaches it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def precision(float64: bool) -> torch.dtype:
+    return torch.float64 if float64 else torch.float32
+
+
+def probabilities(logits: torch.Tensor, dtype: torch.dtype, temperature: float = 1.0,
+                  top_p: float = 1.0, suppress: int | None = None) -> torch.Tensor:
+    """softmax(logits / temperature) in `dtype` over the last dim, id `suppress` ([MASK]) at
+    probability 0, restricted to the top-p nucleus and renormalised."""
+    logits = logits.to(dtype)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if suppress is not None:
+        logits = logits.clone()
+        logits[..., suppress] = float("-inf")
+    probs = logits.softmax(-1)
+    return nucleus(probs, top_p) if top_p < 1.0 else probs
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely ids whose mass reaches top_p (at least one id)."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the ids ranked above each id
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One id per row of (unnormalised) probs, in probs' dtype: argmax(p / (1e-10 - log(U + 1e-10)))."""
+    u = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
+    return (probs / (1e-10 - torch.log(u + 1e-10))).argmax(-1)

@@ -1,0 +1,59 @@
+"""Duo ancestral sampler: the exact uniform-state posterior, then a greedy tail (reference §3).
+
+The chain starts from tokens drawn uniformly from the V real ids ([MASK] is never a state). From
+t to s on linspace(1, 1e-5, T + 1), with x = x_theta (the denoiser at sigma = -log alpha_t, in
+the sampling dtype) and z the current token,
+    q(j) = [a_t V x_z 1[j = z] + (a_t/a_s - a_t) 1[j = z] + (a_s - a_t) x_j + (1 - a_t/a_s)(1 - a_s)/V]
+           / (a_t V x_z + 1 - a_t).
+Every position may change at every step, so there is nothing to cache (the model is time-
+conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
+the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
+the paper's code applies top-p to q instead). Left-to-right mode keeps the uniform noise as the
+remainder and fills one position per step, with alpha = the fraction of positions already clean.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_dllm.sampling import categorical
+from megatron_dllm.sampling.base import Sampler
+
+
+def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
+              mask_id: int) -> torch.Tensor:
+    """q(z_s | z_t = z, x ~ x_theta) over the vocabulary ([MASK] at 0), in x_theta's dtype."""
+    x_z = x_theta.gather(-1, z[..., None])
+    q = (a_s - a_t) * x_theta + (1 - a_t / a_s) * (1 - a_s) / num_real
+    q[..., mask_id] = 0.0
+    q.scatter_add_(-1, z[..., None], a_t * num_real * x_z + (a_t / a_s - a_t))
+    return q / (a_t * num_real * x_z + 1 - a_t)
+
+
+class DuoSampler(Sampler):
+    def logits(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        sigma = torch.full((x.shape[0],), -math.log(alpha), device=x.device)
+        return self.model(input_ids=x, sigma=sigma).logits
+
+    def uniform_ids(self, b: int, n: int, generator, device) -> torch.Tensor:
+        """[b, n] ids uniform over the V real ids (every id < vocab_size except [MASK])."""
+        k = (torch.rand(b, n, generator=generator, dtype=torch.float64, device=device)
+             * self.family.num_real).long().clamp_(max=self.family.num_real - 1)
+        return k + (k >= self.mask_id).long()
+
+    def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        b, p = prompt.shape
+        x = self.canvas(prompt, self.uniform_ids(b, self.length - p, generator, prompt.device))
+        if self.cfg.predictor == "left-to-right":
+            floor = self.alpha(1.0)
+            return self.fill_left_to_right(
+                x, p, generator, lambda x, pos: self.logits(x, max(pos / self.length, floor))[:, pos])
+        ts = self.timesteps()
+        for t, s in zip(ts[:-1], ts[1:]):
+            a_t, a_s = self.alpha(t), self.alpha(s)
+            x_theta = self.probs(self.logits(x, a_t)[:, p:])
+            q = posterior(x_theta, x[:, p:], a_t, a_s, self.family.num_real, self.mask_id)
+            x[:, p:] = categorical.sample(q, generator)
+        x[:, p:] = self.probs(self.logits(x, self.alpha(ts[-1]))[:, p:]).argmax(-1)  # greedy tail
+        return x

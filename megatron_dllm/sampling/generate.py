@@ -1,0 +1,66 @@
+"""generate(): batches of samples from any family's sampler; decode(): ids -> text.
+
+Randomness: batch i (samples [i*B, (i+1)*B)) draws from one generator seeded by (seed, first
+sample index), so a run is reproducible for a given (seed, batch size) whatever the device count.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_dllm.families import get_family
+from megatron_dllm.families.base import seed_for
+from megatron_dllm.sampling.config import SamplingConfig
+
+
+def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
+    """[N, P] prompt ids (P may be 0) from None, a list/1-D tensor (shared) or an [N, P] tensor."""
+    if prompt_ids is None:
+        return torch.zeros(num_samples, 0, dtype=torch.long, device=device)
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if prompt.dim() == 1:
+        prompt = prompt.expand(num_samples, -1)
+    if prompt.dim() != 2 or prompt.shape[0] != num_samples:
+        raise ValueError(f"prompt_ids: expected a list of ids or an [{num_samples}, P] tensor, "
+                         f"got shape {tuple(prompt.shape)}")
+    if prompt.shape[1] >= length:
+        raise ValueError(f"--prompt is {prompt.shape[1]} tokens; it must be shorter than the sequence "
+                         f"length {length} (--seq-length)")
+    return prompt
+
+
+def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | None = None, seed: int = 0,
+             prompt_ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+    """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row."""
+    if num_samples < 1 or (batch_size is not None and batch_size < 1):
+        raise ValueError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
+    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    sampler = family.sampler(inf, cfg)
+    prompts = _prompts(prompt_ids, num_samples, sampler.length, inf.device)
+    if prompts.numel() and int(prompts.max()) >= inf.vocab_size:
+        raise ValueError(f"prompt_ids: ids must be < vocab size {inf.vocab_size}")
+    batch_size = batch_size or num_samples
+    out = []
+    with torch.inference_mode():
+        for first in range(0, num_samples, batch_size):
+            generator = torch.Generator(device=inf.device).manual_seed(seed_for("sample", seed, first))
+            out.append(sampler.sample(prompts[first:first + batch_size], generator).cpu())
+    return torch.cat(out)
+
+
+def decode(inf, tokens: torch.Tensor) -> list[str]:
+    """One text per row: leading EOS tokens (AR's start token) dropped, cut at the next EOS."""
+    tok = inf.tokenizer
+    if tok is None:
+        raise ValueError("decode needs a tokenizer: load the model with --tokenizer-type/--tokenizer-model")
+    texts = []
+    for row in torch.as_tensor(tokens).tolist():
+        start = 0
+        while start < len(row) and row[start] == tok.eod:
+            start += 1
+        row = row[start:]
+        if tok.eod in row:
+            row = row[:row.index(tok.eod)]
+        texts.append(tok.detokenize([i for i in row if i != inf.mask_id]))
+    return texts

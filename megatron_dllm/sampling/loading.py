@@ -1,0 +1,117 @@
+"""One inference model for sampling and evaluation, from a megatron checkpoint or an HF directory.
+
+Both load into the exported plain-PyTorch model (`hf/modeling_dllm.py`): a megatron checkpoint
+saved at any TP/PP layout is resharded to one device on load and converted in memory, exactly as
+`tools/convert_to_hf.py` would write it. Sampling and evaluation therefore run one code path,
+whatever the source.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class InferenceModel:
+    model: torch.nn.Module  # DLLMForMaskedLM (mdlm, duo, esolm) or DLLMForCausalLM (ar), eval mode
+    family: str
+    mask_id: int
+    vocab_size: int         # real vocabulary including [MASK]
+    seq_length: int         # the training context (max_position_embeddings)
+    tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
+    source: str             # "megatron" | "hf"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def _model_class(family: str):
+    from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+
+    return DLLMForCausalLM if family == "ar" else DLLMForMaskedLM
+
+
+def _tokenizer_or_none(tokenizer_type, tokenizer_model):
+    from megatron_dllm.data.tokenizers import build_tokenizer
+
+    if not (tokenizer_type and tokenizer_model):
+        return None
+    return build_tokenizer(tokenizer_type, tokenizer_model)
+
+
+def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
+    from megatron.core import parallel_state
+
+    from megatron_dllm import platform
+    from megatron_dllm.hf import export
+    from megatron_dllm.hf.configuration_dllm import DLLMConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        platform.init_distributed(1, 1)
+    megatron_model, identity, common, arch = export.load_megatron_model(path, use_ema)
+    state = export.megatron_to_hf(megatron_model.state_dict(), identity["num_attention_heads"],
+                                  identity["vocab_size"])
+    config = DLLMConfig(**{k: v for k, v in export.hf_config_dict(identity, arch.attention, arch.seq_length).items()
+                           if k not in ("auto_map", "architectures", "model_type")})
+    model = _model_class(identity["family"])(config)
+    model.load_state_dict(state, strict=True)
+    saved_tok = common.get("tokenizer") or {}
+    tokenizer = _tokenizer_or_none(tokenizer_type or saved_tok.get("type"), tokenizer_model or saved_tok.get("model"))
+    return model, tokenizer
+
+
+def _from_hf(path: str, tokenizer_type, tokenizer_model):
+    from megatron_dllm.hf.configuration_dllm import DLLMConfig
+
+    config = DLLMConfig.from_pretrained(path)
+    model = _model_class(config.family).from_pretrained(path, config=config)
+    tokenizer = _tokenizer_or_none(tokenizer_type, tokenizer_model)
+    if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        tokenizer = HFDirTokenizer(path)
+    return model, tokenizer
+
+
+class HFDirTokenizer:
+    """The tokenizer exported next to an HF model, behind megatron_dllm's tokenizer surface."""
+
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # our own export
+        self.mask_id = self._tok.mask_token_id
+        self.eod = self._tok.eos_token_id
+        self.bos = self._tok.bos_token_id
+        self.vocab_size = len(self._tok)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids if int(i) != self.mask_id])
+
+
+def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                         use_ema: bool = False, tokenizer_type: str | None = None,
+                         tokenizer_model: str | None = None) -> InferenceModel:
+    """`path` is a megatron checkpoint root (with latest_checkpointed_iteration.txt) or an
+    iter_XXXXXXX directory, or an exported HF directory (config.json + model.safetensors).
+    The tokenizer is the one given, else the checkpoint's recorded one, else the HF directory's."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        if use_ema:
+            raise ValueError(f"--use-ema applies to megatron checkpoints; {path} is an HF directory "
+                             f"(export it with tools/convert_to_hf.py --use-ema)")
+        model, tokenizer = _from_hf(path, tokenizer_type, tokenizer_model)
+        source = "hf"
+    elif os.path.isdir(path):
+        model, tokenizer = _from_megatron(path, use_ema, tokenizer_type, tokenizer_model)
+        source = "megatron"
+    else:
+        raise FileNotFoundError(f"--load {path}: no such directory (expected a megatron checkpoint or an "
+                                f"HF directory with config.json)")
+    cfg = model.config
+    model = model.to(device=device, dtype=dtype).eval()
+    return InferenceModel(model, cfg.family, cfg.mask_token_id, cfg.vocab_size,
+                          cfg.max_position_embeddings, tokenizer, source)

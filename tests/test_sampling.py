@@ -1,0 +1,320 @@
+"""Samplers (megatron_dllm/sampling, tools/sample.py): valid ids and kept prompts for every family
+and predictor; cached == uncached for AR (KV cache), MDLM (no-change cache) and Eso-LM (KV cache);
+float64 on the sampling path by default; Duo's posterior against Bayes' rule; Eso-LM plans; clear
+errors; tools/sample.py end to end on a megatron checkpoint and on an HF directory.
+
+Most tests use small randomly initialised HF models (weights ~ N(0, 0.2^2): the training init
+zeroes adaLN and the output layer, which would make every distribution uniform)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from conftest import run_pretrain  # noqa: E402
+
+from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402
+from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM  # noqa: E402
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, categorical, decode, generate  # noqa: E402
+
+V, MASK, EOS, L = 33, 32, 0, 24
+FAMILIES = ["ar", "mdlm", "duo", "esolm"]
+PROMPT = [5, 6, 7, 8]
+
+
+def random_model(family, vocab=V, length=L, hidden=32, seed=0):
+    config = DLLMConfig(family=family, hidden_size=hidden, num_layers=2, num_heads=2, vocab_size=vocab,
+                        mask_token_id=vocab - 1, cond_dim=16, max_position_embeddings=length,
+                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
+    torch.manual_seed(seed)
+    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {f: InferenceModel(random_model(f), f, MASK, V, L, None, "hf") for f in FAMILIES}
+
+
+def count_calls(inf):
+    """Number of forward calls and of tokens run through the backbone."""
+    stats = {"calls": 0, "tokens": 0}
+
+    def hook(module, args, kwargs=None):
+        stats["calls"] += 1
+        stats["tokens"] += args[0].numel()
+
+    return stats, inf.model.backbone.register_forward_pre_hook(hook)
+
+
+def predictors(family):
+    return ["ancestral", "left-to-right"] + (["block"] if family == "esolm" else [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_sampler_returns_valid_ids_and_keeps_prompt(models, family):
+    inf = models[family]
+    for predictor in predictors(family):
+        for prompt in (None, PROMPT):
+            cfg = SamplingConfig(steps=4, predictor=predictor, eos_id=EOS, stop_at_eos=False, top_p=0.9)
+            x = generate(inf, cfg, num_samples=3, batch_size=2, seed=1, prompt_ids=prompt)
+            assert x.shape == (3, L) and x.dtype == torch.long
+            assert int(x.min()) >= 0 and int(x.max()) < V and not bool((x == MASK).any()), (predictor, x)
+            if prompt:
+                assert (x[:, :len(PROMPT)] == torch.tensor(PROMPT)).all()
+            elif family == "ar":  # unconditional AR starts after an EOS (documents end with EOD)
+                assert (x[:, 0] == EOS).all()
+            assert len(set(x[:, 4:].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+def test_ar_kv_cache_equals_uncached(models):
+    inf = models["ar"]
+    runs = {}
+    for kv in (True, False):
+        stats, handle = count_calls(inf)
+        runs[kv] = generate(inf, SamplingConfig(kv_cache=kv, eos_id=EOS, stop_at_eos=False), num_samples=4,
+                            batch_size=2, seed=3, prompt_ids=PROMPT)
+        handle.remove()
+        runs[kv, "tokens"] = stats["tokens"]
+    assert torch.equal(runs[True], runs[False])
+    assert runs[True, "tokens"] == 4 * (L - 1)  # every token runs through the model once
+    assert runs[False, "tokens"] > 4 * L * (L - len(PROMPT)) // 2
+
+
+def test_mdlm_no_change_cache_equals_uncached_and_saves_calls(models):
+    inf = models["mdlm"]
+    runs = {}
+    for kv in (True, False):
+        stats, handle = count_calls(inf)
+        cfg = SamplingConfig(steps=64, kv_cache=kv, top_p=0.95)
+        runs[kv] = generate(inf, cfg, num_samples=4, batch_size=2, seed=5, prompt_ids=PROMPT)
+        handle.remove()
+        runs[kv, "calls"] = stats["calls"]
+    assert torch.equal(runs[True], runs[False])
+    assert runs[False, "calls"] >= 2 * 64  # every step (and the greedy final step if masks remain)
+    # a call only after a step that unmasked something: at most one per masked token, plus the first
+    assert runs[True, "calls"] <= 2 * (2 * (L - len(PROMPT)) + 1) and runs[True, "calls"] < runs[False, "calls"]
+
+
+@pytest.mark.parametrize("predictor,steps,prompt", [("ancestral", 7, None), ("ancestral", 12, PROMPT),
+                                                   ("block", 4, PROMPT), ("left-to-right", 1, PROMPT)])
+def test_esolm_kv_cache_equals_uncached(models, predictor, steps, prompt):
+    inf = models["esolm"]
+    runs = {}
+    for kv in (True, False):
+        stats, handle = count_calls(inf)
+        cfg = SamplingConfig(steps=steps, predictor=predictor, kv_cache=kv, eos_id=EOS, stop_at_eos=False)
+        runs[kv] = generate(inf, cfg, num_samples=4, batch_size=2, seed=7, prompt_ids=prompt)
+        handle.remove()
+        runs[kv] = (runs[kv], stats)
+    assert torch.equal(runs[True][0], runs[False][0])
+    cached, full = runs[True][1], runs[False][1]
+    assert cached["calls"] == full["calls"]
+    # cached: each token once as a mask and once as a clean token (at most), never more
+    assert cached["tokens"] <= 4 * 2 * L < full["tokens"]
+
+
+def test_float64_is_default_and_reaches_categorical(models, monkeypatch):
+    assert SamplingConfig().float64 is True
+    seen = []
+    real = categorical.sample
+
+    def spy(probs, generator):
+        seen.append(probs.dtype)
+        return real(probs, generator)
+
+    monkeypatch.setattr(categorical, "sample", spy)
+    for family in FAMILIES:
+        for float64, dtype in ((True, torch.float64), (False, torch.float32)):
+            seen.clear()
+            # the default config must sample in float64
+            cfg = SamplingConfig(steps=4, eos_id=EOS) if float64 else SamplingConfig(steps=4, eos_id=EOS,
+                                                                                       float64=False)
+            generate(models[family], cfg, num_samples=2, seed=0)
+            assert seen and set(seen) == {dtype}, (family, float64, set(seen))
+
+
+def test_duo_posterior_matches_bayes_rule():
+    from megatron_dllm.sampling.duo import posterior
+
+    torch.manual_seed(0)
+    vocab, mask, n_real = 6, 5, 5
+    x_theta = torch.rand(n_real, dtype=torch.float64).softmax(0)
+    x_theta = torch.cat([x_theta, torch.zeros(1, dtype=torch.float64)])
+    a_t, a_s = 0.3, 0.7
+    real = torch.arange(vocab) != mask
+
+    def q_marginal(a):  # q(z | x) = a 1[z = x] + (1 - a)/V over the real ids, as a [x, z] matrix
+        return (a * torch.eye(vocab, dtype=torch.float64) + (1 - a) / n_real) * real * real[:, None]
+
+    step = (a_t / a_s) * torch.eye(vocab, dtype=torch.float64) + (1 - a_t / a_s) / n_real  # q(z_t | z_s)
+    step = step * real * real[:, None]
+    for z in range(n_real):
+        joint = (x_theta[:, None] * q_marginal(a_s) * step[:, z][None, :]).sum(0)  # sum over x
+        expected = joint / joint.sum()
+        got = posterior(x_theta[None], torch.tensor([z]), a_t, a_s, n_real, mask)[0]
+        torch.testing.assert_close(got, expected)
+
+
+def test_esolm_plans():
+    from megatron_dllm.families import get_family
+
+    inf = InferenceModel(random_model("esolm", length=32), "esolm", MASK, V, 32, None, "hf")
+    family = get_family("esolm", MASK, V)
+    g = torch.Generator().manual_seed(0)
+    order, counts = family.sampler(inf, SamplingConfig(steps=50)).plan(3, 4, g, "cpu")
+    assert len(counts) == 50 and sum(counts) == 28 and all(c >= 0 for c in counts)
+    assert (order[:, :4].sort(-1).values == torch.arange(4)).all()  # the prompt first
+    assert (order.sort(-1).values == torch.arange(32)).all()  # a permutation per row
+    order, counts = family.sampler(inf, SamplingConfig(steps=4, predictor="block")).plan(3, 8, g, "cpu")
+    assert counts == [6] * 4
+    for row in order:
+        for step in range(4):
+            chunk = row[8 + 6 * step: 8 + 6 * (step + 1)]
+            assert len(set((chunk % 4).tolist())) == 1 and (chunk.diff() == 4).all()  # {s, s + L', ...}
+        assert sorted(row.tolist()) == list(range(32))
+
+
+def test_nucleus_keeps_the_smallest_top_set():
+    p = torch.tensor([[0.5, 0.1, 0.3, 0.1]], dtype=torch.float64)
+    torch.testing.assert_close(categorical.nucleus(p, 0.7), torch.tensor([[0.625, 0.0, 0.375, 0.0]],
+                                                                         dtype=torch.float64))
+    torch.testing.assert_close(categorical.nucleus(p, 0.2), torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64))
+
+
+class _Tok:
+    eod = EOS
+
+    def detokenize(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_stop_at_eos_and_decode(models):
+    inf = models["ar"]
+    model = random_model("ar")
+    with torch.no_grad():
+        model.backbone.output_layer.linear.bias[EOS] += 100.0  # EOS always next
+    eager = InferenceModel(model, "ar", MASK, V, L, _Tok(), "hf")
+    x = generate(eager, SamplingConfig(), num_samples=2, prompt_ids=PROMPT)
+    assert (x[:, len(PROMPT):] == EOS).all()
+    assert decode(eager, x) == ["5 6 7 8"] * 2
+    assert decode(eager, torch.tensor([[EOS, EOS, 3, 4, EOS, 9]])) == ["3 4"]  # start token dropped
+    with pytest.raises(ValueError, match="decode needs a tokenizer"):
+        decode(inf, x)
+
+
+def test_wrong_requests_raise_clear_errors(models):
+    cases = [
+        ("mdlm", dict(predictor="block"), "--predictor block is not available for --family mdlm; valid: "
+                                          "ancestral, left-to-right"),
+        ("ar", dict(predictor="block"), "--predictor block is not available for --family ar"),
+        ("duo", dict(predictor="block"), "--predictor block is not available for --family duo"),
+        ("esolm", dict(predictor="block", steps=L + 1), "--predictor block needs --steps to divide"),
+        ("esolm", dict(predictor="block", steps=5), "--predictor block needs --steps to divide"),
+        ("esolm", dict(predictor="gibbs"), "--predictor 'gibbs' is unknown; valid: ancestral, block"),
+        ("mdlm", dict(seq_length=L + 1), "--seq-length 25 exceeds the model's context 24"),
+        ("mdlm", dict(top_p=0.0), "--top-p 0.0"),
+        ("mdlm", dict(steps=0), "--steps 0"),
+    ]
+    for family, kwargs, message in cases:
+        with pytest.raises(ValueError) as err:
+            generate(models[family], SamplingConfig(**kwargs), num_samples=1)
+        assert message in str(err.value), (family, kwargs, str(err.value))
+    with pytest.raises(ValueError, match="prompt length"):
+        generate(models["esolm"], SamplingConfig(steps=4, predictor="block"), prompt_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="must be shorter than the sequence length"):
+        generate(models["mdlm"], SamplingConfig(), prompt_ids=list(range(L)))
+    with pytest.raises(ValueError, match="no tokenizer to name it"):
+        generate(models["ar"], SamplingConfig())
+
+
+# --------------------------------------------------------------------------- tools/sample.py
+
+RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+       "--train-iters", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-interval", "100"]
+
+
+@pytest.fixture(scope="module")
+def esolm_checkpoint(demo_cache, tmp_path_factory):
+    work = tmp_path_factory.mktemp("sample_ckpt")
+    run_pretrain(1, ["--demo-cache-dir", demo_cache, "--family", "esolm", *RUN, "--save", str(work / "ckpt"),
+                     "--tensorboard-dir", str(work / "tb")], work)
+    return str(work / "ckpt")
+
+
+def test_sample_tool_on_megatron_checkpoint(esolm_checkpoint, tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sample.py"), "--load", esolm_checkpoint,
+                           "--num-samples", "3", "--steps", "8", "--batch-size", "2", "--prompt", "To be",
+                           "--top-p", "0.9", "--device", "cpu", "--output", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    settings = record["settings"]
+    assert settings["family"] == "esolm" and settings["source"] == "megatron" and settings["steps"] == 8
+    assert settings["top_p"] == 0.9 and settings["seq_length"] == 32 and record["wall_time_s"] > 0
+    tokens = torch.tensor(record["tokens"])
+    assert tokens.shape == (3, 32) and int(tokens.max()) < 4096  # [MASK] = 4096 never in the output
+    prompt = settings["prompt_ids"]
+    assert (tokens[:, :len(prompt)] == torch.tensor(prompt)).all()
+    assert len(record["texts"]) == 3 and all(t.startswith("To be") for t in record["texts"])
+
+
+@pytest.fixture(scope="module")
+def hf_dir(demo_cache, tmp_path_factory):
+    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.hf import export
+
+    tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
+    out = str(tmp_path_factory.mktemp("hf") / "mdlm")
+    model = random_model("mdlm", vocab=4097, length=32)
+    identity = {"family": "mdlm", "hidden_size": 32, "num_layers": 2, "num_attention_heads": 2,
+                "vocab_size": 4097, "mask_id": 4096}
+    config = export.hf_config_dict(identity, "bidirectional", 32)
+    config["cond_dim"] = 16
+    export.write_hf_dir(out, model.state_dict(), config)
+    export.export_tokenizer(out, "SentencePieceTokenizer", tok, 4097, 4096)
+    return out
+
+
+def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
+    import sample
+
+    out = tmp_path / "out.json"
+    assert sample.main(["--load", hf_dir, "--num-samples", "2", "--steps", "16", "--no-kv-cache",
+                        "--no-float64", "--seed", "3", "--output", str(out), "--device", "cpu"]) == 0
+    record = json.loads(out.read_text())
+    assert record["settings"]["source"] == "hf" and record["settings"]["no_float64"] is True
+    tokens = torch.tensor(record["tokens"])
+    assert tokens.shape == (2, 32) and int(tokens.max()) < 4096
+    assert all(isinstance(t, str) for t in record["texts"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--load", "/nonexistent/ckpt"], "error: --load /nonexistent/ckpt: no such file or directory"),
+    (["--predictor", "block", "--steps", "4"], "error: --predictor block is not available for --family mdlm"),
+    (["--steps", "0"], "error: --steps 0: must be >= 1"),
+    (["--num-samples", "x"], "error: argument --num-samples: invalid int value"),
+])
+def test_sample_tool_bad_input(hf_dir, tmp_path, capsys, argv, message):
+    import sample
+
+    argv = argv if "--load" in argv else ["--load", hf_dir, *argv]
+    try:
+        code = sample.main([*argv, "--output", str(tmp_path / "o.json")])
+    except SystemExit as exit_:  # argparse errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "o.json").exists()
