@@ -12,8 +12,8 @@ def _losses(records):
     return [r["loss"] for r in records if "loss" in r]
 
 
-@pytest.mark.parametrize("layout", [["--use-distributed-optimizer"], ["--tensor-model-parallel-size", "2"]],
-                         ids=["DP2-distopt", "TP2"])
+# (TP=2 and PP=2 resume with real kills in test_resume.py)
+@pytest.mark.parametrize("layout", [["--use-distributed-optimizer"]], ids=["DP2-distopt"])
 def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
     full = tmp_path / "full"
     _, records = pretrain(2, *RUN, *layout, "--save", str(full), "--save-interval", "2")

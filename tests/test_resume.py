@@ -181,21 +181,21 @@ def test_sigkill_mid_training_at_tp2_pp2_resumes_exactly(family, demo_cache, tmp
     family: the noise is a function of (seed, sample), not of the generators' state."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     no_rng = ["--no-load-rng"] if family == "duo" else []
-    flags = ["--demo-cache-dir", demo_cache, "--family", family, *BASE, *TP2, *PP2, "--save-interval", "4",
-             "--eval-interval", "100", "--save", str(ckpt), "--load", str(ckpt), *no_rng]
+    flags = ["--demo-cache-dir", demo_cache, "--family", family, *BASE, *TP2, *PP2, "--train-iters", "6",
+             "--save-interval", "3", "--eval-interval", "100", "--save", str(ckpt), "--load", str(ckpt), *no_rng]
 
-    def past_checkpoint():  # iteration 4 saved and at least one more iteration logged
-        done = (ckpt / TRACKER).exists() and (ckpt / TRACKER).read_text() == "4"
-        return done and any(r.get("iteration", 0) > 4 and "loss" in r for r in _records(metrics))
+    def past_checkpoint():  # iteration 3 saved and at least one more iteration logged
+        done = (ckpt / TRACKER).exists() and (ckpt / TRACKER).read_text() == "3"
+        return done and any(r.get("iteration", 0) > 3 and "loss" in r for r in _records(metrics))
 
     assert _run_until(4, flags, tmp_path, metrics, past_checkpoint), "never caught between checkpoints"
     killed = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in _records(metrics) if "loss" in r}
-    assert (ckpt / TRACKER).read_text() == "4" and max(killed) < 8
+    assert (ckpt / TRACKER).read_text() == "3" and max(killed) < 6
 
     proc, records = run_pretrain(4, flags, tmp_path)
     resumed = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
-    assert sorted(resumed) == [5, 6, 7, 8]
+    assert sorted(resumed) == [4, 5, 6]
     overlap = [i for i in resumed if i in killed]
     assert overlap and [resumed[i] for i in overlap] == [killed[i] for i in overlap]  # bit-identical
     assert ("RNG" in proc.stdout.split("loaded checkpoint")[1].splitlines()[0]) == (not no_rng)
-    assert (ckpt / TRACKER).read_text() == "8"
+    assert (ckpt / TRACKER).read_text() == "6"
