@@ -1,33 +1,91 @@
 #!/usr/bin/env bash
-# The IsoFLOP pipeline at micro scale on the embedded demo corpus, all four families, on 2 CPU
-# cores (budgeted under an hour): plan -> train (each run ends with its validation NELBO) -> fit
-# -> plot. 2 budgets x 3 CPU presets x 4 families = 24 runs of 64-token sequences.
+# The paper's whole scaling pipeline at micro scale, all four families, on the embedded demo corpus
+# and 2 CPU cores in under an hour:
+#   plan (tools/plan_isoflop.py) -> train every budget x family x size for exactly its FLOPs
+#   (each run ends with its validation NELBO) -> sample each family at several step counts, judge
+#   the samples with SmolLM2-135M (Gen PPL) and time them (throughput) -> fit the IsoFLOP
+#   parabolas, power laws, step curves and the Pareto frontier, and plot (tools/scaling_laws.py).
 #
-#   bash examples/isoflop_demo_cpu.sh            # writes runs/isoflop-demo/{manifest.json,runs/,fits/}
+#   bash examples/isoflop_demo_cpu.sh     # runs/isoflop-demo/{plan.txt,manifest.json,runs/,eval/,fits/}
+#                                         # and a copy of the figures and tables in docs/isoflop-demo/
 #
-# Micro budgets train far fewer tokens per parameter than the paper's sweep, so the curves show
-# the pipeline working, not the paper's optima (a budget whose losses have no minimum over the
-# sizes is listed as skipped in fits/results.md). The speed-quality frontier needs Gen PPL and
-# throughput files from tools/evaluate.py: pass them to tools/scaling_laws.py with --gen-ppl and
-# --throughput.
+# Runs are single-process (--nproc-per-node 1), JOBS (default 2) at a time: at these sizes two
+# independent runs use 2 cores better than one 2-rank run. A run that has finished (its metrics
+# file holds the final validation) is not run again, so an interrupted demo continues where it
+# stopped. docs/isoflop-demo/README.md discusses the figures against the paper.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/isoflop-demo}
+DOCS=${DOCS:-docs/isoflop-demo}
+JOBS=${JOBS:-2}
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
-mkdir -p "$OUT"
 
-# vocab 4097: the demo tokenizer's 4096 pieces + [MASK]; iterations = floor(budget / FLOPs per iteration)
-python tools/plan_isoflop.py --budgets 1e12 3e12 --presets cpu-tiny cpu-small cpu-base \
-    --seq-length 64 --global-batch-size 16 --vocab-size 4097 --nproc-per-node 2 \
-    --runs-dir "$OUT/runs" --manifest "$OUT/manifest.json" --format commands \
-    --extra-args "--micro-batch-size 8 --eval-iters 4 --log-interval 100" > "$OUT/commands.sh"
-python tools/plan_isoflop.py --budgets 1e12 3e12 --presets cpu-tiny cpu-small cpu-base \
-    --seq-length 64 --global-batch-size 16 --vocab-size 4097
+# The grid: 64-token sequences, 16 a batch; vocab 4097 = the demo tokenizer's 4096 pieces + [MASK].
+# The largest budget takes the smallest model 1.2 times through the 1.75M-token corpus.
+BUDGETS=(${BUDGETS:-5e11 1e12 2e12})
+GRID=(--budgets "${BUDGETS[@]}" --presets cpu-micro cpu-mini cpu-tiny
+      --seq-length 64 --global-batch-size 16 --vocab-size 4097)
+TRAIN_ARGS="--micro-batch-size 16 --lr 3e-3 --eval-iters 16 --log-interval 1000"
+EVAL_PRESET=cpu-mini                       # the size sampled for the speed-quality frontier,
+EVAL_BUDGET=${BUDGETS[-1]}                 # from its run at the largest budget
+STEPS=(${STEPS:-8 16 32 64})               # sampling steps T of the diffusion families (AR: T = L = 64)
+NUM_SAMPLES=${NUM_SAMPLES:-64}
+TARGETS=(${TARGETS:-250 500 1000 1500 2000 2500})  # Gen PPL targets of the frontier (the paper: 40 ... 200)
 
-while read -r command; do
-    echo "+ $command"
-    bash -c "$command" > /dev/null
-done < "$OUT/commands.sh"
+mkdir -p "$OUT" "$DOCS"
 
-python tools/scaling_laws.py --manifest "$OUT/manifest.json" --out-dir "$OUT/fits"
-echo "figures and tables in $OUT/fits"
+echo "== plan"
+python tools/plan_isoflop.py "${GRID[@]}" --format table | tee "$OUT/plan.txt"
+python tools/plan_isoflop.py "${GRID[@]}" --nproc-per-node 1 --runs-dir "$OUT/runs" \
+    --manifest "$OUT/manifest.json" --format commands --extra-args "$TRAIN_ARGS" > "$OUT/commands.sh"
+
+echo "== train ($(wc -l < "$OUT/commands.sh") runs, $JOBS at a time)"
+train_one() {  # one commands.sh line; its output goes to the run directory's train.log
+    local run_dir=${1#mkdir -p }; run_dir=${run_dir%% *}
+    local iters; iters=$(grep -o -- '--eval-interval [0-9]*' <<< "$1" | cut -d' ' -f2)
+    if python -c "import sys; from megatron_dllm.scaling.plan import final_validation as last
+r = last(sys.argv[1]); sys.exit(not (r and r['iteration'] == int(sys.argv[2])))" "$run_dir/metrics.jsonl" "$iters"; then
+        echo "   done before: $run_dir"; return 0
+    fi
+    rm -rf "$run_dir"
+    local start=$SECONDS
+    if bash -c "$1" > "$run_dir.log" 2>&1; then
+        mv "$run_dir.log" "$run_dir/train.log"
+        echo "   $(basename "$run_dir"): $(grep -o 'nelbo [0-9.]*' "$run_dir/train.log" | tail -1) ($((SECONDS - start)) s)"
+    else
+        echo "   FAILED: $run_dir (see $run_dir.log)"; return 1
+    fi
+}
+export -f train_one
+mkdir -p "$OUT/runs"
+xargs -P "$JOBS" -d '\n' -n 1 bash -c 'train_one "$0"' < "$OUT/commands.sh"
+
+echo "== sample, Gen PPL and throughput ($EVAL_PRESET at $EVAL_BUDGET)"
+for family in ar mdlm duo esolm; do
+    checkpoint="$OUT/runs/$family-$EVAL_PRESET-C$EVAL_BUDGET/checkpoints"
+    mkdir -p "$OUT/eval/$family"
+    steps=("${STEPS[@]}"); [ "$family" = ar ] && steps=(64)
+    predictor=ancestral; [ "$family" = esolm ] && predictor=block  # the paper's Eso-LM sampler, L' = T
+    for T in "${steps[@]}"; do
+        out="$OUT/eval/$family"
+        [ -s "$out/throughput_T$T.json" ] && [ -s "$out/gen_ppl_T$T.json" ] && continue  # done before
+        python tools/sample.py --load "$checkpoint" --num-samples "$NUM_SAMPLES" --steps "$T" --seed 0 \
+            --predictor $predictor --device cpu --output "$out/samples_T$T.json" > /dev/null
+        python tools/evaluate.py gen-ppl --samples "$out/samples_T$T.json" --judge smollm2 --device cpu \
+            --output "$out/gen_ppl_T$T.json" > /dev/null
+        python tools/evaluate.py throughput --load "$checkpoint" --steps "$T" --batch-size 16 --repeats 3 \
+            --predictor $predictor --output "$out/throughput_T$T.json" > /dev/null
+        python - "$out" "$T" <<'EOF'
+import json, sys
+out, T = sys.argv[1], sys.argv[2]
+g = json.load(open(f"{out}/gen_ppl_T{T}.json")); t = json.load(open(f"{out}/throughput_T{T}.json"))
+print(f"   {g['family']:<6} T={T:<3} Gen PPL {g['gen_ppl']:8.1f}  entropy {g['entropy']:.2f}  {t['tokens_per_s']:9.0f} tokens/s")
+EOF
+    done
+done
+
+echo "== fit and plot"
+python tools/scaling_laws.py --manifest "$OUT/manifest.json" --gen-ppl "$OUT"/eval/*/gen_ppl_T*.json \
+    --throughput "$OUT"/eval/*/throughput_T*.json --targets "${TARGETS[@]}" --out-dir "$OUT/fits"
+cp "$OUT"/fits/*.png "$OUT/fits/results.md" "$OUT/fits/results.json" "$OUT/plan.txt" "$DOCS/"
+echo "figures and tables in $OUT/fits (copied to $DOCS)"

@@ -107,22 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """Parsed flags; a bad combination exits like any argparse error (usage, `error: ...`, code 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.train_data_path is not None:
         if args.data_path is not None or args.valid_data_path is None:
-            raise SystemExit("error: --train-data-path goes with --valid-data-path and replaces --data-path")
+            parser.error("--train-data-path goes with --valid-data-path and replaces --data-path")
         args.data_path = args.train_data_path
     from megatron_dllm.families import FAMILIES
 
     if args.family not in FAMILIES:
-        raise SystemExit(f"error: --family {args.family!r} is not a known family; expected one of: "
-                         f"{', '.join(FAMILIES)}")
+        parser.error(f"--family {args.family!r} is not a known family; expected one of: {', '.join(FAMILIES)}")
     if args.train_iters is not None and args.train_samples is not None:
-        raise ValueError("give --train-iters or --train-samples, not both")
+        parser.error("give --train-iters or --train-samples, not both")
     if args.train_flops is not None:
         if args.train_iters is not None or args.train_samples is not None:
-            raise SystemExit("error: --train-flops sets the number of iterations; give it without "
-                             "--train-iters/--train-samples")
+            parser.error("--train-flops sets the number of iterations; give it without --train-iters/--train-samples")
         if args.train_flops <= 0:
-            raise SystemExit(f"error: --train-flops must be positive, got {args.train_flops:g}")
+            parser.error(f"--train-flops must be positive, got {args.train_flops:g}")
     return args

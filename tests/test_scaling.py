@@ -133,13 +133,17 @@ def test_train_flops_runs_the_budgeted_iterations(pretrain):
     assert "3 iterations of 8 x 32 tokens" in proc.stdout and f"FLOPs {3 * per_iteration:.4g}" in proc.stdout
 
 
-def test_train_flops_excludes_train_iters():
+def test_run_length_flags_exclude_each_other(capsys):
     from megatron_dllm.arguments import parse_args
 
-    for other in (["--train-iters", "3"], ["--train-samples", "24"]):
-        with pytest.raises(SystemExit, match="--train-flops sets the number of iterations; give it without "
-                                             "--train-iters/--train-samples"):
-            parse_args(["--train-flops", "6e18", *other])
+    flops_error = "error: --train-flops sets the number of iterations; give it without --train-iters/--train-samples"
+    for argv, error in ((["--train-flops", "6e18", "--train-iters", "3"], flops_error),
+                        (["--train-flops", "6e18", "--train-samples", "24"], flops_error),
+                        (["--train-iters", "3", "--train-samples", "24"],
+                         "error: give --train-iters or --train-samples, not both")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(argv)
+        assert exit_.value.code == 2 and error in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ fits
@@ -179,6 +183,22 @@ def test_isoflop_fit_without_a_minimum_is_skipped():
     result = analyze_isoflop(runs)
     assert result["families"]["ar"]["isoflop"] == []
     assert any("no minimum" in s for s in result["skipped"])
+
+
+def test_extrapolated_minimum_stays_out_of_the_power_laws():
+    runs = _synthetic_isoflop(np.random.default_rng(0))
+    inside = analyze_isoflop(runs)["families"]["ar"]
+    # at 1e16 keep only the sizes 1.7x-5x above N*: the parabola still has a minimum, outside them
+    shifted = [r for r in runs if not (r["family"] == "ar" and r["budget"] == 1e16)
+               or r["non_embedding_params"] > 1.5 * 0.1 * 1e16 ** 0.5]
+    result = analyze_isoflop(shifted)
+    ar = result["families"]["ar"]
+    assert [f.budget for f in ar["isoflop"] if f.extrapolated] == [1e16]
+    assert any(s.startswith("ar: budget 1e+16: N* = ") and s.endswith("(left out of the power laws)")
+               for s in result["skipped"])
+    # the laws are those of the other four budgets
+    four = analyze_isoflop([r for r in runs if not (r["family"] == "ar" and r["budget"] == 1e16)])["families"]["ar"]
+    assert ar["loss_law"] == four["loss_law"] and ar["params_law"] == four["params_law"] != inside["params_law"]
 
 
 def test_step_curve_fit_recovers_parameters():
@@ -251,3 +271,10 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
     assert any(s.startswith(f"{planned[3].name}: unfinished") for s in result["skipped"])
     markdown = (out / "results.md").read_text()
     assert "## Power laws" in markdown and "| duo |" in markdown and "## Speed-quality Pareto frontier" in markdown
+    assert "## Sampling: Gen PPL and throughput by steps T" in markdown
+    # targets no model reaches: no frontier, and the results say why instead of leaving it out silently
+    main(["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "gen.json"),
+          "--throughput", str(tmp_path / "speed.jsonl"), "--targets", "1", "--out-dir", str(tmp_path / "none")])
+    result = json.loads((tmp_path / "none" / "results.json").read_text())
+    assert result["pareto"] == [] and not (tmp_path / "none" / "pareto.png").exists()
+    assert any(s.startswith("Pareto frontier: no model reaches a --targets Gen PPL (1 ... 1)") for s in result["skipped"])

@@ -44,7 +44,7 @@ def run_nelbo(args) -> dict:
     import math
 
     from megatron_dllm import platform
-    from megatron_dllm.evaluation.nelbo import BOUND, evaluate_nelbo, validation_run
+    from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
     from megatron_dllm.families import get_family
 
     _check_load(args.load)
@@ -68,11 +68,11 @@ def run_nelbo(args) -> dict:
     gbs = resolved.global_batch_size
     mbs = args.micro_batch_size or math.gcd(gbs, 8)  # any divisor of gbs gives the same figure
     family = get_family(inf.family, inf.mask_id, inf.vocab_size)
-    draws = 1 if inf.family == "ar" else args.num_t_draws  # AR's NLL is exact: no t to draw
+    draws = 1 if family.next_token else args.num_t_draws  # an exact NLL has no t to draw
     result = evaluate_nelbo(inf.model, family, run.valid_dataset, resolved.seed, gbs, mbs,
                             resolved.eval_iters, draws)
     return {
-        "metric": "nelbo", "family": inf.family, "bound": BOUND[inf.family],
+        "metric": "nelbo", "family": inf.family, "bound": family.bound,
         "nelbo": result.nelbo, "ppl": result.ppl, "bpd": result.bpd, "nelbo_per_draw": result.per_draw,
         "tokens": result.tokens, "samples": result.samples,
         "settings": {

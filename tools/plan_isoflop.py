@@ -26,7 +26,8 @@ def _commands(runs, args) -> list[str]:
     lines = []
     for r in runs:
         run_dir = os.path.join(args.runs_dir, r.name)
-        cmd = ["torchrun", "--nproc-per-node", str(args.nproc_per_node), "pretrain_dllm.py",
+        # --standalone: a free rendezvous port, so commands can run side by side on one machine
+        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc_per_node), "pretrain_dllm.py",
                "--family", r.family, "--preset", r.preset, "--seq-length", str(args.seq_length),
                "--global-batch-size", str(args.global_batch_size), "--train-flops", budget_label(r.budget),
                "--flops-convention", args.flops_convention, "--eval-interval", str(r.iterations),
@@ -50,7 +51,7 @@ def main(argv=None):
                         help="training FLOPs budgets (default: the paper's 6e18 1e19 3e19 6e19 1e20)")
     parser.add_argument("--families", nargs="+", default=list(FAMILY_ORDER), choices=FAMILY_ORDER)
     parser.add_argument("--presets", nargs="+", default=list(PAPER_PRESETS),
-                        help="default: the paper's 28 sizes; cpu-tiny/cpu-small/cpu-base for CPU sweeps")
+                        help="default: the paper's 28 sizes; cpu-micro ... cpu-base for CPU sweeps")
     parser.add_argument("--seq-length", type=int, default=PAPER_SETTINGS["seq_length"])
     parser.add_argument("--global-batch-size", type=int, default=PAPER_SETTINGS["global_batch_size"])
     parser.add_argument("--vocab-size", type=int, default=PAPER_SETTINGS["vocab_size"],

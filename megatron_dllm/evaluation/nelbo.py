@@ -24,8 +24,6 @@ import torch
 
 from megatron_dllm.families.base import Family, seed_for
 
-BOUND = {"ar": "exact NLL", "mdlm": "MDLM NELBO", "duo": "Duo NELBO", "esolm": "MDLM NELBO"}
-
 
 def validation_run(family: str, seq_length: int, *, data_path=None, valid_data_path=None, split=None,
                    tokenizer_type=None, tokenizer_model=None, global_batch_size=None, eval_iters=None,

@@ -10,6 +10,8 @@ from megatron_dllm.families.base import Family, ModelInput, Noise
 class AR(Family):
     name = "ar"
     attention = "causal"
+    bound = "exact NLL"
+    next_token = True
     extra_token = True  # samples of seq_length + 1 tokens: inputs x[:-1], targets x[1:]
     variable_length = False
     losses = ("nll",)

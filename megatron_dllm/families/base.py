@@ -74,6 +74,9 @@ class Family:
     extra_token: bool = False  # AR reads seq_length + 1 tokens per sample
     variable_length: bool = True  # --variable-seq-length-prob applies (reference: non-AR only)
     losses: tuple[str, ...] = ("nelbo",)  # training objectives; the first is the default
+    bound: str               # what `nelbo` computes, as reports name it
+    # a next-token model: its likelihood is exact (no t to draw) and it exports as a causal LM
+    next_token: bool = False
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
         if loss is not None and loss not in self.losses:

@@ -170,6 +170,7 @@ class _DuoStats(torch.autograd.Function):
 class Duo(Family):
     name = "duo"
     attention = "bidirectional"
+    bound = "Duo NELBO"
     losses = ("nelbo",)
     schedule = LogLinear()
 

@@ -31,6 +31,7 @@ from megatron_dllm.families.mdlm import MDLM
 class EsoLM(Family):
     name = "esolm"
     attention = "causal"
+    bound = "MDLM NELBO"
     losses = ("low-var", "nelbo")
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):

@@ -17,6 +17,7 @@ from megatron_dllm.families.schedules import LogLinear
 class MDLM(Family):
     name = "mdlm"
     attention = "bidirectional"
+    bound = "MDLM NELBO"
     losses = ("low-var", "nelbo")
     schedule = LogLinear()
 

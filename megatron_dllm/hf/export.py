@@ -13,6 +13,8 @@ import shutil
 
 import torch
 
+from megatron_dllm.families import FAMILIES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ("configuration_dllm.py", "modeling_dllm.py")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -186,7 +188,7 @@ def save_megatron_checkpoint(save: str, model, identity: dict, iteration: int = 
 
 
 def hf_config_dict(identity: dict, attention: str, max_length: int) -> dict:
-    causal_lm = identity["family"] == "ar"
+    causal_lm = FAMILIES[identity["family"]].next_token
     arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
     auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
@@ -210,7 +212,7 @@ def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
               metadata={"format": "pt"})
     for name in MODEL_FILES:
         shutil.copyfile(os.path.join(HERE, name), os.path.join(out, name))
-    if config["family"] == "ar":  # generate() defaults
+    if FAMILIES[config["family"]].next_token:  # generate() defaults
         gen = {"use_cache": False, "do_sample": False}
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)

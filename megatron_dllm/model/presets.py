@@ -36,8 +36,10 @@ PAPER_PRESETS = {
     "1708M": Preset(2176, 28, 17),
 }
 
-# Small sizes for CPU development, tests and the embedded default.
+# Small sizes for CPU development, tests, the embedded default and the CPU IsoFLOP demo.
 CPU_PRESETS = {
+    "cpu-micro": Preset(32, 2, 2),
+    "cpu-mini": Preset(48, 2, 3),
     "cpu-tiny": Preset(64, 2, 4),
     "cpu-small": Preset(128, 4, 4),
     "cpu-base": Preset(256, 6, 4),

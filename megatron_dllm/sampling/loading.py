@@ -29,9 +29,10 @@ class InferenceModel:
 
 
 def _model_class(family: str):
+    from megatron_dllm.families import FAMILIES
     from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
 
-    return DLLMForCausalLM if family == "ar" else DLLMForMaskedLM
+    return DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM
 
 
 def _tokenizer_or_none(tokenizer_type, tokenizer_model):

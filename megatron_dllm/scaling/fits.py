@@ -119,7 +119,8 @@ def analyze_isoflop(runs: list[dict], reference_compute: float | None = None) ->
     """The whole §3.1-3.2 analysis from finished runs [{"family", "budget", "non_embedding_params",
     "loss"}]: per family the IsoFLOP fits, the L*(C) and N*(C) power laws, and against AR the
     compute multiplier and optimal-size ratio at `reference_compute` (default: the largest budget).
-    Budgets or families that cannot be fitted are listed under "skipped" with the reason."""
+    The power laws use only minima inside the trained sizes. Budgets or families that cannot be
+    fitted, and minima that are extrapolated, are listed under "skipped" with the reason."""
     results, skipped = {}, []
     by_family = {}
     for r in runs:
@@ -134,11 +135,16 @@ def analyze_isoflop(runs: list[dict], reference_compute: float | None = None) ->
             except ValueError as err:
                 skipped.append(f"{family}: {err}")
         entry = {"isoflop": fits, "loss_law": None, "params_law": None}
-        if len(fits) >= 2:
-            entry["loss_law"] = fit_power_law([f.budget for f in fits], [f.loss_opt for f in fits])
-            entry["params_law"] = fit_power_law([f.budget for f in fits], [f.n_opt for f in fits])
+        # a minimum outside the trained sizes is the parabola's guess, not a measurement
+        inside = [f for f in fits if not f.extrapolated]
+        skipped.extend(f"{family}: budget {f.budget:g}: N* = {f.n_opt:.4g} lies outside the trained sizes "
+                       f"(left out of the power laws)" for f in fits if f.extrapolated)
+        if len(inside) >= 2:
+            entry["loss_law"] = fit_power_law([f.budget for f in inside], [f.loss_opt for f in inside])
+            entry["params_law"] = fit_power_law([f.budget for f in inside], [f.n_opt for f in inside])
         else:
-            skipped.append(f"{family}: power laws need IsoFLOP minima at 2 budgets or more, got {len(fits)}")
+            skipped.append(f"{family}: power laws need IsoFLOP minima inside the trained sizes at 2 budgets "
+                           f"or more, got {len(inside)}")
         results[family] = entry
     if reference_compute is None and runs:
         reference_compute = max(float(r["budget"]) for r in runs)

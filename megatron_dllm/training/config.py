@@ -20,7 +20,7 @@ from megatron_dllm.scaling.plan import iterations_for_budget
 
 DEMO_DEFAULTS = dict(
     preset="cpu-small", seq_length=128, micro_batch_size=8, global_batch_size=32, train_iters=300,
-    lr=1e-3, lr_warmup_fraction=0.05, eval_interval=100, eval_iters=4,
+    lr=1e-3, lr_warmup_fraction=0.05, eval_interval=100,
     save="runs/demo-{family}/checkpoints", tensorboard_dir="runs/demo-{family}/tensorboard",
 )
 DEFAULTS = dict(preset="14M", seq_length=2048, micro_batch_size=2, global_batch_size=256, lr=2e-4,
