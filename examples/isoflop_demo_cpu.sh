@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The paper's whole scaling pipeline at micro scale, all four families, on the embedded demo corpus
-# and 2 CPU cores in under an hour:
+# and 2 CPU cores in about 46 minutes:
 #   plan (tools/plan_isoflop.py) -> train every budget x family x size for exactly its FLOPs
 #   (each run ends with its validation NELBO) -> sample each family at several step counts, judge
 #   the samples with SmolLM2-135M (Gen PPL) and time them (throughput) -> fit the IsoFLOP

@@ -125,8 +125,8 @@ def main(argv=None):
                         for f in families}, {f: e["isoflop"] for f, e in families.items()}, out("isoflop.png"))
     for key, attr, label, name in (("loss_law", "loss_opt", "optimal validation NELBO L*", "loss_vs_flops.png"),
                                    ("params_law", "n_opt", "optimal parameters N*", "params_vs_flops.png")):
-        points = {f: ([x.budget for x in e["isoflop"]], [getattr(x, attr) for x in e["isoflop"]])
-                  for f, e in families.items() if e["isoflop"]}
+        points = {f: ([x.budget for x in e["isoflop"]], [getattr(x, attr) for x in e["isoflop"]],
+                      [x.extrapolated for x in e["isoflop"]]) for f, e in families.items() if e["isoflop"]}
         plots.plot_power_laws(points, {f: e[key] for f, e in families.items() if e[key]}, label, out(name))
     if frontier:
         plots.plot_pareto(frontier, out("pareto.png"))

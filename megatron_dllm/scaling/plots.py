@@ -48,19 +48,22 @@ def plot_isoflop(runs: dict, fits: dict, path: str) -> None:
 
 
 def plot_power_laws(points: dict, laws: dict, ylabel: str, path: str) -> None:
-    """points: family -> (budgets, values); laws: family -> PowerLaw (L*_C or N*_C vs C)."""
+    """points: family -> (budgets, values, extrapolated flags); laws: family -> PowerLaw (L*_C or
+    N*_C vs C). Minima outside the trained sizes are drawn hollow: the laws leave them out."""
     fig = Figure(figsize=(5.5, 4))
     ax = fig.add_subplot(1, 1, 1)
-    for family, (budgets, values) in points.items():
+    for family, (budgets, values, extrapolated) in points.items():
         color = FAMILY_COLORS.get(family)
-        ax.scatter(budgets, values, color=color, s=18)
         law: PowerLaw | None = laws.get(family)
+        faces = ["none" if e else color for e in extrapolated]
+        ax.scatter(budgets, values, edgecolors=color, facecolors=faces, s=22,
+                   label=None if law is not None else f"{family}: no law")
         if law is not None:
             grid = np.geomspace(min(budgets), max(budgets), 50)
             ax.plot(grid, law(grid), color=color, label=f"{family}: C^{law.exponent:.3f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("training FLOPs C")
+    ax.set_xlabel("training FLOPs C (hollow: N* outside the trained sizes, not fitted)")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     _save(fig, path)
