@@ -240,8 +240,8 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
 
 def test_real_text_training_nelbo_falls(pretrain):
     iters = 40
-    proc, records = pretrain(2, "--family", "esolm", "--train-iters", str(iters), "--log-interval", "10",
-                             "--eval-interval", "20", "--eval-iters", "2")
+    proc, records = pretrain(2, "--family", "esolm", "--preset", "cpu-tiny", "--train-iters", str(iters),
+                             "--log-interval", "10", "--eval-interval", "20", "--eval-iters", "2")
     train = [r["loss"] for r in records if "loss" in r]
     valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
     assert len(train) == iters // 10 and len(valid) == 2, records
