@@ -63,11 +63,11 @@ xargs -P "$JOBS" -d '\n' -n 1 bash -c 'train_one "$0"' < "$OUT/commands.sh"
 echo "== sample, Gen PPL and throughput ($EVAL_PRESET at $EVAL_BUDGET)"
 for family in ar mdlm duo esolm; do
     checkpoint="$OUT/runs/$family-$EVAL_PRESET-C$EVAL_BUDGET/checkpoints"
-    mkdir -p "$OUT/eval/$family"
+    out="$OUT/eval/$family"
+    mkdir -p "$out"
     steps=("${STEPS[@]}"); [ "$family" = ar ] && steps=(64)
     predictor=ancestral; [ "$family" = esolm ] && predictor=block  # the paper's Eso-LM sampler, L' = T
     for T in "${steps[@]}"; do
-        out="$OUT/eval/$family"
         [ -s "$out/throughput_T$T.json" ] && [ -s "$out/gen_ppl_T$T.json" ] && continue  # done before
         python tools/sample.py --load "$checkpoint" --num-samples "$NUM_SAMPLES" --steps "$T" --seed 0 \
             --predictor $predictor --device cpu --output "$out/samples_T$T.json" > /dev/null
