@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 pretrain_dllm.py --family mdlm --preset 1.7B --bf16 \
         --data-path PREFIX --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model ...
 """
+import os
 import sys
 
 from megatron_dllm.arguments import parse_args
@@ -11,6 +12,10 @@ from megatron_dllm.arguments import parse_args
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's ranks stop when torchrun dies
+        from megatron_dllm.parent_watch import exit_when_parent_dies
+
+        exit_when_parent_dies("training rank")
     from megatron_dllm import platform
     from megatron_dllm.training.trainer import Trainer
 

@@ -13,7 +13,8 @@ from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter
 def test_real_text_training_loss_falls_far_below_log_vocab(family, pretrain, tmp_path):
     iters = 40
     proc, records = pretrain(2, "--family", family, "--train-iters", str(iters), "--log-interval", "10",
-                             "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt"))
+                             "--eval-interval", "20", "--eval-iters", "2", "--save", str(tmp_path / "ckpt"),
+                             "--load", str(tmp_path / "ckpt"))  # the resume idiom, with nothing to resume
     train = [r["loss"] for r in records if "loss" in r]
     valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
     log_vocab = math.log(4097)  # the demo tokenizer: 4096 pieces + [MASK]
@@ -21,6 +22,7 @@ def test_real_text_training_loss_falls_far_below_log_vocab(family, pretrain, tmp
     assert train[-1] < train[0] and valid[-1] < valid[0]
     assert valid[-1] < log_vocab - 2.0, (valid, log_vocab)  # NELBO (MDLM) / exact NLL (AR) in nats
     assert f"validation at iteration {iters}" in proc.stdout
+    assert f"no checkpoint in {tmp_path / 'ckpt'}: starting from iteration 0" in proc.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(iters)
     assert glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
 

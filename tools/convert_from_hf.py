@@ -2,11 +2,15 @@
 checkpoint (model weights + identity; no optimizer state) at any TP/PP layout:
 
     torchrun --nproc-per-node T*P tools/convert_from_hf.py --hf DIR --save CKPT \
-        --tensor-model-parallel-size T --pipeline-model-parallel-size P
+        --tensor-model-parallel-size T --pipeline-model-parallel-size P [--overwrite]
+
+A --save directory that already holds a checkpoint is refused unless --overwrite, which removes
+the checkpoints there once the new one is complete (other files are left alone). Bad input: one `error: ...` line, exit code 2.
 """
 import argparse
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,11 +24,49 @@ def main(argv=None):
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--iteration", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     args = parser.parse_args(argv)
+    try:
+        return convert(args)
+    except (ValueError, KeyError, OSError) as err:  # CheckpointError is a ValueError
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _read_hf(hf: str):
+    """config.json and the weights of an HF directory written by tools/convert_to_hf.py."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from megatron_dllm.families import FAMILIES
+
+    config_path, weights_path = os.path.join(hf, "config.json"), os.path.join(hf, "model.safetensors")
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--hf {config_path}: not valid JSON ({err})") from None
+    if cfg.get("model_type") != "dllm":
+        raise ValueError(f"--hf {config_path}: model_type {cfg.get('model_type')!r}, expected 'dllm'")
+    missing = [k for k in ("family", "hidden_size", "num_layers", "num_heads", "vocab_size", "mask_token_id")
+               if k not in cfg]
+    if missing or cfg["family"] not in FAMILIES:
+        raise ValueError(f"--hf {config_path}: " + (f"missing {', '.join(missing)}" if missing else
+                         f"family {cfg['family']!r}, expected one of {', '.join(FAMILIES)}"))
+    try:
+        weights = load_file(weights_path)
+    except SafetensorError as err:
+        raise ValueError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
+    return cfg, weights
+
+
+def convert(args) -> int:
 
     import torch
     from megatron.core import parallel_state
-    from safetensors.torch import load_file
 
     from megatron_dllm import platform
     from megatron_dllm.families import FAMILIES
@@ -32,24 +74,19 @@ def main(argv=None):
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
     from megatron_dllm.model.presets import Preset
 
-    with open(os.path.join(args.hf, "config.json")) as f:
-        cfg = json.load(f)
-    if cfg.get("model_type") != "dllm":
-        print(f"error: --hf {args.hf}: model_type {cfg.get('model_type')!r}, expected 'dllm'", file=sys.stderr)
-        return 1
+    from megatron_dllm.checkpoint import layout
+
+    cfg, hf_state = _read_hf(args.hf)
+    if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
+        raise ValueError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     family = FAMILIES[cfg["family"]]
     arch = Architecture(Preset(cfg["hidden_size"], cfg["num_layers"], cfg["num_heads"]), cfg["vocab_size"],
                         cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH), family.attention,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    try:
-        platform.init_distributed(tp, pp)
-        config, mlp_config = transformer_config(arch, tp=tp, pp=pp)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    platform.init_distributed(tp, pp)
+    config, mlp_config = transformer_config(arch, tp=tp, pp=pp)
     model = build_model(arch, config, mlp_config, seed=0)[0]
-    hf_state = load_file(os.path.join(args.hf, "model.safetensors"))
     used = set()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     local = model.state_dict()
@@ -76,9 +113,11 @@ def main(argv=None):
     identity = {"family": cfg["family"], "hidden_size": cfg["hidden_size"], "num_layers": cfg["num_layers"],
                 "num_attention_heads": cfg["num_heads"], "vocab_size": cfg["vocab_size"],
                 "mask_id": cfg["mask_token_id"]}
-    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration,
-                                           {"seq_length": arch.seq_length})
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, {"seq_length": arch.seq_length})
     if torch.distributed.get_rank() == 0:
+        if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
+            for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
+                shutil.rmtree(old)
         print(f"wrote {path} (TP={tp}, PP={pp}, model weights only)")
     return 0
 

@@ -48,8 +48,6 @@ def run_nelbo(args) -> dict:
     from megatron_dllm.families import get_family
 
     _check_load(args.load)
-    if args.num_t_draws < 1:
-        raise ValueError(f"--num-t-draws {args.num_t_draws}: expected at least 1")
     inf = _load_model(args, platform.device())
     tok_type, tok_model = args.tokenizer_type, args.tokenizer_model
     if args.data_path and not tok_type and hasattr(inf.tokenizer, "model_path"):
@@ -162,6 +160,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_dllm.arguments import positive_int, split_spec
+
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -176,22 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("nelbo", help="validation NELBO / PPL (AR: exact NLL) on a dataset split")
     add_model(p)
     add_common(p)
-    p.add_argument("--num-t-draws", type=int, default=1,
+    p.add_argument("--num-t-draws", type=positive_int, default=1,
                    help="t draws per sequence, averaged; draw 0 is the training-time validation noise")
     g = p.add_argument_group("data (as pretrain_dllm.py; none: the embedded demo's validation split)")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
-    g.add_argument("--split", default=None, help="default 969,30,1 (validation = the second part)")
+    g.add_argument("--split", type=split_spec, default=None, help="default 969,30,1 (validation = the second part)")
     g.add_argument("--tokenizer-type", default=None, help="default: the one a megatron checkpoint recorded")
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--demo-cache-dir", default=None)
-    g.add_argument("--seq-length", type=int, default=None, help="default: the model's training length")
-    g.add_argument("--global-batch-size", type=int, default=None,
+    g.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="the training run's (the t strata span a global batch); default as pretraining")
-    g.add_argument("--micro-batch-size", type=int, default=None,
+    g.add_argument("--micro-batch-size", type=positive_int, default=None,
                    help="sequences per forward pass (does not change the figure); default gcd(gbs, 8)")
-    g.add_argument("--eval-iters", type=int, default=None, help="global batches (default as pretraining: 10)")
+    g.add_argument("--eval-iters", type=positive_int, default=None, help="global batches (default as pretraining: 10)")
     g.add_argument("--seed", type=int, default=None, help="the training run's --seed (default 1234)")
     p.set_defaults(func=run_nelbo)
 
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face causal LM directory (the exported AR model works), or 'smollm2'")
     p.add_argument("--judge-gguf-file", default=None, help="GGUF file inside --judge (converted and cached once)")
     p.add_argument("--judge-cache-dir", default=None, help="default ~/.cache/megatron_dllm/judges")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--max-length", type=int, default=None, help="truncate samples (default: the judge's context)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.set_defaults(func=run_gen_ppl)
@@ -210,13 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("throughput", help="generated tokens/s and samples/s of a sampler")
     add_model(p)
     add_common(p)
-    p.add_argument("--steps", type=int, required=True, help="sampling steps T")
+    p.add_argument("--steps", type=positive_int, required=True, help="sampling steps T")
     p.add_argument("--batch-size", default="auto", help="B, or auto: the largest power of two that fits")
-    p.add_argument("--max-batch-size", type=int, default=None, help="cap of auto (required on CPU)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up call")
+    p.add_argument("--max-batch-size", type=positive_int, default=None, help="cap of auto (required on CPU)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed calls after one warm-up call")
     p.add_argument("--predictor", default="ancestral",
                    help="ancestral (each family's default sampler) | block (Eso-LM) | left-to-right")
-    p.add_argument("--seq-length", type=int, default=None, help="default: the model's training length")
+    p.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--float64", action=argparse.BooleanOptionalAction, default=True,

@@ -17,7 +17,6 @@ from megatron_dllm.families import FAMILIES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ("configuration_dllm.py", "modeling_dllm.py")
-TRACKER = "latest_checkpointed_iteration.txt"
 DEFAULT_SEQ_LENGTH = 2048
 
 # megatron (TP=1, PP=1 DiTModel.state_dict()) -> HF suffix after "backbone."
@@ -80,17 +79,6 @@ def hf_to_megatron_tensor(hf_state: dict, megatron_key: str, num_heads: int, pad
 # ---------------------------------------------------------------------- megatron side
 
 
-def latest_checkpoint(load: str) -> tuple[str, int]:
-    tracker = os.path.join(load, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            it = int(f.read().strip())
-        return os.path.join(load, f"iter_{it:07d}"), it
-    if os.path.isfile(os.path.join(load, "metadata.json")):  # an iter_XXXXXXX directory itself
-        return load, -1
-    raise FileNotFoundError(f"--load {load}: no {TRACKER} (and not a checkpoint directory itself)")
-
-
 def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
     """model key (TP1 DiTModel, prefix '') -> saved key. Model tensors are saved under their bare
     names (global layer numbers, the same for every PP/VPP layout) and the EMA copy under `ema.`."""
@@ -120,23 +108,30 @@ def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
     return mapping
 
 
-def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None = None):
-    """Rebuild the TP=1/PP=1 DiTModel of the latest checkpoint under `load` (saved at any TP/PP/VPP
-    layout; megatron reshards on load) in the current world (call platform.init_distributed(1, 1)
-    first). Returns (model, identity, common state, arch)."""
+def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None = None,
+                        ckpt_step: int | None = None):
+    """Rebuild the TP=1/PP=1 DiTModel of the checkpoint `--load load [--ckpt-step N]` names
+    (saved at any TP/PP/VPP layout; megatron reshards on load; verified against its manifest) in
+    the current world (call platform.init_distributed(1, 1) first).
+    Returns (model, identity, common state, arch)."""
     from megatron.core import dist_checkpointing
 
+    from megatron_dllm import checkpoint
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
     from megatron_dllm.model.presets import Preset
 
-    path, _ = latest_checkpoint(load)
-    common = dist_checkpointing.load_common_state_dict(path)
+    found = checkpoint.locate(load, ckpt_step)
+    if found is None:
+        raise checkpoint.CheckpointError(f"--load {load}: no checkpoint there (expected {checkpoint.TRACKER} "
+                                         f"or iter_XXXXXXX directories, or a checkpoint directory itself)")
+    path = found.path
+    common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
     identity = common.get("identity")
     if not identity:
         raise ValueError(f"--load {load}: the checkpoint has no 'identity' in its common state")
     family = FAMILIES[identity["family"]]
-    meta = dist_checkpointing.load_tensors_metadata(path)
+    meta = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
     emb = [k for k in meta if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]
     if not emb:
@@ -154,7 +149,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     mapping = _match_keys(list(sharded), list(meta), use_ema, path)
     for key, ten in sharded.items():
         ten.key = mapping[key]
-    loaded = dist_checkpointing.load(sharded, path)  # also returns the common state
+    loaded = checkpoint.read(path, dist_checkpointing.load, sharded, path)  # also returns the common state
     state = {k: loaded[k] for k in sharded}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any("_extra_state" not in k for k in missing):
@@ -165,23 +160,11 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
 
 def save_megatron_checkpoint(save: str, model, identity: dict, iteration: int = 0, extra: dict | None = None):
     """Model-only checkpoint in our layout: SAVE/iter_XXXXXXX + latest_checkpointed_iteration.txt."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+    from megatron_dllm import checkpoint
 
-    path = os.path.join(save, f"iter_{iteration:07d}")
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
     state = {"model": model.sharded_state_dict(), "iteration": iteration, "identity": identity,
              "consumed_samples": 0, **(extra or {})}
-    dist_checkpointing.save(state, path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(save, TRACKER + ".tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(save, TRACKER + ".tmp"), os.path.join(save, TRACKER))
-    dist.barrier()
-    return path
+    return checkpoint.save(save, iteration, state)
 
 
 # ---------------------------------------------------------------------- HF side

@@ -1,40 +1,24 @@
-"""Checkpoints through megatron-core distributed checkpointing (torch_dist), Megatron's layout:
-
-    SAVE/iter_0000100/...             sharded model + optimizer (reshardable), scheduler, state
-    SAVE/latest_checkpointed_iteration.txt
-
-The pointer file is written (atomically) only after every rank finished saving, so a directory
-without it, or newer than it, is never taken for a finished checkpoint: a run killed during a
-save leaves such a partial `iter_*` directory, which the next load reports and removes (and a
-save into an existing directory first removes what is there).
+"""Training checkpoints through megatron-core distributed checkpointing (torch_dist), saved and
+found through `megatron_dllm.checkpoint` (Megatron's layout, staged saves, manifests).
 
 Besides the sharded model and optimizer, a checkpoint holds
   - "ema" (with --ema-decay): the EMA weights, sharded like "model", keys prefixed "ema."
   - "rng_state": every rank's RNG states (python, numpy, torch CPU, CUDA, megatron's
     model-parallel tracker) as a ShardedObject keyed by (pp, tp, dp) rank, as Megatron-LM;
     restored only under the same layout
-  - in the common state: iteration, LR schedule, consumed samples, identity, data mix.
+  - in the common state: iteration, LR schedule, consumed samples, identity, data mix, tokenizer.
 """
 from __future__ import annotations
 
-import os
 import random
-import re
-import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_dllm import platform
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+from megatron_dllm import checkpoint, platform
+from megatron_dllm.checkpoint import CheckpointError
 
 
 def _model_key(model, i: int) -> str:
@@ -105,12 +89,6 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict, ema=None) -> str:
     """Save; `extra` (consumed samples, the run's identity, ...) goes into the common state."""
-    path = checkpoint_dir(root, iteration)
-    if dist.get_rank() == 0:
-        if os.path.exists(path):  # a partial save of this iteration (or an old run's): start clean
-            shutil.rmtree(path)
-        os.makedirs(path)
-    dist.barrier()
     state = _sharded_state(model, optimizer, is_loading=False)
     if ema is not None:
         state["ema"] = ema.sharded_state_dict(lambda i: _model_key(model, i))
@@ -120,66 +98,28 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     state.update(extra)
-    dist_checkpointing.save(state, path)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, TRACKER))
-    dist.barrier()
-    return path
+    return checkpoint.save(root, iteration, state)
 
 
-def latest_iteration(root: str) -> int | None:
-    tracker = os.path.join(root, TRACKER)
-    if not os.path.exists(tracker):
-        return None
-    with open(tracker) as f:
-        return int(f.read().strip())
+def load_checkpoint(path: str, model, optimizer, scheduler, identity: dict, *, load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False, ema=None, log=print) -> dict:
+    """Load the checkpoint directory `path` (found and verified by `checkpoint.locate`) into
+    model/optimizer/scheduler and return its common state (iteration, consumed samples, ...).
 
-
-def remove_partial_checkpoints(root: str, log=print) -> list[str]:
-    """Remove every `iter_*` directory newer than the tracker (all of them without one): saves
-    that never finished (a run killed during a save). Returns the removed paths."""
-    partial = None
-    if dist.get_rank() == 0:
-        done = latest_iteration(root)
-        partial = sorted(os.path.join(root, name) for name in (os.listdir(root) if os.path.isdir(root) else [])
-                         if (m := re.fullmatch(r"iter_(\d+)", name)) and (done is None or int(m.group(1)) > done)
-                         and os.path.isdir(os.path.join(root, name)))
-        for path in partial:
-            shutil.rmtree(path)
-    holder = [partial]
-    dist.broadcast_object_list(holder, src=0)
-    for path in holder[0]:
-        log(f"removed partial checkpoint {path} (newer than {TRACKER}: a save that never finished)")
-    return holder[0]
-
-
-def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, ema=None, log=print) -> dict | None:
-    """Load the latest finished checkpoint under `root` into model/optimizer/scheduler.
-
-    Returns the common state (iteration, consumed samples, ...), or None when there is none.
     The run's identity (family, architecture, vocabulary) must match the checkpoint's.
-    Partial (unfinished) iteration directories are removed first. `load_optim=False` leaves the
+    `load_optim=False` leaves the
     optimizer fresh (the LR schedule is still restored); `finetune` loads the weights only (no
     optimizer, schedule, RNG or EMA), as happens for a model-only checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it
     has them (else the EMA starts at the loaded weights).
     """
-    remove_partial_checkpoints(root, log)
-    iteration = latest_iteration(root)
-    if iteration is None:
-        return None
-    path = checkpoint_dir(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
+    iteration = common.get("iteration")
     saved = common.get("identity", {})
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in identity.items()
              if saved.get(k) != v]
     if diffs:
-        raise ValueError(f"--load {root}: the checkpoint at iteration {iteration} does not match "
-                         f"this run ({'; '.join(diffs)})")
+        raise CheckpointError(f"--load {path}: the checkpoint at iteration {iteration} does not match "
+                              f"this run ({'; '.join(diffs)})")
     # a model-only checkpoint (tools/convert_from_hf.py) starts training from its weights
     weights_only = finetune or "opt_param_scheduler" not in common
     if weights_only:
@@ -195,7 +135,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
         else:
             log(f"not restoring RNG states: saved under (PP, TP, DP) = {tuple(common['rng_layout'])}, "
                 f"loading under {tuple(_rng_layout())}")
-    state = dist_checkpointing.load(sharded, path)
+    state = checkpoint.read(path, dist_checkpointing.load, sharded, path)
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state[_model_key(model, i)])
     if load_optim:
@@ -218,3 +158,4 @@ def load_checkpoint(root: str, model, optimizer, scheduler, identity: dict, *, l
             + (", EMA" if load_ema else ""))
     log(f"loaded checkpoint {path} at iteration {iteration}: {what}")
     return common
+

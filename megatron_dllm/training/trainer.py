@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_dllm import platform
+from megatron_dllm import checkpoint, platform
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
@@ -31,6 +31,12 @@ class Trainer:
         platform.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                   args.virtual_pipeline_model_parallel_size, seed=args.seed)
         self.run = run = resolve_run(args)  # defaults, tokenizer, datasets, iterations
+        if args.save:  # a run that cannot save fails now, not after its first save interval
+            checkpoint.check_writable(args.save)
+        tp = args.tensor_model_parallel_size
+        if args.sequence_parallel and tp > 1 and args.seq_length % tp:
+            raise ValueError(f"--seq-length {args.seq_length} must be a multiple of "
+                             f"--tensor-model-parallel-size {tp} under --sequence-parallel")
         self.args, self.tokenizer = args, run.tokenizer
         self.family = get_family(args.family, run.tokenizer.mask_id, run.tokenizer.vocab_size, args.loss)
         preset = resolve_preset(args)
@@ -68,18 +74,33 @@ class Trainer:
         self.logger = Logger(args.tensorboard_dir, args.metrics_file)
         self.ema = EMA(self.model, args.ema_decay) if args.ema_decay is not None else None
         self.iteration, self.consumed_samples = 0, 0
+        if args.save:
+            checkpoint.remove_incomplete(args.save, log=self.logger.info)
         if args.load:
-            common = checkpointing.load_checkpoint(
-                args.load, self.model, self.optimizer, self.scheduler, self.identity(),
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-                ema=self.ema, log=self.logger.info)
-            if common is not None and not args.finetune:
-                self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
-                self.train_batches.data_offset = self._data_mix_start(common)
+            self._load(args)
         vocab = run.tokenizer.vocab_size
         # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
         self.flops_per_seq = train_flops_per_sequence(preset, vocab, args.seq_length, "full")
         self.budget_flops_per_seq = train_flops_per_sequence(preset, vocab, args.seq_length, args.flops_convention)
+
+    def _load(self, args) -> None:
+        found = checkpoint.locate(args.load, args.ckpt_step, log=self.logger.info)
+        if found is None:
+            if args.save and os.path.abspath(args.load) == os.path.abspath(args.save):  # the resume idiom
+                self.logger.info(f"no checkpoint in {args.load}: starting from iteration 0")
+                return
+            what = "holds no checkpoint" if os.path.isdir(args.load) else "does not exist"
+            raise checkpoint.CheckpointError(
+                f"--load {args.load} {what} (expected {checkpoint.TRACKER} or iter_XXXXXXX directories, "
+                f"or a checkpoint directory itself)")
+        self.logger.info(f"loading {found.path} ({found.how})")
+        common = checkpointing.load_checkpoint(
+            found.path, self.model, self.optimizer, self.scheduler, self.identity(),
+            load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+            ema=self.ema, log=self.logger.info)
+        if not args.finetune:
+            self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
+            self.train_batches.data_offset = self._data_mix_start(common)
 
     def _data_mix_start(self, common: dict) -> int:
         """Where the current training mix started. Resuming with another --data-path (e.g. the

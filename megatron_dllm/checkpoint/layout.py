@@ -1,0 +1,167 @@
+"""Where checkpoints live on disk, and which of them are complete.
+
+Megatron-LM's layout, with a staging name so that nothing unfinished ever looks finished:
+
+    ROOT/iter_0000100/                    a complete checkpoint (holds manifest.json)
+    ROOT/iter_0000200.incomplete/         a save under way, or killed: the only thing ever removed
+    ROOT/latest_checkpointed_iteration.txt
+
+A save writes into `iter_N.incomplete`, adds the manifest, and renames the directory to `iter_N`
+(the atomic completion step); only then is the tracker pointed at it. Loading therefore never
+has to guess: `iter_N` directories are complete (or were written by an older version or another
+tool, without a manifest: loadable when named, never removed), and `*.incomplete` ones are not.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from megatron_dllm.checkpoint.manifest import MANIFEST, CheckpointError, manifest_size
+
+TRACKER = "latest_checkpointed_iteration.txt"
+INCOMPLETE = ".incomplete"
+_ITER = re.compile(r"iter_(\d+)")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def staging_dir(root: str, iteration: int) -> str:
+    return iteration_dir(root, iteration) + INCOMPLETE
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """A single checkpoint (ours with a manifest, or any torch_dist directory)."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def has_manifest(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def iterations(root: str) -> dict[int, str]:
+    """{iteration: directory} of every `iter_N` directory under `root` (complete or legacy)."""
+    found = {}
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = _ITER.fullmatch(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found[int(m.group(1))] = os.path.join(root, name)
+    return dict(sorted(found.items()))
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+    os.replace(tmp, os.path.join(root, TRACKER))
+
+
+def incomplete_saves(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root)
+                  if n.endswith(INCOMPLETE) and _ITER.fullmatch(n[:-len(INCOMPLETE)]))
+
+
+def remove_incomplete_saves(root: str) -> list[str]:
+    """Remove the `iter_N.incomplete` directories under `root` (saves that never finished)."""
+    removed = incomplete_saves(root)
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def publish(staging: str, final: str) -> None:
+    """Make a finished save visible under its final name. A complete checkpoint already there
+    (a run rolled back to an earlier iteration) is replaced only once the new one is complete."""
+    old = None
+    if os.path.exists(final):
+        old = final + ".replaced"
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(staging, final)
+    if old:
+        shutil.rmtree(old)
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    iteration: int | None  # None: a directory given by path whose name carries no iteration
+    how: str  # why this one: for the log
+
+
+def find_checkpoint(load: str, ckpt_step: int | None = None) -> Found | None:
+    """The checkpoint `--load load [--ckpt-step N]` means, or None when `load` holds none.
+
+    `load` is a checkpoint root or one checkpoint directory. In a root: `--ckpt-step N` picks
+    iter_N; else the iteration the tracker names; else (no tracker) the newest complete one.
+    A tracker or step naming a missing directory is an error, never a silent fresh start.
+    """
+    if load.rstrip(os.sep).endswith(INCOMPLETE):
+        raise CheckpointError(f"--load {load}: an unfinished save (its name ends in {INCOMPLETE}); it cannot be loaded")
+    if is_checkpoint_dir(load):
+        m = _ITER.fullmatch(os.path.basename(os.path.normpath(load)))
+        it = int(m.group(1)) if m else None
+        if ckpt_step is not None and it is not None and it != ckpt_step:
+            raise CheckpointError(f"--load {load} is the checkpoint of iteration {it}, but --ckpt-step {ckpt_step}")
+        return Found(load, it, "the directory given")
+    found = iterations(load)
+    if ckpt_step is not None:
+        if ckpt_step not in found:
+            raise CheckpointError(f"--ckpt-step {ckpt_step}: no {os.path.basename(iteration_dir(load, ckpt_step))} "
+                                  f"in {load} (checkpoints there: {_listing(found)})")
+        return Found(found[ckpt_step], ckpt_step, f"--ckpt-step {ckpt_step}")
+    tracked = read_tracker(load)
+    if tracked is not None:
+        if tracked not in found:
+            raise CheckpointError(f"{os.path.join(load, TRACKER)} names iteration {tracked}, but "
+                                  f"{iteration_dir(load, tracked)} does not exist (checkpoints there: "
+                                  f"{_listing(found)}); fix the tracker or pass --ckpt-step")
+        newer = {it: p for it, p in found.items() if it > tracked}
+        return Found(found[tracked], tracked, TRACKER + (f" (newer checkpoints kept, not loaded: {_listing(newer)})"
+                                                        if newer else ""))
+    complete = [it for it, path in found.items() if has_manifest(path)]
+    if complete:
+        return Found(found[complete[-1]], complete[-1], f"no {TRACKER}: the newest complete checkpoint")
+    if found:
+        raise CheckpointError(f"--load {load}: no {TRACKER} and no checkpoint with a {MANIFEST} (found "
+                              f"{_listing(found)}, written without manifests); name one with --ckpt-step")
+    return None
+
+
+def _listing(found: dict) -> str:
+    return ", ".join(os.path.basename(p) for p in found.values()) or "none"
+
+
+def check_save_dir(save: str) -> None:
+    """Fail before training if `save` cannot take a checkpoint: not writable, or less free space
+    than the newest complete checkpoint already there needs."""
+    try:
+        os.makedirs(save, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=save, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise CheckpointError(f"--save {save}: not writable ({err.strerror or err})") from None
+    complete = [p for p in iterations(save).values() if has_manifest(p)]
+    if complete:
+        need, free = manifest_size(complete[-1]), shutil.disk_usage(save).free
+        if need > free:
+            raise CheckpointError(f"--save {save}: {free / 2**30:.2f} GiB free, but the last checkpoint "
+                                  f"{os.path.basename(complete[-1])} took {need / 2**30:.2f} GiB")

@@ -1,0 +1,293 @@
+"""Fault injection on the training side: checkpoints are never lost or loaded silently wrong, bad
+flags stop at parse time with one `error:` line, and ranks do not outlive their launcher.
+
+Every launch checks the exit code, that the message names the file or flag, and that the
+checkpoint directories are byte-identical before and after."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, _free_port, run_pretrain
+from megatron_dllm.arguments import parse_args
+from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+
+RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+       "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1"]
+TRACKER = layout.TRACKER
+
+
+def _snapshot(root) -> dict:
+    """{relative path: sha256} of every file under root."""
+    out = {}
+    for base, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(base, name)
+            out[os.path.relpath(path, root)] = manifest.sha256(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(demo_cache, tmp_path_factory):
+    """A real run with complete checkpoints at iterations 2 and 4 (tracker: 4)."""
+    work = tmp_path_factory.mktemp("trained")
+    run_pretrain(1, ["--demo-cache-dir", demo_cache, *RUN, "--train-iters", "4", "--save-interval", "2",
+                     "--save", str(work / "ckpt")], work)
+    return work / "ckpt"
+
+
+@pytest.fixture
+def ckpt(trained, tmp_path):
+    """A private copy of the trained checkpoints, to break."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    return root
+
+
+def _launch(demo_cache, workdir, *flags):
+    return run_pretrain(1, ["--demo-cache-dir", demo_cache, *RUN, *flags], workdir, check=False)
+
+
+def test_saves_are_complete_with_a_manifest(trained):
+    assert sorted(layout.iterations(str(trained))) == [2, 4] and (trained / TRACKER).read_text() == "4"
+    for it in (2, 4):
+        path = layout.iteration_dir(str(trained), it)
+        files = manifest.read_manifest(path)["files"]
+        assert sorted(files) == sorted(n for n in os.listdir(path) if n != manifest.MANIFEST)
+        manifest.verify_manifest(path)
+    assert not layout.incomplete_saves(str(trained))
+
+
+# ------------------------------------------------------------------ loading never deletes
+
+
+def test_older_tracker_loads_that_iteration_and_keeps_newer_ones(ckpt, demo_cache, tmp_path):
+    """Rolling back by hand (Megatron-LM style): the tracker names 2 while iter 4 exists."""
+    (ckpt / TRACKER).write_text("2")
+    before = _snapshot(ckpt)
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt))
+    assert proc.returncode == 0, proc.stderr
+    assert f"loading {ckpt / 'iter_0000002'} ({TRACKER} (newer checkpoints kept, not loaded: iter_0000004))" \
+        in proc.stdout
+    assert "evaluating only" in proc.stdout
+    assert _snapshot(ckpt) == before
+
+
+def test_missing_tracker_loads_the_newest_complete_checkpoint(ckpt, demo_cache, tmp_path):
+    (ckpt / TRACKER).unlink()
+    (ckpt / "iter_0000006.incomplete").mkdir()  # a killed save: not a candidate, kept (not --save)
+    before = _snapshot(ckpt)
+    proc, _ = _launch(demo_cache, tmp_path, "--train-iters", "4", "--load", str(ckpt))
+    assert proc.returncode == 0, proc.stderr
+    assert f"loading {ckpt / 'iter_0000004'} (no {TRACKER}: the newest complete checkpoint)" in proc.stdout
+    assert "loaded checkpoint" in proc.stdout and "at iteration 4" in proc.stdout
+    assert _snapshot(ckpt) == before and (ckpt / "iter_0000006.incomplete").is_dir()
+
+
+def test_load_path_with_no_checkpoint_is_an_error(ckpt, demo_cache, tmp_path):
+    before = _snapshot(ckpt)
+    typo = str(ckpt) + "-typo"
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--load", typo, "--save", str(ckpt))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --load {typo} does not exist (expected {TRACKER} or iter_XXXXXXX directories, or a "
+        f"checkpoint directory itself)")
+    assert not [r for r in records if "loss" in r] and _snapshot(ckpt) == before
+
+
+def test_corrupted_shard_is_refused_before_loading(ckpt, demo_cache, tmp_path):
+    shard = ckpt / "iter_0000004" / "__0_1.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    shard.write_bytes(bytes(data))
+    before = _snapshot(ckpt)
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "6", "--load", str(ckpt), "--save", str(ckpt))
+    assert proc.returncode == 2
+    assert f"error: {shard}: content differs from its SHA-256 in manifest.json (corrupted)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not records and _snapshot(ckpt) == before
+
+
+def test_unwritable_save_fails_before_training(demo_cache, tmp_path):
+    # Tests run as root, which ignores permission bits; sysfs refuses to create files even for root.
+    save = "/sys/megatron_dllm_ckpt"
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--save", save)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --save {save}: not writable")
+    assert not records and not os.path.exists(save)
+
+
+# ------------------------------------------------------------------ in-process: layout and manifest
+
+
+def test_find_checkpoint_by_path_step_and_tracker(ckpt):
+    root = str(ckpt)
+    assert layout.find_checkpoint(root).path == layout.iteration_dir(root, 4)
+    assert layout.find_checkpoint(root, 2).path == layout.iteration_dir(root, 2)
+    assert layout.find_checkpoint(layout.iteration_dir(root, 2)).iteration == 2
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 3: no iter_0000003 in .* \(checkpoints there: "
+                                              r"iter_0000002, iter_0000004\)"):
+        layout.find_checkpoint(root, 3)
+    (ckpt / TRACKER).write_text("9")
+    with pytest.raises(CheckpointError, match=r"names iteration 9, but .*iter_0000009 does not exist"):
+        layout.find_checkpoint(root)
+    (ckpt / TRACKER).write_text("four")
+    with pytest.raises(CheckpointError, match=f"{TRACKER}: expected an iteration number, found 'four'"):
+        layout.find_checkpoint(root)
+    with pytest.raises(CheckpointError, match="an unfinished save"):
+        layout.find_checkpoint(root + "/iter_0000004.incomplete")
+    assert layout.find_checkpoint(str(ckpt.parent / "empty")) is None
+
+
+def test_truncated_and_missing_files_are_named(ckpt):
+    path = layout.iteration_dir(str(ckpt), 2)
+    common = os.path.join(path, "common.pt")
+    with open(common, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=f"{common}: 100 bytes, manifest.json says \\d+ \\(truncated"):
+        manifest.verify_manifest(path)
+    os.remove(common)
+    with pytest.raises(CheckpointError, match=f"{common}: missing"):
+        manifest.verify_manifest(path)
+
+
+def test_truncated_checkpoint_without_manifest_gives_one_message(ckpt):
+    """A checkpoint from before manifests (or another tool) is read unverified; a truncated file
+    in it still becomes one message naming the checkpoint, not a traceback from torch."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm import checkpoint
+
+    path = layout.iteration_dir(str(ckpt), 2)
+    os.remove(os.path.join(path, manifest.MANIFEST))
+    with open(os.path.join(path, "common.pt"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=f"--load {path}: cannot read the checkpoint"):
+        checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
+
+
+def test_verify_checkpoint_tool(ckpt, capsys):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import verify_checkpoint
+
+    assert verify_checkpoint.main([str(ckpt), "--all"]) == 0
+    assert capsys.readouterr().out.count("ok ") == 2
+    shard = ckpt / "iter_0000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert verify_checkpoint.main([str(ckpt)]) == 0  # the tracker's checkpoint (4) is intact
+    assert verify_checkpoint.main([str(ckpt), "--ckpt-step", "2"]) == 2
+    assert f"error: {shard}: " in capsys.readouterr().err
+
+
+def test_free_space_is_checked_against_the_last_checkpoint(ckpt):
+    path = layout.iteration_dir(str(ckpt), 4)
+    with open(os.path.join(path, manifest.MANIFEST)) as f:
+        record = json.load(f)
+    record["files"]["__0_0.distcp"]["size"] = 1 << 60  # a checkpoint larger than any disk here
+    with open(os.path.join(path, manifest.MANIFEST), "w") as f:
+        json.dump(record, f)
+    with pytest.raises(CheckpointError, match=rf"--save {ckpt}: [\d.]+ GiB free, but the last checkpoint "
+                                              rf"iter_0000004 took [\d.]+ GiB"):
+        layout.check_save_dir(str(ckpt))
+
+
+def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
+    staging = layout.staging_dir(str(ckpt), 4)
+    shutil.copytree(ckpt / "iter_0000002", staging)
+    layout.publish(staging, layout.iteration_dir(str(ckpt), 4))
+    assert _snapshot(ckpt / "iter_0000004") == _snapshot(ckpt / "iter_0000002")
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER]
+
+
+# ------------------------------------------------------------------ parse-time errors
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--micro-batch-size", "0"], "argument --micro-batch-size: expected a positive integer, got 0"),
+    (["--train-iters", "-5"], "argument --train-iters: expected a positive integer, got -5"),
+    (["--global-batch-size", "-1"], "argument --global-batch-size: expected a positive integer, got -1"),
+    (["--seq-length", "0"], "argument --seq-length: expected a positive integer, got 0"),
+    (["--eval-iters", "0"], "argument --eval-iters: expected a positive integer, got 0"),
+    (["--split", "1,x,0"], "argument --split: expected up to three non-negative numbers such as 969,30,1, got '1,x,0'"),
+    (["--split", "0,0,0"], "argument --split: expected up to three non-negative numbers"),
+    (["--data-path", "nan", "a", "1", "b"], "--data-path: weights must be positive finite numbers, got [nan, 1.0]"),
+    (["--data-path", "inf", "a"], "--data-path: weights must be positive finite numbers, got [inf]"),
+    (["--train-flops", "inf"], "--train-flops must be positive, got inf"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"],
+     "--seq-length 33 must be a multiple of --tensor-model-parallel-size 2 under --sequence-parallel"),
+    (["--ema-decay", "1.5"], "--ema-decay must lie in (0, 1), got 1.5"),
+    (["--ckpt-step", "-1"], "argument --ckpt-step: expected an integer >= 0, got -1"),
+])
+def test_impossible_values_are_rejected_at_parse_time(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len([line for line in err if "error:" in line]) == 1
+    assert message in err[-1]
+
+
+def test_evaluate_rejects_zero_eval_iters(capsys):
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import evaluate
+
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.build_parser().parse_args(["nelbo", "--load", "x", "--eval-iters", "0"])
+    assert exit_.value.code == 2
+    assert "argument --eval-iters: expected a positive integer, got 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ ranks and their launcher
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
+    """SIGKILL torchrun alone (its ranks live in sessions of their own): the ranks stop within a
+    few seconds and write no checkpoint after that."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+           os.path.join(REPO, "pretrain_dllm.py"), "--demo-cache-dir", demo_cache, *RUN,
+           "--train-iters", "1000", "--save-interval", "1", "--save", str(ckpt)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    log = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 120
+        while not (ckpt / TRACKER).exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert (ckpt / TRACKER).exists(), (tmp_path / "run.log").read_text()[-3000:]
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while any(_alive(r) for r in ranks) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(r) for r in ranks), "ranks outlived torchrun"
+        saved = sorted(os.listdir(ckpt))
+        time.sleep(2)
+        assert sorted(os.listdir(ckpt)) == saved  # nothing written after the ranks were gone
+        assert "parent process" in (tmp_path / "run.log").read_text()
+    finally:
+        for r in _children(proc.pid) if _alive(proc.pid) else []:
+            os.kill(r, signal.SIGKILL)
+        log.close()
