@@ -50,11 +50,11 @@ def test_export_matches_megatron_for_every_family(checkpoints, demo_cache, tmp_p
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     args = [f"{f}={checkpoints[f]}" for f in FAMILIES]
     proc = _run([sys.executable, __file__, "compare", str(tmp_path), tok, *args])
-    for family in FAMILIES:
+    for family in FAMILIES + ["overwrite"]:
         assert f"OK {family}" in proc.stdout, proc.stdout
 
 
-def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_path):
+def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_path, capsys):
     from safetensors.torch import load_file
 
     hf1, ckpt, hf2 = tmp_path / "hf1", tmp_path / "ckpt_tp2", tmp_path / "hf2"
@@ -64,6 +64,26 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
           os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
           "--tensor-model-parallel-size", "2"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
+    # converting into a directory that holds a checkpoint (a training run's, say) is refused
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import convert_from_hf
+
+    from megatron_dllm.checkpoint import manifest
+
+    trained = checkpoints["mdlm"]
+    before = {n: manifest.sha256(os.path.join(trained, "iter_0000002", n)) for n in os.listdir(os.path.join(trained, "iter_0000002"))}
+    assert convert_from_hf.main(["--hf", str(hf1), "--save", trained]) == 2
+    assert f"error: --save {trained} already holds a checkpoint; pass --overwrite to replace it" in capsys.readouterr().err
+    assert before == {n: manifest.sha256(os.path.join(trained, "iter_0000002", n)) for n in before}
+    assert open(os.path.join(trained, "latest_checkpointed_iteration.txt")).read() == "2"
+    for bad, message in [(tmp_path / "nothing", "config.json not found"), (ckpt, "config.json not found")]:
+        assert convert_from_hf.main(["--hf", str(bad), "--save", str(tmp_path / "x")]) == 2
+        assert f"error: --hf {bad}: {message}" in capsys.readouterr().err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{")
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
+    assert convert_from_hf.main(["--hf", str(tmp_path / "broken"), "--save", str(tmp_path / "x")]) == 2
+    assert f"config.json: not valid JSON" in capsys.readouterr().err
     _run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(hf2)])
     a, b = load_file(str(hf1 / "model.safetensors")), load_file(str(hf2 / "model.safetensors"))
     assert sorted(a) == sorted(b)
@@ -153,6 +173,19 @@ def _compare(out_root, tok_model, specs):
         assert tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False) == sp.encode(text.replace("[MASK]", "x"))
         assert identity["mask_id"] in tok.encode(text, add_special_tokens=False)
         print(f"OK {family} rel_err={err:.2e}", flush=True)
+
+    # an existing export is refused, then replaced whole with --overwrite (no stale AR generation
+    # config inside an MDLM export); every file is world-readable
+    ar_dir, mdlm_ckpt = os.path.join(out_root, "ar"), dict(s.split("=", 1) for s in specs)["mdlm"]
+    before = sorted(os.listdir(ar_dir))
+    assert "generation_config.json" in before
+    assert convert_to_hf.main(["--load", mdlm_ckpt, "--out", ar_dir]) == 2
+    assert sorted(os.listdir(ar_dir)) == before
+    assert convert_to_hf.main(["--load", mdlm_ckpt, "--out", ar_dir, "--overwrite"]) == 0
+    assert "generation_config.json" not in os.listdir(ar_dir) and '"mdlm"' in open(os.path.join(ar_dir, "config.json")).read()
+    assert {oct(os.stat(os.path.join(ar_dir, n)).st_mode & 0o777) for n in os.listdir(ar_dir)} == {"0o644"}
+    assert not [n for n in os.listdir(out_root) if ".incomplete" in n or ".replaced" in n]
+    print("OK overwrite", flush=True)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "compare":
