@@ -291,3 +291,27 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
         for r in _children(proc.pid) if _alive(proc.pid) else []:
             os.kill(r, signal.SIGKILL)
         log.close()
+
+
+def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
+    """The checkpoint records its tokenizer's SHA-256: the same file elsewhere passes, a file of
+    other content (same vocabulary size or not) is refused with both files named."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
+    from megatron_dllm.data.demo import prepare_demo_corpus
+
+    path = layout.iteration_dir(str(trained), 4)
+    recorded = dist_checkpointing.load_common_state_dict(path)["tokenizer"]
+    model = prepare_demo_corpus(demo_cache)["tokenizer_model"]
+    assert recorded["model"] == os.path.abspath(model) and recorded["sha256"] == manifest.sha256(model)
+    moved = tmp_path / "moved.model"
+    shutil.copyfile(model, moved)
+    check_tokenizer(recorded, str(moved), path)
+    other = tmp_path / "other.model"
+    data = bytearray(moved.read_bytes())
+    data[-1] ^= 0xFF
+    other.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"--tokenizer-model {other} differs from the tokenizer {path} was "
+                                              f"trained with \\({recorded['model']}, sha256"):
+        check_tokenizer(recorded, str(other), path)

@@ -40,6 +40,7 @@ def main(argv=None):
 
     from megatron_dllm import platform
     from megatron_dllm.checkpoint import layout
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
     from megatron_dllm.hf import export
 
     parent = os.path.dirname(os.path.abspath(out))
@@ -47,8 +48,10 @@ def main(argv=None):
     staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
     try:
         platform.init_distributed(1, 1)
-        model, identity, _, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
-                                                              args.ckpt_step)
+        model, identity, common, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
+                                                                   args.ckpt_step)
+        if args.tokenizer_model:
+            check_tokenizer(common.get("tokenizer"), args.tokenizer_model, args.load)
         hf_state = export.megatron_to_hf(model.state_dict(), identity["num_attention_heads"], identity["vocab_size"])
         config = export.hf_config_dict(identity, arch.attention, arch.seq_length)
         export.write_hf_dir(staging, hf_state, config)

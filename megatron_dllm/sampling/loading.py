@@ -47,6 +47,7 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
     from megatron.core import parallel_state
 
     from megatron_dllm import platform
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
     from megatron_dllm.hf import export
     from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
@@ -60,6 +61,8 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
     model = _model_class(identity["family"])(config)
     model.load_state_dict(state, strict=True)
     saved_tok = common.get("tokenizer") or {}
+    if tokenizer_model:
+        check_tokenizer(saved_tok, tokenizer_model, path)
     tokenizer = _tokenizer_or_none(tokenizer_type or saved_tok.get("type"), tokenizer_model or saved_tok.get("model"))
     return model, tokenizer
 

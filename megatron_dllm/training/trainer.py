@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dllm import checkpoint, platform
+from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, tokenizer_record
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
@@ -38,6 +39,7 @@ class Trainer:
             raise ValueError(f"--seq-length {args.seq_length} must be a multiple of "
                              f"--tensor-model-parallel-size {tp} under --sequence-parallel")
         self.args, self.tokenizer = args, run.tokenizer
+        self.tokenizer_record = tokenizer_record(args.tokenizer_type, args.tokenizer_model)
         self.family = get_family(args.family, run.tokenizer.mask_id, run.tokenizer.vocab_size, args.loss)
         preset = resolve_preset(args)
         self.arch = Architecture(preset, run.tokenizer.vocab_size, args.seq_length, self.family.attention,
@@ -98,6 +100,7 @@ class Trainer:
             found.path, self.model, self.optimizer, self.scheduler, self.identity(),
             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
             ema=self.ema, log=self.logger.info)
+        check_tokenizer(common.get("tokenizer"), args.tokenizer_model, found.path)
         if not args.finetune:
             self.iteration, self.consumed_samples = common["iteration"], common["consumed_samples"]
             self.train_batches.data_offset = self._data_mix_start(common)
@@ -228,7 +231,7 @@ class Trainer:
              "data_mix": self.args.data_path, "data_mix_start": self.train_batches.data_offset,
              # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
              "seq_length": self.args.seq_length,
-             "tokenizer": {"type": self.args.tokenizer_type, "model": os.path.abspath(self.args.tokenizer_model)}},
+             "tokenizer": self.tokenizer_record},
             ema=self.ema,
         )
         self.logger.info(f"saved checkpoint {path}")
