@@ -19,7 +19,8 @@ That writes megatron-core's cache files under `--data-cache-path` (default
 `{hash}-TokenGPTDataset-{split}-{description.txt,document_index,sample_index,shuffle_index}.npy`,
 per blend `{hash}-BlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
 plus the token-range scan of each prefix. Training with the same flags then loads them (its log
-says "Load the ... indices"). The sample and blending indices come from
+says "Load the ... indices"). Existing cache files are loaded without unpickling: one that holds
+Python objects is refused (`error: index cache <file>: ...`, exit code 2). The sample and blending indices come from
 `megatron_dllm.data.index_builders` (C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).
 """
 
@@ -79,5 +80,15 @@ def main(argv=None) -> dict:
     return {"cache": cache, "written": new, "seconds": elapsed}
 
 
+def cli(argv=None) -> int:
+    """`main` with bad input (a flag, a dataset, a refused index cache) as one `error:` line, exit 2."""
+    try:
+        main(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

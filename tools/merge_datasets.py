@@ -6,7 +6,10 @@
 
 concatenates the inputs in order (a glob's matches sorted, so shards come in shard order) by
 streaming copies; the result equals preprocessing all inputs in one run byte for byte. Shard
-outputs must form one complete set (`--allow-incomplete` to override).
+outputs must form one complete set (`--allow-incomplete` to override), made with one tokenizer
+(their `.meta.json` sidecars must agree, `tokenizer_sha256` included). The shards'
+`_rejected.tsv` rows for the merged key are joined, in shard order, into
+`{output-prefix}_rejected.tsv`.
 
     python tools/merge_datasets.py --input 'data/corpus_shard*_text_document' --blend-file data/blend.txt
 
@@ -53,7 +56,7 @@ def main(argv=None) -> int:
         else:
             stats = merge_datasets(prefixes, args.output_prefix, log=print)
             print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
-    except (ValueError, DatasetFormatError) as err:
+    except (ValueError, DatasetFormatError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -17,6 +17,10 @@ byte-balanced run of the sorted file list into
 `{prefix}_shard{I:05d}of{N:05d}_{key}_document.bin/.idx`; re-running skips finished shards
 and redoes interrupted ones. Then `tools/merge_datasets.py` joins them. See
 megatron_dllm/data/preprocess.py and examples/preprocess_slurm_array.sbatch.
+
+A truncated or corrupt input, a key no record has, a read-only or full output disk: one
+`error: ...` line naming the file, exit code 2, and no output of this run published (earlier
+outputs of the prefix are left as they were).
 """
 
 import argparse
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
             num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
             progress=False if args.no_progress else None, log_interval=args.log_interval,
         )
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input, unwritable output: one line, nothing published
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(stats.summary())

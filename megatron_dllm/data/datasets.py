@@ -15,23 +15,31 @@ sample and blending indices inside come from `megatron_dllm.data.index_builders`
 threaded, output-identical to megatron's helpers_cpp, so either side's caches load in the other).
 With torch.distributed initialised, megatron-core builds them on rank 0 first and the other ranks load them after a barrier, so
 `build_datasets` must then be called on every rank; without it, the caller just builds.
+
+Index caches never unpickle: megatron-core 0.16.1 reads them with `numpy.load(...,
+allow_pickle=True)`, which runs the code in a crafted cache file (a pickle, or an object array,
+named `*-sample_index.npy`). Importing this module gives megatron's dataset modules a `numpy`
+whose `load` is `load_index_cache` (allow_pickle=False; a refused file raises ValueError naming it).
 """
 
 from __future__ import annotations
 
 import os
+import types
 from collections import OrderedDict
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from megatron.core.datasets import blended_dataset, gpt_dataset, masked_dataset
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
-from megatron_dllm.data.indexed_dataset import (HEADER_SIZE, read_metadata, token_id_range,
+from megatron_dllm.data.indexed_dataset import (HEADER_SIZE, meta_path, read_metadata, token_id_range,
                                                 validate_indexed_dataset)
+from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -51,6 +59,34 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blen
                 raise ValueError(f"{flag}: weights must be positive, got {weights}")
             return items[1::2], weights
     return items, None
+
+
+def load_index_cache(file, mmap_mode=None, allow_pickle=False, **kwargs):
+    """`numpy.load` of an index cache that never unpickles, whatever `allow_pickle` the caller
+    passes. A file that is not a plain numeric .npy (a pickle, an object array, a truncated
+    file) raises ValueError naming it."""
+    try:
+        return np.load(file, mmap_mode=mmap_mode, allow_pickle=False, **kwargs)
+    except ValueError as err:
+        why = str(err)
+        if "pickle" in why or "Python objects" in why:  # numpy's advice here would be to unpickle it
+            why = "it holds pickled Python objects, which are never loaded"
+        raise ValueError(f"index cache {file}: {why}; expected a numeric .npy as megatron-core writes "
+                         f"it (delete the file to have it rebuilt)") from None
+
+
+class _NumpyWithoutPickle(types.ModuleType):
+    """numpy, except `load` (see `load_index_cache`)."""
+
+    load = staticmethod(load_index_cache)
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+# megatron-core's dataset modules call `numpy.load` through their module-level `numpy` name.
+for _module in (gpt_dataset, blended_dataset, masked_dataset):
+    _module.numpy = _NumpyWithoutPickle("numpy")
 
 
 class MegatronTokenizerView:
@@ -145,6 +181,15 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
             f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
             f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
             f"({os.path.basename(str(getattr(tokenizer, 'model_path', '?')))}, vocab_size={tokenizer.vocab_size})")
+    recorded = (made_with or {}).get("tokenizer_sha256")  # absent in sidecars of older datasets
+    if recorded is not None:
+        given = tokenizer_fingerprint(tokenizer)
+        if given != recorded:
+            raise ValueError(
+                f"{flag}: {prefix} was preprocessed with another tokenizer: {meta_path(prefix)} records "
+                f"{made_with.get('tokenizer_model')} with sha256 {recorded[:16]}..., but --tokenizer-model "
+                f"{tokenizer.model_path} has sha256 {given[:16]}... (same vocabulary size or not, the "
+                f"token ids would mean other pieces); give the tokenizer the data was made with")
     if header.num_tokens == 0:
         raise ValueError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
     lo, hi = token_id_range(prefix, cache_dir)

@@ -15,6 +15,7 @@ Reading goes through megatron-core's own `IndexedDataset` (`open_indexed_dataset
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import json
 import os
@@ -88,7 +89,12 @@ def read_metadata(prefix: str) -> Optional[dict]:
 
 
 def tokenizer_metadata(tokenizer) -> dict:
+    """`tokenizer_sha256` (`tokenizers.tokenizer_fingerprint`) tells two tokenizers apart even when
+    their vocabulary sizes agree; sidecars written before it existed lack it."""
+    from megatron_dllm.data.tokenizers import tokenizer_fingerprint
+
     return {"tokenizer": tokenizer.name, "tokenizer_model": os.path.basename(str(tokenizer.model_path)),
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
             "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "mask_id": tokenizer.mask_id}
 
 
@@ -121,6 +127,7 @@ class IndexedDatasetWriter:
         self._lengths_file = None
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.num_tokens = 0
+        self._prepared = False
         self.finalized = False
 
     @property
@@ -190,7 +197,13 @@ class IndexedDatasetWriter:
             self._spill()
 
     def finalize(self) -> None:
-        if self.finalized:
+        self.prepare()
+        self.publish()
+
+    def prepare(self) -> None:
+        """Write the temporaries to disk in full (.bin synced, .idx written and synced): what can
+        run out of space happens here, before anything is renamed into place."""
+        if self._prepared:
             return
         self._bin.flush()
         os.fsync(self._bin.fileno())
@@ -217,6 +230,13 @@ class IndexedDatasetWriter:
             f.flush()
             os.fsync(f.fileno())
         self._drop_lengths_file()
+        self._prepared = True
+
+    def publish(self) -> None:
+        """Rename the prepared temporaries into place, the .idx last."""
+        if self.finalized:
+            return
+        self.prepare()
         # An old .idx beside a new .bin would look valid until its sizes were checked.
         if os.path.exists(idx_path(self.prefix)):
             os.remove(idx_path(self.prefix))
@@ -225,8 +245,9 @@ class IndexedDatasetWriter:
         self.finalized = True
 
     def abort(self) -> None:
-        """Drop the temporaries (e.g. after an error); the finished files are untouched."""
-        if not self._bin.closed:
+        """Drop the temporaries (e.g. after an error); the finished files are untouched. Closing
+        flushes what is buffered, which fails again on a full disk: the file closes regardless."""
+        with contextlib.suppress(OSError):
             self._bin.close()
         self._drop_lengths_file()
         for p in (self._tmp_bin, self._tmp_idx):
@@ -235,7 +256,8 @@ class IndexedDatasetWriter:
 
     def _drop_lengths_file(self) -> None:
         if self._lengths_file is not None:
-            self._lengths_file.close()
+            with contextlib.suppress(OSError):
+                self._lengths_file.close()
             self._lengths_file = None
         if os.path.exists(self._tmp_lengths):
             os.remove(self._tmp_lengths)

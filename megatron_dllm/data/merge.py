@@ -5,7 +5,10 @@ copies (the `.bin` in 16 MiB blocks, the index sections in chunks): memory does 
 the corpus. The result is what megatron-core's `IndexedDatasetBuilder.add_index` would build
 (lengths concatenated, pointers recomputed, document indices shifted, modes kept), and for our
 shards it equals preprocessing all inputs in one run byte for byte. Outputs are written under
-temporary names and renamed, `.idx` last.
+temporary names and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
+name, vocabulary or `tokenizer_sha256`) are refused. The rejection lists of merged shards
+(`{run}_shardIIIIIofNNNNN_rejected.tsv`, rows of this dataset's key) are joined in shard order
+into `{output_prefix}_rejected.tsv`.
 
 `write_blend_file(prefixes, path)` writes the Megatron `--data-path` form `w1 p1 w2 p2 ...`
 (one pair per line; weights = token counts, so blending samples like the concatenation).
@@ -14,13 +17,13 @@ temporary names and renamed, `.idx` last.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
-import json
 import struct
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +37,7 @@ from megatron_dllm.data.indexed_dataset import (
     read_metadata,
     write_metadata,
     idx_path,
+    meta_path,
     validate_indexed_dataset,
 )
 
@@ -81,6 +85,35 @@ def check_shard_set(prefixes: Sequence[str]) -> None:
         raise ValueError("--input shards are out of order; list them by shard index")
 
 
+def shard_rejections(prefix: str) -> Optional[Tuple[str, str]]:
+    """(rejections file, key) of a preprocessing shard's dataset prefix
+    `{run}_shardIIIIIofNNNNN_{key}_document`, or None for other datasets."""
+    m = SHARD_RE.search(os.path.basename(prefix))
+    if m is None or not prefix.endswith("_document"):
+        return None
+    stem = prefix[: len(prefix) - len(os.path.basename(prefix)) + m.end()]
+    return stem + "rejected.tsv", os.path.basename(prefix)[m.end():-len("_document")]
+
+
+def _write_rejections(prefixes: Sequence[str], tmp: str) -> int:
+    """Join the shards' rejection rows for their key, in order, into `tmp`; returns the row count
+    (0: no file written)."""
+    rows, header = [], None
+    for p in prefixes:
+        found = shard_rejections(p)
+        if found is None or not os.path.isfile(found[0]):
+            continue
+        path, key = found
+        with open(path, encoding="utf-8") as f:
+            header = f.readline()
+            rows.extend(line for line in f if line.rstrip("\n").split("\t")[2:3] == [key])
+    if rows:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(header)
+            f.writelines(rows)
+    return len(rows)
+
+
 @dataclass
 class MergeStats:
     output_prefix: str
@@ -89,6 +122,7 @@ class MergeStats:
     documents: int
     tokens: int
     dtype: str
+    rejections_file: Optional[str] = None
 
 
 def _copy_section(src, offset: int, nbytes: int, dst, transform=None, itemtype=None) -> None:
@@ -108,6 +142,12 @@ def _copy_section(src, offset: int, nbytes: int, dst, transform=None, itemtype=N
             dst.write(transform(np.frombuffer(raw, dtype=itemtype)).tobytes(order="C"))
 
 
+def _sidecar(prefix: str, meta: Optional[dict]) -> str:
+    if meta is None:
+        return f"{meta_path(prefix)} does not exist"
+    return f"{meta_path(prefix)} says {json.dumps(meta, sort_keys=True)}"
+
+
 def merge_datasets(prefixes: Sequence[str], output_prefix: str,
                    log: Optional[Callable[[str], None]] = None) -> MergeStats:
     """Concatenate the datasets `prefixes` (in order) into `output_prefix.bin/.idx`."""
@@ -119,9 +159,12 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
         raise ValueError(f"--output-prefix {output_prefix!r} is also an input")
     headers = [validate_indexed_dataset(p) for p in prefixes]
     metas = [read_metadata(p) for p in prefixes]
-    if any(m != metas[0] for m in metas):
-        different = sorted({json.dumps(m, sort_keys=True) for m in metas})
-        raise ValueError(f"--input datasets were made with different tokenizers: {'; '.join(different)}")
+    for p, m in zip(prefixes, metas):
+        if m != metas[0]:
+            first, other = metas[0] or {}, m or {}
+            fields = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
+            raise ValueError(f"--input datasets were made with different tokenizers ({', '.join(fields)} "
+                             f"differ): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
     dtypes = {np.dtype(h.dtype) for h in headers}
     if len(dtypes) != 1:
         raise ValueError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
@@ -132,11 +175,12 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     multimodal = headers[0].multimodal
     n_seq = sum(h.sequence_count for h in headers)
     n_doc = sum(h.num_documents for h in headers)
-    if os.path.dirname(output_prefix):
-        os.makedirs(os.path.dirname(output_prefix), exist_ok=True)
     tag = f".tmp-{os.getpid()}"
     tmp_bin, tmp_idx = bin_path(output_prefix) + tag, idx_path(output_prefix) + tag
+    rejections = output_prefix + "_rejected.tsv"
+    tmp_rejections = rejections + tag
     try:
+        os.makedirs(os.path.dirname(out_abs), exist_ok=True)
         with open(tmp_bin, "wb") as fb:
             for p in prefixes:
                 with open(bin_path(p), "rb") as src:
@@ -174,22 +218,33 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
                     src.close()
             f.flush()
             os.fsync(f.fileno())
+        n_rejected = _write_rejections(prefixes, tmp_rejections)
+        if n_rejected:
+            os.replace(tmp_rejections, rejections)
+        elif os.path.exists(rejections):
+            os.remove(rejections)  # from an earlier merge into the same prefix
         if os.path.exists(idx_path(output_prefix)):
             os.remove(idx_path(output_prefix))
         os.replace(tmp_bin, bin_path(output_prefix))
         os.replace(tmp_idx, idx_path(output_prefix))
-    except BaseException:
-        for p in (tmp_bin, tmp_idx):
+        if metas[0] is not None:
+            write_metadata(output_prefix, metas[0])
+        elif os.path.exists(meta_path(output_prefix)):
+            os.remove(meta_path(output_prefix))  # an earlier merge's, not these datasets'
+    except BaseException as err:
+        for p in (tmp_bin, tmp_idx, tmp_rejections):
             if os.path.exists(p):
                 os.remove(p)
+        if isinstance(err, OSError):  # disk full, read-only output directory
+            raise ValueError(f"--output-prefix {output_prefix}: cannot write "
+                             f"{err.filename or os.path.dirname(out_abs)} ({err.strerror or err})") from None
         raise
     header = validate_indexed_dataset(output_prefix)
-    if metas[0] is not None:
-        write_metadata(output_prefix, metas[0])
     stats = MergeStats(output_prefix, len(prefixes), header.sequence_count, header.num_documents,
-                       header.num_tokens, dtype.name)
+                       header.num_tokens, dtype.name, rejections if n_rejected else None)
     log(f"merged {len(prefixes)} datasets: {stats.documents} documents, {stats.tokens} tokens "
-        f"({dtype.name}) -> {output_prefix}.bin/.idx")
+        f"({dtype.name}) -> {output_prefix}.bin/.idx"
+        + (f"; {n_rejected} rejected records listed in {rejections}" if n_rejected else ""))
     return stats
 
 

@@ -23,15 +23,24 @@ an atomic rename, then a `..._shard{i:05d}of{n:05d}.done.json` marker. A re-run 
 whose marker matches its inputs/tokenizer/flags and whose datasets validate, and redoes any
 other (an interrupted shard leaves only temporaries, which are removed). Merging the shards
 in order (`merge.merge_datasets`) equals a single unsharded run byte for byte.
+
+Failures publish nothing: an input that does not read to its end (truncated or corrupt `.gz`,
+`.zst`, Parquet), a key that no record has (a Parquet column missing from a file's schema is
+caught before tokenizing), an output directory that cannot be written (checked before
+tokenizing) or a disk that fills up all raise ValueError naming the file, and leave earlier
+outputs of the same prefix, and their `.done.json`, as they were. Tokenizer workers end when
+this process dies (`parent_watch`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -47,15 +56,17 @@ from megatron_dllm.data.indexed_dataset import (
     validate_indexed_dataset,
     write_metadata,
 )
-from megatron_dllm.data.sources import expand_inputs, file_format, iter_chunks, shard_files
-from megatron_dllm.data.tokenizers import build_tokenizer
+from megatron_dllm.data.sources import (check_parquet_columns, expand_inputs, file_format, iter_chunks,
+                                        shard_files)
+from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
 __all__ = ["preprocess", "expand_inputs", "shard_prefix", "PreprocessStats", "REJECT_REASONS"]
 
 REJECT_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "not_text", "empty_text")
 MAX_PRINTED_REJECTIONS = 20
 MAX_KEPT_REJECTIONS = 1000
-MARKER_VERSION = 1
+MAX_SEEN_KEYS = 50  # field names remembered to name in a "no record has key" error
+MARKER_VERSION = 2
 
 
 @dataclass
@@ -134,6 +145,17 @@ def _init_worker(tokenizer_type: str, tokenizer_model: str, tokenizer_options: d
                    dtype=np.dtype(dtype_name))
 
 
+def _init_pool_worker(parent: int, *init_args) -> None:
+    """A pool worker: ends when the preprocessing process dies (even by SIGKILL), then builds
+    the tokenizer. A parent already gone before the watch starts is caught here."""
+    from megatron_dllm.parent_watch import exit_when_parent_dies
+
+    if os.getppid() != parent:
+        os._exit(1)
+    exit_when_parent_dies("preprocessing worker")
+    _init_worker(*init_args)
+
+
 def _values(kind: str, payload, keys):
     """-> dict of field values, or a reject reason for the whole record."""
     if kind == "parquet":
@@ -161,13 +183,17 @@ def _has_surrogates(pieces) -> bool:
 
 
 def _encode_chunk(records):
-    """Tokenize one chunk -> {key: (tokens array, int64 lengths, [(fi, pos, reason)])}, n records."""
+    """Tokenize one chunk -> ({key: (tokens array, int64 lengths, [(fi, pos, reason)])}, n records,
+    some of the field names seen)."""
     tok, keys, eod, dtype = _worker["tok"], _worker["keys"], _worker["eod"], _worker["dtype"]
     ids = {k: [] for k in keys}
     lengths = {k: [] for k in keys}
     rejects = {k: [] for k in keys}
+    seen = set()
     for fi, pos, kind, payload in records:
         values = _values(kind, payload, keys)
+        if len(seen) < MAX_SEEN_KEYS and isinstance(values, dict):
+            seen.update(map(str, values))
         for key in keys:
             if isinstance(values, str):
                 rejects[key].append((fi, pos, values))
@@ -203,7 +229,7 @@ def _encode_chunk(records):
             lengths[key].append(len(doc))
     out = {k: (np.array(ids[k], dtype=dtype), np.array(lengths[k], dtype=np.int64), rejects[k])
            for k in keys}
-    return out, len(records)
+    return out, len(records), seen
 
 
 def _encoded_chunks(chunks, workers: int, init_args, max_inflight: int):
@@ -221,7 +247,7 @@ def _encoded_chunks(chunks, workers: int, init_args, max_inflight: int):
 
     # spawn: the parent may hold threads (pyarrow, tokenizers) that fork would copy mid-lock
     ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker, initargs=init_args)
+                             initializer=_init_pool_worker, initargs=(os.getpid(), *init_args))
     pending = deque()
     try:
         for chunk in chunks:
@@ -292,15 +318,11 @@ class Progress:
 # --------------------------------------------------------------------------- driver
 
 
-def _fingerprint(files, tokenizer_type, tokenizer_model, tokenizer_options, json_keys, append_eod):
-    model = tokenizer_model
-    if os.path.isdir(model):
-        model = os.path.join(model, "tokenizer.json")
+def _fingerprint(files, tokenizer_type, tokenizer, tokenizer_options, json_keys, append_eod):
     return {
         "version": MARKER_VERSION,
         "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
-        "tokenizer": [tokenizer_type, os.path.abspath(model),
-                      os.path.getsize(model) if os.path.isfile(model) else None,
+        "tokenizer": [tokenizer_type, tokenizer.model_path, tokenizer_fingerprint(tokenizer),
                       {k: v for k, v in sorted((tokenizer_options or {}).items()) if v is not None}],
         "json_keys": list(json_keys),
         "append_eod": bool(append_eod),
@@ -392,7 +414,7 @@ def preprocess(
     marker = f"{base}.done.json"
     label = f"[shard {shard_index}/{num_shards}] " if sharded else ""
 
-    fingerprint = _fingerprint(files, tokenizer_type, tokenizer_model, tokenizer_options, json_keys, append_eod)
+    fingerprint = _fingerprint(files, tokenizer_type, tokenizer, tokenizer_options, json_keys, append_eod)
     if sharded and not overwrite:
         done, why = _finished(marker, fingerprint, list(prefixes.values()))
         if done is not None:
@@ -401,8 +423,9 @@ def preprocess(
             log(f"{label}already finished ({marker}), skipping; --overwrite redoes it")
             return stats
         log(f"{label}{why}: processing {len(files)} files")
-    if sharded and os.path.exists(marker):
-        os.remove(marker)  # the outputs are about to be replaced
+    out_dir = os.path.dirname(os.path.abspath(base))
+    _check_writable(out_dir, output_prefix)
+    check_parquet_columns(files, json_keys)
     _remove_stale_temporaries([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
                               + [rejections_path, marker], log)
 
@@ -412,9 +435,11 @@ def preprocess(
     for key in json_keys:
         stats.output_prefixes[key] = prefixes[key]
         stats.keys[key] = KeyStats()
-    rejections_tmp = f"{rejections_path}.tmp-{os.getpid()}"
+    tag = f".tmp-{os.getpid()}"
+    rejections_tmp, marker_tmp = rejections_path + tag, marker + tag
     rejections_out = None
     n_rejected = 0
+    seen_keys = set()
     bar = Progress(stats.input_bytes, log, tty=progress, log_interval=log_interval, label=label)
     t0 = time.time()
     init_args = (tokenizer_type, tokenizer_model, tokenizer_options or {}, json_keys, append_eod, dtype.name)
@@ -423,9 +448,11 @@ def preprocess(
             writers[key] = IndexedDatasetWriter(prefixes[key], dtype)
         chunks = iter_chunks(files, json_keys, max_records=chunksize, max_bytes=chunk_bytes,
                              parquet_batch_rows=parquet_batch_rows)
-        for (encoded, n_records), chunk in _encoded_chunks(chunks, workers, init_args, 2 * workers + 2):
+        for (encoded, n_records, seen), chunk in _encoded_chunks(chunks, workers, init_args, 2 * workers + 2):
             stats.read += n_records
             stats.blank_lines += chunk.blank_lines
+            if len(seen_keys) < MAX_SEEN_KEYS:
+                seen_keys.update(seen)
             chunk_tokens = 0
             for key in json_keys:
                 tokens, lengths, rejects = encoded[key]
@@ -451,31 +478,65 @@ def preprocess(
             bar.update(n_records, chunk_tokens, chunk.bytes_done)
         bar.close()
         for key in json_keys:
-            assert stats.read == stats.keys[key].written + sum(stats.keys[key].rejected.values()), key
-        # Order of completion: rejections report, datasets (.bin then .idx each), marker last.
+            ks = stats.keys[key]
+            assert stats.read == ks.written + sum(ks.rejected.values()), key
+            if stats.read and ks.rejected["missing_key"] == stats.read:
+                inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+                raise ValueError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
+                                 f"has this key (or a non-null value for it); their keys are {sorted(seen_keys)}")
+        # Everything is written in full before anything is renamed into place (a full disk
+        # fails here, publishing nothing). Then: rejections report, datasets (.bin then .idx
+        # each) with their sidecars, marker last.
         if rejections_out is not None:
             rejections_out.close()
+        for w in writers.values():
+            w.prepare()
+        metadata = tokenizer_metadata(tokenizer)
+        if sharded and os.path.exists(marker):
+            os.remove(marker)  # the outputs are about to be replaced
+        if rejections_out is not None:
             os.replace(rejections_tmp, rejections_path)
             stats.rejections_file = rejections_path
         elif os.path.exists(rejections_path):
             os.remove(rejections_path)  # stale report from an earlier run of the same prefix
         for w in writers.values():
-            w.finalize()
-            write_metadata(w.prefix, tokenizer_metadata(tokenizer))
-    except BaseException:
+            w.publish()
+            write_metadata(w.prefix, metadata)
+        stats.seconds = time.time() - t0
+        if sharded:
+            with open(marker_tmp, "w") as f:
+                json.dump({"fingerprint": fingerprint, "stats": stats.to_json()}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(marker_tmp, marker)
+    except BaseException as err:
         for w in writers.values():
             w.abort()
-        if rejections_out is not None and not rejections_out.closed:
-            rejections_out.close()
-        if os.path.exists(rejections_tmp):
-            os.remove(rejections_tmp)
+        if rejections_out is not None:
+            with contextlib.suppress(OSError):  # a full disk fails the flush again
+                rejections_out.close()
+        for tmp in (rejections_tmp, marker_tmp):
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if isinstance(err, OSError):  # disk full, read-only or vanished output directory
+            raise ValueError(f"--output-prefix {output_prefix}: cannot write {err.filename or out_dir} "
+                             f"({err.strerror or err})") from None
         raise
-    stats.seconds = time.time() - t0
-    if sharded:
-        tmp = f"{marker}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"fingerprint": fingerprint, "stats": stats.to_json()}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
     return stats
+
+
+def _check_writable(directory: str, output_prefix: str) -> None:
+    """Create the output directory and a one-byte file in it: a read-only or full file system
+    fails here, before any tokenizing (permission bits alone would not show it: root ignores them)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        try:
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"--output-prefix {output_prefix}: cannot write to {directory} "
+                         f"({err.strerror or err})") from None

@@ -14,6 +14,11 @@ Formats, by file name (a `.gz` or `.zst` suffix is decompressed on the fly):
 Records are grouped into chunks of at most `max_records` records / `max_bytes` bytes; each
 chunk carries how many input bytes (compressed, as on disk) were consumed when it closed, for
 progress and ETA.
+
+A file that cannot be read to its end (a truncated or corrupt `.gz` / `.zst` stream, a Parquet
+file whose footer or pages do not decode) raises ValueError naming the file and the last line
+or row read, never a quiet early end: the caller then publishes nothing. A Parquet file
+without a requested column is refused up front from its schema (`check_parquet_columns`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import glob
 import gzip
 import io
 import os
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, List, Sequence, Tuple
 
@@ -97,11 +103,48 @@ class Chunk:
     blank_lines: int = 0  # JSONL blank lines skipped inside this chunk (not records)
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of concatenated zstd frames. `zstandard`'s stream_reader ends
+    quietly when the file stops inside a frame (a truncated download read as a shorter corpus);
+    here that raises EOFError. Corrupt data raises zstandard.ZstdError (checksums included, when
+    the frames carry them, as the zstd command line writes them)."""
+
+    def __init__(self, raw, zstandard) -> None:
+        super().__init__()
+        self._raw, self._dctx = raw, zstandard.ZstdDecompressor()
+        self._frame = None  # the decompressor of the frame being read, None between frames
+        self._out, self._pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos == len(self._out):
+            data = self._raw.read(1 << 17)
+            if not data:
+                if self._frame is not None:
+                    raise EOFError("the file ends inside a zstd frame (truncated)")
+                return 0
+            out = []
+            while data:
+                if self._frame is None:
+                    self._frame = self._dctx.decompressobj()
+                out.append(self._frame.decompress(data))
+                data = b""
+                if self._frame.eof:  # the next frame starts in what is left
+                    data, self._frame = self._frame.unused_data, None
+            self._out, self._pos = b"".join(out), 0
+        n = min(len(buffer), len(self._out) - self._pos)
+        buffer[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
 def _open_binary(path: str):
-    """(raw file, decompressed binary stream with readline/iteration)."""
+    """(raw file, decompressed binary stream with readline, errors it raises on bad data)."""
     raw = open(path, "rb")
     if path.endswith(".gz"):
-        return raw, gzip.GzipFile(fileobj=raw, mode="rb")
+        return raw, gzip.GzipFile(fileobj=raw, mode="rb"), (EOFError, OSError, zlib.error)
     if path.endswith(".zst"):
         try:
             import zstandard
@@ -109,81 +152,137 @@ def _open_binary(path: str):
             raw.close()
             raise ValueError(f"--input {path!r}: reading .zst needs the `zstandard` package "
                              f"(pip install zstandard)") from None
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return raw, io.BufferedReader(reader, 1 << 20)
-    return raw, raw
+        return raw, io.BufferedReader(_ZstdFrames(raw, zstandard), 1 << 20), (EOFError, OSError,
+                                                                                 zstandard.ZstdError)
+    return raw, raw, (OSError,)
+
+
+def _lines(path: str):
+    """(line number, line, raw file) for each line of a plain, .gz or .zst file. A stream that
+    does not decode to its end raises ValueError naming the file and the last line read."""
+    raw, stream, errors = _open_binary(path)
+    lineno = 0
+    try:
+        while True:
+            try:
+                line = stream.readline()
+            except errors as err:
+                size = os.path.getsize(path)
+                raise ValueError(
+                    f"--input {path!r}: truncated or corrupt, reading stopped after line {lineno} "
+                    f"(at byte {min(raw.tell(), size)} of the {size}-byte file): {err}") from None
+            if not line:
+                return
+            lineno += 1
+            yield lineno, line, raw
+    finally:
+        stream.close()
+        raw.close()
 
 
 def _jsonl_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
-    raw, stream = _open_binary(path)
-    try:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():  # blank lines in JSONL are not records
-                chunk.blank()
-                continue
-            yield from chunk.add((fi, lineno, "jsonl", line), len(line), lambda: base_bytes + raw.tell())
-    finally:
-        stream.close()
-        raw.close()
+    for lineno, line, raw in _lines(path):
+        if not line.strip():  # blank lines in JSONL are not records
+            chunk.blank()
+            continue
+        yield from chunk.add((fi, lineno, "jsonl", line), len(line), lambda: base_bytes + raw.tell())
 
 
 def _text_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
-    raw, stream = _open_binary(path)
-    try:
-        block: List[bytes] = []
-        start = 0
-        for lineno, line in enumerate(stream, 1):
-            if line.strip():
-                if not block:
-                    start = lineno
-                block.append(line)
-            elif block:
-                data = b"".join(block).rstrip(b"\r\n")
-                yield from chunk.add((fi, start, "text", data), len(data), lambda: base_bytes + raw.tell())
-                block = []
-        if block:
+    block: List[bytes] = []
+    start = 0
+    for lineno, line, raw in _lines(path):
+        if line.strip():
+            if not block:
+                start = lineno
+            block.append(line)
+        elif block:
             data = b"".join(block).rstrip(b"\r\n")
             yield from chunk.add((fi, start, "text", data), len(data), lambda: base_bytes + raw.tell())
-    finally:
-        stream.close()
-        raw.close()
+            block = []
+    if block:
+        data = b"".join(block).rstrip(b"\r\n")
+        yield from chunk.add((fi, start, "text", data), len(data), lambda: base_bytes + os.path.getsize(path))
 
 
-def _parquet_records(fi: int, path: str, base_bytes: int, keys: Sequence[str], batch_rows: int,
-                     chunk: "ChunkSink"):
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())  # pyarrow's messages span lines; an error is one line
+
+
+def _open_parquet(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"--input {path!r}: reading Parquet needs the `pyarrow` package "
                          f"(pip install pyarrow)") from None
     try:
-        pf = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises ArrowInvalid etc.
-        raise ValueError(f"--input {path!r}: not a readable Parquet file ({err})") from None
+        return pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError etc.
+        raise ValueError(f"--input {path!r}: not a readable Parquet file, nothing read from it "
+                         f"({os.path.getsize(path)} bytes; {_one_line(err)})") from None
+
+
+def _check_columns(path: str, pf, keys: Sequence[str]) -> None:
+    names = pf.schema_arrow.names
+    missing = [k for k in keys if k not in names]
+    if missing:
+        raise ValueError(f"--json-keys {' '.join(missing)}: {path} has no column {missing[0]!r}; "
+                         f"its columns are {names}")
+
+
+def check_parquet_columns(files: Sequence[str], keys: Sequence[str]) -> None:
+    """Every Parquet input must have every requested column (its schema says so without
+    reading any data): ValueError names the file, the key and the columns there are."""
+    for path in files:
+        if file_format(path) == "parquet":
+            pf = _open_parquet(path)
+            try:
+                _check_columns(path, pf, keys)
+            finally:
+                pf.close()
+
+
+def _cells(column) -> list:
+    """A column's Python values, text as bytes: pyarrow does not check UTF-8 when it reads, so
+    the tokenizer workers decode it and reject invalid UTF-8 per row, as for JSONL."""
+    import pyarrow as pa
+
+    if pa.types.is_string(column.type):
+        column = column.cast(pa.binary())
+    elif pa.types.is_large_string(column.type):
+        column = column.cast(pa.large_binary())
+    return column.to_pylist()
+
+
+def _parquet_records(fi: int, path: str, base_bytes: int, keys: Sequence[str], batch_rows: int,
+                     chunk: "ChunkSink"):
+    pf = _open_parquet(path)
     size = os.path.getsize(path)
     total_rows = max(1, pf.metadata.num_rows)
-    columns = [k for k in keys if k in pf.schema_arrow.names]  # absent keys: rows lack them
     row = 0
 
     def progress():
         return base_bytes + (size * row) // total_rows
 
-    if not columns:
-        for _ in range(pf.metadata.num_rows):
-            row += 1
-            yield from chunk.add((fi, row, "parquet", {}), 1, progress)
-        return
     try:
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
-            values = {k: batch.column(k).to_pylist() for k in columns}
+        _check_columns(path, pf, keys)
+        batches = pf.iter_batches(batch_size=batch_rows, columns=list(keys))
+        while True:
+            try:
+                batch = next(batches, None)
+                if batch is None:
+                    return
+                values = {k: _cells(batch.column(k)) for k in keys}
+            except Exception as err:  # a page that does not decode (OSError, ArrowInvalid, ...)
+                raise ValueError(f"--input {path!r}: corrupt Parquet data, reading stopped after row "
+                                 f"{row} of {pf.metadata.num_rows} ({_one_line(err)})") from None
             for r in range(batch.num_rows):
                 row += 1
-                cell = {k: values[k][r] for k in columns}
+                cell = {k: values[k][r] for k in keys}
                 nbytes = sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in cell.values())
                 yield from chunk.add((fi, row, "parquet", cell), nbytes, progress)
     finally:
-        if hasattr(pf, "close"):
-            pf.close()
+        pf.close()
 
 
 class ChunkSink:

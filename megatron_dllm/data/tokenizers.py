@@ -11,9 +11,10 @@ preprocessing, and no BOS is ever inserted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 MASK_PIECES = ("<mask>", "[MASK]")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer")
@@ -298,6 +299,59 @@ def write_tiktoken_from_bytelevel(path: str, vocab: dict) -> None:
     byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
     pieces = sorted(vocab.items(), key=lambda kv: kv[1])
     write_tiktoken_file(path, [bytes(byte_of[c] for c in piece) for piece, _ in pieces])
+
+
+# The files a HuggingFaceTokenizer reads (tokenizer.json, and the eos/bos names of the config).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_HASHES: dict = {}  # (path, size, mtime_ns) -> sha256 hex
+
+
+def _sha256_file(path: str) -> str:
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def tokenizer_files(model_path: str) -> List[Tuple[str, str]]:
+    """(name, path) of the files that define the tokenizer at `model_path`, sorted by name: a
+    HuggingFace directory or `.json` file gives its tokenizer.json and, when present, the
+    tokenizer_config.json beside it (as HuggingFaceTokenizer reads them); any other path is a
+    single model file (SentencePiece .model, .tiktoken)."""
+    path = os.fspath(model_path)
+    if os.path.isdir(path):
+        directory, main = path, os.path.join(path, HF_TOKENIZER_FILES[0])
+    elif path.endswith(".json"):
+        directory, main = os.path.dirname(path), path
+    else:
+        directory, main = None, path
+    if not os.path.isfile(main):
+        raise ValueError(f"--tokenizer-model {path!r}: no tokenizer file at {main}, cannot fingerprint it")
+    files = [(os.path.basename(main), main)]
+    config = os.path.join(directory, HF_TOKENIZER_FILES[1]) if directory is not None else None
+    if config and os.path.isfile(config) and os.path.abspath(config) != os.path.abspath(main):
+        files.append((HF_TOKENIZER_FILES[1], config))
+    return sorted(files)
+
+
+def tokenizer_fingerprint(tokenizer_or_path) -> str:
+    """sha256 hex of the tokenizer's model file(s): a built tokenizer (its `model_path`) or a
+    `--tokenizer-model` path. One file: the file's sha256 (what `sha256sum` prints). Several
+    (a HuggingFace tokenizer.json with its tokenizer_config.json): the sha256 of their
+    `sha256sum`-style listing `<sha256>  <file name>\n`, sorted by name, so the fingerprint
+    does not depend on where the directory lives. Content only: two tokenizers with equal
+    vocabulary sizes but different pieces get different fingerprints."""
+    path = getattr(tokenizer_or_path, "model_path", tokenizer_or_path)
+    files = tokenizer_files(path)
+    if len(files) == 1:
+        return _sha256_file(files[0][1])
+    listing = "".join(f"{_sha256_file(p)}  {name}\n" for name, p in files)
+    return hashlib.sha256(listing.encode("utf-8")).hexdigest()
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _Tokenizer:
