@@ -24,6 +24,7 @@ whose `load` is `load_index_cache` (allow_pickle=False; a refused file raises Va
 
 from __future__ import annotations
 
+import math
 import os
 import types
 from collections import OrderedDict
@@ -55,8 +56,8 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blen
         except ValueError:
             weights = None
         if weights is not None:
-            if any(w <= 0 for w in weights):
-                raise ValueError(f"{flag}: weights must be positive, got {weights}")
+            if not all(math.isfinite(w) and w > 0 for w in weights):
+                raise ValueError(f"{flag}: weights must be positive finite numbers, got {weights}")
             return items[1::2], weights
     return items, None
 
