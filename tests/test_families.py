@@ -1,4 +1,7 @@
-"""Family losses against dense formulas, and the noise as a pure function of the sample index."""
+"""Family losses against dense formulas, the noise as a pure function of the sample index, and the
+package layering: families and the model import nothing from the packages built on them."""
+import ast
+import pathlib
 import subprocess
 import sys
 
@@ -111,3 +114,33 @@ def test_noise_is_the_same_after_a_restart():
     ids = torch.arange(5, 9)
     inp = get_family("mdlm", 49, 50).corrupt(torch.arange(4 * 40).view(4, 40) % 49, Noise(3, ids, ids - 5, 4))
     assert fresh.strip() == f"{inp.input_ids.tolist()} {inp.t.tolist()}"
+
+
+# The megatron_dllm modules each package may import: families and the model sit below sampling,
+# evaluation, the HF export, training, scaling and data.
+LAYERS = {"families": {"families", "model", "platform", "_esolm_shuffle", "_esolm_shuffle_cuda"},
+          "model": {"model", "platform"}}
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_dllm"
+
+
+def _internal_imports(path: pathlib.Path) -> set[str]:
+    """The megatron_dllm modules (first name below the package) a file imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n.split(".")[1] for n in names if n.startswith("megatron_dllm."))
+    return found
+
+
+def test_layers_import_nothing_above_them():
+    for package, allowed in LAYERS.items():
+        for path in sorted((PACKAGE_ROOT / package).glob("*.py")):
+            assert _internal_imports(path) <= allowed, f"{path.name} imports {_internal_imports(path) - allowed}"
+    for path in sorted((PACKAGE_ROOT / "sampling").glob("*.py")):
+        assert "training" not in _internal_imports(path), path.name

@@ -29,8 +29,3 @@ class AR(Family):
         return vocab_parallel.cross_entropy(logits, inp.targets) * inp.valid
 
     nelbo = loss  # exact NLL
-
-    def sampler(self, inf, cfg):
-        from megatron_dllm.sampling.ar import ARSampler  # sampling imports families: import on use
-
-        return ARSampler(self, inf, cfg)

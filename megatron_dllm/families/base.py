@@ -1,9 +1,11 @@
 """The family protocol shared by training, evaluation and sampling, and the noise it draws on.
 
 A family turns clean tokens into a `ModelInput` (`corrupt`), and scores the backbone's
-vocab-parallel logits with its training objective (`loss`) and its evaluation bound (`nelbo`).
-Everything family-specific lives in the family's own file; adding a family means one file and one
-registry line in `families/__init__.py`.
+vocab-parallel logits with its training objective (`loss`) and its evaluation bound (`nelbo`);
+its traits (attention layout, losses, bound, next-token, extra token, variable length) tell
+training, evaluation and export how to treat it. Families sit below sampling, evaluation and the
+HF export and import nothing from them: adding a family means one file and one registry line in
+`families/__init__.py`, plus its sampler in `sampling/` and one line in `sampling/registry.py`.
 """
 from __future__ import annotations
 
@@ -94,9 +96,4 @@ class Family:
 
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         """Per-token evaluation bound [b, s] (exact NLL for AR); same normalisation."""
-        raise NotImplementedError
-
-    def sampler(self, inf, cfg):
-        """The family's sampler (megatron_dllm/sampling/<family>.py) for an InferenceModel and a
-        SamplingConfig; `sampler.sample(prompt, generator)` generates one batch."""
         raise NotImplementedError

@@ -237,8 +237,3 @@ class Duo(Family):
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         return self.nelbo(logits, inp)
 
-    def sampler(self, inf, cfg):
-        from megatron_dllm.sampling.duo import DuoSampler  # sampling imports families: import on use
-
-        return DuoSampler(self, inf, cfg)
-

@@ -56,11 +56,6 @@ class EsoLM(Family):
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         return self._mdlm.nelbo(logits, inp)
 
-    def sampler(self, inf, cfg):
-        from megatron_dllm.sampling.esolm import EsoLMSampler  # sampling imports families: import on use
-
-        return EsoLMSampler(self, inf, cfg)
-
 
 def unpermute(x: torch.Tensor, inp: ModelInput) -> torch.Tensor:
     """A [b, L, ...] tensor in Eso-LM's shuffled order, back in sequence order.

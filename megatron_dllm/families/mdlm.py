@@ -50,8 +50,3 @@ class MDLM(Family):
         if self.loss_type == "nelbo":
             return self.nelbo(logits, inp)
         return self._masked_nll(logits, inp)
-
-    def sampler(self, inf, cfg):
-        from megatron_dllm.sampling.mdlm import MDLMSampler  # sampling imports families: import on use
-
-        return MDLMSampler(self, inf, cfg)

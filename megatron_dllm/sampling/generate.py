@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
-from megatron_dllm.families import get_family
 from megatron_dllm.families.base import seed_for
 from megatron_dllm.sampling.config import SamplingConfig
+from megatron_dllm.sampling.registry import get_sampler
 
 
 def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
@@ -35,8 +35,7 @@ def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | N
     """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row."""
     if num_samples < 1 or (batch_size is not None and batch_size < 1):
         raise ValueError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
-    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
-    sampler = family.sampler(inf, cfg)
+    sampler = get_sampler(inf, cfg)
     prompts = _prompts(prompt_ids, num_samples, sampler.length, inf.device)
     if prompts.numel() and int(prompts.max()) >= inf.vocab_size:
         raise ValueError(f"prompt_ids: ids must be < vocab size {inf.vocab_size}")

@@ -1,0 +1,26 @@
+"""Which sampler generates for which family: the one place that ties the two together.
+
+Families (`megatron_dllm/families`) hold the forward process and the losses and know nothing of
+sampling; a family's sampler is one file here and one entry in `SAMPLERS`.
+"""
+from __future__ import annotations
+
+from megatron_dllm.families import get_family
+from megatron_dllm.sampling.ar import ARSampler
+from megatron_dllm.sampling.base import Sampler
+from megatron_dllm.sampling.config import SamplingConfig
+from megatron_dllm.sampling.duo import DuoSampler
+from megatron_dllm.sampling.esolm import EsoLMSampler
+from megatron_dllm.sampling.mdlm import MDLMSampler
+
+SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
+                                      "esolm": EsoLMSampler}
+
+
+def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
+    """The sampler of the InferenceModel's family with these settings; `sample(prompt, generator)`
+    generates one batch. An unknown family, or a predictor the family lacks, is a ValueError."""
+    if inf.family not in SAMPLERS:
+        raise ValueError(f"--family {inf.family!r} has no sampler; expected one of: {', '.join(SAMPLERS)}")
+    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    return SAMPLERS[inf.family](family, inf, cfg)
