@@ -7,7 +7,7 @@
 import os
 import sys
 
-from megatron_dllm.arguments import parse_args
+from megatron_dllm.config import parse_args
 
 
 def main(argv=None) -> None:

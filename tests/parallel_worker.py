@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dllm import platform
-from megatron_dllm.arguments import parse_args
+from megatron_dllm.config import parse_args
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.training.trainer import Trainer
 
@@ -33,7 +33,7 @@ def main():
     same_noise = all(a[1] == b[1] for a in prints for b in prints if a[0] == b[0])
     for chunk in trainer.model:
         initialize_weights(chunk.module, seed=7, adaln_zero=False)
-    records = [trainer.train_step() for _ in range(trainer.run.train_iters)]
+    records = [trainer.train_step() for _ in range(trainer.cfg.training.train_iters)]
     valid = trainer.evaluate()
     if dist.get_rank() == dist.get_world_size() - 1:
         with open(out, "w") as f:

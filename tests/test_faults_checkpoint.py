@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import REPO, _free_port, run_pretrain
-from megatron_dllm.arguments import parse_args
+from megatron_dllm.config import parse_args
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
 
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -217,7 +217,8 @@ def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
     (["--split", "0,0,0"], "argument --split: expected up to three non-negative numbers"),
     (["--data-path", "nan", "a", "1", "b"], "--data-path: weights must be positive finite numbers, got [nan, 1.0]"),
     (["--data-path", "inf", "a"], "--data-path: weights must be positive finite numbers, got [inf]"),
-    (["--train-flops", "inf"], "--train-flops must be positive, got inf"),
+    (["--train-flops", "inf"], "argument --train-flops: expected a finite number, got inf"),
+    (["--train-flops", "-1"], "--train-flops must be positive, got -1"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"],
      "--seq-length 33 must be a multiple of --tensor-model-parallel-size 2 under --sequence-parallel"),
     (["--ema-decay", "1.5"], "--ema-decay must lie in (0, 1), got 1.5"),

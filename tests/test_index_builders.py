@@ -289,12 +289,12 @@ def test_build_indexes_then_training_hits_the_cache(tmp_path):
     assert sum(n.endswith("-dataset_index.npy") for n in built) == 4  # 2 families x 2 splits
 
     # What training does: resolve the same flags; nothing is rebuilt or rewritten.
-    from megatron_dllm.arguments import parse_args
-    from megatron_dllm.training.config import resolve_run
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.inputs import prepare_inputs
 
     for family in ("ar", "mdlm"):
-        run = resolve_run(parse_args(["--family", family, *flags]))
-        assert len(run.train_dataset) == 1000 and run.train_dataset[0].shape == (32 + (family == "ar"),)
+        _, inputs = prepare_inputs(parse_args(["--family", family, *flags]))
+        assert len(inputs.train_dataset) == 1000 and inputs.train_dataset[0].shape == (32 + (family == "ar"),)
     assert _snapshot(cache) == built
 
     # The files are the ones megatron-core's own helpers write (interchangeable caches).
@@ -303,7 +303,7 @@ def test_build_indexes_then_training_hits_the_cache(tmp_path):
     try:
         for family in ("ar", "mdlm"):
             argv = ["--family", family, *flags[:-1], cache_megatron]
-            resolve_run(parse_args(argv))
+            prepare_inputs(parse_args(argv))
     finally:
         del os.environ["MEGATRON_DLLM_INDEX_BACKEND"]
     theirs = _snapshot(cache_megatron)

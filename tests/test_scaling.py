@@ -134,7 +134,7 @@ def test_train_flops_runs_the_budgeted_iterations(pretrain):
 
 
 def test_run_length_flags_exclude_each_other(capsys):
-    from megatron_dllm.arguments import parse_args
+    from megatron_dllm.config import parse_args
 
     flops_error = "error: --train-flops sets the number of iterations; give it without --train-iters/--train-samples"
     for argv, error in ((["--train-flops", "6e18", "--train-iters", "3"], flops_error),

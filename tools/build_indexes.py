@@ -43,35 +43,36 @@ def _cache_files(path):
 
 
 def main(argv=None) -> dict:
-    from megatron_dllm.arguments import parse_args
+    from megatron_dllm.config import parse_args
     from megatron_dllm.data import index_builders
     from megatron_dllm.data.datasets import parse_data_path
-    from megatron_dllm.training.config import resolve_run
+    from megatron_dllm.training.inputs import prepare_inputs
 
-    args = parse_args(argv)
+    cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.getLogger("megatron.core.datasets").setLevel(logging.INFO)
 
-    cache = args.data_cache_path
-    if cache is None and args.data_path:
-        first_prefix = parse_data_path(args.data_path)[0][0]
-        cache = os.path.join(os.path.dirname(os.path.abspath(first_prefix)), "cache")
+    def cache_of(data_path):
+        if cfg.data.data_cache_path or not data_path:
+            return cfg.data.data_cache_path
+        return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(data_path)[0][0])), "cache")
+
+    cache = cache_of(cfg.data.data_path)
     before = _cache_files(cache)
     t0 = time.perf_counter()
-    run = resolve_run(args)
+    cfg, inputs = prepare_inputs(cfg)
     elapsed = time.perf_counter() - t0
-    if cache is None:  # the embedded demo: its prefixes are known only now
-        first_prefix = parse_data_path(args.data_path)[0][0]
-        cache = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(first_prefix)), "cache")
+    cache = cache or cache_of(cfg.data.data_path)  # the embedded demo: its prefixes are known only now
     after = _cache_files(cache)
     new = sorted(n for n, m in after.items() if before.get(n) != m)
 
+    t = cfg.training
     backend = "C++" if index_builders.HAVE_CPP else "numpy (extension not built)"
-    print(f"build_indexes: family {args.family}, seq_length {args.seq_length}, seed {args.seed}, "
-          f"{args.train_iters} iterations x {args.global_batch_size} = "
-          f"{args.train_iters * args.global_batch_size} training samples; index builders: {backend}")
-    print(f"build_indexes: train dataset {len(run.train_dataset)} samples"
-          + (f", valid dataset {len(run.valid_dataset)} samples" if run.valid_dataset is not None else ""))
+    print(f"build_indexes: family {cfg.model.family}, seq_length {cfg.model.seq_length}, seed {t.seed}, "
+          f"{t.train_iters} iterations x {t.global_batch_size} = "
+          f"{t.train_iters * t.global_batch_size} training samples; index builders: {backend}")
+    print(f"build_indexes: train dataset {len(inputs.train_dataset)} samples"
+          + (f", valid dataset {len(inputs.valid_dataset)} samples" if inputs.valid_dataset is not None else ""))
     print(f"build_indexes: cache {cache}: {len(new)} files written, "
           f"{len(after) - len(new)} already present")
     for name in new:

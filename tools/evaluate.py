@@ -49,37 +49,37 @@ def run_nelbo(args) -> dict:
 
     _check_load(args.load)
     inf = _load_model(args, platform.device())
-    tok_type, tok_model = args.tokenizer_type, args.tokenizer_model
-    if args.data_path and not tok_type and hasattr(inf.tokenizer, "model_path"):
-        tok_type, tok_model = inf.tokenizer.name, inf.tokenizer.model_path  # recorded in the checkpoint
-    run, resolved = validation_run(
-        inf.family, args.seq_length or inf.seq_length, data_path=args.data_path,
-        valid_data_path=args.valid_data_path, split=args.split, tokenizer_type=tok_type,
-        tokenizer_model=tok_model, global_batch_size=args.global_batch_size,
-        eval_iters=args.eval_iters, seed=args.seed, demo_cache_dir=args.demo_cache_dir,
-        data_cache_path=args.data_cache_path)
-    tok = run.tokenizer
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
+
+    tokenizer = TokenizerConfig.from_args(args)
+    if args.data_path and not tokenizer.tokenizer_type and hasattr(inf.tokenizer, "model_path"):
+        tokenizer = TokenizerConfig(inf.tokenizer.name, inf.tokenizer.model_path)  # recorded in the checkpoint
+    resolved, inputs = validation_run(inf.family, args.seq_length or inf.seq_length, DataConfig.from_args(args),
+                                      tokenizer, global_batch_size=args.global_batch_size,
+                                      eval_iters=args.eval_iters, seed=args.seed)
+    tok = inputs.tokenizer
     if (tok.vocab_size, tok.mask_id) != (inf.vocab_size, inf.mask_id):
         raise ValueError(f"--load {args.load}: the model's vocabulary ({inf.vocab_size}, [MASK] {inf.mask_id}) "
                          f"does not match the data's tokenizer ({tok.vocab_size}, [MASK] {tok.mask_id}); "
                          f"give the --tokenizer-model the model was trained with")
-    gbs = resolved.global_batch_size
+    t, data = resolved.training, resolved.data
+    gbs = t.global_batch_size
     mbs = args.micro_batch_size or math.gcd(gbs, 8)  # any divisor of gbs gives the same figure
     family = get_family(inf.family, inf.mask_id, inf.vocab_size)
     draws = 1 if family.next_token else args.num_t_draws  # an exact NLL has no t to draw
-    result = evaluate_nelbo(inf.model, family, run.valid_dataset, resolved.seed, gbs, mbs,
-                            resolved.eval_iters, draws)
+    result = evaluate_nelbo(inf.model, family, inputs.valid_dataset, t.seed, gbs, mbs,
+                            resolved.logging.eval_iters, draws)
     return {
         "metric": "nelbo", "family": inf.family, "bound": family.bound,
         "nelbo": result.nelbo, "ppl": result.ppl, "bpd": result.bpd, "nelbo_per_draw": result.per_draw,
         "tokens": result.tokens, "samples": result.samples,
         "settings": {
             "load": os.path.abspath(args.load), "source": inf.source, "use_ema": args.use_ema,
-            "demo": run.demo, "data_path": resolved.data_path, "valid_data_path": resolved.valid_data_path,
-            "split": resolved.split if not resolved.valid_data_path else None,
-            "tokenizer_type": resolved.tokenizer_type, "tokenizer_model": resolved.tokenizer_model,
-            "seq_length": resolved.seq_length, "global_batch_size": gbs, "micro_batch_size": mbs,
-            "eval_iters": resolved.eval_iters, "seed": resolved.seed, "noise_seed": resolved.seed + 1,
+            "demo": args.data_path is None, "data_path": data.data_path, "valid_data_path": data.valid_data_path,
+            "split": data.split if not data.valid_data_path else None,
+            "tokenizer_type": resolved.tokenizer.tokenizer_type, "tokenizer_model": resolved.tokenizer.tokenizer_model,
+            "seq_length": resolved.model.seq_length, "global_batch_size": gbs, "micro_batch_size": mbs,
+            "eval_iters": resolved.logging.eval_iters, "seed": t.seed, "noise_seed": t.seed + 1,
             "num_t_draws": draws, "dtype": args.dtype, "device": str(platform.device()),
         },
     }
@@ -160,7 +160,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_dllm.arguments import positive_int, split_spec
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
+    from megatron_dllm.config.fields import positive_int
 
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -178,14 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
     p.add_argument("--num-t-draws", type=positive_int, default=1,
                    help="t draws per sequence, averaged; draw 0 is the training-time validation noise")
-    g = p.add_argument_group("data (as pretrain_dllm.py; none: the embedded demo's validation split)")
-    g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--valid-data-path", nargs="*", default=None)
-    g.add_argument("--split", type=split_spec, default=None, help="default 969,30,1 (validation = the second part)")
-    g.add_argument("--tokenizer-type", default=None, help="default: the one a megatron checkpoint recorded")
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--demo-cache-dir", default=None)
+    DataConfig.add_arguments(p, exclude=("train_data_path", "variable_seq_length_prob"))
+    TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
+    g = p.add_argument_group("validation run (default: as pretraining)")
     g.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
     g.add_argument("--global-batch-size", type=positive_int, default=None,
                    help="the training run's (the t strata span a global batch); default as pretraining")
@@ -228,7 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # a flag rejected at parse time: already reported in one line
+        return exit_.code
     import torch.distributed as dist
     from transformers.utils import logging as hf_logging
 

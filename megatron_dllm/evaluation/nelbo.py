@@ -1,7 +1,7 @@
 """Validation NELBO / perplexity of a trained model on a dataset split (reference §4, Validation PPL).
 
 This is the trainer's validation (`Trainer.evaluate`) run outside the trainer:
-- the same validation dataset, built by `training.config.resolve_run` from the same data flags
+- the same validation dataset, built by `training.inputs.prepare_inputs` from the same data flags
   (with no data flags, the embedded demo corpus's validation split, as pretrain_dllm.py);
 - the same `BatchSchedule` over it with the validation seed stream `seed + 1` and the same
   global-batch strata, so t draw 0 is exactly the noise the training-time validation drew;
@@ -17,36 +17,33 @@ of batch means); ppl = exp(nelbo), bpd = nelbo / ln 2.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dllm.config.data import DataConfig, TokenizerConfig
 from megatron_dllm.families.base import Family, seed_for
 
 
-def validation_run(family: str, seq_length: int, *, data_path=None, valid_data_path=None, split=None,
-                   tokenizer_type=None, tokenizer_model=None, global_batch_size=None, eval_iters=None,
-                   seed=None, demo_cache_dir=None, data_cache_path=None):
-    """(Run, args) for the validation split, resolved exactly as pretraining resolves it.
+def validation_run(family: str, seq_length: int, data: DataConfig, tokenizer: TokenizerConfig, *,
+                   global_batch_size: int | None = None, eval_iters: int | None = None, seed: int | None = None):
+    """(RunConfig, Inputs) for the validation split, resolved exactly as pretraining resolves it.
 
-    Parsing an empty pretraining command line gives every default pretrain_dllm.py has; the
-    sizes that shape megatron's validation index (seq_length, eval_iters x global_batch_size,
-    seed) are then the training run's, so the same samples come out in the same order."""
-    from megatron_dllm.arguments import build_parser
-    from megatron_dllm.training.config import resolve_run
+    An empty pretraining command line gives every default pretrain_dllm.py has; the sizes that
+    shape megatron's validation index (seq_length, eval_iters x global_batch_size, seed) are then
+    the training run's, so the same samples come out in the same order."""
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.inputs import prepare_inputs
 
-    args = build_parser().parse_args([])
-    given = dict(family=family, seq_length=seq_length, data_path=data_path, valid_data_path=valid_data_path,
-                 split=split, tokenizer_type=tokenizer_type, tokenizer_model=tokenizer_model,
-                 global_batch_size=global_batch_size, eval_iters=eval_iters, seed=seed,
-                 demo_cache_dir=demo_cache_dir, data_cache_path=data_cache_path)
-    for key, value in given.items():
-        if value is not None:
-            setattr(args, key, value)
-    args.eval_interval = 1  # any non-zero value: build the validation split
-    args.train_iters = 1    # the train split is built too (resolve_run always does): keep it one batch
-    return resolve_run(args), args
+    cfg = dataclasses.replace(parse_args([]), data=data, tokenizer=tokenizer)
+    training = {"global_batch_size": global_batch_size, "seed": seed}
+    cfg = cfg.replace(model={"family": family, "seq_length": seq_length},
+                      # the train split is built too (prepare_inputs always does): keep it one batch
+                      training={"train_iters": 1, **{k: v for k, v in training.items() if v is not None}},
+                      logging={"eval_interval": 1, **({"eval_iters": eval_iters} if eval_iters else {})})
+    return prepare_inputs(cfg)
 
 
 @dataclass

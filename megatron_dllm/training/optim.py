@@ -3,19 +3,23 @@ from __future__ import annotations
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_dllm.config.parallel import ParallelConfig
+from megatron_dllm.config.training import OptimizerConfig
 
-def wrap_ddp(chunks, config, args):
+
+def wrap_ddp(chunks, config, parallel: ParallelConfig):
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=parallel.overlap_grad_reduce,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
     model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     config.finalize_model_grads_func = finalize_model_grads
-    if args.overlap_grad_reduce:
+    if parallel.overlap_grad_reduce:
         config.no_sync_func = [m.no_sync for m in model]
         config.grad_sync_func = [m.start_grad_sync for m in model]
         if len(model) == 1:
@@ -23,28 +27,24 @@ def wrap_ddp(chunks, config, args):
     return model
 
 
-def build_optimizer(model, config, args, train_iters: int):
-    opt_config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfig, train_iters: int):
+    megatron_config = MegatronOptimizerConfig(
+        optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
-    if args.lr_warmup_iters is not None:
-        warmup = args.lr_warmup_iters
-    else:
-        warmup = int((args.lr_warmup_fraction or 0.0) * train_iters)
-    decay = args.lr_decay_iters or train_iters
+    optimizer = get_megatron_optimizer(megatron_config, model)
+    warmup, decay = opt.warmup_iters(train_iters), opt.lr_decay_iters or train_iters
     if warmup >= decay:
         raise ValueError(f"LR warmup ({warmup} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
                          f"must be shorter than the decay ({decay} iterations, --lr-decay-iters or "
                          f"--train-iters)")
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=decay, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=train_iters, wd_incr_style="constant",
-        wsd_decay_steps=args.lr_wsd_decay_iters or max(1, train_iters // 3),
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=decay, lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=train_iters, wd_incr_style="constant",
+        wsd_decay_steps=opt.lr_wsd_decay_iters or max(1, train_iters // 3),
+        lr_wsd_decay_style=opt.lr_wsd_decay_style,
     )
     return optimizer, scheduler

@@ -1,0 +1,21 @@
+"""Where checkpoints are written and which one is loaded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_dllm.config.fields import FlagGroup, flag, non_negative_int, positive_int
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(FlagGroup):
+    GROUP = "checkpoints"
+    save: str | None = flag(help="checkpoint root to write (default runs/demo-FAMILY/checkpoints on the demo)")
+    save_interval: int | None = flag(type=positive_int, help="iterations between saves (and one at the end)")
+    load: str | None = flag(help="checkpoint root (loads the iteration its tracker names; without a tracker the "
+                                 "newest complete checkpoint) or one iter_XXXXXXX directory")
+    ckpt_step: int | None = flag(type=non_negative_int, help="--load: the iteration to load from the root")
+    no_load_optim: bool = flag(False, action="store_true",
+                               help="--load: leave the optimizer state fresh (weights, LR schedule, counters still load)")
+    no_load_rng: bool = flag(False, action="store_true", help="--load: do not restore the RNG states")
+    finetune: bool = flag(False, action="store_true", help="--load: weights only; iteration and consumed samples "
+                                                           "restart at 0, fresh optimizer and LR schedule")
