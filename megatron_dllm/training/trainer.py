@@ -21,7 +21,7 @@ from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
-from megatron_dllm.training import checkpointing
+from megatron_dllm.checkpoint import training_state
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.inputs import prepare_inputs
 from megatron_dllm.training.ema import EMA
@@ -98,7 +98,7 @@ class Trainer:
                 f"--load {ckpt.load} {what} (expected {checkpoint.TRACKER} or iter_XXXXXXX directories, "
                 f"or a checkpoint directory itself)")
         self.logger.info(f"loading {found.path} ({found.how})")
-        common = checkpointing.load_checkpoint(
+        common = training_state.load_checkpoint(
             found.path, self.model, self.optimizer, self.scheduler, self.identity(),
             load_optim=not ckpt.no_load_optim, load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
             ema=self.ema, log=self.logger.info)
@@ -225,7 +225,7 @@ class Trainer:
         return self.consumed_samples * self.budget_flops_per_seq
 
     def save(self) -> None:
-        path = checkpointing.save_checkpoint(
+        path = training_state.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
             {"consumed_samples": self.consumed_samples, "identity": self.identity(),
              "data_mix": self.cfg.data.data_path, "data_mix_start": self.train_batches.data_offset,
