@@ -364,6 +364,7 @@ def test_tokenizer_fingerprint(tmp_path, sp_model):
 
 
 def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_model, paragraphs):
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
     from megatron_dllm.evaluation.nelbo import validation_run
 
     src = tmp_path / "in.jsonl"
@@ -382,9 +383,9 @@ def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_m
         check_prefix(prefix, "--data-path", other, None)
     # tools/evaluate.py nelbo resolves its data through the same path (validation_run -> build_datasets)
     with pytest.raises(ValueError, match=refused):
-        validation_run("mdlm", 32, data_path=[prefix], split="90,10,0", tokenizer_type=SP,
-                       tokenizer_model=other_sp_model, global_batch_size=2, eval_iters=1, seed=1,
-                       data_cache_path=str(tmp_path / "cache"))
+        validation_run("mdlm", 32, DataConfig(data_path=[prefix], split="90,10,0",
+                                              data_cache_path=str(tmp_path / "cache")),
+                       TokenizerConfig(SP, other_sp_model), global_batch_size=2, eval_iters=1, seed=1)
     # merge_datasets.py refuses shards made with the two tokenizers
     made_other = preprocess([str(src)], str(tmp_path / "b"), SP, other_sp_model, append_eod=True,
                             **QUIET).output_prefixes["text"]

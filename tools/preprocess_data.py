@@ -33,35 +33,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dllm.data.preprocess import preprocess  # noqa: E402
-from megatron_dllm.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
-
-
-def add_tokenizer_args(p):
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=list(TOKENIZER_TYPES))
-    g.add_argument("--tokenizer-model", required=True,
-                   help="SentencePiece .model, tokenizer.json (or its directory), or a .tiktoken file")
-    g.add_argument("--tiktoken-pattern", default=None,
-                   help="TikTokenizer pre-tokenisation regex: llama3 (default, cl100k-style), cl100k, "
-                        "o200k, or a literal regex")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
-                   help="TikTokenizer special tokens, given ids after the last rank "
-                        "(default: <|begin_of_text|> <|end_of_text|>)")
-    g.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
-                   help="pad the special tokens with <|reserved_special_token_i|> up to this many "
-                        "(Llama 3: 256)")
-    return g
-
-
-def tokenizer_options(args) -> dict:
-    if args.tokenizer_type != "TikTokenizer":
-        given = [f for f in ("tiktoken_pattern", "tiktoken_special_tokens", "tiktoken_num_special_tokens")
-                 if getattr(args, f) is not None]
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} applies to --tokenizer-type TikTokenizer only")
-        return {}
-    return {"pattern": args.tiktoken_pattern, "special_tokens": args.tiktoken_special_tokens,
-            "num_special_tokens": args.tiktoken_num_special_tokens}
+from megatron_dllm.config.data import TokenizerConfig  # noqa: E402
 
 
 def _slurm_default(name: str):
@@ -76,7 +48,7 @@ def get_args(argv=None):
                    help="JSONL (.jsonl[.gz|.zst]), Parquet (.parquet) or .txt files; globs allowed")
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="JSON keys / Parquet columns to extract (default: text)")
-    add_tokenizer_args(p)
+    TokenizerConfig.add_arguments(p)
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g.add_argument("--append-eod", action="store_true", help="end every document with the EOD (EOS) id")
@@ -94,6 +66,8 @@ def get_args(argv=None):
                    help="seconds between progress log lines when stderr is not a TTY")
     g.add_argument("--no-progress", action="store_true", help="no TTY status line (log lines instead)")
     args = p.parse_args(argv)
+    if not (args.tokenizer_type and args.tokenizer_model):
+        p.error("--tokenizer-type and --tokenizer-model are required")
     if args.num_shards is None:
         args.num_shards = _slurm_default("SLURM_ARRAY_TASK_COUNT")
     if args.num_shards is not None and args.shard_index is None:
@@ -112,7 +86,8 @@ def main(argv=None) -> int:
         stats = preprocess(
             args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
             json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-            chunksize=args.chunksize, chunk_bytes=args.chunk_bytes, tokenizer_options=tokenizer_options(args),
+            chunksize=args.chunksize, chunk_bytes=args.chunk_bytes,
+            tokenizer_options=TokenizerConfig.from_args(args).options(),
             num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
             progress=False if args.no_progress else None, log_interval=args.log_interval,
         )

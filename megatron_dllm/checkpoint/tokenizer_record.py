@@ -11,11 +11,12 @@ import os
 from megatron_dllm.checkpoint.manifest import CheckpointError
 
 
-def tokenizer_record(tokenizer_type: str, tokenizer_model: str) -> dict:
+def tokenizer_record(tokenizer) -> dict:
+    """What a checkpoint records of its `TokenizerConfig` to rebuild and check the tokenizer."""
     from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 
-    return {"type": tokenizer_type, "model": os.path.abspath(tokenizer_model),
-            "sha256": tokenizer_fingerprint(tokenizer_model)}
+    return {"type": tokenizer.tokenizer_type, "model": os.path.abspath(tokenizer.tokenizer_model),
+            "options": tokenizer.options(), "sha256": tokenizer_fingerprint(tokenizer.tokenizer_model)}
 
 
 def check_tokenizer(recorded: dict | None, tokenizer_model: str, checkpoint: str) -> None:

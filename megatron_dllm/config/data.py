@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, fraction, split_spec
+from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, split_spec
+from megatron_dllm.data.tokenizers import TOKENIZER_TYPES
 
 
 @dataclass(frozen=True)
@@ -26,5 +27,29 @@ class DataConfig(FlagGroup):
 @dataclass(frozen=True)
 class TokenizerConfig(FlagGroup):
     GROUP = "tokenizer"
-    tokenizer_type: str | None = flag(help="SentencePieceTokenizer | HuggingFaceTokenizer | TikTokenizer")
-    tokenizer_model: str | None = flag(help="the tokenizer model file (or directory) the data was made with")
+    tokenizer_type: str | None = flag(choices=list(TOKENIZER_TYPES), help="the tokenizer's format")
+    tokenizer_model: str | None = flag(help="SentencePiece .model, tokenizer.json (or its directory), or a "
+                                            ".tiktoken file: the tokenizer the data was made with")
+    tiktoken_pattern: str | None = flag(help="TikTokenizer pre-tokenisation regex: llama3 (default, cl100k-style), "
+                                             "cl100k, o200k, or a literal regex")
+    tiktoken_special_tokens: list | None = flag(nargs="+", help="TikTokenizer special tokens, given ids after the "
+                                                                "last rank (default: <|begin_of_text|> <|end_of_text|>)")
+    tiktoken_num_special_tokens: int | None = flag(type=positive_int,
+                                                   help="pad the special tokens with <|reserved_special_token_i|> "
+                                                        "up to this many (Llama 3: 256)")
+
+    def options(self) -> dict:
+        """The tokenizer class's options (TikTokenizer only)."""
+        tiktoken = {"pattern": self.tiktoken_pattern, "special_tokens": self.tiktoken_special_tokens,
+                    "num_special_tokens": self.tiktoken_num_special_tokens}
+        if self.tokenizer_type != "TikTokenizer":
+            given = [k for k, v in tiktoken.items() if v is not None]
+            if given:
+                raise ValueError(f"--tiktoken-{given[0].replace('_', '-')} applies to --tokenizer-type TikTokenizer only")
+            return {}
+        return tiktoken
+
+    def build(self):
+        from megatron_dllm.data.tokenizers import build_tokenizer
+
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, **self.options())

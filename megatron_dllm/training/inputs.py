@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from megatron_dllm.config import RunConfig, resolve_defaults, resolve_iterations
 from megatron_dllm.data.datasets import build_datasets
 from megatron_dllm.data.demo import prepare_demo_corpus
-from megatron_dllm.data.tokenizers import build_tokenizer
 from megatron_dllm.families import FAMILIES
 
 
@@ -24,7 +23,7 @@ def prepare_inputs(cfg: RunConfig) -> tuple[RunConfig, Inputs]:
     """Resolve `cfg` (preparing the embedded demo corpus once, if it is used) and build the
     tokenizer and datasets it names."""
     cfg = resolve_defaults(cfg, prepare_demo_corpus(cfg.data.demo_cache_dir) if cfg.demo else None)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    tokenizer = cfg.tokenizer.build()
     cfg = resolve_iterations(cfg, tokenizer.vocab_size)
     t, log = cfg.training, cfg.logging
     num_valid = log.eval_iters * t.global_batch_size if log.eval_interval else 0

@@ -41,7 +41,7 @@ class Trainer:
         ckpt, model_cfg, prec, t = cfg.checkpoint, cfg.model, cfg.precision, cfg.training
         if ckpt.save:  # a run that cannot save fails now, not after its first save interval
             checkpoint.check_writable(ckpt.save)
-        self.tokenizer_record = tokenizer_record(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+        self.tokenizer_record = tokenizer_record(cfg.tokenizer)
         vocab = self.tokenizer.vocab_size
         self.family = get_family(model_cfg.family, self.tokenizer.mask_id, vocab, model_cfg.loss)
         preset = cfg.preset()
