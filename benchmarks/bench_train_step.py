@@ -10,7 +10,7 @@ Variants, run interleaved (A B C, A B C, ...) after warm-up rounds, in one proce
                   + scheduler (`training.optim.build_optimizer`), `get_forward_backward_func` with
                   the MDLM family loss, `optimizer.step()`, `scheduler.step()`. On CPU this runs
                   under the `TorchFunctionMode` that `platform.install_cpu_compat` leaves active.
-* plain         — `model.reference.ReferenceDiT` (same weights, real vocabulary), the MDLM loss
+* plain         — the dense `DiT` of `hf/modeling_dllm.py` (same weights, real vocabulary), the MDLM loss
                   written densely with `F.cross_entropy`, `clip_grad_norm_` and `torch.optim.AdamW`
                   with megatron's hyper-parameters and param groups (no decay on biases and norms),
                   with the platform's TorchFunctionMode suspended: plain PyTorch.
@@ -49,8 +49,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import Noise, get_family  # noqa: E402
+from megatron_dllm.hf import export  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
-from megatron_dllm.model.reference import ReferenceDiT  # noqa: E402
 
 OPT = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
            clip_grad=1.0)
@@ -122,10 +122,11 @@ class MegatronStep:
 # ------------------------------------------------------------------------------- plain path
 
 class PlainStep:
-    def __init__(self, state_dict, preset, vocab: int, family, inp):
-        self.model = ReferenceDiT.from_megatron_state_dict(state_dict, preset.num_attention_heads,
-                                                           causal=family.attention == "causal",
-                                                           vocab_size=vocab)
+    def __init__(self, state_dict, preset, vocab: int, seq: int, family, inp):
+        identity = {"family": family.name, "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
+                    "num_attention_heads": preset.num_attention_heads, "vocab_size": vocab,
+                    "mask_id": family.mask_id}
+        self.model = export.hf_model(state_dict, identity, family.attention, seq).backbone
         decay = [p for n, p in self.model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
         no_decay = [p for n, p in self.model.named_parameters() if not (p.dim() > 1 and not n.endswith(".bias"))]
         self.optimizer = torch.optim.AdamW(
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
         max_rounds = args.max_rounds or 4 * args.repeats
         train_iters = args.warmup + max_rounds + 100
         megatron = MegatronStep(preset, args.vocab, args.batch, args.seq, family, inp, train_iters)
-        plain = PlainStep(megatron.initial_state, preset, args.vocab, family, inp)
+        plain = PlainStep(megatron.initial_state, preset, args.vocab, args.seq, family, inp)
         loss_m, loss_p = megatron(), plain()  # first step from identical weights: same loss
         print(f"first-step loss: megatron {loss_m:.6f}  plain {loss_p:.6f}", file=sys.stderr)
 

@@ -9,8 +9,8 @@ import torch
 from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family, shuffle as S
 from megatron_dllm.families.esolm import EsoLM, unpermute
+from megatron_dllm.hf import export
 from megatron_dllm.model.presets import Preset
-from megatron_dllm.model.reference import ReferenceDiT
 
 VOCAB, SEQ, BATCH = 300, 32, 3
 MASK_ID = VOCAB - 1
@@ -214,7 +214,9 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
     tokens = _tokens(seed=1)
     inp = fam.corrupt(tokens, _noise([4, 8, 15]))
-    ref = ReferenceDiT.from_megatron_state_dict(model.state_dict(), PRESET.num_attention_heads, causal=False)
+    model_identity = {"family": "esolm", "hidden_size": PRESET.hidden_size, "num_layers": PRESET.num_layers,
+                      "num_attention_heads": PRESET.num_attention_heads, "vocab_size": VOCAB, "mask_id": MASK_ID}
+    ref = export.hf_model(model.state_dict(), model_identity, "causal", SEQ, model.padded_vocab_size)
     with torch.no_grad():
         shuffled = model(inp.input_ids, inp.position_ids, inp.sigma).transpose(0, 1)
         # The same weights on the unshuffled sequence: i attends to j iff rank(j) <= rank(i).
@@ -222,7 +224,7 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
         attn_mask = rank[:, None, :] <= rank[:, :, None]
         z_t = unpermute(inp.input_ids, inp)
         identity = torch.arange(SEQ).expand(BATCH, SEQ)
-        want = ref(z_t, identity, inp.sigma, attn_mask=attn_mask)
+        want = ref(input_ids=z_t, position_ids=identity, sigma=inp.sigma, attention_mask=attn_mask).logits
         got = unpermute(shuffled, inp)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

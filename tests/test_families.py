@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family
-from megatron_dllm.families.base import T_EPS
+from megatron_dllm.model.constants import T_EPS
 
 VOCAB, PADDED, MASK = 50, 64, 49  # real vocabulary incl. [MASK], TP-padded size, mask id
 

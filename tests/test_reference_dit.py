@@ -1,7 +1,8 @@
-"""The megatron-core DiTModel against a plain-PyTorch DiT written from reference-algorithms.md §1.
+"""The megatron-core DiTModel against the dense DiT (megatron_dllm/hf/modeling_dllm.py), the plain
+PyTorch model of reference §1 that every HF export runs.
 
-Single process on CPU (world size 1, TP=1, PP=1): the megatron model's weights are loaded into
-`ReferenceDiT` and logits and gradients must agree in fp32.
+Single process on CPU (world size 1, TP=1, PP=1): the megatron model's weights are converted into
+the dense model (`hf.export.hf_model`) and logits and gradients must agree in fp32.
 """
 
 import pytest
@@ -10,10 +11,10 @@ import torch.nn.functional as F
 
 from megatron_dllm import platform
 from megatron_dllm.families import get_family
+from megatron_dllm.hf import export
 from megatron_dllm.model.presets import Preset
-from megatron_dllm.model.reference import ReferenceDiT, megatron_to_reference
 
-VOCAB, SEQ, BATCH = 300, 32, 3
+VOCAB, PADDED, SEQ, BATCH = 300, 384, 32, 3  # PADDED: megatron's vocabulary, a multiple of 128
 MASK_ID = VOCAB - 1
 PRESET = Preset(64, 2, 4)
 
@@ -55,23 +56,34 @@ def megatron_logits(model, ids, positions, sigma):
     return model(ids, positions, sigma).transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
 
+def dense(model, attention: str, vocab_size: int = PADDED):
+    """The dense model holding the megatron model's weights (megatron's padded vocabulary kept)."""
+    identity = {"family": "ar" if attention == "causal" else "mdlm", "hidden_size": PRESET.hidden_size,
+                "num_layers": PRESET.num_layers, "num_attention_heads": PRESET.num_attention_heads,
+                "vocab_size": VOCAB, "mask_id": MASK_ID}
+    return export.hf_model(model.state_dict(), identity, attention, SEQ, vocab_size)
+
+
+def dense_logits(ref, ids, positions, sigma):
+    return ref(input_ids=ids, position_ids=positions, sigma=sigma).logits
+
+
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_logits_match_reference(attention):
+def test_logits_match_dense_model(attention):
     model = build_megatron(attention)
-    ref = ReferenceDiT.from_megatron_state_dict(model.state_dict(), PRESET.num_attention_heads,
-                                                causal=attention == "causal")
+    ref = dense(model, attention)
     ids, positions, sigma = inputs()
     with torch.no_grad():
         got = megatron_logits(model, ids, positions, sigma)
-        want = ref(ids, positions, sigma)
-    assert got.shape == want.shape == (BATCH, SEQ, 384)  # padded vocabulary kept
+        want = dense_logits(ref, ids, positions, sigma)
+    assert got.shape == want.shape == (BATCH, SEQ, PADDED)  # padded vocabulary kept
     assert want.abs().max() > 1.0  # non-trivial
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # Sliced to the real vocabulary: the same logits, without the padded rows.
-    sliced = ReferenceDiT.from_megatron_state_dict(model.state_dict(), PRESET.num_attention_heads,
-                                                   causal=attention == "causal", vocab_size=VOCAB)
+    # Sliced to the real vocabulary (as exported): the same logits, without the padded rows.
+    sliced = dense(model, attention, vocab_size=VOCAB)
     with torch.no_grad():
-        torch.testing.assert_close(sliced(ids, positions, sigma), got[..., :VOCAB], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dense_logits(sliced, ids, positions, sigma), got[..., :VOCAB],
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
@@ -92,14 +104,12 @@ def test_positions_matter(attention):
 
 
 def test_initial_logits_are_zero():
+    """adaLN-zero: the megatron initialisation, and the dense model holding it, start at logits 0."""
     model = build_megatron("bidirectional", randomise=False)
     ids, positions, sigma = inputs()
     with torch.no_grad():
-        logits = megatron_logits(model, ids, positions, sigma)
-    assert torch.count_nonzero(logits) == 0
-    ref = ReferenceDiT(PRESET.hidden_size, PRESET.num_layers, PRESET.num_attention_heads, VOCAB, causal=False)
-    with torch.no_grad():
-        assert torch.count_nonzero(ref(ids, positions, sigma)) == 0
+        assert torch.count_nonzero(megatron_logits(model, ids, positions, sigma)) == 0
+        assert torch.count_nonzero(dense_logits(dense(model, "bidirectional"), ids, positions, sigma)) == 0
 
 
 def dense_mdlm_loss(logits, ids, targets, mask_id, vocab_size):
@@ -113,10 +123,9 @@ def dense_mdlm_loss(logits, ids, targets, mask_id, vocab_size):
 
 
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_gradients_match_reference(attention):
+def test_gradients_match_dense_model(attention):
     model = build_megatron(attention)
-    ref = ReferenceDiT.from_megatron_state_dict(model.state_dict(), PRESET.num_attention_heads,
-                                                causal=attention == "causal")
+    ref = dense(model, attention)
     family = get_family("mdlm", MASK_ID, VOCAB)
     gen = torch.Generator().manual_seed(5)
     targets = torch.randint(0, VOCAB - 1, (BATCH, SEQ), generator=gen)
@@ -127,16 +136,17 @@ def test_gradients_match_reference(attention):
     model.zero_grad()
     loss_m = family.loss(model(ids, positions, sigma), inp).sum() / inp.valid.sum()
     loss_m.backward()
-    loss_r = dense_mdlm_loss(ref(ids, positions, sigma), ids, targets, MASK_ID, VOCAB)
+    loss_r = dense_mdlm_loss(dense_logits(ref, ids, positions, sigma), ids, targets, MASK_ID, VOCAB)
     loss_r.backward()
     torch.testing.assert_close(loss_m, loss_r, atol=1e-5, rtol=1e-5)
 
-    grads_m = megatron_to_reference({n: p.grad for n, p in model.named_parameters()},
-                                    PRESET.num_attention_heads)
+    grads_m = export.megatron_to_hf({n: p.grad for n, p in model.named_parameters()},
+                                    PRESET.num_attention_heads, PADDED)
     grads_r = {n: p.grad for n, p in ref.named_parameters()}
     assert grads_m.keys() == grads_r.keys()
     for name in grads_r:
         scale = grads_r[name].abs().max().clamp_min(1e-3)
         torch.testing.assert_close(grads_m[name] / scale, grads_r[name] / scale, atol=1e-5, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
-    assert grads_r["vocab_embed"].abs().sum() > 0 and grads_r["blocks.0.attn_qkv.weight"].abs().sum() > 0
+    assert grads_r["backbone.vocab_embed.weight"].abs().sum() > 0
+    assert grads_r["backbone.blocks.0.attn_qkv.weight"].abs().sum() > 0

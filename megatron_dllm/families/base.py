@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-T_EPS = 1e-3  # smallest diffusion time (reference: t = (1 - 1e-3) u + 1e-3)
+from megatron_dllm.model.constants import T_EPS
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.families.base import T_EPS
+from megatron_dllm.model.constants import T_EPS
 
 
 class LogLinear:
@@ -12,6 +12,8 @@ class LogLinear:
     With t in [eps, 1] this gives 1 - alpha_t = (1 - eps) t and dalpha/(1 - alpha) = -1/t for
     alpha_0 = 1: the MDLM NELBO weight is exactly 1/t.
     """
+
+    name = "loglinear"  # as an HF export's config.json names it
 
     def __init__(self, alpha_0: float = 1.0, eps: float = T_EPS):
         self.alpha_0, self.eps = alpha_0, eps

@@ -1,4 +1,7 @@
-"""Configuration of an exported megatron_dllm DiT (self-contained: copied into exported dirs)."""
+"""Configuration of an exported megatron_dllm DiT (self-contained: copied into exported dirs).
+
+The defaults of the fixed sizes (cond_dim ... layer_norm_eps) are megatron_dllm/model/constants.py's
+values, which every export writes into its config.json."""
 from transformers import PretrainedConfig
 
 
@@ -8,9 +11,9 @@ class DLLMConfig(PretrainedConfig):
                      "n_positions": "max_position_embeddings"}
 
     def __init__(self, family="mdlm", hidden_size=256, num_layers=6, num_heads=4, vocab_size=32001,
-                 mask_token_id=32000, cond_dim=128, time_freq_dim=256, noise_schedule="loglinear",
-                 noise_eps=1e-3, attention="bidirectional", rope_theta=10000.0, layer_norm_eps=1e-5,
-                 max_position_embeddings=2048, **kwargs):
+                 mask_token_id=32000, cond_dim=128, time_freq_dim=256, time_max_period=10000.0,
+                 noise_schedule="loglinear", noise_eps=1e-3, attention="bidirectional", rope_theta=10000.0,
+                 layer_norm_eps=1e-5, max_position_embeddings=2048, **kwargs):
         self.family = family
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -19,6 +22,7 @@ class DLLMConfig(PretrainedConfig):
         self.mask_token_id = mask_token_id
         self.cond_dim = cond_dim
         self.time_freq_dim = time_freq_dim
+        self.time_max_period = time_max_period
         self.noise_schedule = noise_schedule
         self.noise_eps = noise_eps
         self.attention = attention

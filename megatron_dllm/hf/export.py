@@ -1,9 +1,11 @@
 """Conversion between megatron_dllm checkpoints (torch_dist, any TP/PP layout) and Hugging Face
 directories (config.json + model.safetensors + the self-contained modeling files + tokenizer).
 
-Names: HF keys are "backbone." + ReferenceDiT's names (megatron_dllm/model/reference.py), with the
-embedding as `vocab_embed.weight`; the fused qkv rows are [3, heads, head_dim] in HF and
-[heads, 3, head_dim] in megatron. HF drops megatron's vocabulary padding (real vocab incl. [MASK]).
+The one converter between megatron's TP=1/PP=1 state dict (global layer numbers) and the dense
+model's (modeling_dllm.py): HF keys are "backbone." + the dense DiT's parameter names; the fused
+qkv rows are [3, heads, head_dim] in HF and [heads, 3, head_dim] in megatron. HF drops megatron's
+vocabulary padding (real vocab incl. [MASK]) unless asked to keep it. Export, import, sampling's
+loading and the tests all convert through it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import shutil
 import torch
 
 from megatron_dllm.families import FAMILIES
+from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.model import constants
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ("configuration_dllm.py", "modeling_dllm.py")
@@ -46,7 +50,8 @@ def megatron_name_to_hf(key: str) -> str:
 
 
 def megatron_to_hf(state_dict: dict, num_heads: int, vocab_size: int) -> dict:
-    """TP=1/PP=1 DiTModel state dict (global layer numbers) -> HF state dict (fp32, real vocab)."""
+    """TP=1/PP=1 DiTModel state dict (global layer numbers), or a dict of its gradients under the
+    same names -> HF state dict (fp32, CPU) with the first `vocab_size` vocabulary rows."""
     out = {}
     for key, value in state_dict.items():
         if "_extra_state" in key or value is None:
@@ -117,7 +122,6 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     from megatron.core import dist_checkpointing
 
     from megatron_dllm import checkpoint
-    from megatron_dllm.families import FAMILIES
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
     from megatron_dllm.model.presets import Preset
 
@@ -179,10 +183,35 @@ def hf_config_dict(identity: dict, attention: str, max_length: int) -> dict:
             "family": identity["family"], "hidden_size": identity["hidden_size"],
             "num_layers": identity["num_layers"], "num_heads": identity["num_attention_heads"],
             "vocab_size": identity["vocab_size"], "mask_token_id": identity["mask_id"],
-            "cond_dim": 128, "time_freq_dim": 256, "noise_schedule": "loglinear", "noise_eps": 1e-3,
-            "attention": attention, "rope_theta": 10000.0, "layer_norm_eps": 1e-5,
+            "cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
+            "time_max_period": constants.TIME_MAX_PERIOD, "noise_schedule": LogLinear.name,
+            "noise_eps": constants.T_EPS, "attention": attention, "rope_theta": constants.ROTARY_BASE,
+            "layer_norm_eps": constants.LAYER_NORM_EPS,
             "max_position_embeddings": int(max_length), "tie_word_embeddings": False,
             "use_cache": False, "torch_dtype": "float32"}
+
+
+def model_class(family: str):
+    """The transformers class of a family: DLLMForCausalLM for next-token models, else DLLMForMaskedLM."""
+    from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+
+    return DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM
+
+
+def hf_model(state_dict: dict, identity: dict, attention: str, max_length: int, vocab_size: int | None = None):
+    """The transformers model holding a TP=1/PP=1 DiTModel state dict (fp32, CPU): what an export
+    of it loads as. It keeps `vocab_size` vocabulary rows: the real vocabulary by default; megatron's
+    padded size keeps the padding, so that its logits line up with megatron's column for column."""
+    from megatron_dllm.hf.configuration_dllm import DLLMConfig
+
+    config = hf_config_dict(identity, attention, max_length)
+    for key in ("auto_map", "architectures", "model_type"):  # config.json's, not DLLMConfig's arguments
+        del config[key]
+    config["vocab_size"] = vocab_size or identity["vocab_size"]
+    model = model_class(identity["family"])(DLLMConfig(**config))
+    model.load_state_dict(megatron_to_hf(state_dict, identity["num_attention_heads"], config["vocab_size"]),
+                          strict=True)
+    return model
 
 
 def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:

@@ -1,5 +1,9 @@
 """The megatron_dllm DiT as a transformers model (self-contained: torch + transformers only).
 
+`DiT` is the one dense implementation of the backbone: every HF export runs it, sampling and
+evaluation load megatron checkpoints into it, and the tests and the training-step benchmark hold
+the megatron model against it. The fixed sizes and constants come from the config.
+
 Pre-norm DiT blocks with adaLN-zero time conditioning c = SiLU(MLP(sinusoidal(sigma))), rotary
 over the full head dimension from explicit per-token positions, SDPA attention (no bias on qkv
 and out projections), tanh-GELU MLP with bias, final LN + adaLN + Linear(h, V) with bias.
@@ -30,14 +34,14 @@ except ImportError:  # loaded as a top-level module
 class TimestepEmbedder(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.freq_dim = config.time_freq_dim
+        self.freq_dim, self.max_period = config.time_freq_dim, config.time_max_period
         self.mlp = nn.Sequential(nn.Linear(config.time_freq_dim, config.cond_dim), nn.SiLU(),
                                  nn.Linear(config.cond_dim, config.cond_dim))
 
     def forward(self, sigma):
         half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
-                                                            device=sigma.device) / half)
+        freqs = torch.exp(-math.log(self.max_period) * torch.arange(half, dtype=torch.float32,
+                                                                   device=sigma.device) / half)
         args = sigma.float()[:, None] * freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         return self.mlp(emb.to(self.mlp[0].weight.dtype))
@@ -153,6 +157,8 @@ class DiT(nn.Module):
         self.output_layer = FinalLayer(config)
 
     def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None):
+        """input_ids, position_ids: [b, s]; sigma: [b]; attn_mask: None (the config's attention
+        layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it. Logits [b, s, V]."""
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)

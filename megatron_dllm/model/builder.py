@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dllm import platform
+from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
@@ -58,7 +59,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
     config = TransformerConfig(
         num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
         ffn_hidden_size=p.ffn_hidden_size, kv_channels=p.hidden_size // p.num_attention_heads,
-        layernorm_epsilon=1e-5, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        layernorm_epsilon=LAYER_NORM_EPS, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         activation_func=gelu_tanh, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

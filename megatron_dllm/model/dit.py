@@ -1,7 +1,7 @@
 """The DiT backbone. It knows nothing about diffusion: token ids, per-token position ids, a
 per-sequence sigma and an attention layout go in; vocab-parallel logits come out.
 
-    c      = SiLU(TimestepEmbedder(sigma))                        [b, 128], on every PP stage
+    c      = SiLU(TimestepEmbedder(sigma))                        [b, COND_DIM], on every PP stage
     x      = VocabParallelEmbedding(ids)                          [s, b, h]  (first stage)
     x      = DiTLayer(x, c, rotary(position_ids))  x num_layers   (this stage's layers)
     logits = Linear(mod(LN(x), adaLN_2(c)))                       [s, b, V/tp] (last stage)
@@ -25,11 +25,8 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from megatron_dllm.model.constants import COND_DIM, ROTARY_BASE, TIME_FREQ_DIM, TIME_MAX_PERIOD
 from megatron_dllm.model.layer import AdaLNModulation, DiTLayerNorm, modulate, tag_replicated
-from megatron_dllm.model.presets import COND_DIM
-
-TIME_FREQ_DIM = 256
-ROTARY_BASE = 10000.0
 
 
 class TimestepEmbedder(torch.nn.Module):
@@ -48,8 +45,8 @@ class TimestepEmbedder(torch.nn.Module):
 
     def forward(self, sigma: torch.Tensor) -> torch.Tensor:
         half = TIME_FREQ_DIM // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32,
-                                                            device=sigma.device) / half)
+        freqs = torch.exp(-math.log(TIME_MAX_PERIOD) * torch.arange(half, dtype=torch.float32,
+                                                                   device=sigma.device) / half)
         args = sigma.float()[:, None] * freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         return self.mlp(emb.to(self.mlp[0].weight.dtype))

@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dllm.model.presets import COND_DIM
+from megatron_dllm.model.constants import COND_DIM
 
 ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal}
 

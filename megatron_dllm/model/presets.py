@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COND_DIM = 128  # time-conditioning width, the same for every size (reference §1)
-
 
 @dataclass(frozen=True)
 class Preset:

@@ -28,13 +28,6 @@ class InferenceModel:
         return next(self.model.parameters()).device
 
 
-def _model_class(family: str):
-    from megatron_dllm.families import FAMILIES
-    from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
-
-    return DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM
-
-
 def _tokenizer_or_none(tokenizer_type, tokenizer_model):
     from megatron_dllm.data.tokenizers import build_tokenizer
 
@@ -49,17 +42,11 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
     from megatron_dllm import platform
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
     from megatron_dllm.hf import export
-    from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
     if not parallel_state.model_parallel_is_initialized():
         platform.init_distributed(1, 1)
     megatron_model, identity, common, arch = export.load_megatron_model(path, use_ema)
-    state = export.megatron_to_hf(megatron_model.state_dict(), identity["num_attention_heads"],
-                                  identity["vocab_size"])
-    config = DLLMConfig(**{k: v for k, v in export.hf_config_dict(identity, arch.attention, arch.seq_length).items()
-                           if k not in ("auto_map", "architectures", "model_type")})
-    model = _model_class(identity["family"])(config)
-    model.load_state_dict(state, strict=True)
+    model = export.hf_model(megatron_model.state_dict(), identity, arch.attention, arch.seq_length)
     saved_tok = common.get("tokenizer") or {}
     if tokenizer_model:
         check_tokenizer(saved_tok, tokenizer_model, path)
@@ -68,10 +55,11 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
 
 
 def _from_hf(path: str, tokenizer_type, tokenizer_model):
+    from megatron_dllm.hf import export
     from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
     config = DLLMConfig.from_pretrained(path)
-    model = _model_class(config.family).from_pretrained(path, config=config)
+    model = export.model_class(config.family).from_pretrained(path, config=config)
     tokenizer = _tokenizer_or_none(tokenizer_type, tokenizer_model)
     if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         tokenizer = HFDirTokenizer(path)

@@ -8,7 +8,7 @@ width. A multiply-add counts 2 FLOPs. Training (forward + backward) = 3 x forwar
 "exact training compute" with the calflops package on its plain-PyTorch model. calflops patches
 ``torch.nn.functional`` (linear, layer_norm, gelu, silu, ...) and ``torch.matmul``; it does not
 patch ``F.scaled_dot_product_attention`` (nor flash/flex attention kernels), so attention scores
-and values are not counted. Run on ``model/reference.py`` it reports, per sequence,
+and values are not counted. Run on the dense DiT (``hf/modeling_dllm.py``) it reports, per sequence,
 
     L (24 s h^2 + 12 s h + 12 c h) + 4 s h + 2 s h V + 4 c h + 2 (f c + c^2) + 2 c
 
@@ -41,9 +41,9 @@ are counted at full length.
 """
 from __future__ import annotations
 
-from megatron_dllm.model.presets import COND_DIM, Preset
+from megatron_dllm.model.constants import COND_DIM, TIME_FREQ_DIM
+from megatron_dllm.model.presets import Preset
 
-TIME_FREQ_DIM = 256  # sinusoidal features of sigma fed to the time embedder
 CONVENTIONS = ("calflops", "full")
 
 
