@@ -38,7 +38,6 @@ import sys
 import time
 import warnings
 from functools import partial
-from types import SimpleNamespace
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -73,18 +72,18 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int):
         from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+        from megatron_dllm.config.parallel import ParallelConfig
+        from megatron_dllm.config.training import OptimizerConfig
         from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
         self.arch = Architecture(preset, vocab, seq, family.attention)
         self.config, mlp_config = transformer_config(self.arch)
         chunks = build_model(self.arch, self.config, mlp_config, seed=0)
         self.initial_state = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
-        args = SimpleNamespace(overlap_grad_reduce=False, use_distributed_optimizer=False,
-                               lr_warmup_iters=0, lr_warmup_fraction=None, lr_decay_iters=None,
-                               lr_decay_style="cosine", lr_wsd_decay_iters=None, lr_wsd_decay_style="cosine",
-                               **OPT)
-        self.model = wrap_ddp(chunks, self.config, args)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.config, args, train_iters)
+        parallel = ParallelConfig()
+        self.model = wrap_ddp(chunks, self.config, parallel)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, self.config, OptimizerConfig(lr_warmup_iters=0, **OPT), parallel, train_iters)
         self.family, self.inp, self.batch, self.seq = family, inp, batch, seq
 
     # The next three mirror Trainer._forward_step / _loss_func / train_step + _run_schedule.

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_dllm.hf.configuration_dllm import DLLMConfig
+from megatron_dllm.hf.modeling_dllm import DiT
 from megatron_dllm.model.presets import PAPER_PRESETS, Preset, get_preset
-from megatron_dllm.model.reference import ReferenceDiT
 from megatron_dllm.scaling import pareto
 from megatron_dllm.scaling.fits import analyze_isoflop, fit_step_curve
 from megatron_dllm.scaling.flops import forward_flops_per_sequence, non_embedding_params, train_flops_per_sequence
@@ -27,7 +28,7 @@ def _tool(name: str):
 
 # ------------------------------------------------------------------ FLOPs conventions
 
-# calflops 0.3.2, calculate_flops(ReferenceDiT(h, L, heads, V, causal), kwargs=(ids, positions, sigma),
+# calflops 0.3.2, calculate_flops(dense DiT(h, L, heads, V, causal), kwargs=(ids, positions, sigma),
 # include_backPropagation=True) / batch: fwd + bwd FLOPs per sequence, measured on this repo's model
 # (recorded: importing calflops pulls in transformers and accelerate, ~10 s, too dear for a test).
 RECORDED_CALFLOPS = [  # (hidden, layers, heads, vocab, seq, causal) -> training FLOPs per sequence
@@ -65,13 +66,14 @@ def test_full_convention_equals_flop_counter_mode(causal):
     from torch.utils.flop_counter import FlopCounterMode
 
     h, layers, heads, vocab, seq, batch = 64, 2, 4, 300, 48, 2
-    model = ReferenceDiT(h, layers, heads, vocab, causal)
+    model = DiT(DLLMConfig(hidden_size=h, num_layers=layers, num_heads=heads, vocab_size=vocab,
+                           attention="causal" if causal else "bidirectional"))
     # the math backend runs attention as matmuls FlopCounterMode sees (the CPU fused kernel has no formula)
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
         model(**_inputs(vocab, seq, batch))
     per_module = counter.get_flop_counts()
     assert per_module["Global"][torch.ops.aten.bmm] == batch * layers * 4 * seq * seq * h  # attention: full square
-    assert sum(per_module["ReferenceDiT.blocks.0.adaLN_modulation"].values()) == batch * 2 * 128 * 6 * h
+    assert sum(per_module["DiT.blocks.0.adaLN_modulation"].values()) == batch * 2 * 128 * 6 * h
     full = forward_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "full")
     assert counter.get_total_flops() == batch * full
     assert train_flops_per_sequence(Preset(h, layers, heads), vocab, seq, "full") == 3 * full
@@ -84,9 +86,10 @@ def test_non_embedding_params_closed_form():
     for name in ("cpu-tiny", "14M"):
         p = get_preset(name)
         with torch.device("meta"):
-            model = ReferenceDiT(p.hidden_size, p.num_layers, p.num_attention_heads, 32001, causal=False)
+            model = DiT(DLLMConfig(hidden_size=p.hidden_size, num_layers=p.num_layers,
+                                   num_heads=p.num_attention_heads, vocab_size=32001))
         total = sum(t.numel() for t in model.parameters())
-        assert non_embedding_params(p, 32001) == total - model.vocab_embed.numel()
+        assert non_embedding_params(p, 32001) == total - model.vocab_embed.weight.numel()
     for name, p in PAPER_PRESETS.items():  # the paper's table truncates to millions
         assert non_embedding_params(p, 32001) // 10**6 == int(name[:-1])
 
