@@ -179,7 +179,8 @@ def main(argv=None):
     lines += ["", "Context (megatron's numpy, not replaced): document index = `_build_document_index` "
               "(RandomState shuffle of the documents), shuffle index = `_build_shuffle_index`; output "
               "= the sample index array.", "",
-              "| tokens | document index | shuffle index | sample index output | at 2.1T tokens: doc / shuffle / output |",
+              "| tokens | document index | shuffle index | sample index output | "
+              "at 2.1T tokens: doc / shuffle / output |",
               "|---|---|---|---|---|"]
     for tokens, info, scale in contexts:
         lines.append(f"| {tokens:.0e} | {fmt_s(info['t_document_index'])} | {fmt_s(info['t_shuffle_index'])} | "

@@ -3,8 +3,9 @@
 Logits [L, B, V] (default B=8, L=2048, V=32001, fp32) are created once; each round runs, per
 head, `loss(logits.clone()).sum().backward()` into logits.grad (the clone stands in for the model's output, which
 the heads modify in place) and records wall time and the peak memory *above the live logits and
-their clone* (so the logits gradient, one logits-sized buffer, is included): on GPU torch.cuda.max_memory_allocated, on CPU the process's peak RSS (VmHWM,
-reset through /proc/self/clear_refs before each measurement). Heads alternate (A B, A B, ...).
+their clone* (so the logits gradient, one logits-sized buffer, is included): on GPU
+torch.cuda.max_memory_allocated, on CPU the process's peak RSS (VmHWM, reset through
+/proc/self/clear_refs before each measurement). Heads alternate (A B, A B, ...).
 
     python benchmarks/bench_loss_heads.py [--batch 8 --seq 2048 --vocab 32001 --repeats 5 --bf16]
 """

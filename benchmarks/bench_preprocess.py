@@ -112,7 +112,8 @@ def main():
                 print(json.dumps(rows[-1]), flush=True)
     cpu = platform.processor() or platform.machine()
     try:
-        model_name = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
+        model_name = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                      if line.startswith("model name")][0]
     except (OSError, IndexError):
         model_name = cpu
     lines = [
@@ -148,7 +149,7 @@ def main():
         if r["workers"] != 1:
             continue
         core_h = TARGET_TOKENS / r["tok_s"] / 3600
-        need = lambda cores: -(-core_h // (cores * 24))  # noqa: E731
+        need = lambda cores, core_h=core_h: -(-core_h // (cores * 24))  # noqa: E731
         lines.append(f"| {r['tokenizer']} | {r['tok_s']:,.0f} | {core_h:,.0f} | {core_h / 32:,.0f} | "
                      f"{need(32):,.0f} | {need(64):,.0f} | {need(128):,.0f} |")
     lines += ["", "The same by input bytes, for a 128k vocabulary (about 4.5 bytes of text per token on English "

@@ -44,8 +44,8 @@ def bench(B: int, L: int, repeats: int, device: str, backends: list[str]) -> dic
         S.unpermute(x, sort_idx, backend=b)
     for _ in range(repeats):
         for b in backends:
-            results[f"shuffle/{b}"].append(_time(lambda: S.shuffle(mask, u, z, x0, pos, backend=b), sync))
-            results[f"unpermute/{b}"].append(_time(lambda: S.unpermute(x, sort_idx, backend=b), sync))
+            results[f"shuffle/{b}"].append(_time(lambda b=b: S.shuffle(mask, u, z, x0, pos, backend=b), sync))
+            results[f"unpermute/{b}"].append(_time(lambda b=b: S.unpermute(x, sort_idx, backend=b), sync))
     return {k: statistics.median(v) for k, v in results.items()}
 
 
@@ -75,7 +75,8 @@ def main():
             for op in ("shuffle", "unpermute"):
                 t = med[f"{op}/torch"] * 1e3
                 n = med[f"{op}/{native}"] * 1e3 if native else float("nan")
-                print(f"| {device} ({native or 'torch'}) | {B} | {args.length} | {op} | {t:.3f} | {n:.3f} | {t / n:.2f}x |")
+                print(f"| {device} ({native or 'torch'}) | {B} | {args.length} | {op} | "
+                      f"{t:.3f} | {n:.3f} | {t / n:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def main():
     dist.all_gather_object(every, results)
     if dist.get_rank() == dist.get_world_size() - 1:
         merged = {k: {**every[0][k], **{f: max(every[0][k][f], every[1][k][f]) for f in ("loss_rel_err", "grad_err")},
-                      "suppressed_grad_zero": every[0][k]["suppressed_grad_zero"] and every[1][k]["suppressed_grad_zero"]}
+                      "suppressed_grad_zero": (every[0][k]["suppressed_grad_zero"]
+                                               and every[1][k]["suppressed_grad_zero"])}
                   for k in every[0]}
         with open(sys.argv[1], "w") as f:
             json.dump(merged, f)

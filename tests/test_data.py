@@ -357,7 +357,8 @@ def test_datasets_reject_bad_prefixes(tmp_path, demo, sp_tok):
         build_datasets(data_path=[str(tmp_path / "nowhere")], **args)
     big = str(tmp_path / "big")
     _write_ours(big, [[1, 2, 3], [4, sp_tok.vocab_size + 5]], np.uint16)
-    with pytest.raises(ValueError, match=rf"big.bin holds token ids in \[1, {sp_tok.vocab_size + 5}\].*vocab_size=4097"):
+    with pytest.raises(ValueError,
+                       match=rf"big.bin holds token ids in \[1, {sp_tok.vocab_size + 5}\].*vocab_size=4097"):
         build_datasets(data_path=[big], **args)
     masked = str(tmp_path / "masked")  # the appended [MASK] id never belongs in data
     _write_ours(masked, [[1, 2, sp_tok.mask_id]], np.uint16)
@@ -409,7 +410,8 @@ def test_a_different_tokenizer_is_refused_naming_both(tmp_path, jsonl_corpus, de
     bigger = SimpleNamespace(name="TikTokenizer", model_path="/m/o200k.tiktoken", vocab_size=200_001,
                              mask_id=200_000, mask_appended=True)
     with pytest.raises(ValueError, match=r"was preprocessed with SentencePieceTokenizer .*vocab_size=4097.* "
-                                         r"but --tokenizer-model gives TikTokenizer \(o200k.tiktoken, vocab_size=200001\)"):
+                                         r"but --tokenizer-model gives TikTokenizer "
+                                         r"\(o200k.tiktoken, vocab_size=200001\)"):
         check_prefix(prefix, "--data-path", bigger, None)
     merged = str(tmp_path / "merged")
     merge_datasets([prefix, prefix], merged)

@@ -233,7 +233,8 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
     seq_inp = mdlm.corrupt(tokens, _noise([4, 8, 15]))
     for loss_type in ("low-var", "nelbo"):
         e, m = EsoLM(MASK_ID, VOCAB, loss_type), get_family("mdlm", MASK_ID, VOCAB, loss_type)
-        le = e.loss(shuffled.transpose(0, 1).clone(memory_format=torch.contiguous_format), inp).sum()  # the loss works in place
+        # the loss works in place
+        le = e.loss(shuffled.transpose(0, 1).clone(memory_format=torch.contiguous_format), inp).sum()
         lm = m.loss(got.transpose(0, 1).clone(memory_format=torch.contiguous_format), seq_inp).sum()
         torch.testing.assert_close(le, lm, atol=1e-4, rtol=1e-5)
 

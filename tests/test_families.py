@@ -108,7 +108,8 @@ def test_mask_rate_follows_the_schedule():
 def test_noise_is_the_same_after_a_restart():
     code = ("import torch; from megatron_dllm.families import Noise, get_family;"
             "ids = torch.arange(5, 9);"
-            "inp = get_family('mdlm', 49, 50).corrupt(torch.arange(4 * 40).view(4, 40) % 49, Noise(3, ids, ids - 5, 4));"
+            "inp = get_family('mdlm', 49, 50).corrupt(torch.arange(4 * 40).view(4, 40) % 49, "
+            "Noise(3, ids, ids - 5, 4));"
             "print(inp.input_ids.tolist(), inp.t.tolist())")
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     ids = torch.arange(5, 9)

@@ -133,7 +133,8 @@ def test_damaged_compressed_input_stops_and_publishes_nothing(tmp_path, sp_model
     preprocess([str(good), str(bad)], str(out / "c"), SP, sp_model, shard_index=0, **kw)
     before = _snapshot(inp, out)
     with pytest.raises(ValueError, match=rf"--input '{re.escape(str(bad))}': truncated or corrupt, reading "
-                                         rf"stopped after line \d+ \(at byte \d+ of the {bad.stat().st_size}-byte file\)"):
+                                         rf"stopped after line \d+ "
+                                         rf"\(at byte \d+ of the {bad.stat().st_size}-byte file\)"):
         preprocess([str(good), str(bad)], str(out / "c"), SP, sp_model, shard_index=1, **kw)
     assert _snapshot(inp, out) == before  # no shard 1 dataset, sidecar, rejections or .done.json
 

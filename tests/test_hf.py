@@ -71,9 +71,11 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     from megatron_dllm.checkpoint import manifest
 
     trained = checkpoints["mdlm"]
-    before = {n: manifest.sha256(os.path.join(trained, "iter_0000002", n)) for n in os.listdir(os.path.join(trained, "iter_0000002"))}
+    before = {n: manifest.sha256(os.path.join(trained, "iter_0000002", n))
+              for n in os.listdir(os.path.join(trained, "iter_0000002"))}
     assert convert_from_hf.main(["--hf", str(hf1), "--save", trained]) == 2
-    assert f"error: --save {trained} already holds a checkpoint; pass --overwrite to replace it" in capsys.readouterr().err
+    assert (f"error: --save {trained} already holds a checkpoint; pass --overwrite to replace it"
+            in capsys.readouterr().err)
     assert before == {n: manifest.sha256(os.path.join(trained, "iter_0000002", n)) for n in before}
     assert open(os.path.join(trained, "latest_checkpointed_iteration.txt")).read() == "2"
     for bad, message in [(tmp_path / "nothing", "config.json not found"), (ckpt, "config.json not found")]:
@@ -170,7 +172,8 @@ def _compare(out_root, tok_model, specs):
 
         sp = sentencepiece.SentencePieceProcessor(model_file=tok_model)
         text = "To be, or not to be: that is the question.\n  Whether 'tis nobler [MASK] in the mind"
-        assert tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False) == sp.encode(text.replace("[MASK]", "x"))
+        assert (tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False)
+                == sp.encode(text.replace("[MASK]", "x")))
         assert identity["mask_id"] in tok.encode(text, add_special_tokens=False)
         print(f"OK {family} rel_err={err:.2e}", flush=True)
 
@@ -182,7 +185,8 @@ def _compare(out_root, tok_model, specs):
     assert convert_to_hf.main(["--load", mdlm_ckpt, "--out", ar_dir]) == 2
     assert sorted(os.listdir(ar_dir)) == before
     assert convert_to_hf.main(["--load", mdlm_ckpt, "--out", ar_dir, "--overwrite"]) == 0
-    assert "generation_config.json" not in os.listdir(ar_dir) and '"mdlm"' in open(os.path.join(ar_dir, "config.json")).read()
+    assert ("generation_config.json" not in os.listdir(ar_dir)
+            and '"mdlm"' in open(os.path.join(ar_dir, "config.json")).read())
     assert {oct(os.stat(os.path.join(ar_dir, n)).st_mode & 0o777) for n in os.listdir(ar_dir)} == {"0o644"}
     assert not [n for n in os.listdir(out_root) if ".incomplete" in n or ".replaced" in n]
     print("OK overwrite", flush=True)

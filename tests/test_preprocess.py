@@ -67,7 +67,7 @@ def sp_model(tmp_path_factory, plays):
     import sentencepiece as spm
 
     path = str(tmp_path_factory.mktemp("tok") / "sp.model")
-    lines = [l for docs in list(plays.values())[:3] for p in docs for l in p.splitlines() if l.strip()]
+    lines = [line for docs in list(plays.values())[:3] for p in docs for line in p.splitlines() if line.strip()]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_prefix=path[:-6], vocab_size=1000, model_type="bpe",
         byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, normalization_rule_name="identity",

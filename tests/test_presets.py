@@ -29,7 +29,8 @@ def test_model_info_cli():
 
 def test_impossible_layouts_name_the_flag():
     arch = Architecture(get_preset("1708M"), 32001, 2048, "bidirectional")
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 does not divide the number of attention heads 17"):
+    with pytest.raises(ValueError,
+                       match="--tensor-model-parallel-size 2 does not divide the number of attention heads 17"):
         check_layout(arch, tp=2, pp=1, vpp=None)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size 3"):
         check_layout(arch, tp=1, pp=3, vpp=None)

@@ -95,7 +95,8 @@ def test_non_embedding_params_closed_form():
 
 
 def test_model_info_reports_both_conventions(capsys):
-    _tool("model_info").main(["--preset", "cpu-tiny", "--vocab-size", "4097", "--seq-length", "32", "--family", "ar", "--json"])
+    _tool("model_info").main(["--preset", "cpu-tiny", "--vocab-size", "4097", "--seq-length", "32", "--family", "ar",
+                              "--json"])
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["train_flops_per_seq_calflops"] == 70_374_144 and info["family"] == "ar"
     assert info["train_flops_per_seq_full"] == 3 * info["fwd_flops_per_seq_full"] > info["train_flops_per_seq_calflops"]
@@ -283,4 +284,5 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
           "--throughput", str(tmp_path / "speed.jsonl"), "--targets", "1", "--out-dir", str(tmp_path / "none")])
     result = json.loads((tmp_path / "none" / "results.json").read_text())
     assert result["pareto"] == [] and not (tmp_path / "none" / "pareto.png").exists()
-    assert any(s.startswith("Pareto frontier: no model reaches a --targets Gen PPL (1 ... 1)") for s in result["skipped"])
+    assert any(s.startswith("Pareto frontier: no model reaches a --targets Gen PPL (1 ... 1)")
+               for s in result["skipped"])

@@ -107,10 +107,10 @@ def load_checkpoint(path: str, model, optimizer, scheduler, identity: dict, *, l
     model/optimizer/scheduler and return its common state (iteration, consumed samples, ...).
 
     The run's identity (family, architecture, vocabulary) must match the checkpoint's.
-    `load_optim=False` leaves the
-    optimizer fresh (the LR schedule is still restored); `finetune` loads the weights only (no
-    optimizer, schedule, RNG or EMA), as happens for a model-only checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it
-    has them (else the EMA starts at the loaded weights).
+    `load_optim=False` leaves the optimizer fresh (the LR schedule is still restored); `finetune`
+    loads the weights only (no optimizer, schedule, RNG or EMA), as happens for a model-only
+    checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it has them (else the EMA
+    starts at the loaded weights).
     """
     common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
     iteration = common.get("iteration")

@@ -15,7 +15,8 @@ class CheckpointConfig(FlagGroup):
                                  "newest complete checkpoint) or one iter_XXXXXXX directory")
     ckpt_step: int | None = flag(type=non_negative_int, help="--load: the iteration to load from the root")
     no_load_optim: bool = flag(False, action="store_true",
-                               help="--load: leave the optimizer state fresh (weights, LR schedule, counters still load)")
+                               help="--load: leave the optimizer state fresh (weights, LR schedule, counters "
+                                    "still load)")
     no_load_rng: bool = flag(False, action="store_true", help="--load: do not restore the RNG states")
     finetune: bool = flag(False, action="store_true", help="--load: weights only; iteration and consumed samples "
                                                            "restart at 0, fresh optimizer and LR schedule")

@@ -33,7 +33,8 @@ class TokenizerConfig(FlagGroup):
     tiktoken_pattern: str | None = flag(help="TikTokenizer pre-tokenisation regex: llama3 (default, cl100k-style), "
                                              "cl100k, o200k, or a literal regex")
     tiktoken_special_tokens: list | None = flag(nargs="+", help="TikTokenizer special tokens, given ids after the "
-                                                                "last rank (default: <|begin_of_text|> <|end_of_text|>)")
+                                                                "last rank (default: <|begin_of_text|> "
+                                                                "<|end_of_text|>)")
     tiktoken_num_special_tokens: int | None = flag(type=positive_int,
                                                    help="pad the special tokens with <|reserved_special_token_i|> "
                                                         "up to this many (Llama 3: 256)")
@@ -45,7 +46,8 @@ class TokenizerConfig(FlagGroup):
         if self.tokenizer_type != "TikTokenizer":
             given = [k for k, v in tiktoken.items() if v is not None]
             if given:
-                raise ValueError(f"--tiktoken-{given[0].replace('_', '-')} applies to --tokenizer-type TikTokenizer only")
+                raise ValueError(f"--tiktoken-{given[0].replace('_', '-')} applies to --tokenizer-type "
+                                 f"TikTokenizer only")
             return {}
         return tiktoken
 

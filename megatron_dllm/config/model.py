@@ -29,6 +29,8 @@ class PrecisionConfig(FlagGroup):
     GROUP = "precision"
     bf16: bool = flag(False, action="store_true", help="bf16 params and compute (GPU; CPU runs fp32)")
     fp8_format: str | None = flag(choices=["e4m3", "hybrid"], help="TransformerEngine FP8 (H100)")
-    fp8_recipe: str = flag("delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"], help="FP8 scaling recipe")
+    fp8_recipe: str = flag("delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"],
+                           help="FP8 scaling recipe")
     fp8_amax_history_len: int = flag(1, type=positive_int, help="delayed scaling: amax history length")
-    fp8_amax_compute_algo: str = flag("most_recent", choices=["most_recent", "max"], help="delayed scaling: amax choice")
+    fp8_amax_compute_algo: str = flag("most_recent", choices=["most_recent", "max"],
+                                      help="delayed scaling: amax choice")

@@ -13,8 +13,9 @@ Index caches (`document/sample/shuffle_index.npy`, and a blend's `dataset_index.
 `<directory of the first prefix>/cache`). Megatron's own build-and-cache code writes them, but the
 sample and blending indices inside come from `megatron_dllm.data.index_builders` (C++, multi-
 threaded, output-identical to megatron's helpers_cpp, so either side's caches load in the other).
-With torch.distributed initialised, megatron-core builds them on rank 0 first and the other ranks load them after a barrier, so
-`build_datasets` must then be called on every rank; without it, the caller just builds.
+With torch.distributed initialised, megatron-core builds them on rank 0 first and the other ranks
+load them after a barrier, so `build_datasets` must then be called on every rank; without it, the
+caller just builds.
 
 Index caches never unpickle: megatron-core 0.16.1 reads them with `numpy.load(...,
 allow_pickle=True)`, which runs the code in a crafted cache file (a pickle, or an object array,

@@ -473,7 +473,8 @@ def preprocess(
                     rejections_out.write("\t".join(map(str, entry)) + "\n")
                     n_rejected += 1
                     if n_rejected <= MAX_PRINTED_REJECTIONS:
-                        where = f"{files[fi]} row {pos}" if file_format(files[fi]) == "parquet" else f"{files[fi]}:{pos}"
+                        where = (f"{files[fi]} row {pos}" if file_format(files[fi]) == "parquet"
+                                 else f"{files[fi]}:{pos}")
                         log(f"{label}rejected {where} [{key}]: {reason}")
             bar.update(n_records, chunk_tokens, chunk.bytes_done)
         bar.close()

@@ -185,7 +185,7 @@ def _jsonl_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
         if not line.strip():  # blank lines in JSONL are not records
             chunk.blank()
             continue
-        yield from chunk.add((fi, lineno, "jsonl", line), len(line), lambda: base_bytes + raw.tell())
+        yield from chunk.add((fi, lineno, "jsonl", line), len(line), lambda raw=raw: base_bytes + raw.tell())
 
 
 def _text_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
@@ -198,7 +198,7 @@ def _text_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
             block.append(line)
         elif block:
             data = b"".join(block).rstrip(b"\r\n")
-            yield from chunk.add((fi, start, "text", data), len(data), lambda: base_bytes + raw.tell())
+            yield from chunk.add((fi, start, "text", data), len(data), lambda raw=raw: base_bytes + raw.tell())
             block = []
     if block:
         data = b"".join(block).rstrip(b"\r\n")

@@ -22,8 +22,10 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokeniz
 # Pre-tokenisation regexes for TikTokenizer (`--tiktoken-pattern NAME` or a literal regex).
 TIKTOKEN_PATTERNS = {
     # Llama 3's (128k vocabulary; cl100k's regex without possessive quantifiers)
-    "llama3": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
-    "cl100k": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+    "llama3": (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""),
+    "cl100k": (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+               r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""),
     "o200k": "|".join([
         r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
         r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
@@ -148,7 +150,8 @@ class HuggingFaceTokenizer(_Tokenizer):
         eos = self._special(config.get("eos_token"), self.EOS_CANDIDATES, vocab)
         if eos is None:
             raise _bad_model(self.name, model_path, f"no EOS token found (looked for tokenizer_config.json "
-                                                    f"eos_token and {self.EOS_CANDIDATES}), expected one to serve as EOD")
+                                                    f"eos_token and {self.EOS_CANDIDATES}), expected one to "
+                                                    f"serve as EOD")
         self.eod = eos
         self.bos = self._special(config.get("bos_token"), self.BOS_CANDIDATES, vocab)
 

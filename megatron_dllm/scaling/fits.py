@@ -37,7 +37,8 @@ def fit_isoflop(budget: float, params, losses) -> IsoFLOPFit:
     """Parabola in log N through one budget's (N, loss) points; needs 3 sizes and a minimum."""
     x, y = np.log(np.asarray(params, dtype=float)), np.log(np.asarray(losses, dtype=float))
     if len(np.unique(x)) < 3:
-        raise ValueError(f"budget {budget:g}: an IsoFLOP parabola needs at least 3 model sizes, got {len(np.unique(x))}")
+        raise ValueError(f"budget {budget:g}: an IsoFLOP parabola needs at least 3 model sizes, "
+                         f"got {len(np.unique(x))}")
     a, b, c = np.polyfit(x, y, 2)
     if a <= 0:
         raise ValueError(f"budget {budget:g}: the losses have no minimum over log N (curvature {a:.3g} <= 0)")
@@ -149,7 +150,7 @@ def analyze_isoflop(runs: list[dict], reference_compute: float | None = None) ->
     if reference_compute is None and runs:
         reference_compute = max(float(r["budget"]) for r in runs)
     ar = results.get("ar")
-    for family, entry in results.items():
+    for _family, entry in results.items():
         if ar is None or ar["loss_law"] is None or entry["loss_law"] is None:
             entry["compute_multiplier_vs_ar"] = entry["size_ratio_vs_ar"] = None
             continue

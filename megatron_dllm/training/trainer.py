@@ -47,7 +47,8 @@ class Trainer:
         preset = cfg.preset()
         self.arch = Architecture(preset, vocab, model_cfg.seq_length, self.family.attention,
                                  model_cfg.make_vocab_size_divisible_by)
-        use_te = platform.HAS_TE if model_cfg.transformer_impl is None else model_cfg.transformer_impl == "transformer_engine"
+        use_te = (platform.HAS_TE if model_cfg.transformer_impl is None
+                  else model_cfg.transformer_impl == "transformer_engine")
         if (use_te or prec.fp8_format) and not platform.HAS_TE:
             raise ValueError("--transformer-impl transformer_engine and --fp8-format need TransformerEngine "
                              "on a CUDA GPU (not found); use --transformer-impl local without FP8")
