@@ -70,8 +70,23 @@ setup(
     extras_require={
         "hf": HF_EXPORT,
         # gguf + accelerate: transformers' GGUF loading (the SmolLM2 judge of tests/test_evaluate.py)
-        "test": ["pytest", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0"],
+        "test": ["pytest", "ruff", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0"],
     },
+    entry_points={"console_scripts": [
+        "dllm-pretrain=megatron_dllm.cli.pretrain:main",
+        "dllm-preprocess=megatron_dllm.cli.preprocess_data:main",
+        "dllm-merge=megatron_dllm.cli.merge_datasets:main",
+        "dllm-inspect=megatron_dllm.cli.inspect_dataset:main",
+        "dllm-build-indexes=megatron_dllm.cli.build_indexes:main",
+        "dllm-sample=megatron_dllm.cli.sample:main",
+        "dllm-evaluate=megatron_dllm.cli.evaluate:main",
+        "dllm-convert-to-hf=megatron_dllm.cli.convert_to_hf:main",
+        "dllm-convert-from-hf=megatron_dllm.cli.convert_from_hf:main",
+        "dllm-verify-checkpoint=megatron_dllm.cli.verify_checkpoint:main",
+        "dllm-model-info=megatron_dllm.cli.model_info:main",
+        "dllm-plan-isoflop=megatron_dllm.cli.plan_isoflop:main",
+        "dllm-scaling-laws=megatron_dllm.cli.scaling_laws:main",
+    ]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

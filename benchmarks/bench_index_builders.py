@@ -166,7 +166,7 @@ def main(argv=None):
              f"seq_length {SEQ}, AR (extra token), 1 epoch, lognormal document lengths (mean ~1000).", ""]
     lines += ["### Sample index", "",
               "| tokens | documents | samples | builder | time | peak extra memory | same as megatron | "
-              f"time at 2.1T tokens (linear) |", "|---|---|---|---|---|---|---|---|"]
+              "time at 2.1T tokens (linear) |", "|---|---|---|---|---|---|---|---|"]
     contexts = []
     for tokens in args.tokens:
         rows, info = bench_sample_index(tokens, args.reps)

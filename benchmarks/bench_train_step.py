@@ -47,6 +47,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
+from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
 from megatron_dllm.families import Noise, get_family  # noqa: E402
 from megatron_dllm.hf import export  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
@@ -71,9 +72,9 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int):
-        from megatron_dllm.model.builder import Architecture, build_model, transformer_config
         from megatron_dllm.config.parallel import ParallelConfig
         from megatron_dllm.config.training import OptimizerConfig
+        from megatron_dllm.model.builder import Architecture, build_model, transformer_config
         from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
         self.arch = Architecture(preset, vocab, seq, family.attention)
@@ -122,9 +123,8 @@ class MegatronStep:
 
 class PlainStep:
     def __init__(self, state_dict, preset, vocab: int, seq: int, family, inp):
-        identity = {"family": family.name, "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
-                    "num_attention_heads": preset.num_attention_heads, "vocab_size": vocab,
-                    "mask_id": family.mask_id}
+        identity = ModelIdentity(family.name, preset.hidden_size, preset.num_layers, preset.num_attention_heads,
+                                 vocab, family.mask_id)
         self.model = export.hf_model(state_dict, identity, family.attention, seq).backbone
         decay = [p for n, p in self.model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
         no_decay = [p for n, p in self.model.named_parameters() if not (p.dim() > 1 and not n.endswith(".bias"))]

@@ -22,7 +22,6 @@ import os
 import random
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
@@ -40,6 +39,22 @@ except ImportError:
 def device() -> torch.device:
     """The device this rank computes on."""
     return torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
+
+
+def tool_device(requested: str | None = None) -> str:
+    """The device of a one-process tool (`--device`): the one asked for, else CUDA where present.
+    Asking for CUDA on a machine without it is an error, not a silent fall-back to the CPU."""
+    if requested is None:
+        return "cuda" if HAS_CUDA else "cpu"
+    if requested.startswith("cuda") and not HAS_CUDA:
+        raise ValueError(f"--device {requested}: CUDA is not available on this machine")
+    return requested
+
+
+def release_cached_memory() -> None:
+    """Return the CUDA caching allocator's free blocks (after an out-of-memory probe)."""
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
 
 
 def backend() -> str:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_duo import PADDED, VOCAB, MASK, dense_loss_and_grad, make_case  # noqa: E402
+from test_duo import MASK, PADDED, VOCAB, dense_loss_and_grad, make_case  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 

@@ -4,6 +4,8 @@ import shutil
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100", "--train-iters", "4"]
 
@@ -13,6 +15,7 @@ def _losses(records):
 
 
 # (TP=2 and PP=2 resume with real kills in test_resume.py)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [["--use-distributed-optimizer"]], ids=["DP2-distopt"])
 def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
     full = tmp_path / "full"

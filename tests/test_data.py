@@ -288,6 +288,7 @@ def _prepare_in_subprocess(cache_dir):
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_demo_concurrent_and_interrupted(tmp_path):
     cache = str(tmp_path / "demo")
     procs = [_prepare_in_subprocess(cache) for _ in range(2)]

@@ -136,6 +136,8 @@ def test_corrupt_replaces_uniformly_with_real_ids(world_of_one):
     assert not torch.equal(other.input_ids, inp.input_ids[5:7])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_loss_and_grad_equal_dense_reference_tp2(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -153,6 +155,8 @@ def test_loss_and_grad_equal_dense_reference_tp2(tmp_path):
         assert r["suppressed_grad_zero"] and r["ranks_agree"], (t_value, r)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_real_text_training_validation_nelbo_falls(pretrain):
     _, records = pretrain(2, "--family", "duo", "--preset", "cpu-tiny", "--train-iters", "40",
                           "--log-interval", "10", "--eval-interval", "20", "--eval-iters", "2")

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megatron_dllm import platform
-from megatron_dllm.families import Noise, get_family, shuffle as S
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.families import Noise, get_family
+from megatron_dllm.families import shuffle as S
 from megatron_dllm.families.esolm import EsoLM, unpermute
 from megatron_dllm.hf import export
 from megatron_dllm.model.presets import Preset
@@ -94,6 +96,7 @@ def test_auto_dispatch_and_autograd():
         S.shuffle(mask, u, z, backend="nope")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -214,8 +217,8 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
     tokens = _tokens(seed=1)
     inp = fam.corrupt(tokens, _noise([4, 8, 15]))
-    model_identity = {"family": "esolm", "hidden_size": PRESET.hidden_size, "num_layers": PRESET.num_layers,
-                      "num_attention_heads": PRESET.num_attention_heads, "vocab_size": VOCAB, "mask_id": MASK_ID}
+    model_identity = ModelIdentity("esolm", PRESET.hidden_size, PRESET.num_layers, PRESET.num_attention_heads,
+                                   VOCAB, MASK_ID)
     ref = export.hf_model(model.state_dict(), model_identity, "causal", SEQ, model.padded_vocab_size)
     with torch.no_grad():
         shuffled = model(inp.input_ids, inp.position_ids, inp.sigma).transpose(0, 1)
@@ -241,6 +244,8 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed
 
 # ----------------------------------------------------------------------------- training
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_real_text_training_nelbo_falls(pretrain):
     iters = 40
     proc, records = pretrain(2, "--family", "esolm", "--preset", "cpu-tiny", "--train-iters", str(iters),

@@ -3,7 +3,7 @@ training-time validation figure (megatron checkpoint and exported HF dir), Gen P
 from shuffled text under a real judge (SmolLM2-135M), the exported AR model works as a judge and
 scores exactly as the AR family's NLL, entropy and the first-EOS mask against hand-computed values,
 and bad input gives one `error:` line with exit code 2."""
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -25,14 +25,7 @@ RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", 
 EVAL = ["--global-batch-size", "4", "--eval-iters", "2"]  # the training run's validation settings
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"tools_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-evaluate = _tool("evaluate")
+from megatron_dllm.cli import evaluate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def trained(demo_cache, tmp_path_factory):
     from megatron_dllm.data.demo import prepare_demo_corpus
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
-    convert = _tool("convert_to_hf")
+    convert = importlib.import_module("megatron_dllm.cli.convert_to_hf")
     try:
         for family in ("ar", "mdlm"):
             hf = str(root / family / "hf")
@@ -88,6 +81,7 @@ def _error(argv, capsys):
 # --------------------------------------------------------------------------- NELBO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["mdlm", "duo", "ar", "mdlm-hf", "ar-hf"])
 def test_nelbo_equals_training_validation(trained, demo_cache, tmp_path, which):
     ckpt, valid_nelbo = trained[which]
@@ -103,6 +97,7 @@ def test_nelbo_equals_training_validation(trained, demo_cache, tmp_path, which):
         (1234, 1235, 4, 2, 32, True)
 
 
+@pytest.mark.slow
 def test_nelbo_t_draws_average_and_keep_draw_zero(trained, demo_cache, tmp_path):
     ckpt, valid_nelbo = trained["mdlm-hf"]
     res = _evaluate(["nelbo", "--load", ckpt, "--demo-cache-dir", demo_cache, *EVAL, "--num-t-draws", "3",
@@ -160,6 +155,7 @@ def smollm2():
     return load_judge("smollm2")
 
 
+@pytest.mark.slow
 def test_gen_ppl_real_text_far_below_shuffled(smollm2, demo_cache):
     from megatron_dllm.evaluation.gen_ppl import generative_perplexity
 
@@ -179,6 +175,7 @@ def test_gen_ppl_real_text_far_below_shuffled(smollm2, demo_cache):
     assert c.per_sample_nll[:3] == pytest.approx(a.per_sample_nll[:3], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_exported_ar_model_is_a_judge_with_the_ar_nll(trained, demo_cache):
     from megatron_dllm import platform
     from megatron_dllm.evaluation.gen_ppl import generative_perplexity, score_ids
@@ -213,6 +210,7 @@ def test_exported_ar_model_is_a_judge_with_the_ar_nll(trained, demo_cache):
 
 
 
+@pytest.mark.slow
 def test_gen_ppl_of_tools_sample_output(trained, tmp_path):
     """tools/sample.py -> gen-ppl: JSON keys, sampling settings carried over, entropy of the model's ids."""
     from megatron_dllm import platform
@@ -220,8 +218,8 @@ def test_gen_ppl_of_tools_sample_output(trained, tmp_path):
 
     samples = str(tmp_path / "samples.json")
     try:
-        assert _tool("sample").main(["--load", trained["mdlm"][0], "--num-samples", "4", "--steps", "4",
-                                     "--output", samples]) == 0
+        assert importlib.import_module("megatron_dllm.cli.sample").main(
+            ["--load", trained["mdlm"][0], "--num-samples", "4", "--steps", "4", "--output", samples]) == 0
     finally:
         platform.destroy_distributed()
     with open(samples) as f:
@@ -235,6 +233,7 @@ def test_gen_ppl_of_tools_sample_output(trained, tmp_path):
     assert res["settings"]["batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_throughput_with_auto_batch_size(trained, tmp_path):
     res = _evaluate(["throughput", "--load", trained["mdlm"][0], "--steps", "4", "--batch-size", "auto",
                      "--max-batch-size", "2", "--repeats", "2"], tmp_path)
@@ -258,6 +257,7 @@ def test_plain_text_and_jsonl_samples(tmp_path):
 # --------------------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 def test_errors_name_the_flag_or_file(trained, tmp_path, capsys):
     missing = str(tmp_path / "missing")
     assert "--load" in _error(["nelbo", "--load", missing], capsys)

@@ -105,6 +105,7 @@ def test_mask_rate_follows_the_schedule():
     assert torch.allclose(rate, (1 - T_EPS) * inp.t, atol=0.03)
 
 
+@pytest.mark.slow
 def test_noise_is_the_same_after_a_restart():
     code = ("import torch; from megatron_dllm.families import Noise, get_family;"
             "ids = torch.arange(5, 9);"

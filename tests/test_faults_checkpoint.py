@@ -3,7 +3,6 @@ flags stop at parse time with one `error:` line, and ranks do not outlive their 
 
 Every launch checks the exit code, that the message names the file or flag, and that the
 checkpoint directories are byte-identical before and after."""
-import hashlib
 import json
 import os
 import shutil
@@ -13,10 +12,10 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, _free_port, run_pretrain
-from megatron_dllm.config import parse_args
+
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+from megatron_dllm.config import parse_args
 
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1"]
@@ -54,6 +53,7 @@ def _launch(demo_cache, workdir, *flags):
     return run_pretrain(1, ["--demo-cache-dir", demo_cache, *RUN, *flags], workdir, check=False)
 
 
+@pytest.mark.slow
 def test_saves_are_complete_with_a_manifest(trained):
     assert sorted(layout.iterations(str(trained))) == [2, 4] and (trained / TRACKER).read_text() == "4"
     for it in (2, 4):
@@ -67,6 +67,7 @@ def test_saves_are_complete_with_a_manifest(trained):
 # ------------------------------------------------------------------ loading never deletes
 
 
+@pytest.mark.slow
 def test_older_tracker_loads_that_iteration_and_keeps_newer_ones(ckpt, demo_cache, tmp_path):
     """Rolling back by hand (Megatron-LM style): the tracker names 2 while iter 4 exists."""
     (ckpt / TRACKER).write_text("2")
@@ -79,6 +80,7 @@ def test_older_tracker_loads_that_iteration_and_keeps_newer_ones(ckpt, demo_cach
     assert _snapshot(ckpt) == before
 
 
+@pytest.mark.slow
 def test_missing_tracker_loads_the_newest_complete_checkpoint(ckpt, demo_cache, tmp_path):
     (ckpt / TRACKER).unlink()
     (ckpt / "iter_0000006.incomplete").mkdir()  # a killed save: not a candidate, kept (not --save)
@@ -90,6 +92,7 @@ def test_missing_tracker_loads_the_newest_complete_checkpoint(ckpt, demo_cache, 
     assert _snapshot(ckpt) == before and (ckpt / "iter_0000006.incomplete").is_dir()
 
 
+@pytest.mark.slow
 def test_load_path_with_no_checkpoint_is_an_error(ckpt, demo_cache, tmp_path):
     before = _snapshot(ckpt)
     typo = str(ckpt) + "-typo"
@@ -101,6 +104,7 @@ def test_load_path_with_no_checkpoint_is_an_error(ckpt, demo_cache, tmp_path):
     assert not [r for r in records if "loss" in r] and _snapshot(ckpt) == before
 
 
+@pytest.mark.slow
 def test_corrupted_shard_is_refused_before_loading(ckpt, demo_cache, tmp_path):
     shard = ckpt / "iter_0000004" / "__0_1.distcp"
     data = bytearray(shard.read_bytes())
@@ -113,6 +117,7 @@ def test_corrupted_shard_is_refused_before_loading(ckpt, demo_cache, tmp_path):
     assert "Traceback" not in proc.stderr and not records and _snapshot(ckpt) == before
 
 
+@pytest.mark.slow
 def test_unwritable_save_fails_before_training(demo_cache, tmp_path):
     # Tests run as root, which ignores permission bits; sysfs refuses to create files even for root.
     save = "/sys/megatron_dllm_ckpt"
@@ -125,6 +130,7 @@ def test_unwritable_save_fails_before_training(demo_cache, tmp_path):
 # ------------------------------------------------------------------ in-process: layout and manifest
 
 
+@pytest.mark.slow
 def test_find_checkpoint_by_path_step_and_tracker(ckpt):
     root = str(ckpt)
     assert layout.find_checkpoint(root).path == layout.iteration_dir(root, 4)
@@ -144,6 +150,7 @@ def test_find_checkpoint_by_path_step_and_tracker(ckpt):
     assert layout.find_checkpoint(str(ckpt.parent / "empty")) is None
 
 
+@pytest.mark.slow
 def test_truncated_and_missing_files_are_named(ckpt):
     path = layout.iteration_dir(str(ckpt), 2)
     common = os.path.join(path, "common.pt")
@@ -156,6 +163,7 @@ def test_truncated_and_missing_files_are_named(ckpt):
         manifest.verify_manifest(path)
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint_without_manifest_gives_one_message(ckpt):
     """A checkpoint from before manifests (or another tool) is read unverified; a truncated file
     in it still becomes one message naming the checkpoint, not a traceback from torch."""
@@ -171,9 +179,9 @@ def test_truncated_checkpoint_without_manifest_gives_one_message(ckpt):
         checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
 
 
+@pytest.mark.slow
 def test_verify_checkpoint_tool(ckpt, capsys):
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import verify_checkpoint
+    from megatron_dllm.cli import verify_checkpoint
 
     assert verify_checkpoint.main([str(ckpt), "--all"]) == 0
     assert capsys.readouterr().out.count("ok ") == 2
@@ -184,6 +192,7 @@ def test_verify_checkpoint_tool(ckpt, capsys):
     assert f"error: {shard}: " in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_free_space_is_checked_against_the_last_checkpoint(ckpt):
     path = layout.iteration_dir(str(ckpt), 4)
     with open(os.path.join(path, manifest.MANIFEST)) as f:
@@ -196,6 +205,7 @@ def test_free_space_is_checked_against_the_last_checkpoint(ckpt):
         layout.check_save_dir(str(ckpt))
 
 
+@pytest.mark.slow
 def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
     staging = layout.staging_dir(str(ckpt), 4)
     shutil.copytree(ckpt / "iter_0000002", staging)
@@ -233,8 +243,7 @@ def test_impossible_values_are_rejected_at_parse_time(flags, message, capsys):
 
 
 def test_evaluate_rejects_zero_eval_iters(capsys):
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import evaluate
+    from megatron_dllm.cli import evaluate
 
     with pytest.raises(SystemExit) as exit_:
         evaluate.build_parser().parse_args(["nelbo", "--load", "x", "--eval-iters", "0"])
@@ -261,6 +270,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
     """SIGKILL torchrun alone (its ranks live in sessions of their own): the ranks stop within a
     few seconds and write no checkpoint after that."""
@@ -294,6 +305,7 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
     """The checkpoint records its tokenizer's SHA-256: the same file elsewhere passes, a file of
     other content (same vocabulary size or not) is refused with both files named."""

@@ -25,7 +25,6 @@ import pytest
 from megatron_dllm.data.datasets import build_datasets, check_prefix
 from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
-from megatron_dllm.data.merge import merge_datasets
 from megatron_dllm.data.preprocess import preprocess, shard_prefix
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 

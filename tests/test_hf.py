@@ -13,6 +13,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import _free_port, run_pretrain  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 FAMILIES = ["ar", "mdlm", "duo", "esolm"]
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--train-iters", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-interval", "100"]
@@ -54,6 +56,7 @@ def test_export_matches_megatron_for_every_family(checkpoints, demo_cache, tmp_p
         assert f"OK {family}" in proc.stdout, proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_path, capsys):
     from safetensors.torch import load_file
 
@@ -65,10 +68,8 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
           "--tensor-model-parallel-size", "2"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
     # converting into a directory that holds a checkpoint (a training run's, say) is refused
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import convert_from_hf
-
     from megatron_dllm.checkpoint import manifest
+    from megatron_dllm.cli import convert_from_hf
 
     trained = checkpoints["mdlm"]
     before = {n: manifest.sha256(os.path.join(trained, "iter_0000002", n))
@@ -85,7 +86,7 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     (tmp_path / "broken" / "config.json").write_text("{")
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
     assert convert_from_hf.main(["--hf", str(tmp_path / "broken"), "--save", str(tmp_path / "x")]) == 2
-    assert f"config.json: not valid JSON" in capsys.readouterr().err
+    assert "config.json: not valid JSON" in capsys.readouterr().err
     _run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(hf2)])
     a, b = load_file(str(hf1 / "model.safetensors")), load_file(str(hf2 / "model.safetensors"))
     assert sorted(a) == sorted(b)
@@ -119,9 +120,7 @@ def _compare(out_root, tok_model, specs):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
-    sys.path.insert(0, os.path.join(REPO, "tools"))
-    import convert_to_hf
-
+    from megatron_dllm.cli import convert_to_hf
     from megatron_dllm.hf import export
 
     torch.manual_seed(0)
@@ -131,23 +130,23 @@ def _compare(out_root, tok_model, specs):
         assert convert_to_hf.main(["--load", ckpt, "--out", out, "--tokenizer-type", "SentencePieceTokenizer",
                                    "--tokenizer-model", tok_model]) == 0
         model, identity, _, _ = export.load_megatron_model(ckpt)
-        V = identity["vocab_size"]
+        V = identity.vocab_size
         b, s = 3, 16
         ids = torch.randint(0, V, (b, s))
         pos = torch.arange(s)[None].repeat(b, 1)
         sigma = torch.zeros(b)
         if family == "esolm":
             pos = torch.stack([torch.randperm(s) for _ in range(b)])
-            ids[:, s // 2:] = identity["mask_id"]
+            ids[:, s // 2:] = identity.mask_id
         if family == "duo":
             sigma = torch.tensor([0.05, 0.7, 3.0])
         if family == "mdlm":
-            ids[:, ::3] = identity["mask_id"]
+            ids[:, ::3] = identity.mask_id
         with torch.no_grad():
             ref = model(ids, pos, sigma).transpose(0, 1)[..., :V].float()
         auto = AutoModelForCausalLM if family == "ar" else AutoModelForMaskedLM
         hf = auto.from_pretrained(out, trust_remote_code=True).eval()
-        assert hf.config.family == family and hf.config.mask_token_id == identity["mask_id"]
+        assert hf.config.family == family and hf.config.mask_token_id == identity.mask_id
         with torch.no_grad():
             got = hf(input_ids=ids, position_ids=pos, sigma=sigma).logits
         assert got.shape == ref.shape, (got.shape, ref.shape)
@@ -167,14 +166,14 @@ def _compare(out_root, tok_model, specs):
                 nxt = model(gen[:, :4], torch.arange(4)[None], torch.zeros(1)).transpose(0, 1)[0, -1, :V]
             assert gen[0, 4].item() == nxt.argmax().item()
         tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
-        assert tok.mask_token == "[MASK]" and tok.mask_token_id == identity["mask_id"]
+        assert tok.mask_token == "[MASK]" and tok.mask_token_id == identity.mask_id
         import sentencepiece
 
         sp = sentencepiece.SentencePieceProcessor(model_file=tok_model)
         text = "To be, or not to be: that is the question.\n  Whether 'tis nobler [MASK] in the mind"
         assert (tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False)
                 == sp.encode(text.replace("[MASK]", "x")))
-        assert identity["mask_id"] in tok.encode(text, add_special_tokens=False)
+        assert identity.mask_id in tok.encode(text, add_special_tokens=False)
         print(f"OK {family} rel_err={err:.2e}", flush=True)
 
     # an existing export is refused, then replaced whole with --overwrite (no stale AR generation

@@ -7,10 +7,9 @@ import sys
 
 import numpy as np
 import pytest
+from megatron.core.datasets import helpers_cpp  # shipped prebuilt with megatron-core
 
 from megatron_dllm.data import index_builders as ib
-
-from megatron.core.datasets import helpers_cpp  # shipped prebuilt with megatron-core
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,6 +109,7 @@ def test_sample_idx_edge_cases(extra, drop_last):
         check_sample_idx(sizes, doc_idx, seq, epochs, drop_last, extra)
 
 
+@pytest.mark.slow
 def test_sample_idx_large_multithreaded():
     """Chunk boundaries fall everywhere on a realistic length distribution (and a sorted one)."""
     rng = np.random.default_rng(7)
@@ -247,6 +247,7 @@ def test_hook_swaps_and_restores_megatron_helpers():
 def _write_corpus(tmp_path):
     """Two small prefixes and a tiny word-level HuggingFace tokenizer (ids 0..63, EOS 0)."""
     import tokenizers  # a declared dependency
+
     from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter
 
     vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, 64)}}
@@ -271,6 +272,7 @@ def _snapshot(cache):
             for name in sorted(os.listdir(cache)) if name.endswith((".npy", ".txt"))}
 
 
+@pytest.mark.slow
 def test_build_indexes_then_training_hits_the_cache(tmp_path):
     prefixes, tokenizer = _write_corpus(tmp_path)
     cache = str(tmp_path / "cache")

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = ["--preset", "cpu-tiny", "--num-layers", "4", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--lr-warmup-iters", "0",

@@ -314,6 +314,7 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
 # ---------------------------------------------------------------- merge/inspect megatron-built data
 
 
+@pytest.mark.slow
 def test_megatron_built_dataset_merges_and_inspects(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -340,7 +341,7 @@ def test_megatron_built_dataset_merges_and_inspects(tmp_path):
     r = _tool("inspect_dataset.py", tmp_path / "ours", "--verify", "--samples", "1")
     assert r.returncode == 0 and "documents 63" in r.stdout and "verify: OK" in r.stdout, r.stderr
     r = _tool("inspect_dataset.py", tmp_path / "ours", "--verify", "--vocab-size", "1000")
-    assert r.returncode == 1 and "outside the vocabulary [0, 1000)" in r.stderr
+    assert r.returncode == 2 and "outside the vocabulary [0, 1000)" in r.stderr
 
 
 def test_verify_reports_first_inconsistency_offset(tmp_path):
@@ -370,7 +371,7 @@ def test_verify_reports_first_inconsistency_offset(tmp_path):
             verify_dataset(prefix)
         assert expected in str(err.value), str(err.value)
         r = _tool("inspect_dataset.py", prefix, "--verify")
-        assert r.returncode == 1 and expected in r.stderr
+        assert r.returncode == 2 and expected in r.stderr
     open(prefix + ".idx", "wb").write(good)
     raw = bytearray(_read(prefix + ".bin"))
     raw[2 * 7: 2 * 8] = struct.pack("<H", 5000)  # token 7 (in sequence 3) out of a 4097 vocabulary
@@ -398,6 +399,7 @@ def test_writer_spills_lengths_byte_identical(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- tiktoken
 
 
+@pytest.mark.slow
 def test_tiktoken_round_trip_and_preprocess(tmp_path, tiktoken_file, plays, corpus):
     tok = build_tokenizer("TikTokenizer", tiktoken_file)
     n = len(TikTokenizer.load_ranks(tiktoken_file))

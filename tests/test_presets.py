@@ -20,6 +20,7 @@ def test_non_embedding_params_match_the_paper(name):
     assert counts["params"] - counts["non_embedding_params"] == 32001 * PAPER_PRESETS[name].hidden_size
 
 
+@pytest.mark.slow
 def test_model_info_cli():
     out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "model_info.py"), "--preset", "1.7B",
                           "--vocab-size", "32001", "--json"], capture_output=True, text=True, check=True)

@@ -8,7 +8,10 @@ import pytest
 from megatron_dllm.data.demo import prepare_demo_corpus
 from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter
 
+pytestmark = pytest.mark.slow
 
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["mdlm", "ar"])
 def test_real_text_training_loss_falls_far_below_log_vocab(family, pretrain, tmp_path):
     iters = 40
@@ -37,6 +40,7 @@ def test_unknown_family(pretrain):
     assert "--family 'sedd' is not a known family; expected one of: ar, mdlm, duo, esolm" in _error(proc)
 
 
+@pytest.mark.multiprocess
 def test_tp_that_does_not_divide_heads(pretrain):
     proc, _ = pretrain(2, "--tensor-model-parallel-size", "2", "--hidden-size", "96",
                        "--num-attention-heads", "3", check=False)

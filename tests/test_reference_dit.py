@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dllm import platform
+from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.families import get_family
 from megatron_dllm.hf import export
 from megatron_dllm.model.presets import Preset
@@ -58,9 +59,8 @@ def megatron_logits(model, ids, positions, sigma):
 
 def dense(model, attention: str, vocab_size: int = PADDED):
     """The dense model holding the megatron model's weights (megatron's padded vocabulary kept)."""
-    identity = {"family": "ar" if attention == "causal" else "mdlm", "hidden_size": PRESET.hidden_size,
-                "num_layers": PRESET.num_layers, "num_attention_heads": PRESET.num_attention_heads,
-                "vocab_size": VOCAB, "mask_id": MASK_ID}
+    identity = ModelIdentity("ar" if attention == "causal" else "mdlm", PRESET.hidden_size, PRESET.num_layers,
+                             PRESET.num_attention_heads, VOCAB, MASK_ID)
     return export.hf_model(model.state_dict(), identity, attention, SEQ, vocab_size)
 
 

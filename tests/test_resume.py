@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, _free_port, run_pretrain
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 BASE = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",

@@ -15,13 +15,12 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tools"))
 from conftest import run_pretrain  # noqa: E402
 
+from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
 from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402
 from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM  # noqa: E402
-from megatron_dllm.sampling import (  # noqa: E402
-    InferenceModel, SamplingConfig, categorical, decode, generate, get_sampler)
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, categorical, decode, generate, get_sampler  # noqa: E402
 
 V, MASK, EOS, L = 33, 32, 0, 24
 FAMILIES = ["ar", "mdlm", "duo", "esolm"]
@@ -249,6 +248,7 @@ def esolm_checkpoint(demo_cache, tmp_path_factory):
     return str(work / "ckpt")
 
 
+@pytest.mark.slow
 def test_sample_tool_on_megatron_checkpoint(esolm_checkpoint, tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -276,8 +276,8 @@ def hf_dir(demo_cache, tmp_path_factory):
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     out = str(tmp_path_factory.mktemp("hf") / "mdlm")
     model = random_model("mdlm", vocab=4097, length=32)
-    identity = {"family": "mdlm", "hidden_size": 32, "num_layers": 2, "num_attention_heads": 2,
-                "vocab_size": 4097, "mask_id": 4096}
+    identity = ModelIdentity("mdlm", hidden_size=32, num_layers=2, num_attention_heads=2, vocab_size=4097,
+                             mask_id=4096)
     config = export.hf_config_dict(identity, "bidirectional", 32)
     config["cond_dim"] = 16
     export.write_hf_dir(out, model.state_dict(), config)
@@ -285,8 +285,9 @@ def hf_dir(demo_cache, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
-    import sample
+    from megatron_dllm.cli import sample
 
     out = tmp_path / "out.json"
     assert sample.main(["--load", hf_dir, "--num-samples", "2", "--steps", "16", "--no-kv-cache",
@@ -304,8 +305,9 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
     (["--steps", "0"], "error: --steps 0: must be >= 1"),
     (["--num-samples", "x"], "error: argument --num-samples: invalid int value"),
 ])
+@pytest.mark.slow
 def test_sample_tool_bad_input(hf_dir, tmp_path, capsys, argv, message):
-    import sample
+    from megatron_dllm.cli import sample
 
     argv = argv if "--load" in argv else ["--load", hf_dir, *argv]
     try:

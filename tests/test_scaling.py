@@ -1,5 +1,5 @@
 """Scaling-law tooling: FLOPs conventions, --train-flops, the IsoFLOP planner, fits, Pareto, plots."""
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -20,11 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tool(name: str):
-    """tools/<name>.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The command `name` (tools/<name>.py is its shim)."""
+    return importlib.import_module(f"megatron_dllm.cli.{name}")
 
 # ------------------------------------------------------------------ FLOPs conventions
 
@@ -124,6 +121,7 @@ def test_planner_iterations_by_hand():
     assert [(r.preset, why) for r, why in dropped] == [("cpu-tiny", "0.857 tokens/param > 0.5")]
 
 
+@pytest.mark.slow
 def test_train_flops_runs_the_budgeted_iterations(pretrain):
     per_iteration = 8 * CPU_TINY_TRAIN_FLOPS
     budget = 3.5 * per_iteration  # pays for 3 whole iterations
@@ -250,6 +248,7 @@ def test_pareto_frontier_hand_example():
 
 # ------------------------------------------------------------------ tools/scaling_laws.py end to end
 
+@pytest.mark.slow
 def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
     main = _tool("scaling_laws").main
     runs = _synthetic_isoflop(np.random.default_rng(2))

@@ -1,66 +1,9 @@
-#!/usr/bin/env python
 """Merge Megatron `.bin/.idx` datasets (e.g. the shards of tools/preprocess_data.py) into one.
 
-    python tools/merge_datasets.py --input 'data/corpus_shard*_text_document' \\
-        --output-prefix data/corpus_text_document
-
-concatenates the inputs in order (a glob's matches sorted, so shards come in shard order) by
-streaming copies; the result equals preprocessing all inputs in one run byte for byte. Shard
-outputs must form one complete set (`--allow-incomplete` to override), made with one tokenizer
-(their `.meta.json` sidecars must agree, `tokenizer_sha256` included). The shards'
-`_rejected.tsv` rows for the merged key are joined, in shard order, into
-`{output-prefix}_rejected.tsv`.
-
-    python tools/merge_datasets.py --input 'data/corpus_shard*_text_document' --blend-file data/blend.txt
-
-instead writes a Megatron weighted list, one `tokens prefix` pair per line, usable as
-`--data-path $(cat data/blend.txt)` (weights proportional to size: the same mixture as the merge,
-without copying).
-"""
-
-import argparse
-import os
+A shim for `megatron_dllm.cli.merge_datasets` (also installed as a console script); see its --help."""
 import sys
 
-try:
-    import megatron_dllm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_dllm.data.indexed_dataset import DatasetFormatError  # noqa: E402
-from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file  # noqa: E402
-
-
-def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True,
-                   help="dataset prefixes (without .bin/.idx) or globs over them, in merge order")
-    out = p.add_mutually_exclusive_group(required=True)
-    out.add_argument("--output-prefix", help="write the merged {prefix}.bin/.idx")
-    out.add_argument("--blend-file", help="write a Megatron weighted list `tokens prefix` instead of merging")
-    p.add_argument("--allow-incomplete", action="store_true",
-                   help="merge a shard set with missing shards, or shards mixed with other datasets")
-    p.add_argument("--relative", action="store_true", help="--blend-file: keep prefixes as given, not absolute")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = get_args(argv)
-    try:
-        prefixes = expand_prefixes(args.input)
-        if not args.allow_incomplete:
-            check_shard_set(prefixes)
-        if args.blend_file:
-            pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative)
-            print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
-        else:
-            stats = merge_datasets(prefixes, args.output_prefix, log=print)
-            print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
-    except (ValueError, DatasetFormatError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
+from megatron_dllm.cli.merge_datasets import main
 
 if __name__ == "__main__":
     sys.exit(main())

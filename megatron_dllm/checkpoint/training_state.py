@@ -101,12 +101,12 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     return checkpoint.save(root, iteration, state)
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, identity: dict, *, load_optim: bool = True,
+def load_checkpoint(path: str, model, optimizer, scheduler, identity, *, load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, ema=None, log=print) -> dict:
     """Load the checkpoint directory `path` (found and verified by `checkpoint.locate`) into
     model/optimizer/scheduler and return its common state (iteration, consumed samples, ...).
 
-    The run's identity (family, architecture, vocabulary) must match the checkpoint's.
+    The run's `ModelIdentity` (family, architecture, vocabulary) must match the checkpoint's.
     `load_optim=False` leaves the optimizer fresh (the LR schedule is still restored); `finetune`
     loads the weights only (no optimizer, schedule, RNG or EMA), as happens for a model-only
     checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it has them (else the EMA
@@ -114,9 +114,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, identity: dict, *, l
     """
     common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
     iteration = common.get("iteration")
-    saved = common.get("identity", {})
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in identity.items()
-             if saved.get(k) != v]
+    diffs = identity.differences(common.get("identity", {}))
     if diffs:
         raise CheckpointError(f"--load {path}: the checkpoint at iteration {iteration} does not match "
                               f"this run ({'; '.join(diffs)})")

@@ -39,8 +39,13 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
-from megatron_dllm.data.indexed_dataset import (HEADER_SIZE, meta_path, read_metadata, token_id_range,
-                                                validate_indexed_dataset)
+from megatron_dllm.data.indexed_dataset import (
+    HEADER_SIZE,
+    meta_path,
+    read_metadata,
+    token_id_range,
+    validate_indexed_dataset,
+)
 from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 
 Blend = Tuple[List[str], Optional[List[float]]]

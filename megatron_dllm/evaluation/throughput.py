@@ -43,8 +43,7 @@ def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not _out_of_memory(err):
                 raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            platform.release_cached_memory()
             break
         best, b = b, b * 2
     if best is None:

@@ -15,6 +15,7 @@ import shutil
 
 import torch
 
+from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.families.schedules import LogLinear
 from megatron_dllm.model import constants
@@ -122,8 +123,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     from megatron.core import dist_checkpointing
 
     from megatron_dllm import checkpoint
-    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
-    from megatron_dllm.model.presets import Preset
+    from megatron_dllm.model.builder import build_model, transformer_config
 
     found = checkpoint.locate(load, ckpt_step)
     if found is None:
@@ -131,10 +131,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
                                          f"or iter_XXXXXXX directories, or a checkpoint directory itself)")
     path = found.path
     common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
-    identity = common.get("identity")
-    if not identity:
-        raise ValueError(f"--load {load}: the checkpoint has no 'identity' in its common state")
-    family = FAMILIES[identity["family"]]
+    identity = ModelIdentity.from_dict(common.get("identity"), path)
     meta = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
     emb = [k for k in meta if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]
@@ -145,8 +142,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
         raise ValueError(f"{path}: no embedding tensor in the checkpoint")
     padded = int(meta[emb[0]].global_shape[0])
     seq = seq_length or common.get("seq_length") or DEFAULT_SEQ_LENGTH
-    arch = Architecture(Preset(identity["hidden_size"], identity["num_layers"], identity["num_attention_heads"]),
-                        identity["vocab_size"], int(seq), family.attention, make_vocab_size_divisible_by=padded)
+    arch = identity.architecture(seq, make_vocab_size_divisible_by=padded)
     config, mlp_config = transformer_config(arch)
     model = build_model(arch, config, mlp_config, seed=0)[0]
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
@@ -162,11 +158,11 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     return model, identity, common, arch
 
 
-def save_megatron_checkpoint(save: str, model, identity: dict, iteration: int = 0, extra: dict | None = None):
+def save_megatron_checkpoint(save: str, model, identity: ModelIdentity, iteration: int = 0, extra: dict | None = None):
     """Model-only checkpoint in our layout: SAVE/iter_XXXXXXX + latest_checkpointed_iteration.txt."""
     from megatron_dllm import checkpoint
 
-    state = {"model": model.sharded_state_dict(), "iteration": iteration, "identity": identity,
+    state = {"model": model.sharded_state_dict(), "iteration": iteration, "identity": identity.as_dict(),
              "consumed_samples": 0, **(extra or {})}
     return checkpoint.save(save, iteration, state)
 
@@ -174,15 +170,13 @@ def save_megatron_checkpoint(save: str, model, identity: dict, iteration: int = 
 # ---------------------------------------------------------------------- HF side
 
 
-def hf_config_dict(identity: dict, attention: str, max_length: int) -> dict:
-    causal_lm = FAMILIES[identity["family"]].next_token
+def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> dict:
+    causal_lm = FAMILIES[identity.family].next_token
     arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
     auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
     return {"model_type": "dllm", "architectures": [arch_name], "auto_map": auto,
-            "family": identity["family"], "hidden_size": identity["hidden_size"],
-            "num_layers": identity["num_layers"], "num_heads": identity["num_attention_heads"],
-            "vocab_size": identity["vocab_size"], "mask_token_id": identity["mask_id"],
+            **identity.hf_config_fields(),
             "cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
             "time_max_period": constants.TIME_MAX_PERIOD, "noise_schedule": LogLinear.name,
             "noise_eps": constants.T_EPS, "attention": attention, "rope_theta": constants.ROTARY_BASE,
@@ -198,7 +192,7 @@ def model_class(family: str):
     return DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM
 
 
-def hf_model(state_dict: dict, identity: dict, attention: str, max_length: int, vocab_size: int | None = None):
+def hf_model(state_dict: dict, identity: ModelIdentity, attention: str, max_length: int, vocab_size: int | None = None):
     """The transformers model holding a TP=1/PP=1 DiTModel state dict (fp32, CPU): what an export
     of it loads as. It keeps `vocab_size` vocabulary rows: the real vocabulary by default; megatron's
     padded size keeps the padding, so that its logits line up with megatron's column for column."""
@@ -207,9 +201,9 @@ def hf_model(state_dict: dict, identity: dict, attention: str, max_length: int, 
     config = hf_config_dict(identity, attention, max_length)
     for key in ("auto_map", "architectures", "model_type"):  # config.json's, not DLLMConfig's arguments
         del config[key]
-    config["vocab_size"] = vocab_size or identity["vocab_size"]
-    model = model_class(identity["family"])(DLLMConfig(**config))
-    model.load_state_dict(megatron_to_hf(state_dict, identity["num_attention_heads"], config["vocab_size"]),
+    config["vocab_size"] = vocab_size or identity.vocab_size
+    model = model_class(identity.family)(DLLMConfig(**config))
+    model.load_state_dict(megatron_to_hf(state_dict, identity.num_attention_heads, config["vocab_size"]),
                           strict=True)
     return model
 

@@ -15,16 +15,17 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dllm import checkpoint, platform
+from megatron_dllm.checkpoint import training_state
+from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, tokenizer_record
 from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
-from megatron_dllm.checkpoint import training_state
 from megatron_dllm.training.batches import BatchSchedule
-from megatron_dllm.training.inputs import prepare_inputs
 from megatron_dllm.training.ema import EMA
+from megatron_dllm.training.inputs import prepare_inputs
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
@@ -118,12 +119,9 @@ class Trainer:
             start = self.consumed_samples
         return start
 
-    def identity(self) -> dict:
+    def identity(self) -> ModelIdentity:
         """What a checkpoint must match to be loaded into this run."""
-        p = self.arch.preset
-        return {"family": self.family.name, "hidden_size": p.hidden_size, "num_layers": p.num_layers,
-                "num_attention_heads": p.num_attention_heads, "vocab_size": self.arch.vocab_size,
-                "mask_id": self.family.mask_id}
+        return ModelIdentity.of(self.family, self.arch)
 
     # ------------------------------------------------------------------ steps
 
@@ -228,7 +226,7 @@ class Trainer:
     def save(self) -> None:
         path = training_state.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
-            {"consumed_samples": self.consumed_samples, "identity": self.identity(),
+            {"consumed_samples": self.consumed_samples, "identity": self.identity().as_dict(),
              "data_mix": self.cfg.data.data_path, "data_mix_start": self.train_batches.data_offset,
              # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
              "seq_length": self.cfg.model.seq_length,

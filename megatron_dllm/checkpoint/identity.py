@@ -1,0 +1,71 @@
+"""What a checkpoint's weights are: the family and the sizes that shape every tensor.
+
+One object converts between the forms this identity takes: the run's architecture, the dict a
+checkpoint stores under "identity" in its common state, and the fields of an exported Hugging
+Face `config.json`. A checkpoint loads only into a run of the same identity.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_dllm.checkpoint.manifest import CheckpointError
+
+# HF config.json field -> identity field (the HF config says num_heads and mask_token_id)
+_HF_FIELDS = {"family": "family", "hidden_size": "hidden_size", "num_layers": "num_layers",
+              "num_heads": "num_attention_heads", "vocab_size": "vocab_size", "mask_token_id": "mask_id"}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    vocab_size: int  # the real vocabulary, [MASK] included; megatron pads it per layout
+    mask_id: int
+
+    @classmethod
+    def of(cls, family, arch) -> "ModelIdentity":
+        """The identity of a run: its `families.Family` and `model.builder.Architecture`."""
+        p = arch.preset
+        return cls(family.name, p.hidden_size, p.num_layers, p.num_attention_heads, arch.vocab_size, family.mask_id)
+
+    def architecture(self, seq_length: int, make_vocab_size_divisible_by: int = 128):
+        """The `Architecture` to rebuild this model at `seq_length`."""
+        from megatron_dllm.families import FAMILIES
+        from megatron_dllm.model.builder import Architecture
+        from megatron_dllm.model.presets import Preset
+
+        return Architecture(Preset(self.hidden_size, self.num_layers, self.num_attention_heads), self.vocab_size,
+                            int(seq_length), FAMILIES[self.family].attention, make_vocab_size_divisible_by)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict | None, source: str) -> "ModelIdentity":
+        fields = [f.name for f in dataclasses.fields(cls)]
+        if not saved or any(k not in saved for k in fields):
+            raise CheckpointError(f"{source}: no model identity ({', '.join(fields)}) in its common state; "
+                                  f"is it a megatron_dllm checkpoint?")
+        return cls(**{k: saved[k] for k in fields})
+
+    def differences(self, saved: dict) -> list[str]:
+        """`key: checkpoint X vs this run Y` for every field where `saved` differs."""
+        return [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in self.as_dict().items()
+                if saved.get(k) != v]
+
+    @classmethod
+    def from_hf_config(cls, config: dict, source: str) -> "ModelIdentity":
+        from megatron_dllm.families import FAMILIES
+
+        missing = [k for k in _HF_FIELDS if k not in config]
+        if missing:
+            raise ValueError(f"{source}: missing {', '.join(missing)}")
+        if config["family"] not in FAMILIES:
+            raise ValueError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
+        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()})
+
+    def hf_config_fields(self) -> dict:
+        return {theirs: getattr(self, ours) for theirs, ours in _HF_FIELDS.items()}

@@ -1,0 +1,59 @@
+"""Command-line entry points: one module per command, each with `main(argv=None) -> int`.
+
+Installed as console scripts (setup.py) and reachable through the thin shims `pretrain_dllm.py`
+and `tools/*.py`, so Megatron users' habits and every documented command keep working:
+
+    dllm-pretrain        pretrain_dllm.py              train any family (torchrun)
+    dllm-preprocess      tools/preprocess_data.py      text -> Megatron .bin/.idx
+    dllm-merge           tools/merge_datasets.py       join shards / datasets
+    dllm-inspect         tools/inspect_dataset.py      summarise and verify a dataset
+    dllm-build-indexes   tools/build_indexes.py        build the sample/blend index caches ahead of training
+    dllm-sample          tools/sample.py               generate from a checkpoint or HF export
+    dllm-evaluate        tools/evaluate.py             NELBO, generative perplexity, throughput
+    dllm-convert-to-hf   tools/convert_to_hf.py        checkpoint -> Hugging Face directory
+    dllm-convert-from-hf tools/convert_from_hf.py      Hugging Face directory -> checkpoint
+    dllm-verify-checkpoint tools/verify_checkpoint.py  check a checkpoint against its manifest
+    dllm-model-info      tools/model_info.py           parameters and FLOPs of a preset
+    dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid
+    dllm-scaling-laws    tools/scaling_laws.py         fits, Pareto frontier, figures
+
+Bad input is reported the same way everywhere: one `error: ...` line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+BAD_INPUT_EXIT = 2
+
+
+def fail(message: str) -> int:
+    """Report bad input: one line on stderr; returns the exit code."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return BAD_INPUT_EXIT
+
+
+def reports_bad_input(*errors: type[BaseException]):
+    """Decorate a command's `main`: the given exceptions (default ValueError, OSError) become
+    `fail(str(err))`; anything else is a bug and keeps its traceback."""
+    caught = errors or (ValueError, OSError)
+
+    def wrap(main):
+        @functools.wraps(main)
+        def run(*args, **kwargs) -> int:
+            try:
+                return main(*args, **kwargs)
+            except caught as err:
+                return fail(str(err))
+        return run
+    return wrap
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors (subcommands' too) are one `error: ...` line, exit code 2,
+    without the usage block."""
+
+    def error(self, message):
+        subcommand = self.prog.split()[-1] + ": " if " " in self.prog else ""
+        sys.exit(fail(subcommand + message))

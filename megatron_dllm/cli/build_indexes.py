@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Precompute the dataset index caches a training run needs, so that training starts without
+building them (rank 0 of a large run would otherwise spend minutes on it while the others wait).
+
+Takes the training command's own flags (any `pretrain_dllm.py` flag is accepted; the ones that
+matter are the data ones):
+
+    python tools/build_indexes.py --family mdlm \\
+        --data-path 0.7 /data/web_text_document 0.3 /data/math_text_document --split 969,30,1 \\
+        --seq-length 2048 --seed 1234 --train-iters 1001358 --global-batch-size 1024 \\
+        --eval-interval 1000 --eval-iters 10 \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model /data/tokenizer.json \\
+        --data-cache-path /data/index-cache
+
+It resolves the run exactly as `pretrain_dllm.py` does (defaults, sample counts, the family's
+extra token: AR samples are seq_length + 1 tokens) and builds the datasets once, in this process.
+That writes megatron-core's cache files under `--data-cache-path` (default
+`<directory of the first prefix>/cache`): per dataset and split
+`{hash}-TokenGPTDataset-{split}-{description.txt,document_index,sample_index,shuffle_index}.npy`,
+per blend `{hash}-BlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
+plus the token-range scan of each prefix. Training with the same flags then loads them (its log
+says "Load the ... indices"). Existing cache files are loaded without unpickling: one that holds
+Python objects is refused (`error: index cache <file>: ...`, exit code 2). The sample and blending indices come from
+`megatron_dllm.data.index_builders` (C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).
+"""
+
+import logging
+import os
+import sys
+import time
+
+from megatron_dllm.cli import reports_bad_input
+
+
+def _cache_files(path):
+    if not path or not os.path.isdir(path):
+        return {}
+    return {name: os.stat(os.path.join(path, name)).st_mtime_ns
+            for name in os.listdir(path) if name.endswith((".npy", ".txt"))}
+
+
+def build(argv=None) -> dict:
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.data import index_builders
+    from megatron_dllm.data.datasets import parse_data_path
+    from megatron_dllm.training.inputs import prepare_inputs
+
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("megatron.core.datasets").setLevel(logging.INFO)
+
+    def cache_of(data_path):
+        if cfg.data.data_cache_path or not data_path:
+            return cfg.data.data_cache_path
+        return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(data_path)[0][0])), "cache")
+
+    cache = cache_of(cfg.data.data_path)
+    before = _cache_files(cache)
+    t0 = time.perf_counter()
+    cfg, inputs = prepare_inputs(cfg)
+    elapsed = time.perf_counter() - t0
+    cache = cache or cache_of(cfg.data.data_path)  # the embedded demo: its prefixes are known only now
+    after = _cache_files(cache)
+    new = sorted(n for n, m in after.items() if before.get(n) != m)
+
+    t = cfg.training
+    backend = "C++" if index_builders.HAVE_CPP else "numpy (extension not built)"
+    print(f"build_indexes: family {cfg.model.family}, seq_length {cfg.model.seq_length}, seed {t.seed}, "
+          f"{t.train_iters} iterations x {t.global_batch_size} = "
+          f"{t.train_iters * t.global_batch_size} training samples; index builders: {backend}")
+    print(f"build_indexes: train dataset {len(inputs.train_dataset)} samples"
+          + (f", valid dataset {len(inputs.valid_dataset)} samples" if inputs.valid_dataset is not None else ""))
+    print(f"build_indexes: cache {cache}: {len(new)} files written, "
+          f"{len(after) - len(new)} already present")
+    for name in new:
+        print(f"  {name}")
+    print(f"build_indexes: done in {elapsed:.2f} s")
+    return {"cache": cache, "written": new, "seconds": elapsed}
+
+
+@reports_bad_input(ValueError)
+def main(argv=None) -> int:
+    """`build` with bad input (a flag, a dataset, a refused index cache) as one `error:` line, exit 2."""
+    build(argv)
+    return 0

@@ -1,0 +1,113 @@
+"""Import a Hugging Face directory written by tools/convert_to_hf.py back into a megatron_dllm
+checkpoint (model weights + identity; no optimizer state) at any TP/PP layout:
+
+    torchrun --nproc-per-node T*P tools/convert_from_hf.py --hf DIR --save CKPT \
+        --tensor-model-parallel-size T --pipeline-model-parallel-size P [--overwrite]
+
+A --save directory that already holds a checkpoint is refused unless --overwrite, which removes
+the checkpoints there once the new one is complete (other files are left alone). Bad input: one
+`error: ...` line, exit code 2.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.cli import fail
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
+    parser.add_argument("--save", required=True, help="checkpoint root to write")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--iteration", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
+    args = parser.parse_args(argv)
+    try:
+        return convert(args)
+    except (ValueError, KeyError, OSError) as err:  # CheckpointError is a ValueError
+        return fail(str(err))
+
+
+def _read_hf(hf: str):
+    """(identity, config.json, weights) of an HF directory written by tools/convert_to_hf.py."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config_path, weights_path = os.path.join(hf, "config.json"), os.path.join(hf, "model.safetensors")
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
+    try:
+        with open(config_path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--hf {config_path}: not valid JSON ({err})") from None
+    if cfg.get("model_type") != "dllm":
+        raise ValueError(f"--hf {config_path}: model_type {cfg.get('model_type')!r}, expected 'dllm'")
+    identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
+    try:
+        weights = load_file(weights_path)
+    except SafetensorError as err:
+        raise ValueError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
+    return identity, cfg, weights
+
+
+def convert(args) -> int:
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_dllm import platform
+    from megatron_dllm.checkpoint import layout
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import build_model, transformer_config
+
+    identity, cfg, hf_state = _read_hf(args.hf)
+    if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
+        raise ValueError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    arch = identity.architecture(cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH),
+                                 args.make_vocab_size_divisible_by)
+    platform.init_distributed(tp, pp)
+    config, mlp_config = transformer_config(arch, tp=tp, pp=pp)
+    model = build_model(arch, config, mlp_config, seed=0)[0]
+    used = set()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    local = model.state_dict()
+    new_state = {}
+    for name, param in local.items():
+        if "_extra_state" in name:
+            new_state[name] = param
+            continue
+        global_name = name
+        if name.startswith("layers."):
+            i, rest = name[len("layers."):].split(".", 1)
+            global_name = f"layers.{model.layer_offset + int(i)}.{rest}"
+        value = export.hf_to_megatron_tensor(hf_state, global_name, identity.num_attention_heads,
+                                             arch.padded_vocab_size(tp))
+        used.add(export.megatron_name_to_hf(global_name))
+        live = dict(model.named_parameters()).get(name)
+        if live is not None and getattr(live, "tensor_model_parallel", False) and tp > 1:
+            value = value.chunk(tp, dim=live.partition_dim)[tp_rank]
+        if value.shape != param.shape:
+            raise ValueError(f"{name}: shape {tuple(value.shape)} from {args.hf} vs model {tuple(param.shape)}")
+        new_state[name] = value.to(param.dtype)
+    model.load_state_dict(new_state)
+    if pp == 1 and set(hf_state) != used:
+        raise ValueError(f"{args.hf}: unused weights {sorted(set(hf_state) - used)[:5]}")
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, {"seq_length": arch.seq_length})
+    if torch.distributed.get_rank() == 0:
+        if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
+            for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
+                shutil.rmtree(old)
+        print(f"wrote {path} (TP={tp}, PP={pp}, model weights only)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Export a megatron_dllm checkpoint (any TP/PP layout) to a Hugging Face directory.
+
+    python tools/convert_to_hf.py --load CKPT --out DIR [--use-ema] \
+        [--tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model] [--seq-length 2048]
+
+Runs as one process: the checkpoint is resharded to TP=1/PP=1 on load (model weights only).
+The directory is written under a temporary name beside DIR and renamed into place when complete;
+an existing DIR is refused unless --overwrite, which replaces it whole. Files are mode 0644.
+The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModelForCausalLM` (ar)
+`.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR)`.
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+from megatron_dllm.cli import fail
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory whole")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to export (default: the tracker's)")
+    parser.add_argument("--use-ema", action="store_true", help="export the EMA weights (checkpoint key 'ema')")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="max_position_embeddings (default: the checkpoint's, else 2048)")
+    parser.add_argument("--tokenizer-type", default=None, choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])
+    parser.add_argument("--tokenizer-model", default=None)
+    args = parser.parse_args(argv)
+    if bool(args.tokenizer_type) != bool(args.tokenizer_model):
+        parser.error("--tokenizer-type and --tokenizer-model go together")
+
+    out = os.path.normpath(args.out)
+    if os.path.exists(out) and not args.overwrite:
+        return fail(f"--out {args.out} already exists; pass --overwrite to replace it")
+
+    from megatron_dllm import platform
+    from megatron_dllm.checkpoint import layout
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
+    from megatron_dllm.hf import export
+
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
+    try:
+        platform.init_distributed(1, 1)
+        model, identity, common, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
+                                                                   args.ckpt_step)
+        if args.tokenizer_model:
+            check_tokenizer(common.get("tokenizer"), args.tokenizer_model, args.load)
+        hf_state = export.megatron_to_hf(model.state_dict(), identity.num_attention_heads, identity.vocab_size)
+        config = export.hf_config_dict(identity, arch.attention, arch.seq_length)
+        export.write_hf_dir(staging, hf_state, config)
+        if args.tokenizer_type:
+            export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model,
+                                    identity.vocab_size, identity.mask_id)
+        for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
+            os.chmod(base, 0o755)
+            for name in files:
+                os.chmod(os.path.join(base, name), 0o644)
+        layout.publish(staging, out)
+    except (ValueError, OSError) as err:
+        return fail(str(err))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
+    print(f"wrote {args.out} ({identity.family}, {len(hf_state)} tensors"
+          f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

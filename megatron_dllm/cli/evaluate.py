@@ -1,0 +1,253 @@
+"""Evaluate a megatron_dllm model: validation NELBO, generative perplexity, sampling throughput.
+
+    python tools/evaluate.py nelbo --load CKPT|HF_DIR [--num-t-draws K] [data flags as pretraining]
+    python tools/evaluate.py gen-ppl --samples samples.json --judge DIR|smollm2 [--judge-gguf-file NAME]
+    python tools/evaluate.py throughput --load CKPT|HF_DIR --steps T --batch-size B|auto [--max-batch-size N]
+
+Each subcommand prints one JSON object with its results and every setting that produced them,
+and writes it to --output FILE when given. Bad input (a missing checkpoint, a judge that does not
+load, a sampler of another family) gives one line `error: ...` and exit code 2.
+"""
+import argparse
+import json
+import os
+import sys
+
+from megatron_dllm.cli import OneLineParser, fail
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _check_load(path: str) -> None:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--load {path}: no such checkpoint or HF directory")
+
+
+def _load_model(args, device):
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    return load_inference_model(args.load, device=device, dtype=_dtype(args.dtype), use_ema=args.use_ema,
+                                tokenizer_type=getattr(args, "tokenizer_type", None),
+                                tokenizer_model=getattr(args, "tokenizer_model", None))
+
+
+# --------------------------------------------------------------------------- nelbo
+
+
+def run_nelbo(args) -> dict:
+    import math
+
+    from megatron_dllm import platform
+    from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
+    from megatron_dllm.families import get_family
+
+    _check_load(args.load)
+    inf = _load_model(args, platform.device())
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
+
+    tokenizer = TokenizerConfig.from_args(args)
+    if args.data_path and not tokenizer.tokenizer_type and hasattr(inf.tokenizer, "model_path"):
+        tokenizer = TokenizerConfig(inf.tokenizer.name, inf.tokenizer.model_path)  # recorded in the checkpoint
+    resolved, inputs = validation_run(inf.family, args.seq_length or inf.seq_length, DataConfig.from_args(args),
+                                      tokenizer, global_batch_size=args.global_batch_size,
+                                      eval_iters=args.eval_iters, seed=args.seed)
+    tok = inputs.tokenizer
+    if (tok.vocab_size, tok.mask_id) != (inf.vocab_size, inf.mask_id):
+        raise ValueError(f"--load {args.load}: the model's vocabulary ({inf.vocab_size}, [MASK] {inf.mask_id}) "
+                         f"does not match the data's tokenizer ({tok.vocab_size}, [MASK] {tok.mask_id}); "
+                         f"give the --tokenizer-model the model was trained with")
+    t, data = resolved.training, resolved.data
+    gbs = t.global_batch_size
+    mbs = args.micro_batch_size or math.gcd(gbs, 8)  # any divisor of gbs gives the same figure
+    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    draws = 1 if family.next_token else args.num_t_draws  # an exact NLL has no t to draw
+    result = evaluate_nelbo(inf.model, family, inputs.valid_dataset, t.seed, gbs, mbs,
+                            resolved.logging.eval_iters, draws)
+    return {
+        "metric": "nelbo", "family": inf.family, "bound": family.bound,
+        "nelbo": result.nelbo, "ppl": result.ppl, "bpd": result.bpd, "nelbo_per_draw": result.per_draw,
+        "tokens": result.tokens, "samples": result.samples,
+        "settings": {
+            "load": os.path.abspath(args.load), "source": inf.source, "use_ema": args.use_ema,
+            "demo": args.data_path is None, "data_path": data.data_path, "valid_data_path": data.valid_data_path,
+            "split": data.split if not data.valid_data_path else None,
+            "tokenizer_type": resolved.tokenizer.tokenizer_type, "tokenizer_model": resolved.tokenizer.tokenizer_model,
+            "seq_length": resolved.model.seq_length, "global_batch_size": gbs, "micro_batch_size": mbs,
+            "eval_iters": resolved.logging.eval_iters, "seed": t.seed, "noise_seed": t.seed + 1,
+            "num_t_draws": draws, "dtype": args.dtype, "device": str(platform.device()),
+        },
+    }
+
+
+# --------------------------------------------------------------------------- gen-ppl
+
+
+def run_gen_ppl(args) -> dict:
+    from megatron_dllm import platform
+    from megatron_dllm.evaluation.entropy import mean_entropy
+    from megatron_dllm.evaluation.gen_ppl import generative_perplexity
+    from megatron_dllm.evaluation.judge import load_judge
+    from megatron_dllm.evaluation.samples import read_samples
+
+    samples = read_samples(args.samples)
+    device = platform.tool_device(args.device)
+    judge = load_judge(args.judge, args.judge_gguf_file, device, _dtype(args.dtype), args.judge_cache_dir)
+    result = generative_perplexity(judge, samples.texts, args.batch_size, args.max_length)
+    return {
+        "metric": "gen_ppl", "family": samples.meta.get("family"), "steps": samples.meta.get("steps"),
+        "gen_ppl": result.gen_ppl, "nll": result.nll,
+        "entropy": None if samples.tokens is None else mean_entropy(samples.tokens),
+        "num_samples": len(samples.texts), "judge_tokens": result.tokens, "truncated": result.truncated,
+        "judge": judge.info,
+        "settings": {"samples": os.path.abspath(args.samples), "batch_size": args.batch_size,
+                     "max_length": min(judge.context, args.max_length or judge.context),
+                     "token_mask": "non-EOS tokens + first EOS, padding excluded",
+                     "entropy_over": "model token ids" if samples.tokens is not None else None,
+                     "device": str(device), "dtype": args.dtype},
+        "sampling": samples.meta,
+    }
+
+
+# --------------------------------------------------------------------------- throughput
+
+
+def run_throughput(args) -> dict:
+    import dataclasses
+
+    from megatron_dllm import platform
+    from megatron_dllm.evaluation.throughput import auto_batch_size, measure_throughput
+    from megatron_dllm.sampling import SamplingConfig
+
+    _check_load(args.load)
+    auto = args.batch_size == "auto"
+    if not auto and not (args.batch_size.isdigit() and int(args.batch_size) > 0):
+        raise ValueError(f"--batch-size {args.batch_size}: expected a positive integer or 'auto'")
+    if auto and args.max_batch_size is None and platform.device().type == "cpu":
+        raise ValueError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
+                         "kills the process instead of raising an error)")
+    # stop_at_eos off: every call generates the full length, so tokens/s counts real work
+    cfg = SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
+                         temperature=args.temperature, float64=args.float64, predictor=args.predictor,
+                         kv_cache=args.kv_cache, stop_at_eos=False)
+    cfg.check()
+    inf = _load_model(args, platform.device())
+    batch = auto_batch_size(inf, cfg, args.max_batch_size, args.seed) if auto else int(args.batch_size)
+    result = measure_throughput(inf, cfg, batch, args.repeats, args.seed)
+    return {
+        "metric": "throughput", "family": inf.family, "steps": args.steps, **result,
+        "settings": {"load": os.path.abspath(args.load), "source": inf.source, "use_ema": args.use_ema,
+                     "batch_size_requested": args.batch_size, "max_batch_size": args.max_batch_size,
+                     "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,
+                     "sampling": dataclasses.asdict(cfg), "dtype": args.dtype,
+                     "device": str(platform.device())},
+    }
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
+    from megatron_dllm.config.fields import positive_int
+
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_common(p):
+        p.add_argument("--output", default=None, help="also write the JSON results to this file")
+        p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights and compute")
+
+    def add_model(p):
+        p.add_argument("--load", required=True, help="megatron checkpoint (any TP/PP layout) or exported HF dir")
+        p.add_argument("--use-ema", action="store_true", help="megatron checkpoint: evaluate the EMA weights")
+
+    p = sub.add_parser("nelbo", help="validation NELBO / PPL (AR: exact NLL) on a dataset split")
+    add_model(p)
+    add_common(p)
+    p.add_argument("--num-t-draws", type=positive_int, default=1,
+                   help="t draws per sequence, averaged; draw 0 is the training-time validation noise")
+    DataConfig.add_arguments(p, exclude=("train_data_path", "variable_seq_length_prob"))
+    TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
+    g = p.add_argument_group("validation run (default: as pretraining)")
+    g.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="the training run's (the t strata span a global batch); default as pretraining")
+    g.add_argument("--micro-batch-size", type=positive_int, default=None,
+                   help="sequences per forward pass (does not change the figure); default gcd(gbs, 8)")
+    g.add_argument("--eval-iters", type=positive_int, default=None, help="global batches (default as pretraining: 10)")
+    g.add_argument("--seed", type=int, default=None, help="the training run's --seed (default 1234)")
+    p.set_defaults(func=run_nelbo)
+
+    p = sub.add_parser("gen-ppl", help="generative perplexity and entropy of samples under a judge LM")
+    add_common(p)
+    p.add_argument("--samples", required=True, help="tools/sample.py JSON, or .jsonl / .txt of texts")
+    p.add_argument("--judge", required=True,
+                   help="Hugging Face causal LM directory (the exported AR model works), or 'smollm2'")
+    p.add_argument("--judge-gguf-file", default=None, help="GGUF file inside --judge (converted and cached once)")
+    p.add_argument("--judge-cache-dir", default=None, help="default ~/.cache/megatron_dllm/judges")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--max-length", type=int, default=None, help="truncate samples (default: the judge's context)")
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.set_defaults(func=run_gen_ppl)
+
+    p = sub.add_parser("throughput", help="generated tokens/s and samples/s of a sampler")
+    add_model(p)
+    add_common(p)
+    p.add_argument("--steps", type=positive_int, required=True, help="sampling steps T")
+    p.add_argument("--batch-size", default="auto", help="B, or auto: the largest power of two that fits")
+    p.add_argument("--max-batch-size", type=positive_int, default=None, help="cap of auto (required on CPU)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed calls after one warm-up call")
+    p.add_argument("--predictor", default="ancestral",
+                   help="ancestral (each family's default sampler) | block (Eso-LM) | left-to-right")
+    p.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--float64", action=argparse.BooleanOptionalAction, default=True,
+                   help="sample from float64 probabilities")
+    p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run_throughput)
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # a flag rejected at parse time: already reported in one line
+        return exit_.code
+    import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr keeps to notes and errors
+
+    owns_world = not dist.is_initialized()
+    try:
+        if args.command != "gen-ppl":  # megatron checkpoints and the family losses: a world of one
+            from megatron_dllm import platform
+
+            platform.init_distributed(1, 1)
+        results = args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        return fail(str(err))
+    finally:
+        if owns_world and dist.is_initialized():
+            from megatron_dllm import platform
+
+            platform.destroy_distributed()
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

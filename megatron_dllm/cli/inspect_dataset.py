@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Inspect a Megatron `.bin/.idx` dataset: header, dtype, documents, tokens, document-length
+histogram, and sample documents (decoded when a tokenizer is given).
+
+    python tools/inspect_dataset.py data/corpus_text_document \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --samples 3
+    python tools/inspect_dataset.py data/corpus_text_document --verify [--tokenizer-... | --vocab-size V]
+
+`--verify` checks the header, pointers, lengths, document indices and `.bin` size, and every
+token id against the vocabulary when the tokenizer or `--vocab-size` is known; it reports the
+first inconsistency with its file and byte offset and exits with status 1.
+"""
+
+import argparse
+import json
+import sys
+
+from megatron_dllm.cli import fail
+from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.data.indexed_dataset import DatasetFormatError
+from megatron_dllm.data.inspect import describe_dataset, verify_dataset
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prefix", help="dataset prefix (without .bin/.idx)")
+    TokenizerConfig.add_arguments(p)
+    p.add_argument("--vocab-size", type=int, default=None, help="for --verify without a tokenizer")
+    p.add_argument("--samples", type=int, default=3, help="evenly spaced documents to show (0: none)")
+    p.add_argument("--sample-tokens", type=int, default=128, help="tokens shown per sample document")
+    p.add_argument("--verify", action="store_true", help="full consistency check (exit 2 on the first error)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    if bool(args.tokenizer_type) != bool(args.tokenizer_model):
+        p.error("--tokenizer-type and --tokenizer-model go together")
+    return args
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    try:
+        tok = TokenizerConfig.from_args(args).build() if args.tokenizer_type else None
+        if args.verify:
+            vocab = args.vocab_size if args.vocab_size is not None else (tok.vocab_size if tok else None)
+            verify_dataset(args.prefix, vocab)
+        report = describe_dataset(args.prefix, tok, args.samples, args.sample_tokens, scan_tokens=args.verify)
+    except DatasetFormatError as err:
+        return fail(f"INVALID: {err}")
+    except (ValueError, OSError) as err:
+        return fail(str(err))
+    if args.json:
+        print(json.dumps(report.__dict__, indent=1, default=str))
+    else:
+        print(report.format())
+        if args.verify:
+            print("verify: OK (header, pointers, lengths, document indices, .bin size"
+                  + (", token ids < vocabulary)" if (args.vocab_size or tok) else ")"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Sizes of a model preset: `python tools/model_info.py --preset 1.7B --vocab-size 32001 --json`.
+
+FLOPs are per sequence of --seq-length tokens in the two conventions of
+megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, attention included).
+"""
+import argparse
+import json
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", required=True)
+    parser.add_argument("--vocab-size", type=int, default=32001,
+                        help="real vocabulary including [MASK] (the paper: 32000 + 1)")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--family", default="mdlm",
+                        help="ar | mdlm | duo | esolm (the FLOPs are the same for all four; see scaling/flops.py)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.model.params import count_parameters
+    from megatron_dllm.model.presets import get_preset
+    from megatron_dllm.scaling.flops import forward_flops_per_sequence, train_flops_per_sequence
+
+    if args.family not in FAMILIES:
+        parser.error(f"--family {args.family!r} is not a known family; expected one of: {', '.join(FAMILIES)}")
+    try:
+        preset = get_preset(args.preset)
+    except ValueError as err:
+        parser.error(str(err))
+    info = {"preset": args.preset, "family": args.family, "hidden_size": preset.hidden_size,
+            "num_layers": preset.num_layers, "num_attention_heads": preset.num_attention_heads,
+            "vocab_size": args.vocab_size, "seq_length": args.seq_length,
+            **count_parameters(preset, args.vocab_size)}
+    for convention in ("calflops", "full"):
+        info[f"fwd_flops_per_seq_{convention}"] = forward_flops_per_sequence(
+            preset, args.vocab_size, args.seq_length, convention)
+        info[f"train_flops_per_seq_{convention}"] = train_flops_per_sequence(
+            preset, args.vocab_size, args.seq_length, convention)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        for key, value in info.items():
+            print(f"{key:>28}: {value:,}" if isinstance(value, (int, float)) else f"{key:>28}: {value}")
+
+
+if __name__ == "__main__":
+    main()

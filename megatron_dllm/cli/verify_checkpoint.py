@@ -1,0 +1,45 @@
+"""Check a checkpoint's files against its manifest (sizes and SHA-256), without loading anything.
+
+    python tools/verify_checkpoint.py CKPT [--ckpt-step N] [--all]
+
+CKPT is a checkpoint root (the checkpoint `--load CKPT` would load is checked) or one
+iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root. Prints one line
+per checkpoint; a missing, truncated or altered file gives `error: ...` naming it and exit code 2.
+"""
+import argparse
+import sys
+
+from megatron_dllm.cli import fail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="checkpoint root or iter_XXXXXXX directory")
+    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to check in a root")
+    parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")
+    args = parser.parse_args(argv)
+
+    from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+
+    try:
+        if args.all:
+            paths = list(layout.iterations(args.ckpt).values())
+        else:
+            found = layout.find_checkpoint(args.ckpt, args.ckpt_step)
+            paths = [found.path] if found else []
+        if not paths:
+            raise CheckpointError(f"{args.ckpt}: no checkpoint there")
+        for path in paths:
+            if not layout.has_manifest(path):
+                raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
+                                      f"tool): nothing to verify against")
+            manifest.verify_manifest(path)
+            files = manifest.read_manifest(path)["files"]
+            print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes")
+    except CheckpointError as err:
+        return fail(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
