@@ -29,7 +29,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dllm.data import index_builders as ib  # noqa: E402
+from megatron_dllm.data import index_builders as ib
 
 TARGET_TOKENS = 2.1e12
 SEQ = 2048

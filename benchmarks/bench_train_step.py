@@ -72,8 +72,8 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int):
+        from megatron_dllm.config.optimizer import OptimizerConfig
         from megatron_dllm.config.parallel import ParallelConfig
-        from megatron_dllm.config.training import OptimizerConfig
         from megatron_dllm.model.builder import Architecture, build_model, transformer_config
         from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 

@@ -2,7 +2,7 @@
 
 On a CUDA machine this is a thin layer over NCCL and `torch.cuda`. On a machine without CUDA it
 makes megatron-core's *unmodified* code run on CPU over gloo by redirecting what megatron-core
-hard-codes for CUDA (see ../shared/docs/megatron-core-on-cpu.md):
+hard-codes for CUDA:
 
 * `device="cuda"` arguments and `Tensor.cuda()/.to("cuda")` are rewritten to the CPU by a
   `TorchFunctionMode`, which also answers `Tensor.type()` with the `torch.cuda.*` names that the
@@ -113,43 +113,38 @@ class _CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _NullStream:
-    """Stand-in for torch.cuda.Stream/ExternalStream: CPU work is already ordered."""
+class _NullSync:
+    """CPU work is already ordered: waiting, recording and synchronising are no-ops."""
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullStream(_NullSync):
+    """Stand-in for torch.cuda.Stream/ExternalStream."""
 
     def wait_stream(self, *args, **kwargs):
         pass
 
-    def wait_event(self, *args, **kwargs):
-        pass
+    wait_event = wait_stream
 
     def record_event(self, event=None):
         return event or _NullEvent()
 
-    def synchronize(self):
-        pass
 
-    def query(self):
-        return True
-
-
-class _NullEvent:
-    def __init__(self, *args, **kwargs):
-        pass
+class _NullEvent(_NullSync):
+    """Stand-in for torch.cuda.Event."""
 
     def record(self, *args, **kwargs):
         pass
 
-    def wait(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
+    wait = record
 
     def elapsed_time(self, other):
         return 0.0

@@ -1,17 +1,14 @@
 """torchrun worker (2 gloo ranks, TP=2): the Duo loss on the two vocabulary shards of full logits
 against the dense reference in tests/test_duo.py; max errors to a JSON file (last rank)."""
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from test_duo import MASK, PADDED, VOCAB, dense_loss_and_grad, make_case
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_duo import MASK, PADDED, VOCAB, dense_loss_and_grad, make_case  # noqa: E402
-
-from megatron_dllm import platform  # noqa: E402
+from megatron_dllm import platform
 
 
 def main():

@@ -8,14 +8,12 @@ import json
 import math
 import os
 import random
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import run_pretrain  # noqa: E402
 
 FAMILIES = ["ar", "mdlm", "duo"]

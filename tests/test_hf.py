@@ -10,7 +10,6 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import _free_port, run_pretrain  # noqa: E402
 
 pytestmark = pytest.mark.slow

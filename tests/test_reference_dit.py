@@ -1,5 +1,5 @@
 """The megatron-core DiTModel against the dense DiT (megatron_dllm/hf/modeling_dllm.py), the plain
-PyTorch model of reference §1 that every HF export runs.
+PyTorch DiT (as in the paper's code) that every HF export runs.
 
 Single process on CPU (world size 1, TP=1, PP=1): the megatron model's weights are converted into
 the dense model (`hf.export.hf_model`) and logits and gradients must agree in fp32.

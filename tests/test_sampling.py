@@ -14,7 +14,6 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conftest import run_pretrain  # noqa: E402
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
@@ -293,7 +292,7 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
     assert sample.main(["--load", hf_dir, "--num-samples", "2", "--steps", "16", "--no-kv-cache",
                         "--no-float64", "--seed", "3", "--output", str(out), "--device", "cpu"]) == 0
     record = json.loads(out.read_text())
-    assert record["settings"]["source"] == "hf" and record["settings"]["no_float64"] is True
+    assert record["settings"]["source"] == "hf" and record["settings"]["float64"] is False
     tokens = torch.tensor(record["tokens"])
     assert tokens.shape == (2, 32) and int(tokens.max()) < 4096
     assert all(isinstance(t, str) for t in record["texts"])

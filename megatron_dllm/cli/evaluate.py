@@ -14,6 +14,7 @@ import os
 import sys
 
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -122,7 +123,6 @@ def run_throughput(args) -> dict:
 
     from megatron_dllm import platform
     from megatron_dllm.evaluation.throughput import auto_batch_size, measure_throughput
-    from megatron_dllm.sampling import SamplingConfig
 
     _check_load(args.load)
     auto = args.batch_size == "auto"
@@ -132,9 +132,7 @@ def run_throughput(args) -> dict:
         raise ValueError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
                          "kills the process instead of raising an error)")
     # stop_at_eos off: every call generates the full length, so tokens/s counts real work
-    cfg = SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
-                         temperature=args.temperature, float64=args.float64, predictor=args.predictor,
-                         kv_cache=args.kv_cache, stop_at_eos=False)
+    cfg = sampling_config(args, stop_at_eos=False)
     cfg.check()
     inf = _load_model(args, platform.device())
     batch = auto_batch_size(inf, cfg, args.max_batch_size, args.seed) if auto else int(args.batch_size)
@@ -203,14 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", default="auto", help="B, or auto: the largest power of two that fits")
     p.add_argument("--max-batch-size", type=positive_int, default=None, help="cap of auto (required on CPU)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed calls after one warm-up call")
-    p.add_argument("--predictor", default="ancestral",
-                   help="ancestral (each family's default sampler) | block (Eso-LM) | left-to-right")
-    p.add_argument("--seq-length", type=positive_int, default=None, help="default: the model's training length")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--float64", action=argparse.BooleanOptionalAction, default=True,
-                   help="sample from float64 probabilities")
-    p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True)
+    add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_throughput)
     return parser

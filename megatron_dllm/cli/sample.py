@@ -17,6 +17,7 @@ import sys
 import time
 
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
 
 
 def parse_args(argv=None):
@@ -26,15 +27,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=128, help="T denoising steps (AR, left-to-right: one per token)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: all at once)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--predictor", default="ancestral", help="ancestral | block | left-to-right")
-    p.add_argument("--no-kv-cache", action="store_true", help="AR/Eso-LM without KV cache, MDLM without "
-                   "the no-change cache")
-    p.add_argument("--no-float64", action="store_true", help="categorical sampling in float32")
-    p.add_argument("--no-stop-at-eos", action="store_true", help="left-to-right: generate the full length")
+    add_sampling_arguments(p)
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="left-to-right: stop a sample at its first EOS (--no-stop-at-eos: the full length)")
     p.add_argument("--prompt", default=None, help="text kept at the start of every sample")
-    p.add_argument("--seq-length", type=int, default=None, help="L incl. the prompt (default: the model's)")
     p.add_argument("--use-ema", action="store_true", help="the EMA weights of a megatron checkpoint")
     p.add_argument("--tokenizer-type", default=None)
     p.add_argument("--tokenizer-model", default=None)
@@ -54,12 +50,9 @@ def main(argv=None):
     transformers.logging.disable_progress_bar()
 
     from megatron_dllm import platform
-    from megatron_dllm.sampling import SamplingConfig, decode, generate, load_inference_model
+    from megatron_dllm.sampling import decode, generate, load_inference_model
 
-    cfg = SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
-                         temperature=args.temperature, float64=not args.no_float64,
-                         predictor=args.predictor, kv_cache=not args.no_kv_cache,
-                         stop_at_eos=not args.no_stop_at_eos)
+    cfg = sampling_config(args, stop_at_eos=args.stop_at_eos)
     try:
         cfg.check()  # before the (slow) load
         if not os.path.exists(args.load):

@@ -17,8 +17,9 @@ from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.data import DataConfig, TokenizerConfig
 from megatron_dllm.config.logs import LoggingConfig
 from megatron_dllm.config.model import ModelConfig, PrecisionConfig
+from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
-from megatron_dllm.config.training import OptimizerConfig, TrainingConfig
+from megatron_dllm.config.training import TrainingConfig
 from megatron_dllm.model.presets import Preset, get_preset
 
 

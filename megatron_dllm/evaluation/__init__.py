@@ -1,4 +1,4 @@
-"""Evaluation (reference §4): validation NELBO/PPL, generative perplexity under a judge LM,
+"""Evaluation (as in the paper's code): validation NELBO/PPL, generative perplexity under a judge LM,
 unigram entropy of samples, and sampling throughput. `tools/evaluate.py` is the command line.
 
     nelbo.py       the families' own bounds on a validation split, as the trainer computes them

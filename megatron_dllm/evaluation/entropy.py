@@ -1,4 +1,4 @@
-"""Unigram entropy of generated samples (reference §4, `record_entropy`): a repetition detector.
+"""Unigram entropy of generated samples (as in the paper's code, `record_entropy`): a repetition detector.
 
 Per sample, over the *model's* token ids of the whole sequence (EOS and everything after it
 included, as the reference does): H = -Σ_u p_u ln p_u with p_u = count_u / L, in nats; the

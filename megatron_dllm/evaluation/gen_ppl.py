@@ -1,4 +1,4 @@
-"""Generative perplexity of samples under a judge causal LM (reference §4, Gen PPL).
+"""Generative perplexity of samples under a judge causal LM (as in the paper's code, Gen PPL).
 
 Samples are scored as text: each is re-tokenised by the judge's tokenizer (its default special
 tokens), truncated to the judge's context, batched (right padding plus an attention mask), and

@@ -1,4 +1,4 @@
-"""Validation NELBO / perplexity of a trained model on a dataset split (reference §4, Validation PPL).
+"""Validation NELBO / perplexity of a trained model on a dataset split (as in the paper's code, Validation PPL).
 
 This is the trainer's validation (`Trainer.evaluate`) run outside the trainer:
 - the same validation dataset, built by `training.inputs.prepare_inputs` from the same data flags

@@ -69,7 +69,7 @@ class Noise:
 
 
 class Family:
-    """Base class of the four families; see DESIGN.md for the protocol."""
+    """Base class of the four families; the protocol is this class's interface."""
 
     name: str
     attention: str           # "bidirectional" | "causal"

@@ -1,4 +1,4 @@
-"""Duo: uniform-state diffusion with the closed-form token-level NELBO (reference §2.3, `DUO_BASE`).
+"""Duo: uniform-state diffusion with the closed-form token-level NELBO (as in the paper's code, `DUO_BASE`).
 
 Forward process. With probability 1 - alpha_t (log-linear schedule, eps 1e-3, stratified t) a
 token is replaced by one drawn uniformly from the V *real* ids: every id < vocab_size except
@@ -15,7 +15,7 @@ Here the prior, the model's support and the formula agree: V = number of ids a t
 TP-padding logits are suppressed (zero probability), and Σ_j log xbar_theta_j runs over exactly
 those V ids — the suppressed columns are excluded explicitly, not left to contribute log(1 - a).
 
-Loss (notation of reference §2.3; a = alpha_t, a' = dalpha_t, e = [x == z]):
+Loss (notation of the paper's code; a = alpha_t, a' = dalpha_t, e = [x == z]):
     xbar_theta = V a x_theta + (1 - a),  xbar_z = (1 - a) + V a e,  c = (1 - a) / (V a + 1 - a)
     term1 = V (1/xbar_z - 1/xbar_theta[z])
     term2 = -(e c + 1 - e)(Σ_j log xbar_theta_j - V log xbar_theta[z])

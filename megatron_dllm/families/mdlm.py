@@ -2,7 +2,7 @@
 
 Each token is replaced by [MASK] with probability 1 - alpha_t; the backbone is bidirectional and
 gets sigma = 0. Only masked positions are scored; carry-over of unmasked tokens is done by the
-loss mask (reference §2.2). `--loss low-var` (default, the paper's) weights -log p by 1;
+loss mask (as in the paper's code). `--loss low-var` (default, the paper's) weights -log p by 1;
 `--loss nelbo` by dalpha/(1 - alpha) = 1/t. Validation always reports the NELBO.
 """
 from __future__ import annotations

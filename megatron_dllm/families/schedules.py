@@ -1,4 +1,4 @@
-"""Noise schedules as functions of t (reference §2.1)."""
+"""Noise schedules as functions of t (as in the paper's code)."""
 from __future__ import annotations
 
 import torch

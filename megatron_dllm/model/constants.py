@@ -1,4 +1,4 @@
-"""Constants of the DiT and of its noise schedule that no preset changes (reference §1, §2.1).
+"""Constants of the DiT and of its noise schedule that no preset changes (as in the paper's code).
 
 The megatron model, the noise schedule and the FLOPs formulas read them here. An HF export writes
 them into config.json (`hf/export.py`), from where the self-contained modeling file reads them.

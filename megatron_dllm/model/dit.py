@@ -86,7 +86,7 @@ class DiTModel(MegatronModule):
     """One pipeline chunk of the DiT (the whole model when there is no pipelining)."""
 
     model_type = ModelType.encoder_or_decoder  # what megatron's schedules expect
-    share_embeddings_and_output_weights = False  # untied (reference §1)
+    share_embeddings_and_output_weights = False  # untied (as in the paper's code)
 
     def __init__(self, config: TransformerConfig, layer_spec: ModuleSpec, mlp_config: TransformerConfig,
                  padded_vocab_size: int, max_sequence_length: int, pre_process: bool = True,

@@ -1,6 +1,6 @@
 """The DiT block as a megatron-core module tree, assembled through layer specs.
 
-One block (reference §1): pre-norm with a weight-only LayerNorm, adaLN-zero modulation with six
+One block (as in the paper's code): pre-norm with a weight-only LayerNorm, adaLN-zero modulation with six
 chunks from the conditioning vector, megatron's SelfAttention (qkv and out projections without
 bias, rotary on per-token positions) and megatron's MLP (with bias, tanh-GELU). The local spec
 runs everywhere; the TransformerEngine spec swaps the linears and core attention for TE's (FP8)

@@ -1,4 +1,4 @@
-"""AR sampler: next-token sampling with an optional KV cache (reference §3, "AR sampler").
+"""AR sampler: next-token sampling with an optional KV cache (as in the paper's code, "AR sampler").
 
 Start token: the training data are documents back to back, each ended by EOD and never started
 by a BOS, so a document starts right after an EOD. Unconditional generation therefore starts

@@ -11,7 +11,7 @@ import torch
 from megatron_dllm.sampling import categorical
 from megatron_dllm.sampling.config import SamplingConfig
 
-FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (reference §3)
+FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
 
 
 class EosStop:

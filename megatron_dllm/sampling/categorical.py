@@ -1,4 +1,4 @@
-"""Categorical sampling shared by every sampler (reference §3, "Categorical sampling").
+"""Categorical sampling shared by every sampler (as in the paper's code, "Categorical sampling").
 
 Sampling is an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-argmax in
 probability space), so p need not be normalised. It runs in float64 by default: float32 noise

@@ -1,4 +1,4 @@
-"""Duo ancestral sampler: the exact uniform-state posterior, then a greedy tail (reference §3).
+"""Duo ancestral sampler: the exact uniform-state posterior, then a greedy tail (as in the paper's code).
 
 The chain starts from tokens drawn uniformly from the V real ids ([MASK] is never a state). From
 t to s on linspace(1, 1e-5, T + 1), with x = x_theta (the denoiser at sigma = -log alpha_t, in

@@ -1,4 +1,4 @@
-"""Eso-LM (alpha_0 = 1) samplers with a KV cache (reference §3, "Eso-LM sampler", "Block sampler").
+"""Eso-LM (alpha_0 = 1) samplers with a KV cache (as in the paper's code, "Eso-LM sampler", "Block sampler").
 
 A plan fixes, per sample, the order in which positions are decoded (`order` [b, L]: the prompt
 first, then the generated positions) and, per step, how many are decoded (`counts`, shared by the

@@ -1,4 +1,4 @@
-"""MDLM ancestral sampler with the no-change cache (reference §3, "MDLM ancestral").
+"""MDLM ancestral sampler with the no-change cache (as in the paper's code, "MDLM ancestral").
 
 From t to s on linspace(1, 1e-5, T + 1), a masked token moves to
     q(id) ∝ p_x0(id) (alpha_s - alpha_t),   q([MASK]) = 1 - alpha_s,

@@ -6,8 +6,8 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
-from megatron_dllm.config.training import OptimizerConfig
 
 
 def wrap_ddp(chunks, config, parallel: ParallelConfig):
