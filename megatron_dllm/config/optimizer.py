@@ -9,6 +9,11 @@ from megatron_dllm.config.fields import FlagGroup, flag, fraction, non_negative_
 @dataclass(frozen=True)
 class OptimizerConfig(FlagGroup):
     GROUP = "optimizer and learning rate"
+    weight_decay: float = flag(0.1, type=float, help="AdamW weight decay")
+    adam_beta1: float = flag(0.9, type=float, help="AdamW beta1")
+    adam_beta2: float = flag(0.95, type=float, help="AdamW beta2")
+    adam_eps: float = flag(1e-8, type=float, help="AdamW epsilon")
+    clip_grad: float = flag(1.0, type=float, help="gradient-norm clipping")
     lr: float | None = flag(type=float, help="default 2e-4 (1e-3 on the demo)")
     min_lr: float | None = flag(type=float, help="default lr/10")
     lr_warmup_iters: int | None = flag(type=non_negative_int, help="warmup iterations")
@@ -19,11 +24,6 @@ class OptimizerConfig(FlagGroup):
                                    help="WSD: shape of the final decay")
     lr_wsd_decay_iters: int | None = flag(type=non_negative_int,
                                           help="WSD: iterations of the final decay (default: the last third)")
-    weight_decay: float = flag(0.1, type=float, help="AdamW weight decay")
-    adam_beta1: float = flag(0.9, type=float, help="AdamW beta1")
-    adam_beta2: float = flag(0.95, type=float, help="AdamW beta2")
-    adam_eps: float = flag(1e-8, type=float, help="AdamW epsilon")
-    clip_grad: float = flag(1.0, type=float, help="gradient-norm clipping")
 
     def warmup_iters(self, train_iters: int) -> int:
         if self.lr_warmup_iters is not None:
