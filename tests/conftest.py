@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,11 +20,6 @@ def demo_cache(tmp_path_factory) -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
     """Run pretrain_dllm.py under torchrun (one process: directly, with the environment torchrun
@@ -33,13 +27,14 @@ def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check
     metrics = os.path.join(str(workdir), f"metrics-{len(os.listdir(str(workdir)))}.jsonl")
     script = [os.path.join(REPO, "pretrain_dllm.py"), *args, "--metrics-file", metrics]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # Ports are chosen by the process that listens on them (port 0), never handed over from here:
+    # a port found free here can be taken by a concurrent launch before the child binds it.
     if nproc == 1:
         cmd = [sys.executable, *script]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={_free_port()}", *script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain_dllm.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, _free_port, run_pretrain
+from conftest import REPO, run_pretrain
 
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
 from megatron_dllm.config import parse_args
@@ -276,7 +276,7 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
     """SIGKILL torchrun alone (its ranks live in sessions of their own): the ranks stop within a
     few seconds and write no checkpoint after that."""
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            os.path.join(REPO, "pretrain_dllm.py"), "--demo-cache-dir", demo_cache, *RUN,
            "--train-iters", "1000", "--save-interval", "1", "--save", str(ckpt)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import _free_port, run_pretrain  # noqa: E402
+from conftest import run_pretrain  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     hf1, ckpt, hf2 = tmp_path / "hf1", tmp_path / "ckpt_tp2", tmp_path / "hf2"
     _run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", checkpoints["mdlm"],
           "--out", str(hf1)])
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
           os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
           "--tensor-model-parallel-size", "2"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"

@@ -7,7 +7,6 @@ sample index, so only the order of floating-point reductions differs.
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -33,11 +32,8 @@ LAYOUTS = {
 
 def run_worker(nproc: int, flags: list[str], workdir, demo_cache: str) -> dict:
     out = os.path.join(str(workdir), "result.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={port}", os.path.join(HERE, "parallel_worker.py"), out,
+           "--standalone", os.path.join(HERE, "parallel_worker.py"), out,
            "--demo-cache-dir", demo_cache, "--save", str(workdir / "ckpt"), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, _free_port, run_pretrain
+from conftest import REPO, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -91,7 +91,7 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
     """Start pretrain_dllm.py under torchrun and SIGKILL its whole tree as soon as `condition()`
     holds (polled every millisecond). Returns what `condition` returned, or None if it never held."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", os.path.join(REPO, "pretrain_dllm.py"), *flags,
+           "--standalone", os.path.join(REPO, "pretrain_dllm.py"), *flags,
            "--metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     log = open(os.path.join(str(workdir), "killed-run.log"), "w")  # kept for a failing test's reader
