@@ -97,7 +97,6 @@ def test_auto_dispatch_and_autograd():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("L", [1, 7, 128, 2048, 4096])
