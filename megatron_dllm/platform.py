@@ -57,6 +57,16 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def device_rng_state():
+    """The CUDA generator's state, or None on a CPU machine (checkpointed with the other RNGs)."""
+    return torch.cuda.get_rng_state() if HAS_CUDA else None
+
+
+def set_device_rng_state(state) -> None:
+    if HAS_CUDA and state is not None:
+        torch.cuda.set_rng_state(state)
+
+
 def backend() -> str:
     return "nccl" if HAS_CUDA else "gloo"
 

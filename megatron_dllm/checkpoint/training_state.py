@@ -56,7 +56,7 @@ def _rng_layout() -> list[int]:
 
 def _rng_sharded_object() -> ShardedObject:
     state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if platform.HAS_CUDA else None,
+             "cuda": platform.device_rng_state(),
              "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
     ranks = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
              parallel_state.get_data_parallel_rank())
@@ -67,8 +67,7 @@ def _restore_rng(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if platform.HAS_CUDA and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"])
+    platform.set_device_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["tracker"].items()})
 
 
