@@ -6,6 +6,7 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-pretrain        pretrain_dllm.py              train any family (torchrun)
     dllm-preprocess      tools/preprocess_data.py      text -> Megatron .bin/.idx
     dllm-merge           tools/merge_datasets.py       join shards / datasets
+    dllm-convert-dataset tools/convert_dataset.py      lit-gpt/TinyLlama packed files -> Megatron .bin/.idx
     dllm-inspect         tools/inspect_dataset.py      summarise and verify a dataset
     dllm-build-indexes   tools/build_indexes.py        build the sample/blend index caches ahead of training
     dllm-sample          tools/sample.py               generate from a checkpoint or HF export

@@ -110,25 +110,59 @@ class IndexedDatasetWriter:
         # finalized on clean exit, temporaries removed on exception
     """
 
-    def __init__(self, prefix: str, dtype=np.int32) -> None:
+    def __init__(self, prefix: str, dtype=np.int32, tag: Optional[str] = None,
+                 resume_at: Optional[Tuple[int, int]] = None) -> None:
+        """`tag` names the temporaries (default `.tmp-{pid}`); `resume_at=(tokens, documents)`
+        reopens the temporaries of an interrupted writer with that tag, cut back to the state
+        a `checkpoint()` returned (ValueError when they hold less)."""
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"dtype {self.dtype} has no Megatron .idx code")
         if os.path.dirname(prefix):
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        tag = f".tmp-{os.getpid()}"
+        tag = tag or f".tmp-{os.getpid()}"
         self._tmp_bin = bin_path(prefix) + tag
         self._tmp_idx = idx_path(prefix) + tag
         self._tmp_lengths = idx_path(prefix) + tag + ".lengths"
-        self._bin = open(self._tmp_bin, "wb")
         self._lengths = array.array("i")  # int32, as in the format; spilled past _SPILL entries
         self._spilled = 0  # lengths already in self._tmp_lengths
         self._lengths_file = None
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self.num_tokens = 0
+        self._ended_tokens = 0  # tokens covered by the lengths recorded so far
         self._prepared = False
         self.finalized = False
+        if resume_at is None:
+            self._bin = open(self._tmp_bin, "wb")
+        else:
+            self._reopen(*resume_at)
+
+    def _reopen(self, tokens: int, documents: int) -> None:
+        sizes = {self._tmp_bin: tokens * self.dtype.itemsize, self._tmp_lengths: 4 * documents}
+        for path, size in sizes.items():
+            have = os.path.getsize(path) if os.path.exists(path) else -1
+            if have < size:
+                raise ValueError(f"{path}: cannot resume, holds {max(have, 0)} bytes, expected >= {size}")
+        self._bin = open(self._tmp_bin, "r+b")
+        self._bin.truncate(sizes[self._tmp_bin])
+        self._bin.seek(0, os.SEEK_END)
+        self._lengths_file = open(self._tmp_lengths, "r+b")
+        self._lengths_file.truncate(sizes[self._tmp_lengths])
+        self._lengths_file.seek(0, os.SEEK_END)
+        self._spilled = documents
+        self.num_tokens = self._ended_tokens = tokens
+
+    def checkpoint(self) -> Tuple[int, int]:
+        """Make everything added so far durable in the temporaries; returns `(tokens, documents)`
+        for `resume_at`. Every token added must belong to a finished document."""
+        if self._ended_tokens != self.num_tokens:
+            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
+        self._spill()
+        for f in (self._bin, self._lengths_file):
+            f.flush()
+            os.fsync(f.fileno())
+        return self.num_tokens, self.num_documents
 
     @property
     def num_documents(self) -> int:
@@ -149,17 +183,37 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths, dtype=np.int64)
         if arr.ndim != 1 or int(lengths.sum()) != arr.size or (lengths.size and lengths.min() < 0):
             raise ValueError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
+        self.write_tokens(arr)
+        self.end_documents(lengths)
+
+    def write_tokens(self, tokens: np.ndarray) -> None:
+        """Append tokens whose document lengths `end_documents` gives later: a document may
+        arrive in pieces (streaming a file whose documents cross read blocks)."""
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"{self.prefix}: tokens must be 1-D, got shape {arr.shape}")
         if arr.dtype != self.dtype:
             if self._info is not None and arr.size and (int(arr.min()) < self._info.min
                                                         or int(arr.max()) > self._info.max):
                 raise ValueError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
                                  f"fit dtype {self.dtype}")
             arr = arr.astype(self.dtype)
-        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
         self._bin.write(arr.tobytes(order="C"))
-        self._lengths.extend(lengths.astype(np.int32).tolist())
         self.num_tokens += int(arr.size)
+
+    def end_documents(self, lengths: Iterable[int]) -> None:
+        """Record the lengths of the next documents, whose tokens `write_tokens` has written."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not lengths.size:
+            return
+        total = int(lengths.sum())
+        if lengths.min() < 0 or self._ended_tokens + total > self.num_tokens:
+            raise ValueError(f"{self.prefix}: document lengths {total} exceed the "
+                             f"{self.num_tokens - self._ended_tokens} tokens written for them")
+        if lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
+        self._lengths.extend(lengths.astype(np.int32).tolist())
+        self._ended_tokens += total
         if len(self._lengths) >= _SPILL:
             self._spill()
 
@@ -193,6 +247,7 @@ class IndexedDatasetWriter:
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
+        self._ended_tokens += int(arr.size)
         if len(self._lengths) >= _SPILL:
             self._spill()
 
@@ -205,6 +260,8 @@ class IndexedDatasetWriter:
         run out of space happens here, before anything is renamed into place."""
         if self._prepared:
             return
+        if self._ended_tokens != self.num_tokens:
+            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
@@ -253,6 +310,14 @@ class IndexedDatasetWriter:
         for p in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(p):
                 os.remove(p)
+
+    def close(self) -> None:
+        """Close the temporaries and keep them, for a later writer with `resume_at`."""
+        with contextlib.suppress(OSError):
+            self._bin.close()
+        if self._lengths_file is not None:
+            with contextlib.suppress(OSError):
+                self._lengths_file.close()
 
     def _drop_lengths_file(self) -> None:
         if self._lengths_file is not None:

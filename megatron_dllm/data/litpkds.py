@@ -1,0 +1,429 @@
+"""The lit-gpt/TinyLlama packed format ("LITPKDS"): validation and conversion to Megatron `.bin/.idx`.
+
+The format, as TinyLlama's `lit_gpt/packed_dataset.py` writes and the paper's code
+(`dataloader.py`) reads it, all little endian:
+
+    header (24 bytes)  magic b"LITPKDS" (7) | version <Q = 1 | dtype code <B | chunk_size <Q
+    body               chunks of `chunk_size` token ids (TinyLlama's builder writes one per file)
+
+The dtype codes are Megatron's except that 6 is float32 and 7 float64 (Megatron swaps them).
+The builder packs documents back to back across chunk and file boundaries, each ending with
+EOS (the tokenizer's default `eos=True`), and pads an unfilled last chunk with its `sep_token`
+(TinyLlama's scripts: BOS) — when it writes that chunk at all (TinyLlama's SlimPajama script
+drops it). Nothing in a file says where padding starts, so padding is stripped only when
+`pad_id` is given: the run of `pad_id` at the end of each file (one EOS kept when
+`pad_id == eos_id`, since it ends the last document), counted in the summary. Without it, a file
+ending in a long run of one id is reported as possible padding and converted as it is.
+
+Conversion (`convert_litpkds`): every file's tokens, in order, split after each EOS into one
+document each (EOS included, as Megatron's `--append-eod` leaves it); the tokens after a
+file's last EOS — a document that continues in the next file, or the last one of the corpus —
+become one more document, counted as partial. Files are read in blocks (memory does not grow
+with the corpus). After each file the output temporaries are synced and a state file
+`{output_prefix}.convert-state.json` records how far they hold; a run that is killed or fails
+resumes at the first unfinished file and writes the same bytes as an uninterrupted run. The
+finished `.bin/.idx` are renamed into place (`.idx` last) only at the end.
+
+Directories are searched for `*.bin` recursively and read in natural order (numbers by value),
+which is the order of both of the paper's layouts: phase 1 `train/{0..255}_*.bin`, phase 2
+`train/shard_{k}/*.bin` (and likewise `validation/`). Each split is its own dataset: a corpus
+root holding `train/` and `validation/` is refused with that advice.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter, validate_indexed_dataset, write_metadata
+
+MAGIC = b"LITPKDS"
+VERSION = 1
+HEADER_SIZE = 24  # magic 7 + version 8 + dtype 1 + chunk_size 8
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float32, 7: np.float64, 8: np.uint16}
+SPLITS = ("train", "validation")
+STATE_VERSION = 1
+TEMP_TAG = ".tmp-convert"  # fixed, so that a later run finds an interrupted run's temporaries
+PADDING_HINT_RUN = 8  # a file ending in this many copies of one id is reported as possible padding
+
+
+class LitpkdsFormatError(ValueError):
+    """A LITPKDS file whose header or size the readers would reject or misread."""
+
+
+@dataclass(frozen=True)
+class LitpkdsHeader:
+    path: str
+    dtype: np.dtype
+    chunk_size: int
+    num_chunks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.chunk_size * self.num_chunks
+
+
+def _error(path: str, offset: int, message: str) -> LitpkdsFormatError:
+    return LitpkdsFormatError(f"{path} at byte offset {offset}: {message}")
+
+
+def read_header(path: str) -> LitpkdsHeader:
+    """Check `path`'s header and size; LitpkdsFormatError names the file, byte offset and
+    what was expected."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < HEADER_SIZE:
+        raise _error(path, len(head), f"truncated header: file is {size} bytes, expected a "
+                                      f"{HEADER_SIZE}-byte LITPKDS header")
+    if head[:7] != MAGIC:
+        raise _error(path, 0, f"bad magic {head[:7]!r}, expected {MAGIC!r} (not a LITPKDS file)")
+    (version,) = struct.unpack_from("<Q", head, 7)
+    if version != VERSION:
+        raise _error(path, 7, f"version {version}, expected {VERSION}")
+    code = head[15]
+    if code not in DTYPE_CODES:
+        raise _error(path, 15, f"dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
+    dtype = np.dtype(DTYPE_CODES[code])
+    (chunk_size,) = struct.unpack_from("<Q", head, 16)
+    if chunk_size == 0:
+        raise _error(path, 16, "chunk size 0, expected >= 1")
+    chunk_bytes = chunk_size * dtype.itemsize
+    body = size - HEADER_SIZE
+    if body == 0 or body % chunk_bytes:
+        whole = body // chunk_bytes
+        raise _error(path, HEADER_SIZE + whole * chunk_bytes,
+                     f"file is {size} bytes: {body} bytes after the header, expected a positive multiple "
+                     f"of the chunk ({chunk_size} x {dtype.name} = {chunk_bytes} bytes); "
+                     f"{whole} whole chunks, then {body - whole * chunk_bytes} bytes")
+    return LitpkdsHeader(path, dtype, chunk_size, body // chunk_bytes)
+
+
+def validate_files(paths: Sequence[str]) -> Tuple[List[LitpkdsHeader], List[str]]:
+    """(headers of the valid files, one message per invalid file). A file whose dtype or chunk
+    size differs from the first valid file's is invalid too: the readers take both from the
+    first file they open."""
+    headers, errors = [], []
+    for path in paths:
+        try:
+            h = read_header(path)
+        except LitpkdsFormatError as err:
+            errors.append(str(err))
+            continue
+        except OSError as err:
+            errors.append(f"{path}: cannot read ({err.strerror or err})")
+            continue
+        if headers and (h.dtype, h.chunk_size) != (headers[0].dtype, headers[0].chunk_size):
+            first = headers[0]
+            offset = 15 if h.dtype != first.dtype else 16
+            errors.append(str(_error(path, offset, f"{h.dtype.name} chunks of {h.chunk_size} tokens, expected "
+                                                   f"those of {first.path} ({first.dtype.name}, {first.chunk_size})")))
+            continue
+        headers.append(h)
+    return headers, errors
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def natural_key(path: str):
+    """Numbers compare by value: `2_a.bin` < `10_a.bin`, `shard_2/` < `shard_10/`."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", path)]
+
+
+def expand_inputs(inputs: Sequence[str]) -> List[str]:
+    """Files, globs and directories (searched recursively for `*.bin`), each in natural order,
+    in the order given. ValueError for what matches nothing, a corpus root, or a file twice."""
+    files: List[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            roots = [s for s in SPLITS if os.path.isdir(os.path.join(item, s))]
+            if roots:
+                raise ValueError(f"INPUT {item} is a corpus root holding {'/, '.join(roots)}/; convert each split "
+                                 f"into its own dataset, e.g. INPUT {os.path.join(item, roots[0])}")
+            found = glob.glob(os.path.join(glob.escape(item), "**", "*.bin"), recursive=True)
+            if not found:
+                raise ValueError(f"INPUT {item}: directory holds no .bin file")
+        elif glob.has_magic(item):
+            found = [p for p in glob.glob(item, recursive=True) if os.path.isfile(p)]
+            if not found:
+                raise ValueError(f"INPUT {item!r}: matches no file")
+        elif os.path.isfile(item):
+            found = [item]
+        else:
+            raise ValueError(f"INPUT {item}: no such file or directory")
+        files.extend(sorted(found, key=natural_key))
+    seen = set()
+    for f in files:
+        if os.path.abspath(f) in seen:
+            raise ValueError(f"INPUT: {f} is listed twice")
+        seen.add(os.path.abspath(f))
+    return files
+
+
+def describe_layout(files: Sequence[str]) -> str:
+    """The paper's corpus layout the files follow, for the log."""
+    if files and all(re.fullmatch(r"shard_\d+", os.path.basename(os.path.dirname(f))) for f in files):
+        return f"phase 2 (shard_{{k}}/*.bin, {len({os.path.dirname(f) for f in files})} shards)"
+    if files and all(re.match(r"\d+_", os.path.basename(f)) for f in files):
+        return "phase 1 ({bucket}_*.bin)"
+    return "files in natural order"
+
+
+def output_dtype(input_dtype: np.dtype, vocab_size: Optional[int]) -> np.dtype:
+    """Megatron's rule (uint16 when the vocabulary fits, else int32); without a vocabulary, the
+    input's width says it: lit-gpt's builder applies the same rule when it picks the dtype."""
+    from megatron_dllm.data.indexed_dataset import optimal_dtype
+
+    if vocab_size is not None:
+        return np.dtype(optimal_dtype(vocab_size))
+    return np.dtype(np.uint16 if input_dtype in (np.dtype(np.uint8), np.dtype(np.uint16)) else np.int32)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class ConvertStats:
+    output_prefix: str = ""
+    layout: str = ""
+    dtype: str = ""
+    files: int = 0
+    files_resumed: int = 0  # finished by an earlier, interrupted run and not read again
+    chunks: int = 0
+    tokens_read: int = 0
+    tokens_written: int = 0
+    documents: int = 0
+    partial_documents: int = 0  # files' trailing tokens after their last EOS
+    padding_tokens: int = 0
+    padded_files: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.tokens_read / self.seconds if self.seconds > 0 else float("nan")
+        resumed = f" ({self.files_resumed} finished by an earlier run)" if self.files_resumed else ""
+        return (f"files: {self.files}{resumed}, {self.layout}; chunks: {self.chunks}; tokens read: "
+                f"{self.tokens_read}, written: {self.tokens_written} ({self.dtype}); documents: {self.documents}, "
+                f"of which partial (after a file's last EOS): {self.partial_documents}; padding tokens stripped: "
+                f"{self.padding_tokens} in {self.padded_files} files; {self.seconds:.1f} s, {rate:.0f} tokens/s "
+                f"-> {self.output_prefix}.bin/.idx")
+
+
+# What `ConvertStats` counts per file; kept in the state file for a resumed run.
+COUNTED = ("chunks", "tokens_read", "tokens_written", "documents", "partial_documents", "padding_tokens",
+           "padded_files")
+
+
+def _padding_run(path: str, header: LitpkdsHeader, token: int, limit: int, block: int) -> int:
+    """How many copies of `token` end the file (at most `limit`), reading backwards in blocks
+    that grow from 4096 tokens to `block`."""
+    itemsize, n = header.dtype.itemsize, header.num_tokens
+    run, step = 0, 4096
+    with open(path, "rb") as f:
+        while run < min(n, limit):
+            count = min(step, n - run, limit - run)
+            f.seek(HEADER_SIZE + (n - run - count) * itemsize)
+            tail = np.fromfile(f, dtype=header.dtype, count=count)
+            other = np.flatnonzero(tail != token)
+            if other.size:
+                return run + count - 1 - int(other[-1])
+            run += count
+            step = min(2 * step, block)
+    return run
+
+
+def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, vocab_size: Optional[int]) -> None:
+    """Negative ids, or ids beyond the vocabulary, are refused with the byte offset of the first."""
+    bad = None
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        bad = np.flatnonzero(arr < 0)[0]
+    if vocab_size is not None and arr.size and arr.max() >= vocab_size:
+        first = np.flatnonzero(arr >= vocab_size)[0]
+        bad = first if bad is None else min(bad, first)
+    if bad is not None:
+        bound = f"0 <= id < {vocab_size} (the vocabulary)" if vocab_size is not None else "a non-negative id"
+        raise ValueError(f"{path} at byte offset {HEADER_SIZE + (start + int(bad)) * itemsize}: token id "
+                         f"{int(arr[bad])}, expected {bound}")
+
+
+def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: int, pad_id: Optional[int],
+                  vocab_size: Optional[int], block: int, counters: dict, on_block: Callable[[int, int, int], None],
+                  log: Callable[[str], None]) -> None:
+    path, n, itemsize = header.path, header.num_tokens, header.dtype.itemsize
+    if pad_id is not None:
+        padding = _padding_run(path, header, pad_id, n, block)
+        if pad_id == eos_id and padding:
+            padding -= 1  # the first EOS of the run ends the last document
+    else:
+        padding, last = 0, _last_token(path, header)
+        if _padding_run(path, header, last, PADDING_HINT_RUN, block) >= PADDING_HINT_RUN:
+            log(f"{path}: ends in {PADDING_HINT_RUN}+ copies of id {last}, which looks like chunk padding; "
+                f"converted as data (pass --pad-id to strip and count it)")
+    end = n - padding
+    carry = documents = 0  # carry: tokens of the document not yet ended
+    with open(path, "rb") as f:
+        f.seek(HEADER_SIZE)
+        for start in range(0, end, block):
+            count = min(block, end - start)
+            arr = np.fromfile(f, dtype=header.dtype, count=count)
+            if arr.size != count:
+                raise ValueError(f"{path} at byte offset {HEADER_SIZE + (start + arr.size) * itemsize}: file "
+                                 f"ended early (did it change during the conversion?)")
+            _check_ids(path, arr, start, itemsize, vocab_size)
+            ends = np.flatnonzero(arr == eos_id)
+            writer.write_tokens(arr)
+            if ends.size:
+                lengths = np.diff(ends, prepend=-1)
+                lengths[0] += carry
+                writer.end_documents(lengths)
+                carry = count - 1 - int(ends[-1])
+            else:
+                carry += count
+            documents += int(ends.size)
+            on_block(int(ends.size), count, count * itemsize)
+    if carry:
+        writer.end_documents([carry])
+        documents += 1
+        counters["partial_documents"] += 1
+    counters["chunks"] += header.num_chunks
+    counters["tokens_read"] += n
+    counters["tokens_written"] += end
+    counters["documents"] += documents
+    counters["padding_tokens"] += padding
+    counters["padded_files"] += bool(padding)
+
+
+def _last_token(path: str, header: LitpkdsHeader) -> int:
+    with open(path, "rb") as f:
+        f.seek(HEADER_SIZE + (header.num_tokens - 1) * header.dtype.itemsize)
+        return int(np.fromfile(f, dtype=header.dtype, count=1)[0])
+
+
+def state_path(output_prefix: str) -> str:
+    return output_prefix + ".convert-state.json"
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _resume_state(output_prefix: str, fingerprint: dict, log) -> Optional[dict]:
+    """The state of an interrupted run with the same inputs and settings, or None."""
+    try:
+        with open(state_path(output_prefix)) as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        log(f"{state_path(output_prefix)}: unreadable ({err}); starting over")
+        return None
+    if state.get("fingerprint") != fingerprint:
+        log(f"{state_path(output_prefix)}: an interrupted run with other inputs or flags; starting over")
+        return None
+    return state
+
+
+def _remove_temporaries(output_prefix: str) -> None:
+    for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*") + [state_path(output_prefix)]:
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_id: Optional[int] = None,
+                    vocab_size: Optional[int] = None, metadata: Optional[dict] = None,
+                    log: Optional[Callable[[str], None]] = None, progress: Optional[bool] = None,
+                    log_interval: float = 30.0, block_tokens: int = 1 << 24) -> ConvertStats:
+    """Convert the LITPKDS files `inputs` (files, globs, directories) into `output_prefix.bin/.idx`.
+
+    `vocab_size` (when known) picks the output dtype by Megatron's rule and bounds the ids;
+    `metadata` is written as the dataset's `.meta.json` sidecar. Raises ValueError, naming the
+    file and byte offset, for invalid inputs (all headers are checked before anything is read).
+    """
+    from megatron_dllm.data.preprocess import Progress
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    t0 = time.time()
+    files = expand_inputs(inputs)
+    headers, errors = validate_files(files)
+    if errors:
+        more = f" (and {len(errors) - 1} more invalid files; --validate lists them)" if len(errors) > 1 else ""
+        raise ValueError(errors[0] + more)
+    in_dtype = headers[0].dtype
+    if in_dtype.kind == "f":
+        raise ValueError(f"{files[0]} at byte offset 15: {in_dtype.name} chunks, expected integer token ids")
+    info = np.iinfo(in_dtype)
+    for flag, value in (("--eos-id", eos_id), ("--pad-id", pad_id)):
+        if value is not None and not info.min <= value <= info.max:
+            raise ValueError(f"{flag} {value} cannot occur in {in_dtype.name} data ({files[0]})")
+    dtype = output_dtype(in_dtype, vocab_size)
+    out_abs = os.path.abspath(output_prefix)
+    if any(os.path.abspath(f) in (out_abs + ".bin", out_abs + ".idx") for f in files):
+        raise ValueError(f"--output-prefix {output_prefix}: would overwrite an input")
+
+    fingerprint = {"version": STATE_VERSION, "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
+                   "eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "dtype": dtype.name}
+    state = _resume_state(output_prefix, fingerprint, log)
+    counters = dict.fromkeys(COUNTED, 0)
+    writer, done = None, 0
+    if state is not None:
+        try:
+            writer = IndexedDatasetWriter(output_prefix, dtype, tag=TEMP_TAG,
+                                          resume_at=(state["tokens"], state["documents"]))
+            done, counters = state["files_done"], state["counters"]
+            log(f"resuming an interrupted conversion after {done} of {len(files)} files")
+        except (ValueError, OSError, KeyError) as err:
+            log(f"cannot resume ({err}); starting over")
+    if writer is None:
+        _remove_temporaries(output_prefix)
+        writer = IndexedDatasetWriter(output_prefix, dtype, tag=TEMP_TAG)
+    stats = ConvertStats(output_prefix, describe_layout(files), dtype.name, len(files), done)
+    log(f"converting {len(files)} LITPKDS files ({stats.layout}; {in_dtype.name} chunks of "
+        f"{headers[0].chunk_size} tokens) -> {output_prefix}.bin/.idx ({dtype.name})")
+    total_bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files)
+    bar = Progress(total_bytes, log, tty=progress, log_interval=log_interval)
+    bar.bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files[:done])
+
+    def on_block(docs: int, tokens: int, nbytes: int) -> None:
+        bar.update(docs, tokens, bar.bytes + nbytes)
+
+    try:
+        for i in range(done, len(files)):
+            _convert_file(headers[i], writer, eos_id, pad_id, vocab_size, block_tokens, counters, on_block, log)
+            tokens, documents = writer.checkpoint()
+            _write_json(state_path(output_prefix), {"fingerprint": fingerprint, "files_done": i + 1,
+                                                    "tokens": tokens, "documents": documents,
+                                                    "counters": counters})
+        bar.close()
+        writer.prepare()
+        writer.publish()
+    except BaseException as err:
+        writer.close()  # the temporaries and the state file stay, for the next run to resume
+        if isinstance(err, OSError):
+            raise ValueError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
+                             f"--output-prefix {output_prefix}; a rerun resumes)") from None
+        raise
+    if metadata is not None:
+        write_metadata(output_prefix, metadata)
+    elif os.path.exists(output_prefix + ".meta.json"):
+        os.remove(output_prefix + ".meta.json")  # an earlier dataset's, not this one's
+    os.remove(state_path(output_prefix))
+    validate_indexed_dataset(output_prefix, use_cache=False)
+    for key in COUNTED:
+        setattr(stats, key, counters[key])
+    stats.seconds = time.time() - t0
+    return stats
