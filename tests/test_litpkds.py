@@ -244,7 +244,7 @@ def _bytes(prefix):
 
 def test_failed_run_resumes_without_redoing_finished_files(tmp_path, monkeypatch):
     src = _inputs(tmp_path)
-    quiet = dict(log=lambda m: None, progress=False)
+    quiet = dict(log=lambda m: None, progress=False, sync_interval=0)  # sync after every file
     litpkds.convert_litpkds([src], str(tmp_path / "whole"), EOS, **quiet)
 
     original, calls = litpkds._convert_file, []
@@ -290,7 +290,7 @@ sys.exit(main(sys.argv[1:]))
 
 def test_sigkilled_run_resumes_to_identical_output(tmp_path):
     src = _inputs(tmp_path)
-    argv = ["--from", "litpkds", src, "--eos-id", "2", "--no-progress"]
+    argv = ["--from", "litpkds", src, "--eos-id", "2", "--no-progress", "--sync-interval", "0"]
     env = {**os.environ, "PYTHONPATH": REPO}
     killed = subprocess.run([sys.executable, "-c", KILLER, *argv, "--output-prefix", str(tmp_path / "k")],
                             env=env, capture_output=True, text=True)
@@ -313,7 +313,9 @@ def test_changed_inputs_start_over(tmp_path, monkeypatch):
 
     monkeypatch.setattr(litpkds, "_convert_file", fail_second)
     with pytest.raises(KeyboardInterrupt):
-        litpkds.convert_litpkds([src], str(tmp_path / "o"), EOS, log=lambda m: None, progress=False)
+        litpkds.convert_litpkds([src], str(tmp_path / "o"), EOS, log=lambda m: None, progress=False,
+                                sync_interval=0)
+    assert os.path.exists(tmp_path / "o.convert-state.json")
     monkeypatch.setattr(litpkds, "_convert_file", original)
     os.remove(os.path.join(src, "5_f.bin"))  # another input list: the saved state does not apply
     logs = []

@@ -14,7 +14,8 @@ The EOS id is `--eos-id`, or the EOS of the tokenizer named by `--tokenizer-type
 `--tokenizer-model`, which also gives the vocabulary (the output dtype by Megatron's rule, a
 bound on the ids, and the `.meta.json` sidecar that training checks). `--pad-id` strips the
 padding of an unfilled last chunk (lit-gpt pads with its `sep_token`; TinyLlama's scripts use
-BOS) and counts it. A killed run resumes at the first unfinished file, with identical output.
+BOS) and counts it. A killed run resumes after the last input file synced (`--sync-interval`),
+with identical output.
 
     python tools/convert_dataset.py --from litpkds --validate 'corpus/train/*.bin'
 
@@ -40,6 +41,8 @@ def get_args(argv=None):
     p.add_argument("--pad-id", type=int, default=None,
                    help="strip and count the run of this id that ends each file (chunk padding)")
     TokenizerConfig.add_arguments(p)
+    p.add_argument("--sync-interval", type=float, default=10.0,
+                   help="seconds between syncs of the output for a resume (0: after every input file)")
     p.add_argument("--log-interval", type=float, default=30.0,
                    help="seconds between progress log lines when stderr is not a TTY")
     p.add_argument("--no-progress", action="store_true", help="no TTY status line (log lines instead)")
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                          "LITPKDS files do not record their separator")
     stats = convert_litpkds(args.inputs, args.output_prefix, eos_id, pad_id=args.pad_id, vocab_size=vocab_size,
                             metadata=metadata, progress=False if args.no_progress else None,
-                            log_interval=args.log_interval)
+                            log_interval=args.log_interval, sync_interval=args.sync_interval)
     print(stats.summary())
     return 0
 

@@ -198,7 +198,7 @@ class IndexedDatasetWriter:
                 raise ValueError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
                                  f"fit dtype {self.dtype}")
             arr = arr.astype(self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
+        self._bin.write(np.ascontiguousarray(arr).data)  # no copy of a contiguous block
         self.num_tokens += int(arr.size)
 
     def end_documents(self, lengths: Iterable[int]) -> None:
@@ -212,7 +212,7 @@ class IndexedDatasetWriter:
                              f"{self.num_tokens - self._ended_tokens} tokens written for them")
         if lengths.max() > np.iinfo(np.int32).max:
             raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
-        self._lengths.extend(lengths.astype(np.int32).tolist())
+        self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._ended_tokens += total
         if len(self._lengths) >= _SPILL:
             self._spill()
