@@ -22,7 +22,7 @@ become one more document, counted as partial. Files are read in blocks (memory d
 with the corpus). After each file the output temporaries are synced and a state file
 `{output_prefix}.convert-state.json` records how far they hold; a run that is killed or fails
 resumes at the first unfinished file and writes the same bytes as an uninterrupted run. The
-sync is what costs (an fsync per file halves the throughput of 4 MB files), so it happens after
+sync is what costs (an fsync per 4 MB file made the conversion up to 2.2x slower), so it happens after
 the first file finished `sync_interval` seconds after the last sync (0: after every file), and
 after the last file; a killed run redoes at most that much work. The finished `.bin/.idx` are
 renamed into place (`.idx` last) only at the end.
