@@ -288,6 +288,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_to_identical_output(tmp_path):
     src = _inputs(tmp_path)
     argv = ["--from", "litpkds", src, "--eos-id", "2", "--no-progress", "--sync-interval", "0"]
@@ -323,3 +324,14 @@ def test_changed_inputs_start_over(tmp_path, monkeypatch):
     assert stats.files_resumed == 0 and any("starting over" in m for m in logs)
     litpkds.convert_litpkds([src], str(tmp_path / "fresh"), EOS, log=lambda m: None, progress=False)
     assert _bytes(str(tmp_path / "o")) == _bytes(str(tmp_path / "fresh"))
+
+
+def test_a_file_of_several_chunks_converts_like_one_file_per_chunk(tmp_path):
+    docs = random_docs(30, seed=5)
+    chunk = sum(map(len, docs)) // 3
+    files = pack(docs, [str(tmp_path / "one" / f"{i}.bin") for i in range(3)], chunk)
+    write_litpkds(str(tmp_path / "three.bin"), [t for f in files for t in f], chunk)
+    assert litpkds.read_header(str(tmp_path / "three.bin")).num_chunks == 3
+    quiet = dict(log=lambda m: None, progress=False)
+    litpkds.convert_litpkds([str(tmp_path / "three.bin")], str(tmp_path / "o"), EOS, **quiet)
+    assert read_megatron(str(tmp_path / "o"))[0] == expected_documents([[t for f in files for t in f]])
