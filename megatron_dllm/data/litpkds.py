@@ -343,7 +343,9 @@ def _resume_state(output_prefix: str, fingerprint: dict, log) -> Optional[dict]:
 
 
 def _remove_temporaries(output_prefix: str) -> None:
-    for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*") + [state_path(output_prefix)]:
+    """An interrupted run's temporaries and state file (of a run that cannot be resumed)."""
+    state = state_path(output_prefix)
+    for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*") + [state, state + ".tmp"]:
         if os.path.exists(p):
             os.remove(p)
 
@@ -380,7 +382,8 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
     if any(os.path.abspath(f) in (out_abs + ".bin", out_abs + ".idx") for f in files):
         raise ValueError(f"--output-prefix {output_prefix}: would overwrite an input")
 
-    settings = {"version": STATE_VERSION, "inputs": [[os.path.abspath(f), os.path.getsize(f)] for f in files],
+    settings = {"version": STATE_VERSION,
+                "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
                 "eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "dtype": dtype.name}
     fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()  # the state file stays small
     state = _resume_state(output_prefix, fingerprint, log)
