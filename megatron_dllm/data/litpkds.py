@@ -48,7 +48,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter, validate_indexed_dataset, write_metadata
+from megatron_dllm.data.indexed_dataset import (
+    IndexedDatasetWriter,
+    optimal_dtype,
+    validate_indexed_dataset,
+    write_metadata,
+)
 
 MAGIC = b"LITPKDS"
 VERSION = 1
@@ -187,8 +192,6 @@ def describe_layout(files: Sequence[str]) -> str:
 def output_dtype(input_dtype: np.dtype, vocab_size: Optional[int]) -> np.dtype:
     """Megatron's rule (uint16 when the vocabulary fits, else int32); without a vocabulary, the
     input's width says it: lit-gpt's builder applies the same rule when it picks the dtype."""
-    from megatron_dllm.data.indexed_dataset import optimal_dtype
-
     if vocab_size is not None:
         return np.dtype(optimal_dtype(vocab_size))
     return np.dtype(np.uint16 if input_dtype in (np.dtype(np.uint8), np.dtype(np.uint16)) else np.int32)
@@ -326,7 +329,7 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _resume_state(output_prefix: str, fingerprint: dict, log) -> Optional[dict]:
+def _resume_state(output_prefix: str, fingerprint: str, log) -> Optional[dict]:
     """The state of an interrupted run with the same inputs and settings, or None."""
     try:
         with open(state_path(output_prefix)) as f:
