@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_dllm.cli import convert_from_ref
-from megatron_dllm.hf import export
+from megatron_dllm.hf import export, reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ, BATCH = 64, 2, 4, 300, 16, 3
@@ -169,15 +169,19 @@ def random_paper_model(algo: str, seed: int = 0) -> PaperDiT:
     return model.eval()
 
 
-def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None = None, edit=None):
-    """The dict the paper's Lightning trainer saves (changed by `edit`), written with torch.save."""
-    tokenizers = types.ModuleType("paper_run_tokenizers")  # a class the reader cannot import
-    tokenizers.Tokenizer = type("Tokenizer", (), {"__module__": "paper_run_tokenizers"})
-    sys.modules["paper_run_tokenizers"] = tokenizers
+def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None = None, edit=None,
+                   hparams_class=dict):
+    """The dict the paper's Lightning trainer saves (changed by `edit`), written with torch.save;
+    `hparams_class` "unimportable" makes hyper_parameters a dict subclass the reader lacks."""
+    run = types.ModuleType("paper_run_classes")  # classes the reader cannot import
+    run.Tokenizer = type("Tokenizer", (), {"__module__": "paper_run_classes"})
+    run.AttributeDict = type("AttributeDict", (dict,), {"__module__": "paper_run_classes"})
+    sys.modules["paper_run_classes"] = run
+    hparams_class = run.AttributeDict if hparams_class == "unimportable" else hparams_class
     try:
         ckpt = {"epoch": 0, "global_step": 7, "pytorch-lightning_version": "2.5.0",
                 "state_dict": OrderedDict(("backbone." + k, v.clone()) for k, v in model.state_dict().items()),
-                "hyper_parameters": {"config": paper_config(algo), "tokenizer": tokenizers.Tokenizer()},
+                "hyper_parameters": hparams_class(config=paper_config(algo), tokenizer=run.Tokenizer()),
                 "loops": {"fit_loop": {}}, "optimizer_states": [], "lr_schedulers": [],
                 "train_start_file_idx": 0}
         if ema_model is not None:
@@ -187,7 +191,7 @@ def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None 
             edit(ckpt)
         torch.save(ckpt, path)
     finally:
-        del sys.modules["paper_run_tokenizers"]
+        del sys.modules["paper_run_classes"]
     return str(path)
 
 
@@ -247,13 +251,38 @@ def test_hub_mixin_directory_reproduces_the_paper_logits(algo, tmp_path):
 
 def test_esolm_shuffled_order_reproduces_the_paper_logits(tmp_path):
     model = random_paper_model("esolm", seed=4)
-    ckpt = save_lightning(model, "esolm", tmp_path / "esolm.ckpt")
-    out = convert_to_hf(tmp_path, ckpt)
+    ckpt = save_lightning(model, "esolm", tmp_path / "esolm.ckpt", hparams_class="unimportable")
+    out = convert_to_hf(tmp_path, ckpt)  # the family comes from a config inside an unimportable dict
     ids, sigma, order = inputs(5)
     shuffled = torch.gather(ids, 1, order)
     with torch.no_grad():
         want = model(shuffled, sigma, sort_idx=order)
     assert_close(hf_logits(out, "esolm", shuffled, sigma, positions=order), want)
+
+
+# tests/data/paper_hyper_parameters_omegaconf.pkl was written with omegaconf 2.3.0 as
+#   pickle.dumps({"config": OmegaConf.create(RECORDED_CONFIG)}, protocol=2)
+# (the pickle protocol of torch.save); its model and algo sections are the paper code's
+# configs/model/6M.yaml and configs/algo/mdlm.yaml.
+RECORDED_CONFIG = {
+    "mode": "train",
+    "model": {"name": "6M", "type": "ddit", "hidden_size": 256, "cond_dim": 128, "length": 1024, "n_blocks": 6,
+              "n_heads": 4, "scale_by_sigma": True, "dropout": 0.1, "tie_word_embeddings": False},
+    "algo": {"name": "mdlm", "backbone": "dit", "parameterization": "subs", "time_conditioning": False, "T": 0,
+             "subs_masking": False, "causal_attention": False, "loss_type": "elbo", "adaLN": True},
+    "loader": {"global_batch_size": 256, "eval_global_batch_size": "${.global_batch_size}"},
+    "optim": {"weight_decay": 0.1, "lr": 2e-4, "min_lr": 2e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8},
+    "wandb": {"tags": ["chinchilla-v2", "${algo.name}"]},
+}
+
+
+def test_omegaconf_run_config_is_read_with_or_without_omegaconf():
+    with open(os.path.join(REPO, "tests", "data", "paper_hyper_parameters_omegaconf.pkl"), "rb") as f:
+        hparams = reference._TolerantUnpickler(f).load()
+    config = reference.plain(hparams["config"])
+    assert config == RECORDED_CONFIG
+    ref = reference.RefCheckpoint({}, config, "recorded")
+    assert ref.family(None) == "mdlm" and ref.seq_length() == 1024
 
 
 @pytest.mark.slow

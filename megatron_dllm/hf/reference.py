@@ -220,6 +220,15 @@ class _Placeholder:
     def __setstate__(self, state):
         self.__dict__["_state"] = state
 
+    def __setitem__(self, key, value):  # a dict subclass's items (Lightning's AttributeDict)
+        self.__dict__.setdefault("_items", {})[key] = value
+
+    def append(self, value):  # a list subclass's items
+        self.__dict__.setdefault("_list", []).append(value)
+
+    def extend(self, values):
+        self.__dict__.setdefault("_list", []).extend(values)
+
 
 class _TolerantUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
@@ -240,10 +249,14 @@ def plain(value):
 
         return OmegaConf.to_container(value, resolve=False)
     if isinstance(value, _Placeholder):
+        for items in ("_items", "_list"):
+            if items in value.__dict__:
+                return plain(value.__dict__[items])
         state = value.__dict__.get("_state")
         if isinstance(state, tuple):  # (dict state, slots state)
             state = state[0]
-        state = state or {}
+        if not isinstance(state, dict):
+            return None
         if "_content" in state:
             return plain(state["_content"])
         return plain(state.get("_val"))
@@ -266,6 +279,8 @@ def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
     if not raw:
         raise ValueError(f"--ref {path}: no backbone.* tensors in state_dict (expected the paper's trainer)")
     hparams = ckpt.get("hyper_parameters") or {}
+    if isinstance(hparams, _Placeholder):  # Lightning's AttributeDict without Lightning
+        hparams = plain(hparams)
     config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
     if not isinstance(config, dict):
         config = {}
