@@ -336,3 +336,24 @@ def test_refusals_name_the_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1, (flags, err)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_bare_weights_take_family_and_heads_from_flags(tmp_path, capsys):
+    """A model.safetensors without config.json and without the rotary buffer: the family and the
+    heads cannot be read from it, so they must be given."""
+    from safetensors.torch import save_file
+
+    model = random_paper_model("mdlm", seed=8)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file({k: v for k, v in model.state_dict().items() if k != "rotary_emb.inv_freq"},
+              str(bare / "model.safetensors"))
+    for flags, message in [([], "cannot infer the family (it holds no config"),
+                           (["--family", "mdlm"], "pass --num-attention-heads")]:
+        assert convert_from_ref.main(["--ref", str(bare), *flags, "--hf-out", str(tmp_path / "x")]) == 2
+        assert message in capsys.readouterr().err
+    out = convert_to_hf(tmp_path, str(bare), "--family", "mdlm", "--num-attention-heads", str(HEADS))
+    ids, sigma, _ = inputs(9)
+    with torch.no_grad():
+        want = model(ids, sigma)
+    assert_close(hf_logits(out, "mdlm", ids, sigma), want)

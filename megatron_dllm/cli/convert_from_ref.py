@@ -57,7 +57,10 @@ def load_reference(args):
 
     ref = reference.read(args.ref, args.weights)
     if args.num_attention_heads is not None:
-        ref.config.setdefault("model", {}).setdefault("n_heads", args.num_attention_heads)
+        model = ref.config.setdefault("model", {})
+        if model.setdefault("n_heads", args.num_attention_heads) != args.num_attention_heads:
+            raise ValueError(f"--num-attention-heads {args.num_attention_heads} but {args.ref} says "
+                             f"model.n_heads {model['n_heads']}")
     family = ref.family(args.family)
     hf_state = ref.hf_state()
     sizes = ref.sizes()
