@@ -268,8 +268,9 @@ def plain(value):
 
 
 def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_tolerant_pickle)
+    try:  # memory-mapped: optimizer states and other unused tensors are never read into memory
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_tolerant_pickle,
+                          mmap=_is_zip(path))
     except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
         raise ValueError(f"--ref {path}: not a readable PyTorch checkpoint ({err})") from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
@@ -287,6 +288,13 @@ def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
     if use_ema:
         raw = _ema_weights(ckpt.get("ema"), raw, path)
     return RefCheckpoint(raw, config, path)
+
+
+def _is_zip(path: str) -> bool:
+    """torch.save's zip format (memory-mappable), not the legacy one."""
+    import zipfile
+
+    return zipfile.is_zipfile(path)
 
 
 def _ema_weights(ema, raw: dict, path: str) -> dict:
