@@ -156,8 +156,8 @@ def paper_config(algo: str) -> dict:
             "algo": algos[algo]}
 
 
-def random_paper_model(algo: str, seed: int = 0) -> PaperDiT:
-    model = PaperDiT(paper_config(algo), VOCAB)
+def random_paper_model(algo: str, seed: int = 0, vocab: int = VOCAB) -> PaperDiT:
+    model = PaperDiT(paper_config(algo), vocab)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -357,3 +357,42 @@ def test_bare_weights_take_family_and_heads_from_flags(tmp_path, capsys):
     with torch.no_grad():
         want = model(ids, sigma)
     assert_close(hf_logits(out, "mdlm", ids, sigma), want)
+
+
+def train_sentencepiece(path, vocab_size: int) -> str:
+    """A small BPE SentencePiece model (byte fallback) trained on this repository's own docs."""
+    import io
+
+    import sentencepiece as spm
+
+    text = open(os.path.join(REPO, "docs", "checkpoints.md")).read() + open(os.path.join(REPO, "README.md")).read()
+    text = text.encode("ascii", "ignore").decode()
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([t for t in text.splitlines() if t.strip()]),
+                                   model_writer=proto, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    with open(path, "wb") as f:
+        f.write(proto.getvalue())
+    return str(path)
+
+
+def test_tokenizer_gives_the_mask_id_and_is_exported(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    vocab = 450  # room for the 256 byte pieces and the characters
+    model = random_paper_model("mdlm", seed=10, vocab=vocab)
+    ckpt = save_lightning(model, "mdlm", tmp_path / "last.ckpt")
+    spm_model = train_sentencepiece(tmp_path / "tok.model", vocab - 1)  # + the appended [MASK] = vocab
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model"]
+    out = convert_to_hf(tmp_path, ckpt, *flags, spm_model)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.mask_token_id == vocab - 1
+    assert export.model_class("mdlm").from_pretrained(str(out)).config.mask_token_id == vocab - 1
+    import sentencepiece as spm
+
+    text = "Checkpoints of the paper's code import here."
+    ids = spm.SentencePieceProcessor(model_file=spm_model).encode(text)
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    small = train_sentencepiece(tmp_path / "small.model", vocab - 20)
+    assert convert_from_ref.main(["--ref", ckpt, *flags, small, "--hf-out", str(tmp_path / "x")]) == 2
+    assert f"but {ckpt} has {vocab} rows" in capsys.readouterr().err

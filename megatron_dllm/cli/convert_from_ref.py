@@ -8,8 +8,9 @@ megatron_dllm checkpoint at any TP/PP layout, or straight into this project's Hu
 --ref is a PyTorch Lightning checkpoint of its trainer (`--weights raw` or `ema`) or a directory
 written by its DiT's `save_pretrained` (huggingface_hub mixin: config.json + model.safetensors).
 The family is --family, else the checkpoint's `algo.name` (ar, mdlm, esolm, duo_base/distillation
--> duo). The [MASK] id is --mask-id, by default the last vocabulary id (the paper's code appends
-[MASK] to a tokenizer that has none; give the tokenizer's id when it has one). Lightning
+-> duo). The [MASK] id is --mask-id, else the one of --tokenizer-type/--tokenizer-model (whose
+vocabulary must match; --hf-out then exports it), else the last vocabulary id (the paper's code
+appends [MASK] to a tokenizer that has none). Lightning
 checkpoints are pickles: load only ones you trust. Bad input: one `error: ...` line, exit code 2.
 """
 import argparse
@@ -28,7 +29,11 @@ def main(argv=None):
                         help="Lightning checkpoint: the trained parameters or their EMA (default raw)")
     parser.add_argument("--family", default=None, choices=["ar", "mdlm", "duo", "esolm"],
                         help="default: inferred from the checkpoint's config (algo.name)")
-    parser.add_argument("--mask-id", type=int, default=None, help="default: the last vocabulary id")
+    parser.add_argument("--mask-id", type=int, default=None,
+                        help="default: the tokenizer's [MASK] with --tokenizer-model, else the last vocabulary id")
+    parser.add_argument("--tokenizer-type", default=None, help="the run's tokenizer (as tools/convert_to_hf.py)")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="checked against the vocabulary; gives the [MASK] id; exported with --hf-out")
     parser.add_argument("--num-attention-heads", type=int, default=None,
                         help="only for weights with neither config nor rotary buffer")
     parser.add_argument("--seq-length", type=int, default=None,
@@ -42,6 +47,8 @@ def main(argv=None):
     parser.add_argument("--iteration", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace what --save or --hf-out holds")
     args = parser.parse_args(argv)
+    if bool(args.tokenizer_type) != bool(args.tokenizer_model):
+        parser.error("--tokenizer-type and --tokenizer-model go together")
     if args.hf_out and (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != (1, 1):
         parser.error("--tensor/--pipeline-model-parallel-size shape a --save checkpoint, not --hf-out")
     try:
@@ -66,6 +73,14 @@ def load_reference(args):
     sizes = ref.sizes()
     vocab = sizes["vocab_size"]
     mask_id = vocab - 1 if args.mask_id is None else args.mask_id
+    if args.tokenizer_model:
+        from megatron_dllm.data.tokenizers import build_tokenizer
+
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        mask_id = tokenizer.mask_id if args.mask_id is None else args.mask_id
+        if (tokenizer.vocab_size, tokenizer.mask_id) != (vocab, mask_id):
+            raise ValueError(f"--tokenizer-model {args.tokenizer_model}: vocabulary {tokenizer.vocab_size} with "
+                             f"[MASK] {tokenizer.mask_id}, but {args.ref} has {vocab} rows and [MASK] {mask_id}")
     if not 0 <= mask_id < vocab:
         raise ValueError(f"--mask-id {mask_id}: outside the checkpoint's vocabulary of {vocab}")
     identity = ModelIdentity(family, sizes["hidden_size"], sizes["num_layers"], sizes["num_heads"], vocab, mask_id)
@@ -97,6 +112,9 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
     try:
         config = export.hf_config_dict(identity, FAMILIES[identity.family].attention, max_length)
         export.write_hf_dir(staging, hf_state, config)
+        if args.tokenizer_model:
+            export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model,
+                                    identity.vocab_size, identity.mask_id)
         for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
             os.chmod(base, 0o755)
             for name in files:
@@ -104,7 +122,8 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
         layout.publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
-    print(f"wrote {args.hf_out} ({identity.family}, {len(hf_state)} tensors, {args.weights} weights)")
+    print(f"wrote {args.hf_out} ({identity.family}, {len(hf_state)} tensors, {args.weights} weights"
+          f"{', tokenizer' if args.tokenizer_model else ''})")
     return 0
 
 
