@@ -83,6 +83,7 @@ setup(
         "dllm-evaluate=megatron_dllm.cli.evaluate:main",
         "dllm-convert-to-hf=megatron_dllm.cli.convert_to_hf:main",
         "dllm-convert-from-hf=megatron_dllm.cli.convert_from_hf:main",
+        "dllm-convert-from-ref=megatron_dllm.cli.convert_from_ref:main",
         "dllm-verify-checkpoint=megatron_dllm.cli.verify_checkpoint:main",
         "dllm-model-info=megatron_dllm.cli.model_info:main",
         "dllm-plan-isoflop=megatron_dllm.cli.plan_isoflop:main",

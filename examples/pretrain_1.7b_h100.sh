@@ -3,7 +3,8 @@
 # 17 heads admit no tensor parallelism (TP must divide the heads), so the model is data parallel
 # with the distributed optimizer; bf16 with TransformerEngine FP8 (hybrid, delayed scaling).
 # Recipe: global batch 1024 x 2048 tokens, warmup 2000 iterations, constant LR, decay over the
-# last third (WSD). 2.1T tokens = 1,001,358 iterations of 1024 x 2048.
+# last third (WSD). 2.1T tokens = 1,001,358 iterations of 1024 x 2048. Weight decay on every
+# parameter (--apply-wd-to-all-params), as the paper's code; its 1.7B scripts fix the warmup at 2000.
 set -euo pipefail
 DATA=${DATA:?set DATA to a Megatron .bin/.idx prefix (or a blend "w1 p1 w2 p2")}
 TOKENIZER=${TOKENIZER:?set TOKENIZER to the tokenizer.json the data was preprocessed with}
@@ -14,7 +15,7 @@ torchrun --nproc-per-node 8 pretrain_dllm.py \
   --micro-batch-size 4 --global-batch-size 1024 --train-iters 1001358 \
   --lr 3e-4 --min-lr 4e-5 --lr-warmup-iters 2000 --lr-decay-style WSD \
   --lr-wsd-decay-style cosine --lr-wsd-decay-iters 333786 \
-  --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
+  --weight-decay 0.1 --apply-wd-to-all-params --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
   --use-distributed-optimizer --overlap-grad-reduce \
   --bf16 --transformer-impl transformer_engine \
   --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max \

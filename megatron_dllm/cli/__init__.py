@@ -13,6 +13,7 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-evaluate        tools/evaluate.py             NELBO, generative perplexity, throughput
     dllm-convert-to-hf   tools/convert_to_hf.py        checkpoint -> Hugging Face directory
     dllm-convert-from-hf tools/convert_from_hf.py      Hugging Face directory -> checkpoint
+    dllm-convert-from-ref tools/convert_from_ref.py    the paper code's checkpoint -> checkpoint / HF
     dllm-verify-checkpoint tools/verify_checkpoint.py  check a checkpoint against its manifest
     dllm-model-info      tools/model_info.py           parameters and FLOPs of a preset
     dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid

@@ -59,6 +59,17 @@ def _read_hf(hf: str):
 
 
 def convert(args) -> int:
+    from megatron_dllm.hf import export
+
+    identity, cfg, hf_state = _read_hf(args.hf)
+    return write_checkpoint(hf_state, identity, cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH),
+                            args, source=args.hf)
+
+
+def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
+    """Write the dense DiT weights `hf_state` ("backbone." names) as a megatron checkpoint at the
+    layout of `args` (--save, --tensor/--pipeline-model-parallel-size, --make-vocab-size-divisible-by,
+    --iteration, --overwrite), each rank its shard."""
     import torch
     from megatron.core import parallel_state
 
@@ -67,12 +78,10 @@ def convert(args) -> int:
     from megatron_dllm.hf import export
     from megatron_dllm.model.builder import build_model, transformer_config
 
-    identity, cfg, hf_state = _read_hf(args.hf)
     if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
         raise ValueError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    arch = identity.architecture(cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH),
-                                 args.make_vocab_size_divisible_by)
+    arch = identity.architecture(seq_length, args.make_vocab_size_divisible_by)
     platform.init_distributed(tp, pp)
     config, mlp_config = transformer_config(arch, tp=tp, pp=pp)
     model = build_model(arch, config, mlp_config, seed=0)[0]
@@ -95,11 +104,11 @@ def convert(args) -> int:
         if live is not None and getattr(live, "tensor_model_parallel", False) and tp > 1:
             value = value.chunk(tp, dim=live.partition_dim)[tp_rank]
         if value.shape != param.shape:
-            raise ValueError(f"{name}: shape {tuple(value.shape)} from {args.hf} vs model {tuple(param.shape)}")
+            raise ValueError(f"{name}: shape {tuple(value.shape)} from {source} vs model {tuple(param.shape)}")
         new_state[name] = value.to(param.dtype)
     model.load_state_dict(new_state)
     if pp == 1 and set(hf_state) != used:
-        raise ValueError(f"{args.hf}: unused weights {sorted(set(hf_state) - used)[:5]}")
+        raise ValueError(f"{source}: unused weights {sorted(set(hf_state) - used)[:5]}")
     path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, {"seq_length": arch.seq_length})
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go

@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 
-from megatron_dllm.model.presets import PAPER_PRESETS, PRESETS
+from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, PRESETS
 from megatron_dllm.scaling.plan import (
     FAMILY_ORDER,
     PAPER_BUDGETS,
@@ -73,7 +73,7 @@ def main(argv=None):
                         help="appended to every command (data, tokenizer, precision, parallelism flags)")
     parser.add_argument("--manifest", default=None, help="also write the run manifest for tools/scaling_laws.py")
     args = parser.parse_args(argv)
-    unknown = [p for p in args.presets if p not in PRESETS and p != "1.7B"]
+    unknown = [p for p in args.presets if p not in PRESETS and p not in ALIASES]
     if unknown:
         parser.error(f"--presets: unknown {', '.join(unknown)}; expected names from: {', '.join(PRESETS)}")
 

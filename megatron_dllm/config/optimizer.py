@@ -10,6 +10,9 @@ from megatron_dllm.config.fields import FlagGroup, flag, fraction, non_negative_
 class OptimizerConfig(FlagGroup):
     GROUP = "optimizer and learning rate"
     weight_decay: float = flag(0.1, type=float, help="AdamW weight decay")
+    apply_wd_to_all_params: bool = flag(False, action="store_true",
+                                        help="decay biases and norm weights too (the paper's code); default: "
+                                             "Megatron's, which exempts biases and 1-D parameters")
     adam_beta1: float = flag(0.9, type=float, help="AdamW beta1")
     adam_beta2: float = flag(0.95, type=float, help="AdamW beta2")
     adam_eps: float = flag(1e-8, type=float, help="AdamW epsilon")
@@ -18,6 +21,9 @@ class OptimizerConfig(FlagGroup):
     min_lr: float | None = flag(type=float, help="default lr/10")
     lr_warmup_iters: int | None = flag(type=non_negative_int, help="warmup iterations")
     lr_warmup_fraction: float | None = flag(type=fraction, help="warmup as a fraction of the run")
+    lr_warmup_min_iters: int = flag(0, type=non_negative_int,
+                                    help="with --lr-warmup-fraction: at least this many warmup iterations "
+                                         "(the paper's code: max(1%% of the run, 100))")
     lr_decay_style: str = flag("cosine", choices=["constant", "linear", "cosine", "WSD"], help="decay shape")
     lr_decay_iters: int | None = flag(type=positive_int, help="default: all training iterations")
     lr_wsd_decay_style: str = flag("cosine", choices=["linear", "cosine", "exponential", "minus_sqrt"],
@@ -28,4 +34,4 @@ class OptimizerConfig(FlagGroup):
     def warmup_iters(self, train_iters: int) -> int:
         if self.lr_warmup_iters is not None:
             return self.lr_warmup_iters
-        return int((self.lr_warmup_fraction or 0.0) * train_iters)
+        return max(int((self.lr_warmup_fraction or 0.0) * train_iters), self.lr_warmup_min_iters)

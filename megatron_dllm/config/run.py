@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         parser.error(f"--ema-decay must lie in (0, 1), got {ns.ema_decay:g}")
     if ns.train_iters is not None and ns.train_samples is not None:
         parser.error("give --train-iters or --train-samples, not both")
+    if ns.lr_warmup_min_iters and ns.lr_warmup_iters is not None:
+        parser.error("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
     if ns.train_flops is not None:
         if ns.train_iters is not None or ns.train_samples is not None:
             parser.error("--train-flops sets the number of iterations; give it without --train-iters/--train-samples")

@@ -43,7 +43,17 @@ CPU_PRESETS = {
     "cpu-base": Preset(256, 6, 4),
 }
 
-ALIASES = {"1.7B": "1708M"}
+# The paper's code (its configs/model/*.yaml) names the same 28 architectures differently from the
+# table; each of its names is an alias of the preset with the same hidden size, layers and heads.
+PAPER_CODE_NAMES = {
+    "6M": "14M", "19M": "29M", "34M": "44M", "48M": "58M", "66M": "74M", "85M": "91M", "75M": "107M",
+    "113M": "116M", "142M": "140M", "170M": "163M", "180M": "173M", "206M": "194M", "231M": "214M",
+    "268M": "247M", "302M": "274M", "336M": "300M", "472M": "413M", "551M": "475M", "571M": "493M",
+    "629M": "537M", "666M": "568M", "761M": "642M", "831M": "698M", "944M": "787M", "1233M": "1016M",
+    "1476M": "1208M", "1678M": "1364M", "2121M": "1708M",
+}
+
+ALIASES = {"1.7B": "1708M", **PAPER_CODE_NAMES}
 
 PRESETS = {**PAPER_PRESETS, **CPU_PRESETS}
 
@@ -52,5 +62,6 @@ def get_preset(name: str) -> Preset:
     name = ALIASES.get(name, name)
     if name not in PRESETS:
         raise ValueError(f"--preset {name!r} is not a known preset; expected one of: "
-                         f"{', '.join(PRESETS)} (alias 1.7B)")
+                         f"{', '.join(PRESETS)} (aliases: 1.7B and the paper code's names "
+                         f"{', '.join(PAPER_CODE_NAMES)})")
     return PRESETS[name]

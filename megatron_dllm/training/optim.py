@@ -26,6 +26,12 @@ def wrap_ddp(chunks, config, parallel: ParallelConfig):
     return model
 
 
+def weight_decay_overrides(opt: OptimizerConfig):
+    """megatron-core's per-parameter overrides: None keeps its standard groups (biases and 1-D
+    parameters without weight decay); an empty dict decays every parameter, as the paper's code."""
+    return {} if opt.apply_wd_to_all_params else None
+
+
 def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfig, train_iters: int):
     megatron_config = MegatronOptimizerConfig(
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
@@ -33,7 +39,7 @@ def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfi
         clip_grad=opt.clip_grad, bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(megatron_config, model)
+    optimizer = get_megatron_optimizer(megatron_config, model, config_overrides=weight_decay_overrides(opt))
     warmup, decay = opt.warmup_iters(train_iters), opt.lr_decay_iters or train_iters
     if warmup >= decay:
         raise ValueError(f"LR warmup ({warmup} iterations from --lr-warmup-iters/--lr-warmup-fraction) "

@@ -1,0 +1,324 @@
+"""Checkpoints of the paper's code (its models/dit.py `DiT`) as this project's dense DiT.
+
+Two containers hold the same parameter names:
+- a PyTorch Lightning checkpoint: the DiT under `backbone.` in `state_dict`; with EMA on, `ema` =
+  {"shadow_params": [...]} in the order of `backbone.parameters()` (its trainer averages the
+  backbone's and the parameter-free noise schedule's parameters); the run's config under
+  `hyper_parameters["config"]` (an omegaconf DictConfig).
+- a huggingface_hub `PyTorchModelHubMixin` directory: `model.safetensors` (the DiT's state dict)
+  and `config.json` (the constructor's arguments: the run config's sections and `vocab_size`).
+
+The paper's DiT and ours (modeling_dllm.py) are the same function: pre-norm blocks with adaLN-zero
+(shift, scale, gate for attention and MLP from Linear(c)), c = SiLU(MLP(sinusoids(sigma)))
+with 256 sinusoids of max period 10000, bias-free weight-only LayerNorms (eps 1e-5), rotary
+(base 10000, full head, halves rotated), qkv rows [3, heads, head_dim] without bias, tanh-GELU
+MLP of width 4h with biases, final LN + adaLN(shift, scale) + Linear(h, V) with bias, untied
+embedding. Its names are ours except `vocab_embed.embedding` (ours `vocab_embed.weight`); its
+`rotary_emb.inv_freq` buffer is checked and dropped. What this module cannot represent exactly
+(no adaLN, another time-embedding or MLP width, other tensors) is refused, never approximated.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import types
+
+import torch
+
+from megatron_dllm.model import constants
+
+# The paper code's algorithm names (configs/algo/*.yaml `name`) -> our families.
+ALGO_FAMILIES = {"ar": "ar", "mdlm": "mdlm", "esolm": "esolm", "duo": "duo", "duo_base": "duo",
+                 "distillation": "duo"}
+_INV_FREQ = "rotary_emb.inv_freq"
+_BLOCK = ["norm1.weight", "attn_qkv.weight", "attn_out.weight", "norm2.weight", "mlp.0.weight", "mlp.0.bias",
+          "mlp.2.weight", "mlp.2.bias", "adaLN_modulation.weight", "adaLN_modulation.bias"]
+_HEAD = ["vocab_embed.embedding", "sigma_map.mlp.0.weight", "sigma_map.mlp.0.bias", "sigma_map.mlp.2.weight",
+         "sigma_map.mlp.2.bias"]
+_TAIL = ["output_layer.norm_final.weight", "output_layer.linear.weight", "output_layer.linear.bias",
+         "output_layer.adaLN_modulation.weight", "output_layer.adaLN_modulation.bias"]
+
+
+def parameter_names(num_layers: int) -> list[str]:
+    """The DiT's parameters in `parameters()` order: registration order of its modules
+    (vocab_embed, sigma_map, blocks, output_layer; in a block norm1, attn_qkv, attn_out, norm2, mlp,
+    adaLN_modulation; in the final layer norm_final, linear, adaLN_modulation)."""
+    blocks = [f"blocks.{i}.{name}" for i in range(num_layers) for name in _BLOCK]
+    return _HEAD + blocks + _TAIL
+
+
+class RefCheckpoint:
+    """The paper's DiT weights (fp32, the paper's names without `backbone.`) and its run config."""
+
+    def __init__(self, weights: dict, config: dict, source: str):
+        self.weights, self.config, self.source = weights, config, source
+
+    # ------------------------------------------------------------------ architecture
+
+    def sizes(self) -> dict:
+        """hidden_size, num_layers, num_heads, vocab_size, cond_dim from the tensors (heads from
+        the rotary buffer's length = head_dim / 2, else the config), checked against the config."""
+        w, src = self.weights, self.source
+        if "vocab_embed.embedding" not in w:
+            raise ValueError(f"{src}: no vocab_embed.embedding tensor; is it a checkpoint of the paper's DiT?")
+        vocab, hidden = w["vocab_embed.embedding"].shape
+        layers = len({k.split(".")[1] for k in w if k.startswith("blocks.")})
+        model = self.config.get("model", {})
+        heads = model.get("n_heads")
+        if _INV_FREQ in w:
+            from_buffer = hidden // (2 * w[_INV_FREQ].numel())
+            if heads is not None and heads != from_buffer:
+                raise ValueError(f"{src}: config model.n_heads {heads} but the rotary buffer has head_dim "
+                                 f"{2 * w[_INV_FREQ].numel()} (= {from_buffer} heads)")
+            heads = from_buffer
+        if heads is None:
+            raise ValueError(f"{src}: the number of heads is neither in a config (model.n_heads) nor in a "
+                             f"rotary_emb.inv_freq buffer; pass --num-attention-heads")
+        for key, value in (("hidden_size", hidden), ("n_blocks", layers)):
+            if key in model and model[key] != value:
+                raise ValueError(f"{src}: config model.{key} {model[key]} but the weights have {value}")
+        if self.config.get("vocab_size") not in (None, vocab):
+            raise ValueError(f"{src}: config vocab_size {self.config['vocab_size']} but the embedding has {vocab} rows")
+        cond = w["sigma_map.mlp.0.weight"].shape[0] if "sigma_map.mlp.0.weight" in w else None
+        return {"hidden_size": int(hidden), "num_layers": layers, "num_heads": int(heads),
+                "vocab_size": int(vocab), "cond_dim": cond}
+
+    def family(self, given: str | None) -> str:
+        """--family, else from the config's algo section (its `name`); they must agree with its
+        attention (`causal_attention` only for ar) and backbone (`esolm_dit` only for esolm)."""
+        algo = self.config.get("algo", {})
+        inferred = ALGO_FAMILIES.get(algo.get("name"))
+        if given is None and inferred is None:
+            why = f"algo.name {algo['name']!r} is not one of {', '.join(ALGO_FAMILIES)}" if "name" in algo else \
+                "it holds no config with an algo section"
+            raise ValueError(f"{self.source}: cannot infer the family ({why}); pass --family ar|mdlm|duo|esolm")
+        family = given or inferred
+        if given and inferred and given != inferred:
+            raise ValueError(f"--family {given} but {self.source} was trained as algo {algo['name']!r} ({inferred})")
+        if "causal_attention" in algo and bool(algo["causal_attention"]) != (family == "ar"):
+            raise ValueError(f"{self.source}: algo.causal_attention {algo['causal_attention']} does not fit "
+                             f"family {family} (causal attention is the ar family's)")
+        if family == "esolm":
+            for key in ("diffusion_attn_mode", "sequential_attn_mode"):
+                if algo.get(key, "causal") != "causal":
+                    raise ValueError(f"{self.source}: algo.{key} {algo[key]!r}; the esolm family implements "
+                                     f"'causal' only")
+        return family
+
+    def seq_length(self) -> int | None:
+        return self.config.get("model", {}).get("length")
+
+    # ------------------------------------------------------------------ conversion
+
+    def hf_state(self) -> dict:
+        """Our dense DiT's state dict ("backbone." + name, fp32): every tensor of the paper's DiT
+        mapped exactly, or an error naming what cannot be."""
+        w, src = self.weights, self.source
+        sizes = self.sizes()
+        if self.config.get("algo", {}).get("adaLN") is False or sizes["cond_dim"] is None:
+            raise ValueError(f"{src}: a DiT without adaLN time conditioning (algo.adaLN false) is not "
+                             f"supported; every configuration of the paper's code uses adaLN")
+        expected = parameter_names(sizes["num_layers"])
+        missing = [k for k in expected if k not in w]
+        extra = sorted(set(w) - set(expected) - {_INV_FREQ})
+        if missing or extra:
+            raise ValueError(f"{src}: not the paper's DiT layout: missing {missing[:4]}, unexpected {extra[:4]}")
+        self._check_fixed_sizes(sizes)
+        shapes = _dense_shapes(sizes)
+        out = {}
+        for name in expected:
+            ours = "backbone." + ("vocab_embed.weight" if name == "vocab_embed.embedding" else name)
+            value = w[name].float().contiguous()
+            if tuple(value.shape) != shapes[ours]:
+                raise ValueError(f"{src}: {name} has shape {tuple(value.shape)}, expected {shapes[ours]} for "
+                                 f"hidden {sizes['hidden_size']}, {sizes['num_heads']} heads, vocabulary "
+                                 f"{sizes['vocab_size']}")
+            out[ours] = value
+        return out
+
+    def _check_fixed_sizes(self, sizes: dict) -> None:
+        w, src, d = self.weights, self.source, sizes["hidden_size"]
+        fixed = {"sigma_map.mlp.0.weight": (constants.COND_DIM, constants.TIME_FREQ_DIM),
+                 "blocks.0.mlp.0.weight": (4 * d, d)}
+        for name, shape in fixed.items():
+            if name in w and tuple(w[name].shape) != shape:
+                raise ValueError(f"{src}: {name} has shape {tuple(w[name].shape)}; this project's DiT has "
+                                 f"{shape} (time embedding {constants.TIME_FREQ_DIM} -> {constants.COND_DIM}, "
+                                 f"MLP width 4h)")
+        if d % sizes["num_heads"]:
+            raise ValueError(f"{src}: hidden size {d} is not a multiple of {sizes['num_heads']} heads")
+        if _INV_FREQ in w:
+            head_dim = d // sizes["num_heads"]
+            want = 1.0 / constants.ROTARY_BASE ** (torch.arange(0, head_dim, 2).float() / head_dim)
+            if not torch.allclose(w[_INV_FREQ].float(), want, rtol=1e-5, atol=0):
+                raise ValueError(f"{src}: rotary_emb.inv_freq is not base {constants.ROTARY_BASE:g} over "
+                                 f"head_dim {head_dim}")
+
+
+def _dense_shapes(sizes: dict) -> dict:
+    """Tensor shapes of our dense DiT of these sizes (built on the meta device: no memory)."""
+    from megatron_dllm.hf.configuration_dllm import DLLMConfig
+    from megatron_dllm.hf.modeling_dllm import DiT
+
+    config = DLLMConfig(hidden_size=sizes["hidden_size"], num_layers=sizes["num_layers"],
+                        num_heads=sizes["num_heads"], vocab_size=sizes["vocab_size"],
+                        mask_token_id=sizes["vocab_size"] - 1)
+    with torch.device("meta"):
+        model = DiT(config)
+    return {"backbone." + k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- readers
+
+
+def read(path: str, weights: str = "raw") -> RefCheckpoint:
+    """A Lightning `.ckpt` file or a hub-mixin directory; `weights` 'raw' or 'ema' (Lightning only)."""
+    if weights not in ("raw", "ema"):
+        raise ValueError(f"--weights {weights!r}: expected raw or ema")
+    if os.path.isdir(path):
+        if weights == "ema":
+            raise ValueError(f"--weights ema: {path} is a hub-mixin directory, which holds one set of "
+                             f"weights; EMA is chosen in a Lightning checkpoint")
+        return read_hub_dir(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--ref {path}: no such file or directory (expected a Lightning .ckpt or a "
+                         f"directory with config.json and model.safetensors)")
+    return read_lightning(path, weights == "ema")
+
+
+def read_hub_dir(path: str) -> RefCheckpoint:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights_path, config_path = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
+    if not os.path.isfile(weights_path):
+        raise ValueError(f"--ref {path}: model.safetensors not found (expected a hub-mixin directory)")
+    config = {}
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--ref {config_path}: not valid JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--ref {config_path}: expected a JSON object")
+    try:
+        state = load_file(weights_path)
+    except SafetensorError as err:
+        raise ValueError(f"--ref {weights_path}: unreadable safetensors file ({err})") from None
+    return RefCheckpoint(state, config.get("config", config), weights_path)
+
+
+class _Placeholder:
+    """Stands for a pickled object whose class is not importable here (the run's tokenizer, omegaconf
+    containers when omegaconf is absent): keeps its constructor arguments and state, runs nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self.__dict__["_args"] = args
+
+    def __setstate__(self, state):
+        self.__dict__["_state"] = state
+
+    def __setitem__(self, key, value):  # a dict subclass's items (Lightning's AttributeDict)
+        self.__dict__.setdefault("_items", {})[key] = value
+
+    def append(self, value):  # a list subclass's items
+        self.__dict__.setdefault("_list", []).append(value)
+
+    def extend(self, values):
+        self.__dict__.setdefault("_list", []).extend(values)
+
+
+class _TolerantUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            return type(name, (_Placeholder,), {"__module__": "placeholder." + module})
+
+
+_tolerant_pickle = types.SimpleNamespace(Unpickler=_TolerantUnpickler, load=pickle.load, __name__="pickle")
+
+
+def plain(value):
+    """A config as plain dicts/lists: omegaconf containers (real, or placeholders of their pickled
+    state: `_content` holds the children, `_val` a node's value) and mappings."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=False)
+    if isinstance(value, _Placeholder):
+        for items in ("_items", "_list"):
+            if items in value.__dict__:
+                return plain(value.__dict__[items])
+        state = value.__dict__.get("_state")
+        if isinstance(state, tuple):  # (dict state, slots state)
+            state = state[0]
+        if not isinstance(state, dict):
+            return None
+        if "_content" in state:
+            return plain(state["_content"])
+        return plain(state.get("_val"))
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
+    try:  # memory-mapped: optimizer states and other unused tensors are never read into memory
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_tolerant_pickle,
+                          mmap=_is_zip(path))
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
+        raise ValueError(f"--ref {path}: not a readable PyTorch checkpoint ({err})") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(f"--ref {path}: no state_dict (expected a PyTorch Lightning checkpoint)")
+    prefix = "backbone."
+    raw = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    if not raw:
+        raise ValueError(f"--ref {path}: no backbone.* tensors in state_dict (expected the paper's trainer)")
+    hparams = ckpt.get("hyper_parameters") or {}
+    if isinstance(hparams, _Placeholder):  # Lightning's AttributeDict without Lightning
+        hparams = plain(hparams)
+    config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
+    if not isinstance(config, dict):
+        config = {}
+    if use_ema:
+        raw = _ema_weights(ckpt.get("ema"), raw, path)
+    return RefCheckpoint(raw, config, path)
+
+
+def _is_zip(path: str) -> bool:
+    """torch.save's zip format (memory-mappable), not the legacy one."""
+    import zipfile
+
+    return zipfile.is_zipfile(path)
+
+
+def _ema_weights(ema, raw: dict, path: str) -> dict:
+    """The backbone with its parameters replaced by EMA's shadow parameters, matched by position in
+    `parameters()` order and checked by shape; buffers stay."""
+    if not isinstance(ema, dict) or "shadow_params" not in ema:
+        raise ValueError(f"--weights ema: {path} holds no EMA (no ema.shadow_params; trained with "
+                         f"training.ema <= 0?); use --weights raw")
+    shadow = list(ema["shadow_params"])
+    layers = len({k.split(".")[1] for k in raw if k.startswith("blocks.")})
+    names = parameter_names(layers)
+    if len(shadow) != len(names) or any(n not in raw for n in names):
+        raise ValueError(f"--weights ema: {path} has {len(shadow)} EMA tensors for a backbone of "
+                         f"{len(names)} parameters; cannot match them")
+    out = dict(raw)
+    for name, value in zip(names, shadow):
+        if tuple(value.shape) != tuple(raw[name].shape):
+            raise ValueError(f"--weights ema: {path}: EMA tensor for {name} has shape {tuple(value.shape)}, "
+                             f"the parameter {tuple(raw[name].shape)}")
+        out[name] = value
+    return out
+
+
+def default_max_length(ref: RefCheckpoint, fallback: int) -> int:
+    length = ref.seq_length()
+    return int(length) if isinstance(length, int) and length > 0 else fallback
+
