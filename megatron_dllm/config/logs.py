@@ -28,4 +28,4 @@ class LoggingConfig(FlagGroup):
                          help="torch profiler traces (and a CUDA memory snapshot on GPU) into --tensorboard-dir")
     profile_step_start: int = flag(10, type=positive_int, help="--profile: first profiled iteration")
     profile_step_end: int = flag(12, type=positive_int, help="--profile: iteration where profiling stops")
-    profile_ranks: tuple = flag((0,), type=int, nargs="+", help="--profile: the global ranks to profile")
+    profile_ranks: list | None = flag(type=int, nargs="+", help="--profile: the global ranks to profile (default 0)")

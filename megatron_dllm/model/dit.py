@@ -12,6 +12,7 @@ megatron's conditional-embedder gradient all-reduce (`config.has_cond_embedder`)
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -129,7 +130,7 @@ class DiTModel(MegatronModule):
         with get_fp8_context(self.config):  # FP8 autocast for every layer (no-op without --fp8-format)
             for start, stop, recompute in self._layer_groups():
                 if recompute:  # keep only the group's input; recompute the rest in backward
-                    x = tensor_parallel.checkpoint(self._run_layers, False, start, stop, x, c, rotary)
+                    x = tensor_parallel.checkpoint(partial(self._run_layers, start, stop), False, x, c, rotary)
                 else:
                     x = self._run_layers(start, stop, x, c, rotary)
         if not self.post_process:

@@ -99,7 +99,7 @@ class Profiler:
     --tensorboard-dir, plus a CUDA memory snapshot there on GPU."""
 
     def __init__(self, log: LoggingConfig, log_fn=print):
-        self.active = log.profile and dist.get_rank() in log.profile_ranks
+        self.active = log.profile and dist.get_rank() in (log.profile_ranks or [0])
         self.start, self.end, self.dir, self.log = log.profile_step_start, log.profile_step_end, \
             log.tensorboard_dir, log_fn
         self.prof = None
