@@ -182,3 +182,18 @@ def test_mfu_peak_comes_from_the_flag_or_the_device_table(monkeypatch):
 def test_exit_interval_stops_at_its_multiples():
     exits = ExitConditions(TrainingConfig(exit_interval=3))
     assert [exits.reason(i) for i in (1, 2, 3, 4, 6)] == [None, None, "--exit-interval 3", None, "--exit-interval 3"]
+
+
+def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_run():
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "pretrain_1.7b.yaml")
+    cfg = parse_args(["--yaml-cfg", example, "--family", "mdlm", "--data-path", "/data/x_text_document",
+                      "--tokenizer-model", "tokenizer.json", "--save", "ckpt", "--load", "ckpt"])
+    t, ckpt = cfg.training, cfg.checkpoint
+    assert cfg.model.recompute() == {"recompute_granularity": "selective"}
+    assert t.train_iters * t.global_batch_size * cfg.model.seq_length == pytest.approx(2.1e12, rel=1e-3)
+    assert t.exit_signal_handler and t.check_for_nan_in_loss_and_grad and ckpt.async_save
+    on_disk = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
+                                            ckpt.keep_checkpoint_interval)
+    each = retention.bytes_per_checkpoint(1_780_000_000, bf16=True, ema=False)
+    assert on_disk == 24 and on_disk * each < 0.7e12  # instead of 1002 checkpoints, 25 TB
