@@ -69,6 +69,7 @@ setup(
     ],
     extras_require={
         "hf": HF_EXPORT,
+        "wandb": ["wandb"],  # --wandb-project (optional; WANDB_MODE=offline works without a network)
         # gguf + accelerate: transformers' GGUF loading (the SmolLM2 judge of tests/test_evaluate.py)
         "test": ["pytest", "ruff", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0"],
     },
