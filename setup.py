@@ -85,6 +85,7 @@ setup(
         "dllm-convert-from-hf=megatron_dllm.cli.convert_from_hf:main",
         "dllm-verify-checkpoint=megatron_dllm.cli.verify_checkpoint:main",
         "dllm-model-info=megatron_dllm.cli.model_info:main",
+        "dllm-relaunch=megatron_dllm.cli.relaunch:main",
         "dllm-plan-isoflop=megatron_dllm.cli.plan_isoflop:main",
         "dllm-scaling-laws=megatron_dllm.cli.scaling_laws:main",
     ]},

@@ -85,10 +85,30 @@ def test_the_resolved_config_relaunches_the_same_run(tmp_path):
                       "--async-save", "--recompute-activations"])
     cfg = resolve_iterations(resolve_defaults(cfg, demo), vocab_size=4097)
     assert cfg.training.train_iters > 1
-    (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")])
+    (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")], world_size=4)
     assert path == str(tmp_path / "ckpt" / RESOLVED_NAME) and not os.path.exists(path + ".tmp")
     # --train-flops was turned into --train-iters: the relaunch trains exactly those iterations
     assert parse_args(["--yaml-cfg", path]) == cfg.replace(training={"train_flops": None})
+
+
+def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp_path, capsys):
+    from megatron_dllm.cli import relaunch
+
+    cfg = parse_args(["--preset", "cpu-tiny", "--data-path", "/d/x", "--tokenizer-type", "SentencePieceTokenizer",
+                      "--tokenizer-model", "t.model", "--train-iters", "5"])
+    (path,) = write_resolved(cfg, [str(tmp_path)], world_size=4)
+    assert relaunch.main([path, "--dry-run", "--", "--train-iters", "9"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[-5:] == [relaunch.PRETRAIN, "--yaml-cfg", path, "--train-iters", "9"]
+    assert "--nproc-per-node=4" in cmd and "--standalone" in cmd
+    assert relaunch.main([path, "--dry-run", "--nproc-per-node", "2"]) == 0
+    assert "--nproc-per-node=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # a bad override fails before torchrun starts
+        relaunch.main([path, "--dry-run", "--", "--train-iters", "0"])
+    assert exit_.value.code == 2
+    (tmp_path / "flags.yaml").write_text("preset: cpu-tiny\n")
+    assert relaunch.main([str(tmp_path / "flags.yaml"), "--dry-run"]) == 2
+    assert "records no world size" in capsys.readouterr().err
 
 
 def test_recompute_flags_mean_what_they_mean_in_megatron_lm():

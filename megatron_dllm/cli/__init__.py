@@ -14,6 +14,7 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-convert-from-hf tools/convert_from_hf.py      Hugging Face directory -> checkpoint
     dllm-verify-checkpoint tools/verify_checkpoint.py  check a checkpoint against its manifest
     dllm-model-info      tools/model_info.py           parameters and FLOPs of a preset
+    dllm-relaunch        tools/relaunch.py             re-launch a run from its run_config.yaml
     dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid
     dllm-scaling-laws    tools/scaling_laws.py         fits, Pareto frontier, figures
 

@@ -11,7 +11,8 @@ checks, and a flag given on the command line overrides the file's.
     data-path: [0.7, /data/a_text_document, 0.3, /data/b_text_document]
 
 Every run writes its resolved configuration (defaults filled, --train-flops turned into
---train-iters) as `run_config.yaml` beside its checkpoints and logs: `--yaml-cfg` of that file
+--train-iters) as `run_config.yaml` beside its checkpoints and logs, with its world size under
+`launch:` (not a flag; --yaml-cfg skips it): `tools/relaunch.py` or `--yaml-cfg` of that file
 re-launches the same run.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import yaml
 
 RESOLVED_NAME = "run_config.yaml"
+LAUNCH = "launch"  # the resolved file's record of how the run was launched: not flags
 # resolved into --train-iters (and --data-path) by the run: writing both would be contradictory
 _RESOLVED_AWAY = {"training": ("train_samples", "train_flops"), "data": ("train_data_path",)}
 
@@ -58,6 +60,7 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
     if not isinstance(data, dict):
         raise ValueError(f"--yaml-cfg {path}: expected a mapping of flag names to values, found "
                          f"{type(data).__name__}")
+    data = {k: v for k, v in data.items() if k != LAUNCH}
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens = []
     for key, value in _flat(data, path).items():
@@ -103,11 +106,13 @@ def resolved_dict(cfg) -> dict:
     return out
 
 
-def write_resolved(cfg, directories: list[str]) -> list[str]:
+def write_resolved(cfg, directories: list[str], world_size: int | None = None) -> list[str]:
     """Write the resolved configuration as RESOLVED_NAME into each directory (temp name, then
-    rename, so a reader never sees half a file); returns the paths written."""
-    text = ("# the resolved configuration of this run; re-launch with: pretrain_dllm.py --yaml-cfg THIS_FILE\n"
-            + yaml.safe_dump(resolved_dict(cfg), sort_keys=False))
+    rename, so a reader never sees half a file), with the launch's world size in a `launch`
+    section that --yaml-cfg skips; returns the paths written."""
+    launch = {LAUNCH: {"world-size": world_size}} if world_size else {}
+    text = ("# the resolved configuration of this run; re-launch with: tools/relaunch.py THIS_FILE\n"
+            + yaml.safe_dump({**resolved_dict(cfg), **launch}, sort_keys=False))
     written = []
     for directory in dict.fromkeys(d for d in directories if d):
         os.makedirs(directory, exist_ok=True)

@@ -328,7 +328,7 @@ class Trainer:
         self.peak_flops, peak_source = observability.peak_flops(log.peak_flops, cfg.precision.fp8_format is not None)
         self.logger.info(f"MFU against {peak_source}")
         if self.logger.active:
-            for path in write_resolved(cfg, [cfg.checkpoint.save, log.tensorboard_dir]):
+            for path in write_resolved(cfg, [cfg.checkpoint.save, log.tensorboard_dir], dist.get_world_size()):
                 self.logger.info(f"wrote the resolved configuration {path}")
         if log.wandb_project:
             if importlib.util.find_spec("wandb") is None:  # checked on every rank: none waits for another
