@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import time
@@ -233,7 +234,7 @@ class Trainer:
                          f"{iters} iterations of {gbs} x {seq} tokens | "
                          f"{iters * gbs * self.budget_flops_per_seq:.4g} training FLOPs ({t.flops_convention})")
         if ckpt.save:
-            self.logger.info(self._disk_estimate())
+            self.logger.info(self._disk_estimate())  # collective
         if self.iteration >= iters:  # loaded a checkpoint at (or past) the end: evaluate only
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: evaluating only")
             self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops(), self.consumed_samples)
@@ -339,11 +340,8 @@ class Trainer:
 
     def _disk_estimate(self) -> str:
         """The start-of-run line on checkpoint size and the disk this run's checkpoints need."""
-        from megatron_dllm.model.params import count_parameters
-
         ckpt, t = self.cfg.checkpoint, self.cfg.training
-        tp = self.cfg.parallel.tensor_model_parallel_size
-        params = count_parameters(self.arch.preset, self.arch.padded_vocab_size(tp))["params"]
+        params = self._checkpointed_parameters()
         each = retention.bytes_per_checkpoint(params, self.config.bf16, self.ema is not None)
         count = retention.checkpoints_on_disk(t.train_iters, self.iteration, ckpt.save_interval,
                                               ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval)
@@ -353,6 +351,17 @@ class Trainer:
         if count * each > free:
             line += "; NOT ENOUGH DISK for all of them: set --keep-last-n-checkpoints"
         return line
+
+    def _checkpointed_parameters(self) -> int:
+        """Elements of every tensor a checkpoint holds for the model, whatever the layout: the
+        global shapes of the sharded state, gathered over all ranks (collective)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        local = {sh.key: math.prod(sh.global_shape) for chunk in self.model
+                 for sh in chunk.module.sharded_state_dict().values() if isinstance(sh, ShardedTensor)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sum({k: v for part in gathered for k, v in part.items()}.values())
 
     def _observations(self, steps: int, elapsed: float, tflops: float, eta: float) -> tuple[str, dict, dict]:
         """The log line's MFU, peak memory, phase times and ETA: (text, metrics-file values,
