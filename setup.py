@@ -69,6 +69,7 @@ setup(
     ],
     extras_require={
         "hf": HF_EXPORT,
+        "wandb": ["wandb"],  # --wandb-project (optional; WANDB_MODE=offline works without a network)
         # gguf + accelerate: transformers' GGUF loading (the SmolLM2 judge of tests/test_evaluate.py)
         "test": ["pytest", "ruff", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0"],
     },
@@ -86,6 +87,7 @@ setup(
         "dllm-convert-from-ref=megatron_dllm.cli.convert_from_ref:main",
         "dllm-verify-checkpoint=megatron_dllm.cli.verify_checkpoint:main",
         "dllm-model-info=megatron_dllm.cli.model_info:main",
+        "dllm-relaunch=megatron_dllm.cli.relaunch:main",
         "dllm-plan-isoflop=megatron_dllm.cli.plan_isoflop:main",
         "dllm-scaling-laws=megatron_dllm.cli.scaling_laws:main",
     ]},

@@ -25,6 +25,12 @@ def _watch(parent: int, what: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def watch_parent(what: str) -> None:
+    """Start a watch in this process even if the process it was forked from had one (threads do
+    not survive a fork)."""
+    threading.Thread(target=_watch, args=(os.getppid(), what), name="parent-watch", daemon=True).start()
+
+
 def exit_when_parent_dies(what: str = "worker") -> None:
     """Start the watch (once per process). `what` names the process in the exit message."""
     global _started

@@ -57,6 +57,36 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def device_name() -> str | None:
+    """The accelerator's name (for its peak FLOP/s), or None on a CPU machine."""
+    return torch.cuda.get_device_name() if HAS_CUDA else None
+
+
+def peak_memory() -> tuple[int, str]:
+    """(bytes, what they measure): the CUDA allocator's peak on GPU, the process's peak resident
+    set on CPU (where the allocator queries are stand-ins)."""
+    if HAS_CUDA:
+        return torch.cuda.max_memory_allocated(), "GPU allocator peak"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "CPU RSS peak"
+
+
+def record_memory_history(enabled: bool) -> None:
+    """Start/stop recording CUDA allocations for a memory snapshot (a no-op on CPU)."""
+    if HAS_CUDA:
+        torch.cuda.memory._record_memory_history(max_entries=100000 if enabled else 0,
+                                                 enabled="all" if enabled else None)
+
+
+def dump_memory_snapshot(path: str) -> bool:
+    """Write the recorded CUDA memory snapshot (pickle, for pytorch.org/memory_viz); False on CPU."""
+    if not HAS_CUDA:
+        return False
+    torch.cuda.memory._dump_snapshot(path)
+    return True
+
+
 def device_rng_state():
     """The CUDA generator's state, or None on a CPU machine (checkpointed with the other RNGs)."""
     return torch.cuda.get_rng_state() if HAS_CUDA else None

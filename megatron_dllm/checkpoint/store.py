@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 
 import torch.distributed as dist
 
-from megatron_dllm.checkpoint import layout
+from megatron_dllm.checkpoint import layout, retention
 from megatron_dllm.checkpoint.manifest import CheckpointError, verify_manifest, write_manifest
 
 
@@ -46,9 +47,16 @@ def _from_rank0(fn):
     return result[1]
 
 
-def save(root: str, iteration: int, state: dict) -> str:
+def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=None) -> str:
     """Write `state` (a megatron sharded state dict) as ROOT/iter_N: staged, hashed, renamed into
-    place, then the tracker. Returns the final directory."""
+    place, then the tracker; then `on_complete(final)` runs on every rank. Returns the final
+    directory.
+
+    With `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a background
+    process while training goes on; the hashing, renaming and tracker run when the queue
+    finalizes the request (`maybe_finalize_async_calls`, on every rank). Until then the save
+    exists only under its staging name, so a crash mid-write leaves nothing that loads.
+    """
     from megatron.core import dist_checkpointing
 
     staging, final = layout.staging_dir(root, iteration), layout.iteration_dir(root, iteration)
@@ -59,18 +67,37 @@ def save(root: str, iteration: int, state: dict) -> str:
             shutil.rmtree(staging)
         os.makedirs(staging)
 
-    _from_rank0(prepare)
-    dist_checkpointing.save(state, staging)
-    _barrier()
-    write_manifest(staging, iteration)
-    _barrier()
-
     def complete():
         layout.publish(staging, final)
         layout.write_tracker(root, iteration)
 
-    _from_rank0(complete)
+    def finish():
+        _barrier()
+        write_manifest(staging, iteration)
+        _barrier()
+        _from_rank0(complete)
+        if on_complete is not None:
+            on_complete(final)
+
+    _from_rank0(prepare)
+    if async_queue is None:
+        dist_checkpointing.save(state, staging)
+        finish()
+        return final
+    request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+    request = request._replace(async_fn=partial(_write_in_background, request.async_fn))
+    request.add_finalize_fn(finish)
+    async_queue.schedule_async_request(request)
     return final
+
+
+def _write_in_background(write, *args, **kwargs):
+    """The forked writer: it dies with its training rank, so nothing writes into the staging
+    directory after the next run has removed it."""
+    from megatron_dllm.parent_watch import watch_parent
+
+    watch_parent("checkpoint writer")
+    return write(*args, **kwargs)
 
 
 def remove_incomplete(root: str, log=print) -> list[str]:
@@ -78,6 +105,23 @@ def remove_incomplete(root: str, log=print) -> list[str]:
     removed = _from_rank0(lambda: layout.remove_incomplete_saves(root))
     for path in removed:
         log(f"removed incomplete save {path} (a save that never finished: it has no final name)")
+    return removed
+
+
+def apply_retention(root: str, keep_last: int, keep_interval: int | None, log=print) -> list[str]:
+    """--keep-last-n-checkpoints/--keep-checkpoint-interval after a completed save (rank 0)."""
+    removed = _from_rank0(lambda: retention.apply(root, keep_last, keep_interval))
+    for path in removed:
+        log(f"removed checkpoint {path} (--keep-last-n-checkpoints {keep_last}"
+            + (f", --keep-checkpoint-interval {keep_interval})" if keep_interval else ")"))
+    return removed
+
+
+def remove_leftover_removals(root: str, log=print) -> list[str]:
+    """Finish the checkpoint removals a killed run left half done (rank 0)."""
+    removed = _from_rank0(lambda: retention.remove_leftovers(root))
+    for path in removed:
+        log(f"removed {path} (a checkpoint removal that never finished)")
     return removed
 
 

@@ -86,8 +86,10 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict, ema=None) -> str:
-    """Save; `extra` (consumed samples, the run's identity, ...) goes into the common state."""
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict, ema=None,
+                    async_queue=None, on_complete=None) -> str:
+    """Save; `extra` (consumed samples, the run's identity, ...) goes into the common state.
+    `async_queue`, `on_complete`: see `checkpoint.save`."""
     state = _sharded_state(model, optimizer, is_loading=False)
     if ema is not None:
         state["ema"] = ema.sharded_state_dict(lambda i: _model_key(model, i))
@@ -97,7 +99,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extr
     state["opt_param_scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     state.update(extra)
-    return checkpoint.save(root, iteration, state)
+    return checkpoint.save(root, iteration, state, async_queue=async_queue, on_complete=on_complete)
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, identity, *, load_optim: bool = True,

@@ -16,6 +16,7 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-convert-from-ref tools/convert_from_ref.py    the paper code's checkpoint -> checkpoint / HF
     dllm-verify-checkpoint tools/verify_checkpoint.py  check a checkpoint against its manifest
     dllm-model-info      tools/model_info.py           parameters and FLOPs of a preset
+    dllm-relaunch        tools/relaunch.py             re-launch a run from its run_config.yaml
     dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid
     dllm-scaling-laws    tools/scaling_laws.py         fits, Pareto frontier, figures
 

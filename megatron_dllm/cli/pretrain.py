@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from megatron_dllm.cli import reports_bad_input
 from megatron_dllm.config import parse_args
+
+NONFINITE_EXIT = 3  # a scheduler's resubmit loop must not restart a diverged run
 
 
 def main(argv=None) -> int:
@@ -28,7 +31,12 @@ def main(argv=None) -> int:
 
 @reports_bad_input(ValueError)
 def _train(cfg) -> int:
+    from megatron_dllm.training.nan_guard import NonFiniteStop
     from megatron_dllm.training.trainer import Trainer
 
-    Trainer(cfg).train()
+    try:
+        Trainer(cfg).train()
+    except NonFiniteStop as err:  # not bad input: the run diverged (its last good state is saved)
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT
     return 0

@@ -20,3 +20,12 @@ class CheckpointConfig(FlagGroup):
     no_load_rng: bool = flag(False, action="store_true", help="--load: do not restore the RNG states")
     finetune: bool = flag(False, action="store_true", help="--load: weights only; iteration and consumed samples "
                                                            "restart at 0, fresh optimizer and LR schedule")
+    async_save: bool = flag(False, action="store_true",
+                            help="write checkpoints in the background (megatron-core's asynchronous save); "
+                                 "training continues meanwhile")
+    keep_last_n_checkpoints: int | None = flag(type=positive_int,
+                                               help="remove complete checkpoints older than the newest N (the "
+                                                    "loaded and tracked ones stay)")
+    keep_checkpoint_interval: int | None = flag(type=positive_int,
+                                                help="with --keep-last-n-checkpoints: also keep every checkpoint "
+                                                     "whose iteration is a multiple of this")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, positive_int
+from megatron_dllm.config.fields import FlagGroup, finite_float, flag, positive_int
 
 
 @dataclass(frozen=True)
@@ -14,3 +14,18 @@ class LoggingConfig(FlagGroup):
     eval_iters: int = flag(10, type=positive_int, help="global batches per validation")
     tensorboard_dir: str | None = flag(help="TensorBoard event directory")
     metrics_file: str | None = flag(help="append one JSON line per logged iteration and per validation (last rank)")
+    # ---- observability
+    peak_flops: float | None = flag(type=finite_float,
+                                    help="the device's peak FLOP/s for MFU (default: the known device's dense "
+                                         "peak at the run's precision)")
+    timing_log_level: int = flag(1, type=int, choices=[0, 1, 2],
+                                 help="megatron-core timers: 0 iteration time only, 1 phases (data, "
+                                      "forward-backward, gradient sync, optimizer), 2 also the schedule's parts")
+    wandb_project: str | None = flag(help="log to Weights & Biases under this project (pip install wandb)")
+    wandb_exp_name: str | None = flag(help="the W&B run name")
+    wandb_save_dir: str | None = flag(help="the W&B local directory (default: beside --tensorboard-dir)")
+    profile: bool = flag(False, action="store_true",
+                         help="torch profiler traces (and a CUDA memory snapshot on GPU) into --tensorboard-dir")
+    profile_step_start: int = flag(10, type=positive_int, help="--profile: first profiled iteration")
+    profile_step_end: int = flag(12, type=positive_int, help="--profile: iteration where profiling stops")
+    profile_ranks: list | None = flag(type=int, nargs="+", help="--profile: the global ranks to profile (default 0)")

@@ -21,7 +21,29 @@ class ModelConfig(FlagGroup):
     make_vocab_size_divisible_by: int = flag(128, type=positive_int, help="vocabulary padding multiple (x TP)")
     transformer_impl: str | None = flag(choices=["local", "transformer_engine"],
                                         help="default: transformer_engine when installed on a GPU, else local")
-    recompute_activations: bool = flag(False, action="store_true", help="full activation recompute")
+    recompute_activations: bool = flag(False, action="store_true",
+                                       help="selective activation recompute (Megatron-LM: = --recompute-granularity "
+                                            "selective)")
+    recompute_granularity: str | None = flag(choices=["full", "selective"],
+                                             help="full: keep each recomputed layer's input only; selective: "
+                                                  "recompute core attention")
+    recompute_method: str | None = flag(choices=["uniform", "block"],
+                                        help="full recompute: uniform (every group of --recompute-num-layers) | "
+                                             "block (the first --recompute-num-layers layers of each stage)")
+    recompute_num_layers: int | None = flag(type=positive_int, help="full recompute: layers per group (uniform) "
+                                                                    "or recomputed layers per stage (block)")
+
+    def recompute(self) -> dict:
+        """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them."""
+        granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
+        if granularity != "full":
+            if self.recompute_method or self.recompute_num_layers:
+                raise ValueError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
+            return {"recompute_granularity": granularity}
+        if self.recompute_method is None:
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform|block")
+        return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
+                "recompute_num_layers": self.recompute_num_layers or 1}
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 
 from megatron_dllm.config.checkpoint import CheckpointConfig
@@ -20,6 +21,7 @@ from megatron_dllm.config.model import ModelConfig, PrecisionConfig
 from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
 from megatron_dllm.config.training import TrainingConfig
+from megatron_dllm.config.yaml_config import add_yaml_flag, expand_yaml
 from megatron_dllm.model.presets import Preset, get_preset
 
 
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a DiT language model (AR, MDLM, Duo, Eso-LM) with megatron-core.", allow_abbrev=False)
     for cls in _CLASSES.values():
         cls.add_arguments(parser)
+    add_yaml_flag(parser)
     return parser
 
 
@@ -72,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     from megatron_dllm.families import FAMILIES
 
     parser = build_parser()
+    try:
+        argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser)
+    except ValueError as err:
+        parser.error(str(err))
     ns = parser.parse_args(argv)
     if ns.train_data_path is not None:
         if ns.data_path is not None or ns.valid_data_path is None:
@@ -100,7 +107,16 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             parser.error("--train-flops sets the number of iterations; give it without --train-iters/--train-samples")
         if ns.train_flops <= 0:
             parser.error(f"--train-flops must be positive, got {ns.train_flops:g}")
-    return RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
+    cfg = RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
+    try:
+        cfg.model.recompute()
+    except ValueError as err:
+        parser.error(str(err))
+    log = cfg.logging
+    if log.profile and (log.profile_step_end <= log.profile_step_start or not log.tensorboard_dir and not cfg.demo):
+        parser.error("--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir for "
+                     "its traces")
+    return cfg
 
 
 # ------------------------------------------------------------------ resolution (pure)

@@ -22,3 +22,19 @@ class TrainingConfig(FlagGroup):
     seed: int = flag(1234, type=int, help="seeds weights, data order and noise")
     ema_decay: float | None = flag(type=float, help="keep an fp32 exponential moving average of the weights with "
                                                     "this decay, saved in checkpoints under 'ema'")
+    # ---- leaving early and numerical guards (Megatron-LM's names and meanings)
+    exit_signal_handler: bool = flag(False, action="store_true",
+                                     help="on SIGTERM or SIGUSR1 finish the iteration, save and exit 0")
+    exit_duration_in_mins: float | None = flag(type=finite_float,
+                                               help="save and exit 0 once the run has been up this many minutes")
+    exit_interval: int | None = flag(type=positive_int, help="save and exit 0 at the first iteration divisible "
+                                                             "by this")
+    check_for_nan_in_loss_and_grad: bool = flag(False, action="store_true",
+                                                help="skip (and log) an iteration whose loss or gradient is not "
+                                                     "finite")
+    max_consecutive_nonfinite_iters: int = flag(5, type=positive_int,
+                                                help="--check-for-nan-in-loss-and-grad: after this many skipped "
+                                                     "iterations in a row, save the last good state and stop")
+    loss_spike_factor: float | None = flag(2.0, type=finite_float,
+                                           help="log a loss spike when an iteration's loss exceeds this multiple "
+                                                "of the mean of the previous 50 (0 turns it off)")

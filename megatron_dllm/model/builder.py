@@ -50,7 +50,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
                        sequence_parallel: bool = False, bf16: bool = False,
                        fp8: str | None = None, fp8_recipe: str = "delayed",
                        fp8_amax_history_len: int = 1, fp8_amax_compute_algo: str = "most_recent",
-                       recompute: bool = False, variable_seq_lengths: bool = False,
+                       recompute: dict | None = None, variable_seq_lengths: bool = False,
                        ) -> tuple[TransformerConfig, TransformerConfig]:
     """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output)."""
     check_layout(arch, tp, pp, vpp)
@@ -78,9 +78,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
         fp8=fp8, fp8_recipe=fp8_recipe, fp8_amax_history_len=fp8_amax_history_len,
         fp8_amax_compute_algo=fp8_amax_compute_algo,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        **(recompute or {}),  # recompute_granularity/method/num_layers (ModelConfig.recompute())
         **platform.megatron_config_overrides(),
     )
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages

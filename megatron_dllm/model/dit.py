@@ -12,6 +12,7 @@ megatron's conditional-embedder gradient all-reduce (`config.has_cond_embedder`)
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -126,16 +127,33 @@ class DiTModel(MegatronModule):
         c = torch.nn.functional.silu(self.time_embedder(sigma))
         x = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
         rotary = rotary_freqs(position_ids, self.head_dim)
-        recompute = self.config.recompute_granularity == "full" and self.training
         with get_fp8_context(self.config):  # FP8 autocast for every layer (no-op without --fp8-format)
-            for layer in self.layers:
-                if recompute:  # keep only each layer's input; recompute the rest in backward
-                    x = tensor_parallel.checkpoint(layer, False, x, c, rotary)
+            for start, stop, recompute in self._layer_groups():
+                if recompute:  # keep only the group's input; recompute the rest in backward
+                    x = tensor_parallel.checkpoint(partial(self._run_layers, start, stop), False, x, c, rotary)
                 else:
-                    x = layer(x, c, rotary)
+                    x = self._run_layers(start, stop, x, c, rotary)
         if not self.post_process:
             return x
         return self.final_layer(x, c)
+
+    def _run_layers(self, start: int, stop: int, x, c, rotary):
+        for layer in self.layers[start:stop]:
+            x = layer(x, c, rotary)
+        return x
+
+    def _layer_groups(self) -> list[tuple[int, int, bool]]:
+        """(start, stop, recompute) over this stage's layers, as megatron-core's TransformerBlock
+        groups full recompute: `uniform` checkpoints every group of recompute_num_layers layers,
+        `block` the first recompute_num_layers layers one by one and runs the rest normally.
+        (Selective recompute happens inside megatron's SelfAttention: core attention only.)"""
+        cfg, n = self.config, len(self.layers)
+        if cfg.recompute_granularity != "full" or not self.training:
+            return [(0, n, False)]
+        k = cfg.recompute_num_layers
+        if cfg.recompute_method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        return [(i, i + 1, i < k) for i in range(n)]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Checkpoint keys use global layer numbers, so checkpoints reshard across PP layouts;

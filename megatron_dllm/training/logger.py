@@ -1,4 +1,6 @@
-"""Log lines on the last rank (which holds the losses, as in Megatron-LM) and TensorBoard."""
+"""Log lines on the last rank (which holds the losses, as in Megatron-LM), TensorBoard and
+(optionally) Weights & Biases, with Megatron-LM's scalar names ('lm loss', 'learning-rate',
+'grad-norm', ..., each also 'NAME vs samples')."""
 from __future__ import annotations
 
 import json
@@ -11,12 +13,28 @@ class Logger:
     def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None):
         self.active = dist.get_rank() == dist.get_world_size() - 1
         self.writer = self.metrics = None
+        self.extra_writers = []
         if self.active and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
         if self.active and metrics_file:
             self.metrics = open(metrics_file, "a")
+
+    def add_writer(self, writer) -> None:
+        """Another scalar sink with TensorBoard's add_scalar(tag, value, step) (e.g. W&B)."""
+        if self.active:
+            self.extra_writers.append(writer)
+
+    def _scalars(self, iteration: int, consumed: int | None, **values) -> None:
+        """Megatron-LM's tags: each value by iteration, and (with `consumed`) 'TAG vs samples'."""
+        for writer in ([self.writer] if self.writer else []) + self.extra_writers:
+            for tag, value in values.items():
+                if value is None:
+                    continue
+                writer.add_scalar(tag, value, iteration)
+                if consumed is not None and writer is self.writer:
+                    writer.add_scalar(f"{tag} vs samples", value, consumed)
 
     def _record(self, **values) -> None:
         if self.metrics:
@@ -27,33 +45,37 @@ class Logger:
         if self.active:
             print(message, flush=True)
 
-    def train(self, iteration, total, loss, lr, grad_norm, tokens_per_s, tflops, consumed, flops) -> None:
+    def train(self, iteration, total, loss, lr, grad_norm, tokens_per_s, tflops, consumed, flops,
+              extra_text: str = "", extra: dict | None = None, scalars: dict | None = None) -> None:
+        """One log line; `extra_text` is appended to it, `extra` goes into the metrics file and
+        `scalars` (Megatron-LM tag -> value) to TensorBoard/W&B besides the standard ones."""
         if not self.active:
             return
+        grad = "skipped" if grad_norm is None else f"{grad_norm:.3f}"
         line = (f" iteration {iteration:7d}/{total} | consumed samples {consumed} | lr {lr:.3e} | "
-                f"loss {loss:.4f} | grad norm {grad_norm:.3f} | tokens/s {tokens_per_s:,.0f} | "
-                f"TFLOP/s per device {tflops:.2f} | FLOPs {flops:.4g}")
+                f"loss {loss:.4f} | grad norm {grad} | tokens/s {tokens_per_s:,.0f} | "
+                f"TFLOP/s per device {tflops:.2f} | FLOPs {flops:.4g}{extra_text}")
         print(line, flush=True)
         self._record(iteration=iteration, loss=loss, lr=lr, grad_norm=grad_norm,
                      tokens_per_s=tokens_per_s, tflops_per_device=tflops, consumed_samples=consumed,
-                     flops=flops)
-        if self.writer:
-            for name, value in (("loss", loss), ("lr", lr), ("grad-norm", grad_norm),
-                                ("tokens-per-second", tokens_per_s)):
-                self.writer.add_scalar(f"train/{name}", value, iteration)
+                     flops=flops, **(extra or {}))
+        self._scalars(iteration, consumed, **{"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                                              "tokens-per-second": tokens_per_s, "throughput": tflops})
+        self._scalars(iteration, None, **(scalars or {}))
 
-    def valid(self, iteration, nelbo, flops=None) -> None:
+    def valid(self, iteration, nelbo, flops=None, consumed=None) -> None:
         if not self.active or nelbo is None:
             return
         ppl = math.exp(min(nelbo, 50.0))
         print(f" validation at iteration {iteration} | nelbo {nelbo:.4f} | ppl {ppl:.3f}", flush=True)
         self._record(iteration=iteration, valid_nelbo=nelbo, valid_ppl=ppl,
                      **({} if flops is None else {"flops": flops}))
-        if self.writer:
-            self.writer.add_scalar("valid/nelbo", nelbo, iteration)
-            self.writer.add_scalar("valid/ppl", ppl, iteration)
+        self._scalars(iteration, consumed, **{"lm loss validation": nelbo, "lm loss validation ppl": ppl})
 
     def close(self) -> None:
+        for writer in self.extra_writers:
+            writer.close()
+        self.extra_writers = []
         if self.writer:
             self.writer.close()
         if self.metrics:

@@ -5,7 +5,10 @@
 """
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
+import shutil
 import time
 from functools import partial
 
@@ -15,16 +18,19 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dllm import checkpoint, platform
-from megatron_dllm.checkpoint import training_state
+from megatron_dllm.checkpoint import retention, training_state
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, tokenizer_record
 from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
+from megatron_dllm.config.yaml_config import resolved_dict, write_resolved
 from megatron_dllm.families import get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
+from megatron_dllm.training import nan_guard, observability
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.ema import EMA
+from megatron_dllm.training.exit_conditions import ExitConditions
 from megatron_dllm.training.inputs import prepare_inputs
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
@@ -58,9 +64,11 @@ class Trainer:
             vpp=par.virtual_pipeline_model_parallel_size, sequence_parallel=par.sequence_parallel,
             bf16=prec.bf16, fp8=prec.fp8_format, fp8_recipe=prec.fp8_recipe,
             fp8_amax_history_len=prec.fp8_amax_history_len,
-            fp8_amax_compute_algo=prec.fp8_amax_compute_algo, recompute=model_cfg.recompute_activations,
+            fp8_amax_compute_algo=prec.fp8_amax_compute_algo, recompute=model_cfg.recompute(),
             variable_seq_lengths=cfg.data.variable_seq_length_prob > 0 and self.family.variable_length,
         )
+        self.timers = observability.make_timers(cfg.logging.timing_log_level)
+        self.config.timers = self.timers  # megatron's schedules and gradient sync time themselves
         chunks = build_model(self.arch, self.config, mlp_config, t.seed, use_te=use_te)
         self.model = wrap_ddp(chunks, self.config, par)
         self.layer_impl = "transformer_engine" if use_te else "local"
@@ -79,10 +87,12 @@ class Trainer:
         self.valid_batches = BatchSchedule(inputs.valid_dataset, self.family, t.seed + 1,
                                            t.micro_batch_size, t.global_batch_size, dp_rank, dp_size)
         self.logger = Logger(cfg.logging.tensorboard_dir, cfg.logging.metrics_file)
+        self._start_cluster_features()
         self.ema = EMA(self.model, t.ema_decay) if t.ema_decay is not None else None
         self.iteration, self.consumed_samples = 0, 0
         if ckpt.save:
             checkpoint.remove_incomplete(ckpt.save, log=self.logger.info)
+            checkpoint.store.remove_leftover_removals(ckpt.save, log=self.logger.info)
         if ckpt.load:
             self._load(ckpt)
         # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
@@ -126,7 +136,9 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _forward_step(self, training: bool, data_iterator, model):
+        self.timers("batch-generator", log_level=1).start()
         inp = next(data_iterator)
+        self.timers("batch-generator").stop()
         logits = model(inp.input_ids, inp.position_ids, inp.sigma)
         return logits, partial(self._loss_func, training, inp)
 
@@ -159,7 +171,13 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._run_schedule(self.train_batches, self.consumed_samples, training=True)
+        if self.cfg.training.check_for_nan_in_loss_and_grad and not self._finite_step(loss):
+            self.iteration += 1  # the batch is consumed; weights and optimizer stay as they were
+            self.consumed_samples += self.cfg.training.global_batch_size
+            return loss, None
+        self.timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = self.optimizer.step()
+        self.timers("optimizer").stop()
         if ok:
             self.scheduler.step(increment=1)
             if self.ema is not None:
@@ -167,6 +185,30 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += self.cfg.training.global_batch_size
         return loss, grad_norm
+
+    def _finite_step(self, loss: float | None) -> bool:
+        """--check-for-nan-in-loss-and-grad: whether this iteration may step (collective); a
+        skipped one is logged, and K in a row stop the run after a save of the last good state."""
+        finite = nan_guard.grads_and_loss_finite(self.model, loss)
+        stop = self.nonfinite.record(finite)
+        if not finite:
+            self.logger.info(f"iteration {self.iteration + 1}: non-finite loss or gradient; step skipped "
+                             f"({self.nonfinite.consecutive} in a row, {self.nonfinite.skipped} in this run)")
+        if stop:
+            self.iteration += 1
+            self.consumed_samples += self.cfg.training.global_batch_size
+            if self.cfg.checkpoint.save:
+                self.save()
+            self._wait_for_saves()
+            self.profiler.stop()
+            self.logger.close()
+            kept = (f"the last good weights and optimizer state are saved at iteration {self.iteration}"
+                    if self.cfg.checkpoint.save else "nothing saved (no --save)")
+            raise nan_guard.NonFiniteStop(
+                f"{self.nonfinite.consecutive} consecutive iterations with a non-finite loss or gradient "
+                f"(up to iteration {self.iteration}, --max-consecutive-nonfinite-iters "
+                f"{self.cfg.training.max_consecutive_nonfinite_iters}); {kept}")
+        return finite
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -191,32 +233,52 @@ class Trainer:
                          f"device {platform.device()} | layers {self.layer_impl} | "
                          f"{iters} iterations of {gbs} x {seq} tokens | "
                          f"{iters * gbs * self.budget_flops_per_seq:.4g} training FLOPs ({t.flops_convention})")
+        if ckpt.save:
+            self.logger.info(self._disk_estimate())  # collective
         if self.iteration >= iters:  # loaded a checkpoint at (or past) the end: evaluate only
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: evaluating only")
-            self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops())
+            self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops(), self.consumed_samples)
             self.logger.close()
             return
         last = self.iteration
-        tick = time.perf_counter()
+        tick = loop_start = time.perf_counter()
+        first = self.iteration
+        saved_at = None
         while self.iteration < iters:
+            self.profiler.before_iteration(self.iteration + 1)
+            if self.async_queue is not None:
+                self.async_queue.maybe_finalize_async_calls(blocking=False)
             loss, grad_norm = self.train_step()
+            if (mean := self.spikes.check(loss)) is not None:
+                self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
+                                 f"{t.loss_spike_factor:g} x the recent mean {mean:.4f}")
             if self.iteration % log.log_interval == 0 or self.iteration == iters:
                 platform.synchronize()
                 elapsed = time.perf_counter() - tick
                 steps = self.iteration - last
                 tokens_per_s = steps * gbs * seq / elapsed
                 tflops = steps * gbs * self.flops_per_seq / elapsed / 1e12 / dist.get_world_size()
+                eta = (time.perf_counter() - loop_start) / (self.iteration - first) * (iters - self.iteration)
+                text, extra, scalars = self._observations(steps, elapsed, tflops, eta)
                 self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"],
-                                  grad_norm, tokens_per_s, tflops, self.consumed_samples, self.cumulative_flops())
+                                  grad_norm, tokens_per_s, tflops, self.consumed_samples, self.cumulative_flops(),
+                                  extra_text=text, extra=extra, scalars=scalars)
                 last, tick = self.iteration, time.perf_counter()
             if log.eval_interval and (self.iteration % log.eval_interval == 0 or self.iteration == iters):
-                self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops())
+                self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops(), self.consumed_samples)
+                observability.phase_times(self.timers, 1)  # validation's schedule time is not training's
                 tick = time.perf_counter()
             if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
                 self.save()
-                tick = time.perf_counter()
-        if ckpt.save and (not ckpt.save_interval or self.iteration % ckpt.save_interval):
+                saved_at, tick = self.iteration, time.perf_counter()
+            reason = self.exits.reason(self.iteration)
+            if reason is not None:
+                self.logger.info(f"exiting after iteration {self.iteration}: {reason}")
+                break
+        self.profiler.stop()
+        if ckpt.save and saved_at != self.iteration:
             self.save()
+        self._wait_for_saves()
         self.logger.close()
 
     def cumulative_flops(self) -> int:
@@ -224,6 +286,9 @@ class Trainer:
         return self.consumed_samples * self.budget_flops_per_seq
 
     def save(self) -> None:
+        if self.async_queue is not None:  # one save in flight at a time: bounded host memory
+            self.async_queue.maybe_finalize_async_calls(blocking=True)
+        start = time.perf_counter()
         path = training_state.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
             {"consumed_samples": self.consumed_samples, "identity": self.identity().as_dict(),
@@ -231,6 +296,84 @@ class Trainer:
              # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
              "seq_length": self.cfg.model.seq_length,
              "tokenizer": self.tokenizer_record},
-            ema=self.ema,
+            ema=self.ema, async_queue=self.async_queue, on_complete=self._saved,
         )
+        if self.async_queue is not None:
+            self.logger.info(f"writing checkpoint {path} in the background (training paused "
+                             f"{time.perf_counter() - start:.2f} s)")
+
+    def _saved(self, path: str) -> None:
+        """After a save is complete (renamed into place and tracked): log it, apply retention."""
         self.logger.info(f"saved checkpoint {path}")
+        ckpt = self.cfg.checkpoint
+        if ckpt.keep_last_n_checkpoints:
+            checkpoint.store.apply_retention(ckpt.save, ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
+                                             log=self.logger.info)
+
+    def _wait_for_saves(self) -> None:
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=True)
+
+    # ------------------------------------------------------------------ cluster features
+
+    def _start_cluster_features(self) -> None:
+        """Exit conditions, numerical guards, async saves, profiler, MFU, W&B, resolved config."""
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        cfg, t, log = self.cfg, self.cfg.training, self.cfg.logging
+        self.exits = ExitConditions(t)
+        self.nonfinite = nan_guard.NonFiniteCounter(t.max_consecutive_nonfinite_iters)
+        self.spikes = nan_guard.LossSpikes(t.loss_spike_factor)
+        self.profiler = observability.Profiler(log)
+        self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
+        self.peak_flops, peak_source = observability.peak_flops(log.peak_flops, cfg.precision.fp8_format is not None)
+        self.logger.info(f"MFU against {peak_source}")
+        if self.logger.active:
+            for path in write_resolved(cfg, [cfg.checkpoint.save, log.tensorboard_dir], dist.get_world_size()):
+                self.logger.info(f"wrote the resolved configuration {path}")
+        if log.wandb_project:
+            if importlib.util.find_spec("wandb") is None:  # checked on every rank: none waits for another
+                raise ValueError("--wandb-project needs the wandb package (pip install -e '.[wandb]')")
+            if self.logger.active:
+                default = os.path.join(cfg.checkpoint.save or log.tensorboard_dir or ".", "wandb")
+                self.logger.add_writer(observability.WandbWriter(log, resolved_dict(cfg), default))
+
+    def _disk_estimate(self) -> str:
+        """The start-of-run line on checkpoint size and the disk this run's checkpoints need."""
+        ckpt, t = self.cfg.checkpoint, self.cfg.training
+        params = self._checkpointed_parameters()
+        each = retention.bytes_per_checkpoint(params, self.config.bf16, self.ema is not None)
+        count = retention.checkpoints_on_disk(t.train_iters, self.iteration, ckpt.save_interval,
+                                              ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval)
+        free = shutil.disk_usage(ckpt.save).free
+        line = (f"checkpoints: about {each / 2**30:.3g} GiB each ({params:,} parameters); up to {count} in "
+                f"{ckpt.save} at once -> about {count * each / 2**30:.3g} GiB ({free / 2**30:.4g} GiB free)")
+        if count * each > free:
+            line += "; NOT ENOUGH DISK for all of them: set --keep-last-n-checkpoints"
+        return line
+
+    def _checkpointed_parameters(self) -> int:
+        """Elements of every tensor a checkpoint holds for the model, whatever the layout: the
+        global shapes of the sharded state, gathered over all ranks (collective)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        local = {sh.key: math.prod(sh.global_shape) for chunk in self.model
+                 for sh in chunk.module.sharded_state_dict().values() if isinstance(sh, ShardedTensor)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sum({k: v for part in gathered for k, v in part.items()}.values())
+
+    def _observations(self, steps: int, elapsed: float, tflops: float, eta: float) -> tuple[str, dict, dict]:
+        """The log line's MFU, peak memory, phase times and ETA: (text, metrics-file values,
+        TensorBoard/W&B scalars under Megatron-LM's names)."""
+        phases = observability.phase_times(self.timers, steps)
+        memory, measured = platform.peak_memory()
+        mfu = tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        text = (f" | MFU {'n/a' if mfu is None else f'{mfu:.1%}'} | peak memory {memory / 2**30:.2f} GiB ({measured})"
+                + (" | ms per iteration: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) if phases else "")
+                + f" | ETA {observability.format_eta(eta)}")
+        extra = {"mfu": mfu, "peak_memory_bytes": memory, "eta_seconds": eta,
+                 **{f"{k}_ms": v for k, v in phases.items()}}
+        scalars = {"iteration-time": elapsed / steps, "mem-max-allocated-bytes": memory, "mfu": mfu,
+                   **{f"{observability.PHASES[k]}-time": v / 1000 for k, v in phases.items()}}
+        return text, extra, scalars

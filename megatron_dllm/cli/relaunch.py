@@ -1,0 +1,53 @@
+"""Re-launch a run from the resolved configuration it wrote beside its checkpoints:
+
+    python tools/relaunch.py runs/demo-mdlm/checkpoints/run_config.yaml            # same world size
+    python tools/relaunch.py CONFIG --nproc-per-node 4 -- --train-iters 600        # flags override
+
+It starts `torchrun --standalone --nproc-per-node N pretrain_dllm.py --yaml-cfg CONFIG [FLAGS]`
+on this machine, N defaulting to the world size the run was launched with (its `launch:`
+section). With `--load` equal to `--save` in the file (the resume idiom) the run continues from
+its last checkpoint. Multi-node runs pass `--yaml-cfg CONFIG` to their own launcher.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import yaml
+
+from megatron_dllm.cli import OneLineParser, fail
+
+PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "pretrain_dllm.py")
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(description=__doc__.split("\n\n")[0],
+                           usage="relaunch.py CONFIG [--nproc-per-node N] [--dry-run] [-- PRETRAIN FLAGS ...]")
+    parser.add_argument("config", help="a run's run_config.yaml (or any --yaml-cfg file)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks on this machine (default: the world size in the file's launch: section)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)  # after --: pretrain_dllm.py flags
+    args = parser.parse_args(argv[:split])
+    args.flags = argv[split + 1:]
+
+    from megatron_dllm.config import parse_args
+
+    try:
+        with open(args.config) as f:
+            launch = (yaml.safe_load(f) or {}).get("launch") or {}
+    except (OSError, yaml.YAMLError, AttributeError) as err:
+        return fail(f"{args.config}: cannot read it as a run configuration ({err})")
+    nproc = args.nproc_per_node or launch.get("world-size")
+    if not nproc:
+        return fail(f"{args.config} records no world size (no launch: section); pass --nproc-per-node")
+    parse_args(["--yaml-cfg", args.config, *args.flags])  # bad flags fail here, before torchrun starts
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           PRETRAIN, "--yaml-cfg", args.config, *args.flags]
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    return subprocess.call(cmd)

@@ -1,0 +1,219 @@
+"""Cluster features without a launch: --yaml-cfg against the same flags, the resolved config
+read back, recompute flags as Megatron-LM derives them, which checkpoints retention keeps, the
+non-finite counter and loss spikes, MFU's peak and the exit interval."""
+import json
+import os
+
+import pytest
+
+from megatron_dllm.checkpoint import retention
+from megatron_dllm.config import parse_args, resolve_defaults, resolve_iterations
+from megatron_dllm.config.training import TrainingConfig
+from megatron_dllm.config.yaml_config import RESOLVED_NAME, write_resolved
+from megatron_dllm.training import observability
+from megatron_dllm.training.exit_conditions import ExitConditions
+from megatron_dllm.training.nan_guard import LossSpikes, NonFiniteCounter
+
+FLAGS = ["--family", "duo", "--preset", "cpu-small", "--seq-length", "64", "--bf16", "--micro-batch-size", "4",
+         "--global-batch-size", "32", "--train-flops", "3e12", "--lr", "3e-4", "--lr-decay-style", "WSD",
+         "--data-path", "0.7", "/data/a_text_document", "0.3", "/data/b_text_document",
+         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "tok.model",
+         "--save", "ckpt", "--keep-last-n-checkpoints", "3", "--exit-signal-handler",
+         "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+         "--profile-ranks", "0", "3", "--peak-flops", "9.89e14"]
+
+YAML = """\
+family: duo
+preset: cpu-small
+seq-length: 64
+bf16: true
+micro_batch_size: 4          # underscores work too
+global-batch-size: 32
+train-flops: 3.0e+12
+lr-decay-style: WSD
+data-path: [0.7, /data/a_text_document, 0.3, /data/b_text_document]
+tokenizer-type: SentencePieceTokenizer
+tokenizer-model: tok.model
+checkpoint:                  # group sections, as the resolved file writes them
+  save: ckpt
+  keep-last-n-checkpoints: 3
+training:
+  exit-signal-handler: true
+  sequence-parallel-never-heard-of: null
+"""
+
+
+def _write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_yaml_config_equals_the_same_flags(tmp_path):
+    text = YAML.replace("  sequence-parallel-never-heard-of: null\n", "") + (
+        "lr: 3.0e-4\nrecompute-granularity: full\nrecompute-method: block\nrecompute-num-layers: 2\n"
+        "profile-ranks: [0, 3]\npeak-flops: 9.89e+14\n")
+    assert parse_args(["--yaml-cfg", _write(tmp_path, text)]) == parse_args(FLAGS)
+
+
+def test_command_line_flags_override_the_yaml_config(tmp_path):
+    path = _write(tmp_path, "preset: cpu-small\nlr: 3.0e-4\nsave: a\n")
+    cfg = parse_args(["--lr", "1e-3", "--yaml-cfg", path, "--save", "b"])
+    assert (cfg.model.preset, cfg.optimizer.lr, cfg.checkpoint.save) == ("cpu-small", 1e-3, "b")
+
+
+@pytest.mark.parametrize("text, message", [
+    (YAML, "'sequence_parallel_never_heard_of' is not a flag of this command"),
+    ("bf16: 3\n", "bf16 is a switch; expected true or false, got 3"),
+    ("preset: [a, b]\n", "preset takes one value, got a list"),
+    ("- preset\n", "expected a mapping of flag names to values, found list"),
+    ("preset: [\n", "not valid YAML"),
+    ("seq-length: -4\n", "--seq-length: expected a positive integer, got -4"),  # the flag's own check
+])
+def test_a_bad_yaml_config_is_one_error_naming_the_file(tmp_path, capsys, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--yaml-cfg", path])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_resolved_config_relaunches_the_same_run(tmp_path):
+    demo = {"data_prefix": "/demo/train_text_document", "valid_prefix": "/demo/valid_text_document",
+            "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/demo/bpe.model"}
+    cfg = parse_args(["--family", "esolm", "--train-flops", "2e12", "--keep-last-n-checkpoints", "2",
+                      "--async-save", "--recompute-activations"])
+    cfg = resolve_iterations(resolve_defaults(cfg, demo), vocab_size=4097)
+    assert cfg.training.train_iters > 1
+    (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")], world_size=4)
+    assert path == str(tmp_path / "ckpt" / RESOLVED_NAME) and not os.path.exists(path + ".tmp")
+    # --train-flops was turned into --train-iters: the relaunch trains exactly those iterations
+    assert parse_args(["--yaml-cfg", path]) == cfg.replace(training={"train_flops": None})
+
+
+def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp_path, capsys):
+    from megatron_dllm.cli import relaunch
+
+    cfg = parse_args(["--preset", "cpu-tiny", "--data-path", "/d/x", "--tokenizer-type", "SentencePieceTokenizer",
+                      "--tokenizer-model", "t.model", "--train-iters", "5"])
+    (path,) = write_resolved(cfg, [str(tmp_path)], world_size=4)
+    assert relaunch.main([path, "--dry-run", "--", "--train-iters", "9"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert cmd[-5:] == [relaunch.PRETRAIN, "--yaml-cfg", path, "--train-iters", "9"]
+    assert "--nproc-per-node=4" in cmd and "--standalone" in cmd
+    assert relaunch.main([path, "--dry-run", "--nproc-per-node", "2"]) == 0
+    assert "--nproc-per-node=2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # a bad override fails before torchrun starts
+        relaunch.main([path, "--dry-run", "--", "--train-iters", "0"])
+    assert exit_.value.code == 2
+    (tmp_path / "flags.yaml").write_text("preset: cpu-tiny\n")
+    assert relaunch.main([str(tmp_path / "flags.yaml"), "--dry-run"]) == 2
+    assert "records no world size" in capsys.readouterr().err
+
+
+def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
+    assert parse_args([]).model.recompute() == {"recompute_granularity": None}
+    assert parse_args(["--recompute-activations"]).model.recompute() == {"recompute_granularity": "selective"}
+    assert parse_args(["--recompute-granularity", "full", "--recompute-method", "uniform"]).model.recompute() == {
+        "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method uniform|block"),
+    (["--recompute-activations", "--recompute-num-layers", "2"], "apply to --recompute-granularity full"),
+    (["--profile", "--profile-step-start", "5", "--profile-step-end", "5", "--data-path", "x"],
+     "--profile needs --profile-step-end > --profile-step-start"),
+])
+def test_impossible_combinations_are_rejected_at_parse_time(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+def test_retention_keeps_the_newest_the_every_kth_and_the_tracked():
+    saves = [100, 200, 300, 400, 500, 600]
+    assert retention.kept(saves, 600, keep_last=2, keep_interval=None) == {500, 600}
+    assert retention.kept(saves, 600, keep_last=1, keep_interval=200) == {200, 400, 600}
+    # a run rolled back to 300 (tracker edited): the abandoned 400-600 stay, older ones go
+    assert retention.kept(saves, 300, keep_last=1, keep_interval=None) == {300, 400, 500, 600}
+
+
+def _checkpoint(root, iteration, manifest=True):
+    path = root / f"iter_{iteration:07d}"
+    path.mkdir(parents=True)
+    (path / "common.pt").write_bytes(b"x" * 10)
+    if manifest:
+        (path / "manifest.json").write_text(json.dumps({"format": "megatron_dllm checkpoint manifest",
+                                                        "files": {"common.pt": {"size": 10}}}))
+
+
+def test_retention_removes_exactly_the_unkept_complete_checkpoints(tmp_path):
+    root = tmp_path / "ckpt"
+    for it in (2, 4, 6, 8, 10):
+        _checkpoint(root, it)
+    _checkpoint(root, 1, manifest=False)  # written by another tool: never removed
+    (root / "iter_0000012.incomplete").mkdir()  # a save under way: not retention's business
+    (root / "latest_checkpointed_iteration.txt").write_text("10")
+    removed = retention.apply(str(root), keep_last=2, keep_interval=4)
+    assert sorted(os.path.basename(p) for p in removed) == ["iter_0000002", "iter_0000006"]
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000004", "iter_0000008", "iter_0000010",
+                                        "iter_0000012.incomplete", "latest_checkpointed_iteration.txt"]
+    (root / "iter_0000004.removing").mkdir()  # a removal killed half-way
+    assert retention.remove_leftovers(str(root)) == [str(root / "iter_0000004.removing")]
+
+
+def test_checkpoints_on_disk_counts_what_retention_leaves():
+    assert retention.checkpoints_on_disk(1000, 0, 100, None, None) == 10
+    assert retention.checkpoints_on_disk(1050, 0, 100, None, None) == 11  # and the final save
+    assert retention.checkpoints_on_disk(1000, 0, 100, 2, None) == 3  # 2 kept + the one being written
+    assert retention.checkpoints_on_disk(1000, 0, 100, 2, 500) == 5
+    assert retention.bytes_per_checkpoint(10, bf16=True, ema=True) == 10 * (2 + 4 + 8 + 4)
+
+
+def test_consecutive_non_finite_iterations_stop_only_in_a_row():
+    counter = NonFiniteCounter(max_consecutive=2)
+    assert [counter.record(ok) for ok in (False, True, False, False)] == [False, False, False, True]
+    assert counter.skipped == 3
+
+
+def test_a_loss_spike_is_reported_against_the_recent_mean():
+    spikes = LossSpikes(factor=2.0, window=5, warmup=3)
+    assert [spikes.check(x) for x in (4.0, 4.0, 4.0)] == [None, None, None]
+    assert spikes.check(float("nan")) is None and spikes.check(7.9) is None
+    assert spikes.check(20.0) == pytest.approx((4 + 4 + 4 + 7.9) / 4)
+    assert LossSpikes(factor=0).check(1e9) is None
+
+
+def test_mfu_peak_comes_from_the_flag_or_the_device_table(monkeypatch):
+    assert observability.peak_flops(1.5e15, fp8=False) == (1.5e15, "--peak-flops 1.5e+15")
+    monkeypatch.setattr(observability.platform, "device_name", lambda: None)
+    peak, why = observability.peak_flops(None, fp8=False)
+    assert peak is None and "not meaningful" in why
+    monkeypatch.setattr(observability.platform, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert observability.peak_flops(None, fp8=False)[0] == 989e12
+    assert observability.peak_flops(None, fp8=True)[0] == 1979e12
+    monkeypatch.setattr(observability.platform, "device_name", lambda: "NVIDIA H100 PCIe")
+    assert observability.peak_flops(None, fp8=False)[0] == 756e12
+    monkeypatch.setattr(observability.platform, "device_name", lambda: "Some Future GPU")
+    assert observability.peak_flops(None, fp8=False)[0] is None
+    assert observability.format_eta(2 * 86400 + 3 * 3600 + 4 * 60 + 5) == "2d 03:04:05"
+
+
+def test_exit_interval_stops_at_its_multiples():
+    exits = ExitConditions(TrainingConfig(exit_interval=3))
+    assert [exits.reason(i) for i in (1, 2, 3, 4, 6)] == [None, None, "--exit-interval 3", None, "--exit-interval 3"]
+
+
+def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_run():
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                           "pretrain_1.7b.yaml")
+    cfg = parse_args(["--yaml-cfg", example, "--family", "mdlm", "--data-path", "/data/x_text_document",
+                      "--tokenizer-model", "tokenizer.json", "--save", "ckpt", "--load", "ckpt"])
+    t, ckpt = cfg.training, cfg.checkpoint
+    assert cfg.model.recompute() == {"recompute_granularity": "selective"}
+    assert t.train_iters * t.global_batch_size * cfg.model.seq_length == pytest.approx(2.1e12, rel=1e-3)
+    assert t.exit_signal_handler and t.check_for_nan_in_loss_and_grad and ckpt.async_save
+    on_disk = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
+                                            ckpt.keep_checkpoint_interval)
+    each = retention.bytes_per_checkpoint(1_780_000_000, bf16=True, ema=False)
+    assert on_disk == 24 and on_disk * each < 0.7e12  # instead of 1002 checkpoints, 25 TB
