@@ -196,8 +196,9 @@ def test_exported_ar_model_is_a_judge_with_the_ar_nll(trained, demo_cache):
     try:
         inp = family.corrupt(ids, Noise(0, torch.arange(3), torch.arange(3), 3))
         with torch.no_grad():
+            inp = inp.to(next(inf.model.parameters()).device)  # NCCL reduces device tensors only
             logits = inf.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma).logits
-        nll = family.nelbo(logits.transpose(0, 1).contiguous(), inp).double().sum(1)
+        nll = family.nelbo(logits.transpose(0, 1).contiguous(), inp).double().sum(1).to(sums.device)
     finally:
         platform.destroy_distributed()
     assert counts.tolist() == [32, 32, 32]
