@@ -27,7 +27,7 @@ def launch_env(nproc: int) -> dict:
     import torch
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if 0 < torch.cuda.device_count() < nproc:
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 

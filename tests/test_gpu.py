@@ -62,3 +62,12 @@ def test_kv_caches_on_cuda_equal_uncached(family, predictor, steps):
     assert torch.equal(runs[0].cpu(), runs[1].cpu())
     assert (runs[0][:, :len(PROMPT)].cpu() == torch.tensor(PROMPT)).all()
     assert len(set(runs[0][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_named(monkeypatch):
+    from megatron_dllm import platform
+
+    rank = torch.cuda.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    with pytest.raises(ValueError, match=f"--nproc-per-node: local rank {rank} has no GPU of its own"):
+        platform.init_distributed(1, 1)
