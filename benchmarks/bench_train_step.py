@@ -71,16 +71,18 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 # ------------------------------------------------------------------------------- megatron path
 
 class MegatronStep:
-    def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int):
+    def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
+                 keep_initial: bool = True, **config_kwargs):
         from megatron_dllm.config.optimizer import OptimizerConfig
         from megatron_dllm.config.parallel import ParallelConfig
         from megatron_dllm.model.builder import Architecture, build_model, transformer_config
         from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
         self.arch = Architecture(preset, vocab, seq, family.attention)
-        self.config, mlp_config = transformer_config(self.arch)
+        self.config, mlp_config = transformer_config(self.arch, **config_kwargs)  # bf16, recompute (GPU)
         chunks = build_model(self.arch, self.config, mlp_config, seed=0)
-        self.initial_state = {k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+        self.initial_state = ({k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
+                              if keep_initial else None)  # the plain step's weights
         parallel = ParallelConfig()
         self.model = wrap_ddp(chunks, self.config, parallel)
         self.optimizer, self.scheduler = build_optimizer(

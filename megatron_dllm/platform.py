@@ -265,7 +265,11 @@ def init_distributed(
 
     if not dist.is_initialized():
         if HAS_CUDA:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if local_rank >= torch.cuda.device_count():  # NCCL needs a GPU of its own per rank
+                raise ValueError(f"--nproc-per-node: local rank {local_rank} has no GPU of its own "
+                                 f"({torch.cuda.device_count()} visible); start at most one rank per GPU")
+            torch.cuda.set_device(local_rank)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if "WORLD_SIZE" in os.environ:  # torchrun, Slurm wrappers: env:// rendezvous
             dist.init_process_group(backend=backend(), timeout=timeout)

@@ -21,12 +21,23 @@ def demo_cache(tmp_path_factory) -> str:
 
 
 
+def launch_env(nproc: int) -> dict:
+    """The environment of an `nproc`-rank launch. NCCL needs one GPU per rank: where CUDA has fewer
+    devices than ranks (a one-GPU workstation), the ranks run on the CPU over gloo, as on CI."""
+    import torch
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
     """Run pretrain_dllm.py under torchrun (one process: directly, with the environment torchrun
     would give it, which saves torchrun's 3 s); returns (completed process, metrics JSON lines)."""
     metrics = os.path.join(str(workdir), f"metrics-{len(os.listdir(str(workdir)))}.jsonl")
     script = [os.path.join(REPO, "pretrain_dllm.py"), *args, "--metrics-file", metrics]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = launch_env(nproc)
     # Ports are chosen by the process that listens on them (port 0), never handed over from here:
     # a port found free here can be taken by a concurrent launch before the child binds it.
     if nproc == 1:
@@ -63,5 +74,5 @@ def pytest_collection_modifyitems(config, items):
 
     needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # not `in item.keywords`: that also holds directory names
             item.add_marker(needs_gpu)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from conftest import launch_env
 
 from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family
@@ -141,7 +142,7 @@ def test_loss_and_grad_equal_dense_reference_tp2(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            os.path.join(HERE, "duo_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = launch_env(2)
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     result = json.loads(out.read_text())

@@ -196,7 +196,7 @@ def _megatron_dit(attention="causal"):
 
 def test_masked_predictions_ignore_later_masked_tokens(distributed):
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
-    inp = fam.corrupt(_tokens(), _noise([1, 2, 3]))
+    inp = fam.corrupt(_tokens(), _noise([1, 2, 3])).to(platform.device())
     with torch.no_grad():
         base = model(inp.input_ids, inp.position_ids, inp.sigma).transpose(0, 1)
         assert base.abs().max() > 0.1
@@ -206,7 +206,8 @@ def test_masked_predictions_ignore_later_masked_tokens(distributed):
             i = int(masked[len(masked) // 2])  # a masked token with masked tokens after it
             later = masked[masked > i]
             ids = inp.input_ids.clone()
-            ids[row, later] = torch.randint(0, VOCAB - 1, (len(later),), generator=torch.Generator().manual_seed(row))
+            gen = torch.Generator().manual_seed(row)
+            ids[row, later] = torch.randint(0, VOCAB - 1, (len(later),), generator=gen).to(ids.device)
             out = model(ids, inp.position_ids, inp.sigma).transpose(0, 1)
             torch.testing.assert_close(out[row, :i + 1], base[row, :i + 1], atol=1e-6, rtol=1e-6)
             assert (out[row, int(later[0])] - base[row, int(later[0])]).abs().max() > 1e-4
@@ -215,24 +216,25 @@ def test_masked_predictions_ignore_later_masked_tokens(distributed):
 def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed):
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
     tokens = _tokens(seed=1)
-    inp = fam.corrupt(tokens, _noise([4, 8, 15]))
+    inp = fam.corrupt(tokens, _noise([4, 8, 15])).to(platform.device())
     model_identity = ModelIdentity("esolm", PRESET.hidden_size, PRESET.num_layers, PRESET.num_attention_heads,
                                    VOCAB, MASK_ID)
     ref = export.hf_model(model.state_dict(), model_identity, "causal", SEQ, model.padded_vocab_size)
+    ref.to(platform.device())
     with torch.no_grad():
         shuffled = model(inp.input_ids, inp.position_ids, inp.sigma).transpose(0, 1)
         # The same weights on the unshuffled sequence: i attends to j iff rank(j) <= rank(i).
         rank = S.inverse(inp.position_ids)
         attn_mask = rank[:, None, :] <= rank[:, :, None]
         z_t = unpermute(inp.input_ids, inp)
-        identity = torch.arange(SEQ).expand(BATCH, SEQ)
+        identity = torch.arange(SEQ, device=platform.device()).expand(BATCH, SEQ)
         want = ref(input_ids=z_t, position_ids=identity, sigma=inp.sigma, attention_mask=attn_mask).logits
         got = unpermute(shuffled, inp)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # And the loss: Eso-LM's on the shuffled logits = MDLM's on the unshuffled ones.
     mdlm = get_family("mdlm", MASK_ID, VOCAB)
-    seq_inp = mdlm.corrupt(tokens, _noise([4, 8, 15]))
+    seq_inp = mdlm.corrupt(tokens, _noise([4, 8, 15])).to(platform.device())
     for loss_type in ("low-var", "nelbo"):
         e, m = EsoLM(MASK_ID, VOCAB, loss_type), get_family("mdlm", MASK_ID, VOCAB, loss_type)
         # the loss works in place

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_pretrain
+from conftest import REPO, launch_env, run_pretrain
 
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
 from megatron_dllm.config import parse_args
@@ -279,7 +279,7 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
            os.path.join(REPO, "pretrain_dllm.py"), "--demo-cache-dir", demo_cache, *RUN,
            "--train-iters", "1000", "--save-interval", "1", "--save", str(ckpt)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = launch_env(2)
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=log, stderr=log)
     try:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import run_pretrain  # noqa: E402
+from conftest import launch_env, run_pretrain  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,9 @@ def checkpoints(demo_cache, tmp_path_factory):
     return out
 
 
-def _run(cmd, timeout=300):
-    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+def _run(cmd, timeout=300, nproc=1):
+    proc = subprocess.run(cmd, env={**ENV, **launch_env(nproc)}, capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
@@ -64,7 +65,7 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
           "--out", str(hf1)])
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
           os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
-          "--tensor-model-parallel-size", "2"])
+          "--tensor-model-parallel-size", "2"], nproc=2)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
     # converting into a directory that holds a checkpoint (a training run's, say) is refused
     from megatron_dllm.checkpoint import manifest

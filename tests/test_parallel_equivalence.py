@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import launch_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -35,7 +36,7 @@ def run_worker(nproc: int, flags: list[str], workdir, demo_cache: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--standalone", os.path.join(HERE, "parallel_worker.py"), out,
            "--demo-cache-dir", demo_cache, "--save", str(workdir / "ckpt"), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = launch_env(nproc)
     proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     with open(out) as f:

@@ -18,6 +18,7 @@ from megatron_dllm.model.presets import Preset
 VOCAB, PADDED, SEQ, BATCH = 300, 384, 32, 3  # PADDED: megatron's vocabulary, a multiple of 128
 MASK_ID = VOCAB - 1
 PRESET = Preset(64, 2, 4)
+DEVICE = platform.device()  # where build_model puts the model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +51,7 @@ def inputs(seed: int = 0):
     ids[:, ::3] = MASK_ID
     positions = torch.stack([torch.randperm(SEQ, generator=gen) for _ in range(BATCH)])  # Eso-LM path
     sigma = torch.rand(BATCH, generator=gen) * 3.0
-    return ids, positions, sigma
+    return ids.to(DEVICE), positions.to(DEVICE), sigma.to(DEVICE)
 
 
 def megatron_logits(model, ids, positions, sigma):
@@ -61,7 +62,7 @@ def dense(model, attention: str, vocab_size: int = PADDED):
     """The dense model holding the megatron model's weights (megatron's padded vocabulary kept)."""
     identity = ModelIdentity("ar" if attention == "causal" else "mdlm", PRESET.hidden_size, PRESET.num_layers,
                              PRESET.num_attention_heads, VOCAB, MASK_ID)
-    return export.hf_model(model.state_dict(), identity, attention, SEQ, vocab_size)
+    return export.hf_model(model.state_dict(), identity, attention, SEQ, vocab_size).to(DEVICE)
 
 
 def dense_logits(ref, ids, positions, sigma):
@@ -92,7 +93,7 @@ def test_positions_matter(attention):
     permuting tokens together with their positions permutes the bidirectional output."""
     model = build_megatron(attention)
     ids, positions, sigma = inputs()
-    identity = torch.arange(SEQ).expand(BATCH, SEQ)
+    identity = torch.arange(SEQ, device=DEVICE).expand(BATCH, SEQ)
     with torch.no_grad():
         a = megatron_logits(model, ids, positions, sigma)
         b = megatron_logits(model, ids, identity, sigma)
@@ -114,7 +115,7 @@ def test_initial_logits_are_zero():
 
 def dense_mdlm_loss(logits, ids, targets, mask_id, vocab_size):
     """MDLM low-var loss written densely on [b, s, V] logits (mask and padding ids suppressed)."""
-    suppress = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    suppress = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
     suppress[mask_id] = True
     suppress[vocab_size:] = True
     logits = logits.masked_fill(suppress, float("-inf"))
@@ -128,10 +129,10 @@ def test_gradients_match_dense_model(attention):
     ref = dense(model, attention)
     family = get_family("mdlm", MASK_ID, VOCAB)
     gen = torch.Generator().manual_seed(5)
-    targets = torch.randint(0, VOCAB - 1, (BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, VOCAB - 1, (BATCH, SEQ), generator=gen).to(DEVICE)
     ids, positions, sigma = inputs(1)
     ids = torch.where(ids == MASK_ID, ids, targets)
-    inp = type("Inp", (), dict(input_ids=ids, targets=targets, valid=torch.ones(BATCH, SEQ)))
+    inp = type("Inp", (), dict(input_ids=ids, targets=targets, valid=torch.ones(BATCH, SEQ, device=DEVICE)))
 
     model.zero_grad()
     loss_m = family.loss(model(ids, positions, sigma), inp).sum() / inp.valid.sum()
@@ -141,8 +142,8 @@ def test_gradients_match_dense_model(attention):
     torch.testing.assert_close(loss_m, loss_r, atol=1e-5, rtol=1e-5)
 
     grads_m = export.megatron_to_hf({n: p.grad for n, p in model.named_parameters()},
-                                    PRESET.num_attention_heads, PADDED)
-    grads_r = {n: p.grad for n, p in ref.named_parameters()}
+                                    PRESET.num_attention_heads, PADDED)  # on the CPU
+    grads_r = {n: p.grad.cpu() for n, p in ref.named_parameters()}
     assert grads_m.keys() == grads_r.keys()
     for name in grads_r:
         scale = grads_r[name].abs().max().clamp_min(1e-3)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, run_pretrain
+from conftest import REPO, launch_env, run_pretrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -93,7 +93,7 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--standalone", os.path.join(REPO, "pretrain_dllm.py"), *flags,
            "--metrics-file", str(metrics)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = launch_env(nproc)
     log = open(os.path.join(str(workdir), "killed-run.log"), "w")  # kept for a failing test's reader
     proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, start_new_session=True, stdout=log, stderr=log)
     caught, deadline = None, time.time() + timeout

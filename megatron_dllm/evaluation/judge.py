@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -104,6 +105,16 @@ def cached_gguf_dir(directory: str, gguf_file: str, cache_dir: str | None = None
     return out
 
 
+def _exported_family(folder: str) -> str | None:
+    """The `family` that the project's exported models write in config.json; None for others."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return config.get("family") if isinstance(config, dict) else None
+
+
 def load_judge(path: str, gguf_file: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> Judge:
     source, sha256 = path, None
@@ -115,16 +126,18 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
     folder = cached_gguf_dir(path, gguf_file, cache_dir, sha256) if gguf_file else path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Checked before loading: whether transformers refuses a masked diffusion export as a causal
+    # LM, and with which message, differs between its versions.
+    family = _exported_family(folder)
+    if family in FAMILIES and not FAMILIES[family].next_token:
+        raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
+                         f"model or any other Hugging Face causal LM)")
     # transformers raises many exception types (OSError, ValueError, KeyError, ...) for a bad folder
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
     except Exception as err:
         raise ValueError(f"--judge {source}: not loadable as a Hugging Face causal LM "
                          f"(AutoModelForCausalLM: {_first_line(err)})") from None
-    family = getattr(model.config, "family", None)  # the project's exported models
-    if family in FAMILIES and not FAMILIES[family].next_token:
-        raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
-                         f"model or any other Hugging Face causal LM)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     except Exception as err:

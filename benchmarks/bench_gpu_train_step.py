@@ -1,0 +1,119 @@
+"""Training-step throughput on one GPU: tokens/s, TFLOP/s, MFU and peak memory per family.
+
+    python benchmarks/bench_gpu_train_step.py [--presets 413M 1.7B] [--families mdlm duo esolm ar]
+                                              [--seq 2048] [--vocab 32001] [--max-micro-batch 64]
+                                              [--steps 5] [--warmup 2] [--peak-tflops 989.4]
+
+For every preset, recompute setting (off, full) and family: the step of `bench_train_step.py`'s
+`MegatronStep` (the trainer's path at TP=1: megatron DDP, `get_megatron_optimizer` AdamW, the
+schedule, the family loss) in bf16 with the local layer spec, at the largest power-of-two
+micro-batch that fits: tried from `--max-micro-batch` (for later families of the same preset and
+recompute setting: from the previous family's) down, an out-of-memory step moving to the next
+smaller one. The batch is drawn once, on the CPU, and moved to the GPU before timing.
+
+Reported per row: median step time over `--steps` timed steps after `--warmup` ones, tokens/s,
+model TFLOP/s in the two conventions of `megatron_dllm/scaling/flops.py` (`calflops`: the paper's,
+no attention matmuls; `full`: every matmul incl. attention scores, with causal attention counted
+whole), MFU = model TFLOP/s / `--peak-tflops` (H100 SXM dense bf16: 989.4), and the peak memory
+torch's allocator saw. Model FLOPs are 3 x forward whether or not activations are recomputed
+(recompute runs a fourth forward that is not counted, as in Megatron-LM's MFU).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from bench_train_step import MegatronStep, make_batch  # noqa: E402
+
+from megatron_dllm import platform  # noqa: E402
+from megatron_dllm.families import get_family  # noqa: E402
+from megatron_dllm.model.presets import get_preset  # noqa: E402
+from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
+
+
+def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int):
+    """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
+    inp = make_batch(family, vocab, batch, seq).to(platform.device())
+    step = None
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
+                            keep_initial=False, bf16=True, recompute=recompute)
+        first = step()
+        for _ in range(warmup - 1):
+            step()
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()  # ends with loss.item(): the step's kernels have finished
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), torch.cuda.max_memory_allocated(), first
+    finally:
+        del step, inp
+        gc.collect()
+        platform.release_cached_memory()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", nargs="+", default=["413M", "1.7B"])
+    p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"])
+    p.add_argument("--recompute", nargs="+", default=["off", "full"], choices=["off", "full"])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32001, help="real vocabulary including [MASK] (the paper's)")
+    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak of the GPU")
+    args = p.parse_args(argv)
+    if not platform.HAS_CUDA:
+        sys.exit("error: bench_gpu_train_step.py needs a CUDA GPU")
+
+    platform.init_distributed(1, 1, seed=0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, "
+          f"bf16, local spec, {args.warmup} warm-up + {args.steps} timed steps (median)\n")
+    print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
+          "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    try:
+        for name in args.presets:
+            preset = get_preset(name)
+            for recompute in args.recompute:
+                batch = args.max_micro_batch
+                for fam_name in args.families:
+                    family = get_family(fam_name, args.vocab - 1, args.vocab)
+                    while batch >= 1:
+                        try:
+                            sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
+                                                       recompute == "full", args.steps, args.warmup)
+                            break
+                        except torch.OutOfMemoryError:
+                            batch //= 2
+                    if batch < 1:
+                        print(f"| {name} | {fam_name} | {recompute} | none fits | | | | | | | | |", flush=True)
+                        batch = args.max_micro_batch
+                        continue
+                    tokens = batch * args.seq
+                    flops = {c: batch * train_flops_per_sequence(preset, args.vocab, args.seq, c) / sec / 1e12
+                             for c in ("calflops", "full")}
+                    print(f"| {name} | {fam_name} | {recompute} | {batch} | {sec * 1e3:.0f} | {tokens / sec:,.0f} "
+                          f"| {flops['calflops']:.0f} | {flops['calflops'] / args.peak_tflops:.1%} "
+                          f"| {flops['full']:.0f} | {flops['full'] / args.peak_tflops:.1%} "
+                          f"| {peak / 2**30:.1f} | {loss:.3f} |", flush=True)
+    finally:
+        platform.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py,
+and the samplers on CUDA (float64 probabilities equal the CPU's; KV caches equal uncached runs).
+The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
+import math
+
+import pytest
+import torch
+from test_sampling import FAMILIES, PROMPT, V, random_model
+
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate
+
+pytestmark = pytest.mark.gpu
+
+MASK, L, EOS = V - 1, 24, 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_training_of_every_family(family, pretrain):
+    iters = 40
+    proc, records = pretrain(1, "--family", family, "--bf16", "--train-iters", str(iters), "--log-interval", "10",
+                             "--eval-interval", str(iters), "--eval-iters", "2")
+    train = [r["loss"] for r in records if "loss" in r]
+    valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
+    assert len(train) == iters // 10 and len(valid) == 1 and all(map(math.isfinite, train + valid))
+    assert train[-1] < train[0], train
+    assert valid[-1] < math.log(4097) - 1.0, valid  # the demo tokenizer: 4096 pieces + [MASK]
+
+
+def _inference(family, device):
+    model = random_model(family).double().to(device)
+    return InferenceModel(model, family, MASK, V, L, None, "hf")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float64_probabilities_equal_the_cpu(family):
+    """To float32 resolution, not float64's: the time embedding, the rotary angles and the
+    layer-norm statistics run in float32 whatever the model's dtype, as in the reference DiT
+    (measured on an H100: at most 1.1e-7 absolute, 1.5e-6 relative)."""
+    cpu, gpu = _inference(family, "cpu"), _inference(family, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V - 1, (3, L), generator=gen)
+    ids[:, 1::3] = MASK
+    positions = torch.stack([torch.randperm(L, generator=gen) for _ in range(3)])
+    sigma = torch.rand(3, generator=gen, dtype=torch.float64)
+    kwargs = dict(input_ids=ids, position_ids=positions, sigma=sigma)
+    with torch.no_grad():
+        want = cpu.model(**kwargs).logits.softmax(-1)
+        got = gpu.model(**{k: v.cuda() for k, v in kwargs.items()}).logits.softmax(-1).cpu()
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family,predictor,steps", [("ar", "ancestral", 16), ("mdlm", "ancestral", 16),
+                                                    ("esolm", "ancestral", 7), ("esolm", "block", 4)])
+def test_kv_caches_on_cuda_equal_uncached(family, predictor, steps):
+    inf = _inference(family, "cuda")
+    runs = []
+    for kv in (True, False):
+        cfg = SamplingConfig(steps=steps, predictor=predictor, kv_cache=kv, eos_id=EOS, stop_at_eos=False)
+        runs.append(generate(inf, cfg, num_samples=4, batch_size=2, seed=3, prompt_ids=PROMPT))
+    assert torch.equal(runs[0].cpu(), runs[1].cpu())
+    assert (runs[0][:, :len(PROMPT)].cpu() == torch.tensor(PROMPT)).all()
+    assert len(set(runs[0][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_named(monkeypatch):
+    from megatron_dllm import platform
+
+    rank = torch.cuda.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
+    with pytest.raises(ValueError, match=f"--nproc-per-node: local rank {rank} has no GPU of its own"):
+        platform.init_distributed(1, 1)
