@@ -99,7 +99,9 @@ def run_gen_ppl(args) -> dict:
     samples = read_samples(args.samples)
     device = platform.tool_device(args.device)
     judge = load_judge(args.judge, args.judge_gguf_file, device, _dtype(args.dtype), args.judge_cache_dir)
-    result = generative_perplexity(judge, samples.texts, args.batch_size, args.max_length)
+    # the paper's code truncates judge tokens to the samples' length L; without L, the judge's context
+    max_length = args.max_length or samples.meta.get("seq_length")
+    result = generative_perplexity(judge, samples.texts, args.batch_size, max_length)
     return {
         "metric": "gen_ppl", "family": samples.meta.get("family"), "steps": samples.meta.get("steps"),
         "gen_ppl": result.gen_ppl, "nll": result.nll,
@@ -107,7 +109,7 @@ def run_gen_ppl(args) -> dict:
         "num_samples": len(samples.texts), "judge_tokens": result.tokens, "truncated": result.truncated,
         "judge": judge.info,
         "settings": {"samples": os.path.abspath(args.samples), "batch_size": args.batch_size,
-                     "max_length": min(judge.context, args.max_length or judge.context),
+                     "max_length": min(judge.context, max_length or judge.context),
                      "token_mask": "non-EOS tokens + first EOS, padding excluded",
                      "entropy_over": "model token ids" if samples.tokens is not None else None,
                      "device": str(device), "dtype": args.dtype},
@@ -190,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-gguf-file", default=None, help="GGUF file inside --judge (converted and cached once)")
     p.add_argument("--judge-cache-dir", default=None, help="default ~/.cache/megatron_dllm/judges")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--max-length", type=int, default=None, help="truncate samples (default: the judge's context)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="truncate samples to this many judge tokens (default, as the paper's code: the "
+                        "samples' length L recorded by tools/sample.py, else the judge's context)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.set_defaults(func=run_gen_ppl)
 
