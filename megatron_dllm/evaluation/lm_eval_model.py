@@ -13,7 +13,7 @@ backend scores its HF export. An empty context is replaced by one EOD token: doc
 training data start right after an EOD and never with a BOS.
 
 - `loglikelihood`: (ll, is_greedy); the standard errors of the diffusion estimates are kept in
-  `self.stderrs` (one per request, in order) for the results.
+  `self.stderrs` (one per request, in order) and `self.stderrs_by_task` for the results.
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of the model's context, each
   scored as (continuation | clean context) and summed (AR: the exact log-likelihood; diffusion:
   a sum of conditional bounds, whatever `likelihood_mode`, since a joint per-token mean does not add up).
@@ -49,9 +49,13 @@ class MegatronDLLM(TemplateLM):
                  use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
                  max_gen_toks: int = 256, inference_model=None, **kwargs):
         super().__init__()
+        from megatron.core import parallel_state
+
         from megatron_dllm import platform
         from megatron_dllm.sampling.loading import load_inference_model
 
+        if not parallel_state.model_parallel_is_initialized():
+            platform.init_distributed(1, 1)  # the family bounds run on megatron's vocab-parallel layout
         if inference_model is None:
             if dtype not in ("float32", "bfloat16", "float16", "float64"):
                 raise ValueError(f"--model_args dtype={dtype}: expected float32, bfloat16, float16 or float64")
@@ -65,7 +69,8 @@ class MegatronDLLM(TemplateLM):
         self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))
         self.max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
-        self.stderrs: list[float] = []
+        self.stderrs: list[float] = []  # one per scored request, in order
+        self.stderrs_by_task: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ TemplateLM surface
 
@@ -82,6 +87,13 @@ class MegatronDLLM(TemplateLM):
 
     def tok_decode(self, tokens) -> str:
         return self.tok.detokenize(list(tokens))
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        first = len(self.stderrs)
+        out = super().loglikelihood(requests, disable_tqdm)
+        for request, stderr in zip(requests, self.stderrs[first:]):
+            self.stderrs_by_task.setdefault(getattr(request, "task_name", None) or "", []).append(stderr)
+        return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out = []
