@@ -126,3 +126,83 @@ def test_downstream_bad_input_is_one_error_line(exports, tmp_path, capsys):
                               "--output-path", str(tmp_path / "r.json")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+class WordTokenizer:
+    """Space-separated numbers <-> ids: a tokenizer whose output a test can predict."""
+    eod = 1
+
+    def tokenize(self, text):
+        return [int(w) for w in text.split()]
+
+    def detokenize(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _tiny_lm(family, length=16):
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+    from megatron_dllm.sampling import InferenceModel
+
+    config = DLLMConfig(family=family, hidden_size=32, num_layers=1, num_heads=2, vocab_size=12, mask_token_id=11,
+                        cond_dim=16, max_position_embeddings=length,
+                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
+    torch.manual_seed(1)
+    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    inf = InferenceModel(model.double().eval(), family, 11, 12, length, WordTokenizer(), "hf")
+    return MegatronDLLM(None, inference_model=inf, num_mc_samples=32, batch_size=32, seed=0)
+
+
+def _instances(kind, args):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def _dense_logp(model, ids):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    logits[:, 11] = float("-inf")
+    return torch.log_softmax(logits, -1)
+
+
+def test_loglikelihood_rolling(world):
+    lm = _tiny_lm("ar")
+    text = [5, 3, 9, 9, 2, 7, 4]
+    ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, text)),)]))
+    ids = [1] + text  # documents start after an EOD
+    expected = _dense_logp(lm.inf.model, ids[:-1]).gather(1, torch.tensor(text)[:, None]).sum().item()
+    assert ll == pytest.approx(expected, abs=1e-9)
+    # diffusion: a 40-token text spans three 16-token windows, each a conditional bound; they add up
+    lm = _tiny_lm("mdlm")
+    long = [2 + i % 9 for i in range(40)]
+    ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, long)),)]))
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(long, 1, 16, 1)]
+    assert len(windows) == 3 and sum(len(c) for _, c in windows) == 40  # every token scored once
+    assert ll == pytest.approx(sum(s.ll for s in lm.estimator.score(windows)), rel=1e-12)
+    assert ll < 0 and lm.stderrs[-1] > 0 and lm.estimator.mode == "conditional"
+
+
+def test_generate_until_is_greedy_left_to_right_and_stops(world):
+    pytest.importorskip("megatron_dllm.sampling.conditional", reason="the left-to-right generator (SFT branch)")
+    lm = _tiny_lm("ar")
+    prompt = [4, 6, 2]
+    ids, greedy = list(prompt), []
+    for _ in range(6):  # dense greedy decoding, [MASK] excluded
+        nxt = int(_dense_logp(lm.inf.model, ids)[-1].argmax())
+        if nxt == 1:
+            break
+        ids.append(nxt)
+        greedy.append(nxt)
+    assert len(greedy) >= 3, greedy  # the fixed seed's model runs past three tokens
+    full = " ".join(map(str, greedy))
+    stop = f" {greedy[2]}"
+    out = lm.generate_until(_instances("generate_until", [("4 6 2", {"until": ["none"], "max_gen_toks": 6}),
+                                                          ("4 6 2", {"until": [stop], "max_gen_toks": 6})]))
+    assert out[0] == full
+    assert out[1] == full[:full.index(stop)] and len(out[1]) < len(full)
