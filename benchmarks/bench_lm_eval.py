@@ -8,12 +8,15 @@ continuation " " + choice, `TemplateLM._encode_pair`) and tokenised with the mod
              forward per batch of requests), the families timed in interleaved rounds, median
              of `--repeats`.
   precision: for each N of `--grid` (diffusion families), the mean standard error of a request's
-             ll, and the decision flip rate: the fraction of questions whose argmax choice differs
-             between two independent seeds (what the noise does to acc). N is the number of noise
-             draws per request.
+             ll (N is the number of noise draws per request); with `--flips`, also the decision
+             flip rate: the fraction of questions whose argmax choice differs between two
+             independent seeds (what the noise does to acc).
+  Precision does not depend on timing, so `--only precision` can run on a busy machine and
+  `--only speed` later.
 
     python benchmarks/bench_lm_eval.py --load mdlm=CKPT duo=CKPT esolm=CKPT ar=CKPT \
-        [--questions 40] [--grid 8 16 32 64 128 256] [--repeats 3] [--threads 2] [--json out.json]
+        [--only speed|precision] [--questions 6] [--grid 8 32 128] [--flips] [--repeats 1] \
+        [--threads 2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -48,11 +51,13 @@ def flip_rate(a: list[list[float]], b: list[list[float]]) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--load", nargs="+", required=True, help="FAMILY=CHECKPOINT_OR_HF_DIR ...")
-    ap.add_argument("--questions", type=int, default=40)
-    ap.add_argument("--grid", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--only", choices=("speed", "precision"), default=None)
+    ap.add_argument("--questions", type=int, default=6)
+    ap.add_argument("--grid", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--flips", action="store_true", help="also the decision flip rate between two seeds")
     ap.add_argument("--num-mc-samples", type=int, default=64, help="the default N, for the speed figures")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -78,30 +83,30 @@ def main():
     times = {f: [] for f in models}
     for lm in models.values():  # warm-up
         lm.estimator.score(requests[:2])
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if args.only != "precision" else 0):
         for f, lm in models.items():
             start = time.perf_counter()
             lm.estimator.score(requests)
             times[f].append(time.perf_counter() - start)
-    for f in models:
+    for f in models if args.only != "precision" else ():
         per_1000 = statistics.median(times[f]) / len(requests) * 1000
         results["speed"][f] = {"s_per_1000_requests": per_1000, "runs_s": times[f]}
         print(f"speed {f:6s}: {per_1000:8.1f} s per 1000 requests (N={args.num_mc_samples if f != 'ar' else '-'})")
 
     for f, lm in models.items():
-        if f == "ar":
+        if f == "ar" or args.only == "speed":
             continue
         curve = []
         for n in args.grid:
             runs = []
-            for seed in (1, 2):
+            for seed in (1, 2) if args.flips else (1,):
                 est = LikelihoodEstimator(lm.inf, n, "conditional", args.batch_size, seed)
-                scores = [est.score(q) for q in questions]
-                runs.append(scores)
+                runs.append([est.score(q) for q in questions])
             se = statistics.fmean(s.stderr for q in runs[0] for s in q)
-            flips = flip_rate([[s.ll for s in q] for q in runs[0]], [[s.ll for s in q] for q in runs[1]])
+            flips = flip_rate(*[[[s.ll for s in q] for q in run] for run in runs]) if args.flips else None
             curve.append({"N": n, "mean_stderr": se, "flip_rate": flips})
-            print(f"precision {f:6s} N={n:4d}: mean stderr {se:.4f} nats, flip rate {flips:.3f}")
+            print(f"precision {f:6s} N={n:4d}: mean stderr {se:.4f} nats"
+                  + (f", flip rate {flips:.3f}" if args.flips else ""), flush=True)
         results["precision"][f] = curve
     if args.json:
         with open(args.json, "w") as fh:
