@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--likelihood-mode", choices=("conditional", "joint"), default="conditional",
                    help="conditional: continuation NELBO given a clean prompt; joint: mean per-token NELBO of "
                         "prompt + continuation (the Duo authors' harness)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="rows per forward pass")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="rows per forward pass (diffusion: noise draws of one request; AR: requests)")
     p.add_argument("--seed", type=int, default=1234, help="noise draws (a function of seed and context)")
     p.add_argument("--race-data", default=None, help="EleutherAI/race `high` saved with datasets' save_to_disk")
     p.add_argument("--tokenizer-type", default=None)

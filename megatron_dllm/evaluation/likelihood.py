@@ -49,7 +49,7 @@ class Score:
 class LikelihoodEstimator:
     """Scores (context ids, continuation ids) pairs with the model of an `InferenceModel`."""
 
-    def __init__(self, inf, num_mc_samples: int = 64, mode: str = "conditional", batch_size: int = 32,
+    def __init__(self, inf, num_mc_samples: int = 64, mode: str = "conditional", batch_size: int = 64,
                  seed: int = 1234):
         if mode not in MODES:
             raise ValueError(f"likelihood_mode {mode!r}: expected one of {', '.join(MODES)}")

@@ -45,7 +45,7 @@ class MegatronDLLM(TemplateLM):
     backend = "causal"  # lm-eval encodes context + continuation together and splits them
 
     def __init__(self, load: str, num_mc_samples: int = 64, likelihood_mode: str = "conditional",
-                 batch_size: int | str = 32, seed: int = 1234, dtype: str = "float32", device: str | None = None,
+                 batch_size: int | str = 64, seed: int = 1234, dtype: str = "float32", device: str | None = None,
                  use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
                  max_gen_toks: int = 256, inference_model=None, **kwargs):
         super().__init__()
@@ -65,7 +65,7 @@ class MegatronDLLM(TemplateLM):
         if self.inf.tokenizer is None:
             raise ValueError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
         self.tok = self.inf.tokenizer
-        batch = 32 if str(batch_size).startswith("auto") else int(batch_size)
+        batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
         self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))
         self.max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
