@@ -200,10 +200,12 @@ def test_stop_at_eos_and_decode(models):
     with torch.no_grad():
         model.backbone.output_layer.linear.bias[EOS] += 100.0  # EOS always next
     eager = InferenceModel(model, "ar", MASK, V, L, _Tok(), "hf")
-    x = generate(eager, SamplingConfig(), num_samples=2, prompt_ids=PROMPT)
+    x = generate(eager, SamplingConfig(stop_at_eos=True), num_samples=2, prompt_ids=PROMPT)
     assert (x[:, len(PROMPT):] == EOS).all()
     assert decode(eager, x) == ["5 6 7 8"] * 2
-    assert decode(eager, torch.tensor([[EOS, EOS, 3, 4, EOS, 9]])) == ["3 4"]  # start token dropped
+    row = torch.tensor([[EOS, EOS, 3, 4, EOS, 9]])
+    assert decode(eager, row) == ["3 4 9"]  # the whole sample, EOD dropped (the paper's decoding)
+    assert decode(eager, row, cut_at_eod=True) == ["3 4"]  # start token dropped, first document only
     with pytest.raises(ValueError, match="decode needs a tokenizer"):
         decode(inf, x)
 
@@ -317,3 +319,21 @@ def test_sample_tool_bad_input(hf_dir, tmp_path, capsys, argv, message):
     assert code == 2
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "o.json").exists()
+
+
+def test_ar_samples_run_the_full_length_past_eos():
+    """The paper's AR samples never stop: after an EOS the row goes on with real tokens; with
+    stop_at_eos (the earlier default) everything after the first generated EOS is EOS."""
+    model = random_model("ar")
+    with torch.no_grad():
+        model.backbone.output_layer.linear.bias[EOS] += 2.5  # EOS frequent, not certain
+    inf = InferenceModel(model, "ar", MASK, V, L, _Tok(), "hf")
+    full = generate(inf, SamplingConfig(), num_samples=8, prompt_ids=PROMPT)[:, len(PROMPT):]
+    stopped = generate(inf, SamplingConfig(stop_at_eos=True), num_samples=8, prompt_ids=PROMPT)[:, len(PROMPT):]
+    first = (full == EOS).long().argmax(1)
+    has_eos = (full == EOS).any(1)
+    after = torch.arange(full.shape[1])[None] > first[:, None]
+    assert has_eos.any() and ((full != EOS) & after & has_eos[:, None]).any()  # real tokens after an EOS
+    s_first = (stopped == EOS).long().argmax(1)
+    s_after = (torch.arange(stopped.shape[1])[None] >= s_first[:, None]) & (stopped == EOS).any(1)[:, None]
+    assert s_after.any() and (stopped[s_after] == EOS).all()

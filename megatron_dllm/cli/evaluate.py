@@ -3,6 +3,7 @@
     python tools/evaluate.py nelbo --load CKPT|HF_DIR [--num-t-draws K] [data flags as pretraining]
     python tools/evaluate.py gen-ppl --samples samples.json --judge DIR|smollm2 [--judge-gguf-file NAME]
     python tools/evaluate.py throughput --load CKPT|HF_DIR --steps T --batch-size B|auto [--max-batch-size N]
+    python tools/evaluate.py downstream --load CKPT|HF_DIR --tasks arc_easy,piqa [--limit N] [--num-mc-samples N]
 
 Each subcommand prints one JSON object with its results and every setting that produced them,
 and writes it to --output FILE when given. Bad input (a missing checkpoint, a judge that does not
@@ -99,7 +100,9 @@ def run_gen_ppl(args) -> dict:
     samples = read_samples(args.samples)
     device = platform.tool_device(args.device)
     judge = load_judge(args.judge, args.judge_gguf_file, device, _dtype(args.dtype), args.judge_cache_dir)
-    result = generative_perplexity(judge, samples.texts, args.batch_size, args.max_length)
+    # the paper's code truncates judge tokens to the samples' length L; without L, the judge's context
+    max_length = args.max_length or samples.meta.get("seq_length")
+    result = generative_perplexity(judge, samples.texts, args.batch_size, max_length)
     return {
         "metric": "gen_ppl", "family": samples.meta.get("family"), "steps": samples.meta.get("steps"),
         "gen_ppl": result.gen_ppl, "nll": result.nll,
@@ -107,7 +110,7 @@ def run_gen_ppl(args) -> dict:
         "num_samples": len(samples.texts), "judge_tokens": result.tokens, "truncated": result.truncated,
         "judge": judge.info,
         "settings": {"samples": os.path.abspath(args.samples), "batch_size": args.batch_size,
-                     "max_length": min(judge.context, args.max_length or judge.context),
+                     "max_length": min(judge.context, max_length or judge.context),
                      "token_mask": "non-EOS tokens + first EOS, padding excluded",
                      "entropy_over": "model token ids" if samples.tokens is not None else None,
                      "device": str(device), "dtype": args.dtype},
@@ -144,6 +147,42 @@ def run_throughput(args) -> dict:
                      "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,
                      "sampling": dataclasses.asdict(cfg), "dtype": args.dtype,
                      "device": str(platform.device())},
+    }
+
+
+# --------------------------------------------------------------------------- downstream
+
+
+def run_downstream(args) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError("downstream needs lm-evaluation-harness: pip install lm-eval==0.4.13")
+    from megatron_dllm.evaluation.downstream import run_downstream as evaluate_downstream
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+    from megatron_dllm.evaluation.offline_tasks import task_names
+
+    names = task_names(args.tasks)  # before the (slow) load
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit {args.limit}: expected a positive number (documents per task, or a fraction < 1)")
+    _check_load(args.load)
+    lm = MegatronDLLM(args.load, num_mc_samples=args.num_mc_samples, likelihood_mode=args.likelihood_mode,
+                      batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, device=args.device,
+                      use_ema=args.use_ema, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    results = evaluate_downstream(lm, names, args.output_path, limit, args.race_data, args.seed)
+    return {
+        "metric": "downstream", "family": lm.inf.family,
+        "results": {task: {k: v for k, v in metrics.items() if k.split(",")[0] in
+                           ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+                    for task, metrics in results["results"].items()},
+        "results_json": os.path.abspath(args.output_path),
+        "table_md": os.path.abspath(os.path.splitext(args.output_path)[0] + ".md"),
+        "mc_stderr_mean": results["megatron_dllm"]["mc_stderr_mean"],
+        "settings": {"load": os.path.abspath(args.load), "source": lm.inf.source, "use_ema": args.use_ema,
+                     "tasks": names, "limit": limit, "num_mc_samples": args.num_mc_samples,
+                     "likelihood_mode": args.likelihood_mode, "batch_size": args.batch_size, "seed": args.seed,
+                     "dtype": args.dtype, "device": str(lm.inf.device)},
     }
 
 
@@ -190,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-gguf-file", default=None, help="GGUF file inside --judge (converted and cached once)")
     p.add_argument("--judge-cache-dir", default=None, help="default ~/.cache/megatron_dllm/judges")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--max-length", type=int, default=None, help="truncate samples (default: the judge's context)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="truncate samples to this many judge tokens (default, as the paper's code: the "
+                        "samples' length L recorded by tools/sample.py, else the judge's context)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.set_defaults(func=run_gen_ppl)
 
@@ -204,6 +245,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_throughput)
+
+    p = sub.add_parser("downstream", help="zero-shot lm-eval tasks offline (acc, acc_norm): ARC, BoolQ, PIQA, ...")
+    add_model(p)
+    add_common(p)
+    p.add_argument("--tasks", required=True,
+                   help="comma-separated: arc_easy, arc_challenge, boolq, piqa, social_iqa, openbookqa, hellaswag, "
+                        "winogrande, sciq, race (needs --race-data)")
+    p.add_argument("--output-path", default="downstream_results.json",
+                   help="lm-eval's results JSON; the markdown table goes beside it (.md)")
+    p.add_argument("--limit", type=float, default=None, help="documents per task (< 1: a fraction), for quick runs")
+    p.add_argument("--num-mc-samples", type=positive_int, default=64,
+                   help="diffusion families: noise draws per request (AR is exact)")
+    p.add_argument("--likelihood-mode", choices=("conditional", "joint"), default="conditional",
+                   help="conditional: continuation NELBO given a clean prompt; joint: mean per-token NELBO of "
+                        "prompt + continuation (the Duo authors' harness)")
+    p.add_argument("--batch-size", type=positive_int, default=64,
+                   help="rows per forward pass (diffusion: noise draws of one request; AR: requests)")
+    p.add_argument("--seed", type=int, default=1234, help="noise draws (a function of seed and context)")
+    p.add_argument("--race-data", default=None, help="EleutherAI/race `high` saved with datasets' save_to_disk")
+    p.add_argument("--tokenizer-type", default=None)
+    p.add_argument("--tokenizer-model", default=None)
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.set_defaults(func=run_downstream)
     return parser
 
 

@@ -2,12 +2,14 @@
 
     python tools/sample.py --load CKPT|HF_DIR --num-samples 8 --steps 256 --batch-size 4 \
         [--seed 0] [--top-p 1.0] [--temperature 1.0] [--predictor ancestral|block|left-to-right] \
-        [--no-kv-cache] [--no-float64] [--prompt TEXT] [--seq-length L] [--use-ema] \
+        [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
         [--tokenizer-type T --tokenizer-model M] [--device cpu|cuda] [--output samples.json]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
 MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only. The JSON output holds every setting, the
-token ids [N, L], the decoded texts (cut at the first EOS) and the wall time of generation.
+token ids [N, L], the decoded texts (whole samples with EOD tokens dropped; --cut-at-eod: the
+first document only) and the wall time of generation. Samples run the full length L unless
+--stop-at-eos.
 Bad input prints one line `error: ...` and exits with code 2.
 """
 import argparse
@@ -28,8 +30,12 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: all at once)")
     p.add_argument("--seed", type=int, default=0)
     add_sampling_arguments(p)
-    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="left-to-right: stop a sample at its first EOS (--no-stop-at-eos: the full length)")
+    p.add_argument("--stop-at-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="left-to-right (AR): stop a sample at its first EOS and fill the rest with EOS "
+                        "(default: the full length, as the paper's samples)")
+    p.add_argument("--cut-at-eod", action="store_true",
+                   help="texts: keep only each sample's first document (default: the whole sample, "
+                        "EOD tokens dropped, as the paper's code decodes it for Gen PPL)")
     p.add_argument("--prompt", default=None, help="text kept at the start of every sample")
     p.add_argument("--use-ema", action="store_true", help="the EMA weights of a megatron checkpoint")
     p.add_argument("--tokenizer-type", default=None)
@@ -71,7 +77,7 @@ def main(argv=None):
         wall = time.perf_counter() - start
     except (ValueError, FileNotFoundError) as err:
         return fail(str(err))
-    texts = decode(inf, tokens) if inf.tokenizer is not None else None
+    texts = decode(inf, tokens, cut_at_eod=args.cut_at_eod) if inf.tokenizer is not None else None
     record = {
         "settings": {**vars(args), "device": device, "family": inf.family, "source": inf.source,
                      "seq_length": tokens.shape[1], "prompt_ids": prompt_ids},

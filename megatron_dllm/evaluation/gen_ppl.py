@@ -1,9 +1,14 @@
 """Generative perplexity of samples under a judge causal LM (as in the paper's code, Gen PPL).
 
 Samples are scored as text: each is re-tokenised by the judge's tokenizer (its default special
-tokens), truncated to the judge's context, batched (right padding plus an attention mask), and
+tokens), truncated to `max_length` judge tokens (evaluate.py: the samples' length L, as the paper's
+code) and to the judge's context, batched (right padding plus an attention mask), and
 scored with CE(logits[:-1], ids[1:]). The figure is the token-weighted mean NLL over all samples,
 exponentiated: exp(Σ nll / Σ scored tokens), not a mean of per-sample perplexities.
+
+A sample's text is the whole L-token sample with its EOD tokens dropped (`sampling.decode`, as
+the paper's code decodes it), not only its first document, so every token the model generated is
+judged; `tools/sample.py --cut-at-eod` gives the earlier first-document texts.
 
 Which tokens count (first-EOS handling, as mdlm/duo's `compute_generative_perplexity`): every
 non-EOS token plus the *first* EOS of a sample; later EOS tokens are not scored (a sample that

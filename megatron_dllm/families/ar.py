@@ -16,7 +16,7 @@ class AR(Family):
     variable_length = False
     losses = ("nll",)
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         b, s = inputs.shape
         return ModelInput(

@@ -87,7 +87,9 @@ class Family:
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
+        """The model's input for clean `tokens` [b, s]. `keep` ([b, s] bool, optional) marks
+        positions that stay clean whatever the noise (a prompt that conditions a likelihood)."""
         raise NotImplementedError
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

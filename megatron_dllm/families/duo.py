@@ -179,19 +179,22 @@ class Duo(Family):
         """V: the number of ids a token can take (all ids < vocab_size except [MASK])."""
         return self.vocab_size - (1 if 0 <= self.mask_id < self.vocab_size else 0)
 
-    def replace(self, tokens: torch.Tensor, noise: Noise):
+    def replace(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None):
         """(z_t, t, replaced): with probability 1 - alpha_t a token is redrawn uniformly from the
-        V real ids ([MASK] skipped); `replaced` marks the decisions (a redraw may equal x)."""
+        V real ids ([MASK] skipped), never where `keep`; `replaced` marks the decisions (a redraw
+        may equal x)."""
         t = noise.t()
         length = tokens.shape[1]
         replaced = noise.uniform("replace", length) < (1 - self.schedule.alpha(t))[:, None]
+        if keep is not None:
+            replaced &= ~keep
         k = (noise.uniform("replace_id", length) * self.num_real).long().clamp_(max=self.num_real - 1)
         if 0 <= self.mask_id < self.vocab_size:
             k = k + (k >= self.mask_id).long()
         return torch.where(replaced, k, tokens), t, replaced
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
-        z_t, t, _ = self.replace(tokens, noise)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
+        z_t, t, _ = self.replace(tokens, noise, keep)
         b, s = tokens.shape
         return ModelInput(
             input_ids=z_t, position_ids=torch.arange(s).expand(b, s),

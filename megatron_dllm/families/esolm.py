@@ -40,8 +40,8 @@ class EsoLM(Family):
         self._mdlm = MDLM(mask_id=mask_id, vocab_size=vocab_size, loss=self.loss_type)
         self.schedule = self._mdlm.schedule
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
-        z_t, t = self._mdlm.mask(tokens, noise)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
+        z_t, t = self._mdlm.mask(tokens, noise, keep)
         b, s = tokens.shape
         keys = noise.uniform("shuffle", s)  # float64 [b, s]
         sort_idx, z_sorted, x0_sorted = _shuffle.shuffle(z_t == self.mask_id, keys, z_t, tokens)

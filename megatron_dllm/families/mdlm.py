@@ -21,15 +21,18 @@ class MDLM(Family):
     losses = ("low-var", "nelbo")
     schedule = LogLinear()
 
-    def mask(self, tokens: torch.Tensor, noise: Noise) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z_t, t): each token masked independently with probability 1 - alpha_t."""
+    def mask(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_t, t): each token masked independently with probability 1 - alpha_t (never where `keep`)."""
         t = noise.t()
         u = noise.uniform("mask", tokens.shape[1])
         masked = u < (1 - self.schedule.alpha(t))[:, None]
+        if keep is not None:
+            masked &= ~keep
         return torch.where(masked, torch.full_like(tokens, self.mask_id), tokens), t
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise) -> ModelInput:
-        z_t, t = self.mask(tokens, noise)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
+        z_t, t = self.mask(tokens, noise, keep)
         b, s = tokens.shape
         return ModelInput(
             input_ids=z_t, position_ids=torch.arange(s).expand(b, s), sigma=torch.zeros(b),

@@ -3,8 +3,10 @@
 Start token: the training data are documents back to back, each ended by EOD and never started
 by a BOS, so a document starts right after an EOD. Unconditional generation therefore starts
 from one EOD token at position 0 (the reference starts from BOS, which our data never contain);
-the output row keeps it and `decode` drops leading EOS tokens. With a prompt, generation starts
-right after the prompt as given. Each row stops at its first generated EOS (rest filled with EOS).
+the output row keeps it and `decode` drops EOS tokens. With a prompt, generation starts right
+after the prompt as given. Every row runs the full length L, across EOS tokens, as the paper's AR
+samples do; `SamplingConfig(stop_at_eos=True)` (`--stop-at-eos`) stops a row at its first
+generated EOS and fills the rest with EOS instead.
 """
 from __future__ import annotations
 

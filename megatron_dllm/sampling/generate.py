@@ -1,4 +1,4 @@
-"""generate(): batches of samples from any family's sampler; decode(): ids -> text.
+"""generate(): batches of samples from any family's sampler; decode(): ids -> text (whole samples, EOD dropped).
 
 Randomness: batch i (samples [i*B, (i+1)*B)) draws from one generator seeded by (seed, first
 sample index), so a run is reproducible for a given (seed, batch size) whatever the device count.
@@ -48,18 +48,23 @@ def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | N
     return torch.cat(out)
 
 
-def decode(inf, tokens: torch.Tensor) -> list[str]:
-    """One text per row: leading EOS tokens (AR's start token) dropped, cut at the next EOS."""
+def decode(inf, tokens: torch.Tensor, cut_at_eod: bool = False) -> list[str]:
+    """One text per row: the whole sample with its EOD tokens dropped, as the paper's code decodes
+    it for Gen PPL (its tokenizer drops EOS), so every document of the sample is scored.
+
+    `cut_at_eod=True` is the earlier behaviour: leading EOD tokens (AR's start token) dropped, the
+    text cut at the next EOD, so only the sample's first document remains."""
     tok = inf.tokenizer
     if tok is None:
         raise ValueError("decode needs a tokenizer: load the model with --tokenizer-type/--tokenizer-model")
     texts = []
     for row in torch.as_tensor(tokens).tolist():
-        start = 0
-        while start < len(row) and row[start] == tok.eod:
-            start += 1
-        row = row[start:]
-        if tok.eod in row:
-            row = row[:row.index(tok.eod)]
-        texts.append(tok.detokenize([i for i in row if i != inf.mask_id]))
+        if cut_at_eod:
+            start = 0
+            while start < len(row) and row[start] == tok.eod:
+                start += 1
+            row = row[start:]
+            if tok.eod in row:
+                row = row[:row.index(tok.eod)]
+        texts.append(tok.detokenize([i for i in row if i not in (inf.mask_id, tok.eod)]))
     return texts

@@ -1,0 +1,134 @@
+"""The lm-evaluation-harness model class of this project, registered as `megatron_dllm`.
+
+    lm_eval --model megatron_dllm --model_args load=CKPT|HF_DIR,num_mc_samples=64,likelihood_mode=conditional
+    (after `import megatron_dllm.evaluation.lm_eval_model`; `tools/evaluate.py downstream` does it)
+
+It loads a megatron checkpoint (any TP/PP layout, resharded to one device) or an exported HF
+directory through `sampling.loading`, for all four families, and scores requests with
+`evaluation.likelihood.LikelihoodEstimator` (AR exact; MDLM, Duo, Eso-LM a Monte-Carlo NELBO,
+`conditional` or `joint` mode, see there). Tokenisation is lm-eval's own (`TemplateLM`: the
+context's trailing spaces move to the continuation; the pair is encoded whole and split), with
+the model's tokenizer and no special tokens, so an AR model scores exactly as lm-eval's `hf`
+backend scores its HF export. An empty context is replaced by one EOD token: documents in the
+training data start right after an EOD and never with a BOS.
+
+- `loglikelihood`: (ll, is_greedy); the standard errors of the diffusion estimates are kept in
+  `self.stderrs` (one per request, in order) and `self.stderrs_by_task` for the results.
+- `loglikelihood_rolling`: lm-eval's disjoint rolling windows of the model's context, each
+  scored as (continuation | clean context) and summed (AR: the exact log-likelihood; diffusion:
+  a sum of conditional bounds, whatever `likelihood_mode`, since a joint per-token mean does not add up).
+- `generate_until`: see `generate_until` below.
+"""
+from __future__ import annotations
+
+import torch
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
+
+
+def _flag(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"--model_args {name}={value}: expected true or false")
+
+
+@register_model("megatron_dllm")
+class MegatronDLLM(TemplateLM):
+    backend = "causal"  # lm-eval encodes context + continuation together and splits them
+
+    def __init__(self, load: str, num_mc_samples: int = 64, likelihood_mode: str = "conditional",
+                 batch_size: int | str = 64, seed: int = 1234, dtype: str = "float32", device: str | None = None,
+                 use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
+                 max_gen_toks: int = 256, inference_model=None, **kwargs):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        from megatron_dllm import platform
+        from megatron_dllm.sampling.loading import load_inference_model
+
+        if not parallel_state.model_parallel_is_initialized():
+            platform.init_distributed(1, 1)  # the family bounds run on megatron's vocab-parallel layout
+        if inference_model is None:
+            if dtype not in ("float32", "bfloat16", "float16", "float64"):
+                raise ValueError(f"--model_args dtype={dtype}: expected float32, bfloat16, float16 or float64")
+            inference_model = load_inference_model(load, platform.tool_device(device), getattr(torch, dtype),
+                                                   _flag(use_ema, "use_ema"), tokenizer_type, tokenizer_model)
+        self.inf = inference_model
+        if self.inf.tokenizer is None:
+            raise ValueError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
+        self.tok = self.inf.tokenizer
+        batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
+        self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))
+        self.max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+        self.stderrs: list[float] = []  # one per scored request, in order
+        self.stderrs_by_task: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ TemplateLM surface
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eod
+
+    @property
+    def max_length(self) -> int:
+        return self.inf.seq_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return list(self.tok.tokenize(string))
+
+    def tok_decode(self, tokens) -> str:
+        return self.tok.detokenize(list(tokens))
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        first = len(self.stderrs)
+        out = super().loglikelihood(requests, disable_tqdm)
+        for request, stderr in zip(requests, self.stderrs[first:]):
+            self.stderrs_by_task.setdefault(getattr(request, "task_name", None) or "", []).append(stderr)
+        return out
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out = []
+        step = max(1, self.estimator.batch_size if self.inf.family == "ar" else 1)
+        with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood") as bar:
+            for first in range(0, len(requests), step):
+                chunk = requests[first:first + step]
+                scores = self.estimator.score([(ctx, cont) for _, ctx, cont in chunk])
+                for (key, _, _), score in zip(chunk, scores):
+                    out.append((score.ll, score.greedy))
+                    self.stderrs.append(score.stderr)
+                    if key is not None:
+                        self.cache_hook.add_partial("loglikelihood", key, (score.ll, score.greedy))
+                bar.update(len(chunk))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        joint = self.estimator.mode
+        self.estimator.mode = "conditional"  # bounds of consecutive windows add up; joint means do not
+        try:
+            out = []
+            for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="loglikelihood_rolling"):
+                windows = [lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)]
+                scores = self.estimator.score(windows)
+                self.stderrs.append(float(sum(s.stderr ** 2 for s in scores) ** 0.5))
+                ll = sum(s.ll for s in scores)
+                self.cache_hook.add_partial("loglikelihood_rolling", (string,), ll)
+                out.append(ll)
+            return out
+        finally:
+            self.estimator.mode = joint
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from megatron_dllm.evaluation.generate_until import generate_until
+
+        return generate_until(self, requests, disable_tqdm)

