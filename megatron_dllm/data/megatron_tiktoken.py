@@ -9,9 +9,10 @@ position, ranks 0..255 the single bytes. Id layout: the special tokens first (id
 Special-token strings inside a document encode as their special ids.
 
 The tokenizer itself is megatron-core's `TikTokenTokenizer` (the class Megatron-LM's
-preprocessing builds by default); this module checks the flags and the file first, so bad input
-is reported as one line naming the flag or the file, and adds the diffusion [MASK]: `<mask>`,
-which megatron-core requires among the specials (so `vocab_size` never grows).
+preprocessing builds by default); this module checks the flags first and, when megatron-core
+refuses the file, finds the first bad record, so bad input is reported as one line naming the
+flag or the file. The diffusion [MASK] is `<mask>`, which megatron-core requires among the
+specials (so `vocab_size` never grows).
 """
 from __future__ import annotations
 
@@ -59,11 +60,11 @@ class MegatronTikTokenizer(_Tokenizer):
         if not os.path.isfile(model_path):
             raise _bad_model(self.name, model_path, "file not found, expected Megatron-LM's JSON vocabulary")
         self.model_path = os.path.abspath(model_path)
-        _check_vocabulary(self.model_path, size - n_special, size, n_special)
         try:
             built = core.TikTokenTokenizer(self.model_path, special_tokens=specials, num_special_tokens=n_special,
                                            pattern=self.pattern, vocab_size=size)
-        except (AssertionError, ValueError) as err:  # what the checks above do not foresee
+        except Exception as err:  # megatron-core asserts; name what is wrong with the file
+            _check_vocabulary(self.model_path, size - n_special, size, n_special)
             raise _bad_model(self.name, model_path, f"megatron-core refused it ({err or type(err).__name__})") from None
         # megatron-core's `text_to_ids` is `encode(text, allowed_special="all")` on this tiktoken
         # Encoding; keeping only the Encoding lets workers unpickle it without importing megatron-core.

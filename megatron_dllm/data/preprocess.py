@@ -213,7 +213,10 @@ def _encode_chunk(records):
                 rejects[key].append((fi, pos, "not_text"))
                 continue
             try:
-                doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
+                if len(pieces) == 1:  # the common case: no per-id Python loop
+                    doc = tok.tokenize(pieces[0]) if pieces[0].strip() else []
+                else:
+                    doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
             except Exception:
                 if not _has_surrogates(pieces):
                     raise
