@@ -13,11 +13,13 @@ the 42 Shakespeare plays, one JSONL document per paragraph block, `--copies` tim
 Flags: `--tiktoken-pattern v2 --append-eod`.
 
 Each run is a fresh process, timed end to end (startup, read, tokenize, write); the two tools
-alternate within each round, so machine load hits both alike. Reported per (tool, workers):
-median wall seconds, tokens/s per worker (tokens / wall / workers) and tokens per CPU-second
-(user + sys of the process and its workers, `RUSAGE_CHILDREN`). The ratio column is ours over
-Megatron-LM's within each round, median over rounds. Both tools' outputs are checked to be
-byte-identical in every round.
+alternate within each round, so machine load hits both alike. Each round also runs both tools
+on a one-document input: that run's wall time is the startup (imports, vocabulary load, worker
+start). Reported per (tool, workers), medians over rounds: wall seconds, tokens/s per worker
+end to end (tokens / wall / workers) and after startup (tokens / (wall - startup) / workers),
+and tokens per CPU-second (user + sys of the process and its workers, `RUSAGE_CHILDREN`).
+The ratio columns are ours over Megatron-LM's within each round, median over rounds. Both
+tools' outputs are checked to be byte-identical in every round.
 """
 import argparse
 import hashlib
@@ -80,28 +82,39 @@ def main() -> None:
     from record_megatron import write_vocabulary
 
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    times = {}  # (tool, workers) -> [(wall, cpu)]
-    ratios = {w: [] for w in args.workers}
+    times = {}  # (tool, workers) -> [(wall, cpu, startup wall)]
+    ratios = {w: [] for w in args.workers}  # (end to end, after startup)
     with tempfile.TemporaryDirectory() as tmp:
         vocab, corpus = os.path.join(tmp, "vocab.json"), os.path.join(tmp, "corpus.jsonl")
         write_vocabulary(vocab)
         n_docs = _corpus(corpus, args.copies)
+        tiny = os.path.join(tmp, "tiny.jsonl")
+        with open(corpus, encoding="utf-8") as src, open(tiny, "w", encoding="utf-8") as dst:
+            dst.write(src.readline())
         mb = os.path.getsize(corpus) / 1e6
         tokens = None
         for r in range(args.rounds):
             for w in args.workers:
-                common = ["--input", corpus, "--tokenizer-model", vocab, "--workers", str(w), *FLAGS]
                 ours = os.path.join(tmp, f"ours{w}")
                 theirs = os.path.join(tmp, f"megatron{w}")
-                cmds = {"ours": [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
-                                 "--output-prefix", ours, "--no-progress", "--log-interval", "1e9"],
-                        "megatron": [sys.executable, RUNNER, "--one", args.megatron_lm, *common,
-                                     "--output-prefix", theirs, "--log-interval", "100000000"]}
+
+                def cmd(tool, source, prefix, w=w):
+                    common = ["--input", source, "--tokenizer-model", vocab, "--workers", str(w), *FLAGS,
+                              "--output-prefix", prefix]
+                    if tool == "ours":
+                        return [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
+                                "--no-progress", "--log-interval", "1e9"]
+                    return [sys.executable, RUNNER, "--one", args.megatron_lm, *common, "--log-interval", "100000000"]
+
                 order = ["ours", "megatron"] if r % 2 == 0 else ["megatron", "ours"]
-                got = {tool: _run(cmds[tool], env) for tool in order}
+                got = {}
+                for tool in order:
+                    startup = _run(cmd(tool, tiny, os.path.join(tmp, f"tiny_{tool}")), env)[0]
+                    got[tool] = (*_run(cmd(tool, corpus, ours if tool == "ours" else theirs), env), startup)
                 for tool in order:
                     times.setdefault((tool, w), []).append(got[tool])
-                ratios[w].append(got["megatron"][0] / got["ours"][0])
+                (mw, _, ms), (ow, _, os_) = got["megatron"], got["ours"]
+                ratios[w].append((mw / ow, (mw - ms) / max(ow - os_, 1e-9)))
                 a, b = ours + "_text_document", theirs + "_text_document"
                 if (_md5(a + ".bin"), _md5(a + ".idx")) != (_md5(b + ".bin"), _md5(b + ".idx")):
                     sys.exit(f"error: outputs differ at {w} workers (round {r})")
@@ -110,17 +123,20 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     lines = [f"Corpus: {n_docs} paragraph documents, {mb:.1f} MB of JSONL, {tokens} tokens (with EOD); "
              f"{args.rounds} rounds; {os.cpu_count()} CPU cores, Python {platform.python_version()}.", "",
-             "| tool | workers | wall s (median) | tokens/s per worker | tokens per CPU-second | "
-             "ours/Megatron-LM speed (median of rounds) |",
-             "|---|---|---|---|---|---|"]
+             "| tool | workers | wall s | startup s | tokens/s per worker | after startup | tokens per CPU-second "
+             "| speed ours/Megatron-LM | after startup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for w in args.workers:
         for tool in ("megatron", "ours"):
-            walls = [t[0] for t in times[(tool, w)]]
-            cpus = [t[1] for t in times[(tool, w)]]
-            wall, cpu = statistics.median(walls), statistics.median(cpus)
+            wall, cpu, startup = (statistics.median(t[i] for t in times[(tool, w)]) for i in range(3))
+            steady = statistics.median(tokens / max(t[0] - t[2], 1e-9) / w for t in times[(tool, w)])
             name = "Megatron-LM tools/preprocess_data.py" if tool == "megatron" else "megatron_dllm"
-            ratio = f"{statistics.median(ratios[w]):.2f}x" if tool == "ours" else ""
-            lines.append(f"| {name} | {w} | {wall:.2f} | {tokens / wall / w:,.0f} | {tokens / cpu:,.0f} | {ratio} |")
+            ratio = "| |"
+            if tool == "ours":
+                ratio = (f"| {statistics.median(x[0] for x in ratios[w]):.2f}x "
+                         f"| {statistics.median(x[1] for x in ratios[w]):.2f}x |")
+            lines.append(f"| {name} | {w} | {wall:.2f} | {startup:.2f} | {tokens / wall / w:,.0f} | {steady:,.0f} "
+                         f"| {tokens / cpu:,.0f} {ratio}")
     text = "\n".join(lines)
     print(text)
     if args.out:

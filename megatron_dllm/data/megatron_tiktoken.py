@@ -70,16 +70,28 @@ class MegatronTikTokenizer(_Tokenizer):
         # Encoding; keeping only the Encoding lets workers unpickle it without importing megatron-core.
         self._enc = built.tokenizer
         self.all_special_tokens = list(built.special_tokens)
+        self._special_set = frozenset(self.all_special_tokens)
+        self._special_starts = sorted({t[0] for t in self.all_special_tokens})
+        self._special_lengths = sorted({len(t) for t in self.all_special_tokens})
         self._set_mask(size, built.mask_id)
         self.eod = built.eod
         self.bos = built.bos_id
 
     def tokenize(self, text: str) -> List[int]:
-        return self._enc.encode(text, allowed_special="all")
+        # encode(allowed_special="all") runs a regex of all 1000 specials over the text, about 10x
+        # the cost of the BPE itself; without a special in the text it equals encode_ordinary.
+        if self._has_special(text):
+            return self._enc.encode(text, allowed_special="all")
+        return self._enc.encode_ordinary(text)
 
-    def tokenize_batch(self, texts: List[str]) -> List[List[int]]:
-        """`tokenize` of each text (tiktoken encodes the batch in its Rust threads)."""
-        return self._enc.encode_batch(texts, allowed_special="all")
+    def _has_special(self, text: str) -> bool:
+        for start in self._special_starts:
+            pos = text.find(start)
+            while pos >= 0:
+                if any(text[pos:pos + n] in self._special_set for n in self._special_lengths):
+                    return True
+                pos = text.find(start, pos + 1)
+        return False
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._enc.decode(self._strip_mask(ids))
