@@ -147,3 +147,38 @@ def test_hf_export_tokenizer_reproduces_ids(tmp_path, vocab, texts):
         ids = ours.tokenize(text)
         assert hf.encode(text, add_special_tokens=False) == ids
         assert hf.decode(ids) == ours._enc.decode(ids)
+
+
+@pytest.mark.slow
+def test_train_then_export_and_sample_restore_the_tokenizer(tmp_path, vocab, texts):
+    """Train on data made with a cut Megatron vocabulary (100 specials, 1200 ids); export and
+    sampling given only type and model (or nothing) rebuild it from the checkpoint's record."""
+    import importlib
+
+    from conftest import run_pretrain
+    from transformers import AutoTokenizer
+
+    from megatron_dllm import platform
+    from megatron_dllm.sampling import load_inference_model
+
+    options = ["--tiktoken-num-special-tokens", "100", "--vocab-size", "1200"]
+    data = _preprocess(vocab, tmp_path / "data", ["--append-eod", *options])
+    ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_pretrain(1, ["--family", "mdlm", "--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                     "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "100", "--eval-iters", "1",
+                     "--data-path", data, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, *options,
+                     "--save", ckpt, "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+    ours = build_tokenizer("TikTokenizer", vocab, num_special_tokens=100, vocab_size=1200)
+    convert = importlib.import_module("megatron_dllm.cli.convert_to_hf")
+    try:
+        assert convert.main(["--load", ckpt, "--out", hf, "--tokenizer-type", "TikTokenizer",
+                             "--tokenizer-model", vocab]) == 0
+        inf = load_inference_model(ckpt)  # no tokenizer flags: the recorded one
+    finally:
+        platform.destroy_distributed()
+    assert (inf.vocab_size, inf.mask_id, inf.tokenizer.vocab_size, inf.tokenizer.mask_id) == (1200, 3, 1200, 3)
+    exported = AutoTokenizer.from_pretrained(hf, local_files_only=True)
+    assert (len(exported), exported.mask_token_id, exported.eos_token_id) == (1200, 3, 2)
+    for text in texts:
+        assert inf.tokenizer.tokenize(text) == ours.tokenize(text)
+        assert exported.encode(text, add_special_tokens=False) == ours.tokenize(text)
