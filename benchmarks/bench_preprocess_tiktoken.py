@@ -119,14 +119,19 @@ def main() -> None:
                 if (_md5(a + ".bin"), _md5(a + ".idx")) != (_md5(b + ".bin"), _md5(b + ".idx")):
                     sys.exit(f"error: outputs differ at {w} workers (round {r})")
                 tokens = os.path.getsize(a + ".bin") // 4  # int32 ids
-                print(f"round {r} workers {w}: ours {got['ours'][0]:.2f} s, megatron {got['megatron'][0]:.2f} s",
-                      file=sys.stderr, flush=True)
+                print(f"round {r} workers {w} (wall, CPU, startup s): ours {got['ours']}, "
+                      f"megatron {got['megatron']}", file=sys.stderr, flush=True)
+                _report(args, times, ratios, n_docs, mb, tokens, r + 1)
+
+
+def _report(args, times, ratios, n_docs, mb, tokens, rounds) -> None:
+    """Print (and write to --out) the table of the rounds done so far."""
     lines = [f"Corpus: {n_docs} paragraph documents, {mb:.1f} MB of JSONL, {tokens} tokens (with EOD); "
-             f"{args.rounds} rounds; {os.cpu_count()} CPU cores, Python {platform.python_version()}.", "",
+             f"{rounds} rounds; {os.cpu_count()} CPU cores, Python {platform.python_version()}.", "",
              "| tool | workers | wall s | startup s | tokens/s per worker | after startup | tokens per CPU-second "
              "| speed ours/Megatron-LM | after startup |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for w in args.workers:
+    for w in [w for w in args.workers if ("ours", w) in times]:
         for tool in ("megatron", "ours"):
             wall, cpu, startup = (statistics.median(t[i] for t in times[(tool, w)]) for i in range(3))
             steady = statistics.median(tokens / max(t[0] - t[2], 1e-9) / w for t in times[(tool, w)])
