@@ -14,12 +14,13 @@ Flags: `--tiktoken-pattern v2 --append-eod`.
 
 Each run is a fresh process, timed end to end (startup, read, tokenize, write); the two tools
 alternate within each round, so machine load hits both alike. Each round also runs both tools
-on a one-document input: that run's wall time is the startup (imports, vocabulary load, worker
-start). Reported per (tool, workers), medians over rounds: wall seconds, tokens/s per worker
-end to end (tokens / wall / workers) and after startup (tokens / (wall - startup) / workers),
-and tokens per CPU-second (user + sys of the process and its workers, `RUSAGE_CHILDREN`).
-The ratio columns are ours over Megatron-LM's within each round, median over rounds. Both
-tools' outputs are checked to be byte-identical in every round.
+on a one-document input: that run is the startup (imports, vocabulary load, worker start).
+Reported per (tool, workers), medians over rounds: wall seconds and tokens/s per worker
+(tokens / wall / workers); CPU seconds (user + sys of the process and its workers,
+`RUSAGE_CHILDREN`), tokens per CPU-second end to end and after startup (tokens / (CPU - startup
+CPU)). CPU time is what a worker core spends per token, and unlike wall time it does not move
+with the machine's load. The ratios are ours over Megatron-LM's within each round, median over
+rounds. Both tools' outputs are checked to be byte-identical in every round.
 """
 import argparse
 import hashlib
@@ -82,8 +83,8 @@ def main() -> None:
     from record_megatron import write_vocabulary
 
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    times = {}  # (tool, workers) -> [(wall, cpu, startup wall)]
-    ratios = {w: [] for w in args.workers}  # (end to end, after startup)
+    times = {}  # (tool, workers) -> [(wall, cpu, startup wall, startup cpu)]
+    ratios = {w: [] for w in args.workers}  # (wall, CPU, CPU after startup)
     with tempfile.TemporaryDirectory() as tmp:
         vocab, corpus = os.path.join(tmp, "vocab.json"), os.path.join(tmp, "corpus.jsonl")
         write_vocabulary(vocab)
@@ -109,12 +110,12 @@ def main() -> None:
                 order = ["ours", "megatron"] if r % 2 == 0 else ["megatron", "ours"]
                 got = {}
                 for tool in order:
-                    startup = _run(cmd(tool, tiny, os.path.join(tmp, f"tiny_{tool}")), env)[0]
-                    got[tool] = (*_run(cmd(tool, corpus, ours if tool == "ours" else theirs), env), startup)
+                    startup = _run(cmd(tool, tiny, os.path.join(tmp, f"tiny_{tool}")), env)
+                    got[tool] = (*_run(cmd(tool, corpus, ours if tool == "ours" else theirs), env), *startup)
                 for tool in order:
                     times.setdefault((tool, w), []).append(got[tool])
-                (mw, _, ms), (ow, _, os_) = got["megatron"], got["ours"]
-                ratios[w].append((mw / ow, (mw - ms) / max(ow - os_, 1e-9)))
+                m, o = got["megatron"], got["ours"]
+                ratios[w].append((m[0] / o[0], m[1] / o[1], (m[1] - m[3]) / max(o[1] - o[3], 1e-9)))
                 a, b = ours + "_text_document", theirs + "_text_document"
                 if (_md5(a + ".bin"), _md5(a + ".idx")) != (_md5(b + ".bin"), _md5(b + ".idx")):
                     sys.exit(f"error: outputs differ at {w} workers (round {r})")
@@ -128,20 +129,19 @@ def _report(args, times, ratios, n_docs, mb, tokens, rounds) -> None:
     """Print (and write to --out) the table of the rounds done so far."""
     lines = [f"Corpus: {n_docs} paragraph documents, {mb:.1f} MB of JSONL, {tokens} tokens (with EOD); "
              f"{rounds} rounds; {os.cpu_count()} CPU cores, Python {platform.python_version()}.", "",
-             "| tool | workers | wall s | startup s | tokens/s per worker | after startup | tokens per CPU-second "
-             "| speed ours/Megatron-LM | after startup |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| tool | workers | wall s | tokens/s per worker (wall) | CPU s | startup CPU s | tokens per CPU-s "
+             "| after startup | ours/Megatron-LM: wall | CPU | CPU after startup |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for w in [w for w in args.workers if ("ours", w) in times]:
         for tool in ("megatron", "ours"):
-            wall, cpu, startup = (statistics.median(t[i] for t in times[(tool, w)]) for i in range(3))
-            steady = statistics.median(tokens / max(t[0] - t[2], 1e-9) / w for t in times[(tool, w)])
+            wall, cpu, _, startup_cpu = (statistics.median(t[i] for t in times[(tool, w)]) for i in range(4))
+            steady = statistics.median(tokens / max(t[1] - t[3], 1e-9) for t in times[(tool, w)])
             name = "Megatron-LM tools/preprocess_data.py" if tool == "megatron" else "megatron_dllm"
-            ratio = "| |"
+            ratio = "| | | |"
             if tool == "ours":
-                ratio = (f"| {statistics.median(x[0] for x in ratios[w]):.2f}x "
-                         f"| {statistics.median(x[1] for x in ratios[w]):.2f}x |")
-            lines.append(f"| {name} | {w} | {wall:.2f} | {startup:.2f} | {tokens / wall / w:,.0f} | {steady:,.0f} "
-                         f"| {tokens / cpu:,.0f} {ratio}")
+                ratio = "| " + " | ".join(f"{statistics.median(x[i] for x in ratios[w]):.2f}x" for i in range(3)) + " |"
+            lines.append(f"| {name} | {w} | {wall:.1f} | {tokens / wall / w:,.0f} | {cpu:.1f} | {startup_cpu:.1f} "
+                         f"| {tokens / cpu:,.0f} | {steady:,.0f} {ratio}")
     text = "\n".join(lines)
     print(text)
     if args.out:
