@@ -3,6 +3,9 @@
     python tools/convert_to_hf.py --load CKPT --out DIR [--use-ema] \
         [--tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model] [--seq-length 2048]
 
+The tokenizer flags are training's (`--tiktoken-*`, `--tokenizer-special-tokens`, `--vocab-size` for
+TikTokenizer); given only type and model, the options the checkpoint recorded are used.
+
 Runs as one process: the checkpoint is resharded to TP=1/PP=1 on load (model weights only).
 The directory is written under a temporary name beside DIR and renamed into place when complete;
 an existing DIR is refused unless --overwrite, which replaces it whole. Files are mode 0644.
@@ -16,6 +19,7 @@ import sys
 import tempfile
 
 from megatron_dllm.cli import fail
+from megatron_dllm.config.data import TokenizerConfig
 
 
 def main(argv=None):
@@ -27,8 +31,7 @@ def main(argv=None):
     parser.add_argument("--use-ema", action="store_true", help="export the EMA weights (checkpoint key 'ema')")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="max_position_embeddings (default: the checkpoint's, else 2048)")
-    parser.add_argument("--tokenizer-type", default=None, choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"])
-    parser.add_argument("--tokenizer-model", default=None)
+    TokenizerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
         parser.error("--tokenizer-type and --tokenizer-model go together")
@@ -39,7 +42,7 @@ def main(argv=None):
 
     from megatron_dllm import platform
     from megatron_dllm.checkpoint import layout
-    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 
     parent = os.path.dirname(os.path.abspath(out))
@@ -49,14 +52,16 @@ def main(argv=None):
         platform.init_distributed(1, 1)
         model, identity, common, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
                                                                    args.ckpt_step)
+        tokenizer = None
         if args.tokenizer_model:
             check_tokenizer(common.get("tokenizer"), args.tokenizer_model, args.load)
+            tokenizer = recorded_tokenizer_config(common.get("tokenizer"), TokenizerConfig.from_args(args))
         hf_state = export.megatron_to_hf(model.state_dict(), identity.num_attention_heads, identity.vocab_size)
         config = export.hf_config_dict(identity, arch.attention, arch.seq_length)
         export.write_hf_dir(staging, hf_state, config)
-        if args.tokenizer_type:
-            export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model,
-                                    identity.vocab_size, identity.mask_id)
+        if tokenizer is not None:
+            export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
+                                    identity.vocab_size, identity.mask_id, tokenizer.options())
         for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
             os.chmod(base, 0o755)
             for name in files:

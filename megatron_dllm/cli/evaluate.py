@@ -32,11 +32,13 @@ def _check_load(path: str) -> None:
 
 
 def _load_model(args, device):
+    from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.sampling.loading import load_inference_model
 
+    given = TokenizerConfig.from_args(args)  # absent flags: None
     return load_inference_model(args.load, device=device, dtype=_dtype(args.dtype), use_ema=args.use_ema,
-                                tokenizer_type=getattr(args, "tokenizer_type", None),
-                                tokenizer_model=getattr(args, "tokenizer_model", None))
+                                tokenizer_type=given.tokenizer_type, tokenizer_model=given.tokenizer_model,
+                                tokenizer_options=given.options())
 
 
 # --------------------------------------------------------------------------- nelbo
@@ -53,9 +55,10 @@ def run_nelbo(args) -> dict:
     inf = _load_model(args, platform.device())
     from megatron_dllm.config.data import DataConfig, TokenizerConfig
 
+    # the flags' tokenizer, completed from (or, without flags, taken from) the checkpoint's record
     tokenizer = TokenizerConfig.from_args(args)
-    if args.data_path and not tokenizer.tokenizer_type and hasattr(inf.tokenizer, "model_path"):
-        tokenizer = TokenizerConfig(inf.tokenizer.name, inf.tokenizer.model_path)  # recorded in the checkpoint
+    if args.data_path and inf.tokenizer_config is not None:
+        tokenizer = inf.tokenizer_config
     resolved, inputs = validation_run(inf.family, args.seq_length or inf.seq_length, DataConfig.from_args(args),
                                       tokenizer, global_batch_size=args.global_batch_size,
                                       eval_iters=args.eval_iters, seed=args.seed)

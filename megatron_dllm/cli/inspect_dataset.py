@@ -24,8 +24,9 @@ from megatron_dllm.data.inspect import describe_dataset, verify_dataset
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prefix", help="dataset prefix (without .bin/.idx)")
-    TokenizerConfig.add_arguments(p)
-    p.add_argument("--vocab-size", type=int, default=None, help="for --verify without a tokenizer")
+    TokenizerConfig.add_arguments(p, exclude=("vocab_size",))
+    p.add_argument("--vocab-size", type=int, default=None, help="for --verify without a tokenizer; with "
+                                                                 "Megatron's JSON TikTokenizer, its --vocab-size")
     p.add_argument("--samples", type=int, default=3, help="evenly spaced documents to show (0: none)")
     p.add_argument("--sample-tokens", type=int, default=128, help="tokens shown per sample document")
     p.add_argument("--verify", action="store_true", help="full consistency check (exit 2 on the first error)")
@@ -39,7 +40,10 @@ def get_args(argv=None):
 def main(argv=None) -> int:
     args = get_args(argv)
     try:
-        tok = TokenizerConfig.from_args(args).build() if args.tokenizer_type else None
+        tokenizer = TokenizerConfig.from_args(args)
+        if tokenizer.tokenizer_type != "TikTokenizer":
+            tokenizer = tokenizer.replace(vocab_size=None)  # only the verification's vocabulary
+        tok = tokenizer.build() if args.tokenizer_type else None
         if args.verify:
             vocab = args.vocab_size if args.vocab_size is not None else (tok.vocab_size if tok else None)
             verify_dataset(args.prefix, vocab)

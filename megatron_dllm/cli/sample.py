@@ -3,7 +3,7 @@
     python tools/sample.py --load CKPT|HF_DIR --num-samples 8 --steps 256 --batch-size 4 \
         [--seed 0] [--top-p 1.0] [--temperature 1.0] [--predictor ancestral|block|left-to-right] \
         [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
-        [--tokenizer-type T --tokenizer-model M] [--device cpu|cuda] [--output samples.json]
+        [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] [--output samples.json]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
 MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only. The JSON output holds every setting, the
@@ -20,6 +20,7 @@ import time
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
+from megatron_dllm.config.data import TokenizerConfig
 
 
 def parse_args(argv=None):
@@ -38,8 +39,7 @@ def parse_args(argv=None):
                         "EOD tokens dropped, as the paper's code decodes it for Gen PPL)")
     p.add_argument("--prompt", default=None, help="text kept at the start of every sample")
     p.add_argument("--use-ema", action="store_true", help="the EMA weights of a megatron checkpoint")
-    p.add_argument("--tokenizer-type", default=None)
-    p.add_argument("--tokenizer-model", default=None)
+    TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--output", default="samples.json")
     args = p.parse_args(argv)
@@ -65,7 +65,8 @@ def main(argv=None):
             raise FileNotFoundError(f"--load {args.load}: no such file or directory")
         device = platform.tool_device(args.device)
         inf = load_inference_model(args.load, device, use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
-                                   tokenizer_model=args.tokenizer_model)
+                                   tokenizer_model=args.tokenizer_model,
+                                   tokenizer_options=TokenizerConfig.from_args(args).options())
         prompt_ids = None
         if args.prompt is not None:
             if inf.tokenizer is None:

@@ -28,28 +28,49 @@ class DataConfig(FlagGroup):
 class TokenizerConfig(FlagGroup):
     GROUP = "tokenizer"
     tokenizer_type: str | None = flag(choices=list(TOKENIZER_TYPES), help="the tokenizer's format")
-    tokenizer_model: str | None = flag(help="SentencePiece .model, tokenizer.json (or its directory), or a "
-                                            ".tiktoken file: the tokenizer the data was made with")
-    tiktoken_pattern: str | None = flag(help="TikTokenizer pre-tokenisation regex: llama3 (default, cl100k-style), "
-                                             "cl100k, o200k, or a literal regex")
+    tokenizer_model: str | None = flag(help="SentencePiece .model, tokenizer.json (or its directory), a .tiktoken "
+                                            "file, or Megatron-LM's TikTokenizer JSON vocabulary (.json): the "
+                                            "tokenizer the data was made with")
+    tiktoken_pattern: str | None = flag(help="TikTokenizer pre-tokenisation regex: .tiktoken: llama3 (default, "
+                                             "cl100k-style), cl100k, o200k, or a literal regex; Megatron JSON: "
+                                             "v1 or v2 (default)")
     tiktoken_special_tokens: list | None = flag(nargs="+", help="TikTokenizer special tokens, given ids after the "
                                                                 "last rank (default: <|begin_of_text|> "
                                                                 "<|end_of_text|>)")
     tiktoken_num_special_tokens: int | None = flag(type=positive_int,
                                                    help="pad the special tokens with <|reserved_special_token_i|> "
-                                                        "up to this many (Llama 3: 256)")
+                                                        "up to this many (Llama 3: 256); Megatron JSON: ids "
+                                                        "0..N-1 are specials, <SPECIAL_i> fillers (default 1000)")
+    tokenizer_special_tokens: list | None = flag(nargs="+", help="Megatron JSON TikTokenizer: the named specials, "
+                                                                 "ids 0.. in order (default: <unk> <s> </s> <mask> "
+                                                                 "<pad> <cls> <sep>; must hold these seven)")
+    vocab_size: int | None = flag(type=positive_int, help="Megatron JSON TikTokenizer: specials + ranks kept "
+                                                          "(default 131072)")
 
     def options(self) -> dict:
         """The tokenizer class's options (TikTokenizer only)."""
-        tiktoken = {"pattern": self.tiktoken_pattern, "special_tokens": self.tiktoken_special_tokens,
-                    "num_special_tokens": self.tiktoken_num_special_tokens}
+        flags = {"tiktoken-pattern": self.tiktoken_pattern, "tiktoken-special-tokens": self.tiktoken_special_tokens,
+                 "tiktoken-num-special-tokens": self.tiktoken_num_special_tokens,
+                 "tokenizer-special-tokens": self.tokenizer_special_tokens, "vocab-size": self.vocab_size}
         if self.tokenizer_type != "TikTokenizer":
-            given = [k for k, v in tiktoken.items() if v is not None]
+            given = [k for k, v in flags.items() if v is not None]
             if given:
-                raise ValueError(f"--tiktoken-{given[0].replace('_', '-')} applies to --tokenizer-type "
-                                 f"TikTokenizer only")
+                raise ValueError(f"--{given[0]} applies to --tokenizer-type TikTokenizer only")
             return {}
-        return tiktoken
+        if self.tiktoken_special_tokens is not None and self.tokenizer_special_tokens is not None:
+            raise ValueError("--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them")
+        specials = self.tokenizer_special_tokens if self.tokenizer_special_tokens is not None \
+            else self.tiktoken_special_tokens
+        return {"pattern": self.tiktoken_pattern, "special_tokens": specials,
+                "num_special_tokens": self.tiktoken_num_special_tokens, "vocab_size": self.vocab_size}
+
+    @classmethod
+    def from_options(cls, tokenizer_type: str, tokenizer_model: str, options: dict | None) -> "TokenizerConfig":
+        """The config whose `options()` are `options` (a checkpoint's tokenizer record)."""
+        o = options or {}
+        return cls(tokenizer_type, tokenizer_model, tiktoken_pattern=o.get("pattern"),
+                   tiktoken_num_special_tokens=o.get("num_special_tokens"),
+                   tokenizer_special_tokens=o.get("special_tokens"), vocab_size=o.get("vocab_size"))
 
     def build(self):
         from megatron_dllm.data.tokenizers import build_tokenizer

@@ -137,9 +137,9 @@ def shard_prefix(output_prefix: str, shard_index: int, num_shards: int) -> str:
 _worker = {}  # per process: the tokenizer, built once
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str, tokenizer_options: dict,
-                 json_keys: Sequence[str], append_eod: bool, dtype_name: str) -> None:
-    tok = build_tokenizer(tokenizer_type, tokenizer_model, **(tokenizer_options or {}))
+def _init_worker(tok, json_keys: Sequence[str], append_eod: bool, dtype_name: str) -> None:
+    """`tok` is the built tokenizer (pickled to a worker: rebuilt from its file, or from its
+    tables for a Megatron JSON TikTokenizer)."""
     _worker.update(tok=tok, keys=list(json_keys), eod=tok.eod if append_eod else None,
                    dtype=np.dtype(dtype_name))
 
@@ -213,7 +213,10 @@ def _encode_chunk(records):
                 rejects[key].append((fi, pos, "not_text"))
                 continue
             try:
-                doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
+                if len(pieces) == 1:  # the common case: no per-id Python loop
+                    doc = tok.tokenize(pieces[0]) if pieces[0].strip() else []
+                else:
+                    doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
             except Exception:
                 if not _has_surrogates(pieces):
                     raise
@@ -441,7 +444,7 @@ def preprocess(
     seen_keys = set()
     bar = Progress(stats.input_bytes, log, tty=progress, log_interval=log_interval, label=label)
     t0 = time.time()
-    init_args = (tokenizer_type, tokenizer_model, tokenizer_options or {}, json_keys, append_eod, dtype.name)
+    init_args = (tokenizer, json_keys, append_eod, dtype.name)
     try:
         for key in json_keys:
             writers[key] = IndexedDatasetWriter(prefixes[key], dtype)

@@ -325,11 +325,13 @@ def tokenizer_files(model_path: str) -> List[Tuple[str, str]]:
     """(name, path) of the files that define the tokenizer at `model_path`, sorted by name: a
     HuggingFace directory or `.json` file gives its tokenizer.json and, when present, the
     tokenizer_config.json beside it (as HuggingFaceTokenizer reads them); any other path is a
-    single model file (SentencePiece .model, .tiktoken)."""
+    single model file (SentencePiece .model, .tiktoken, Megatron-LM's JSON TikTokenizer list)."""
+    from megatron_dllm.data.megatron_tiktoken import is_megatron_vocabulary
+
     path = os.fspath(model_path)
     if os.path.isdir(path):
         directory, main = path, os.path.join(path, HF_TOKENIZER_FILES[0])
-    elif path.endswith(".json"):
+    elif path.endswith(".json") and not is_megatron_vocabulary(path):
         directory, main = os.path.dirname(path), path
     else:
         directory, main = None, path
@@ -361,7 +363,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _To
     """Megatron-style factory; ValueError names the flag and what was expected.
 
     `options` go to the tokenizer class (TikTokenizer: pattern, special_tokens,
-    num_special_tokens); None values are dropped.
+    num_special_tokens, and for a Megatron-LM JSON vocabulary vocab_size); None values are dropped.
+    A TikTokenizer model ending in `.json` is Megatron-LM's JSON format (`megatron_tiktoken.py`),
+    any other a `.tiktoken` file.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported, expected one of {TOKENIZER_TYPES}")
@@ -372,4 +376,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _To
            "TikTokenizer": TikTokenizer}[tokenizer_type]
     if options and cls is not TikTokenizer:
         raise ValueError(f"--tokenizer-type {tokenizer_type} takes no options, got {sorted(options)}")
+    if cls is TikTokenizer and str(tokenizer_model).endswith(".json"):
+        from megatron_dllm.data.megatron_tiktoken import MegatronTikTokenizer
+
+        return MegatronTikTokenizer(tokenizer_model, **options)
+    if "vocab_size" in options:
+        raise ValueError("--vocab-size applies to Megatron-LM's JSON TikTokenizer vocabulary (a .json "
+                         "--tokenizer-model); a .tiktoken file's vocabulary is all of its ranks")
     return cls(tokenizer_model, **options)

@@ -224,12 +224,14 @@ def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
             json.dump(gen, f, indent=2)
 
 
-def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int) -> None:
+def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int,
+                     options: dict | None = None) -> None:
     """Write a tokenizer that `AutoTokenizer.from_pretrained(out)` loads offline, with [MASK] at
-    `mask_id` (checked against the model's vocabulary)."""
+    `mask_id` (checked against the model's vocabulary). `options`: TikTokenizer's
+    (`TokenizerConfig.options()`)."""
     from megatron_dllm.data.tokenizers import build_tokenizer
 
-    ours = build_tokenizer(tokenizer_type, tokenizer_model)
+    ours = build_tokenizer(tokenizer_type, tokenizer_model, **(options or {}))
     if (ours.vocab_size, ours.mask_id) != (vocab_size, mask_id):
         raise ValueError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
                          f"{ours.mask_id} do not match the checkpoint's {vocab_size} / {mask_id}")
@@ -250,9 +252,15 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
                                           eos_token=ours._tok.id_to_token(ours.eod),
                                           bos_token=None if ours.bos is None else ours._tok.id_to_token(ours.bos),
                                           **{k: cfg[k] for k in ("unk_token", "pad_token") if k in cfg})
-        else:
-            raise ValueError(f"--tokenizer-type {tokenizer_type}: export supports SentencePieceTokenizer "
-                             f"and HuggingFaceTokenizer")
+        else:  # TikTokenizer: .tiktoken or Megatron-LM's JSON vocabulary
+            from megatron_dllm.hf.tiktoken_tokenizer import hf_tokenizer_from_tiktoken
+
+            names = {i: t for t, i in ours._enc._special_tokens.items()}
+            tok = PreTrainedTokenizerFast(tokenizer_object=hf_tokenizer_from_tiktoken(ours._enc),
+                                          eos_token=names[ours.eod],
+                                          bos_token=None if ours.bos is None else names[ours.bos],
+                                          **{k: t for k, t in (("unk_token", "<unk>"), ("pad_token", "<pad>"))
+                                             if t in ours._enc._special_tokens})
         mask_piece = "[MASK]" if ours.mask_appended else None
         if mask_piece is None:
             mask_piece = tok.convert_ids_to_tokens(mask_id)

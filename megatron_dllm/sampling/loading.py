@@ -22,25 +22,26 @@ class InferenceModel:
     seq_length: int         # the training context (max_position_embeddings)
     tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
     source: str             # "megatron" | "hf"
+    tokenizer_config: object = None  # the TokenizerConfig that built `tokenizer` (None: an HF directory's)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
 
-def _tokenizer_or_none(tokenizer_type, tokenizer_model):
-    from megatron_dllm.data.tokenizers import build_tokenizer
+def _given_config(tokenizer_type, tokenizer_model, tokenizer_options):
+    from megatron_dllm.config.data import TokenizerConfig
 
     if not (tokenizer_type and tokenizer_model):
         return None
-    return build_tokenizer(tokenizer_type, tokenizer_model)
+    return TokenizerConfig.from_options(tokenizer_type, tokenizer_model, tokenizer_options)
 
 
-def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
+def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, tokenizer_options):
     from megatron.core import parallel_state
 
     from megatron_dllm import platform
-    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
+    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 
     if not parallel_state.model_parallel_is_initialized():
@@ -50,20 +51,17 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model):
     saved_tok = common.get("tokenizer") or {}
     if tokenizer_model:
         check_tokenizer(saved_tok, tokenizer_model, path)
-    tokenizer = _tokenizer_or_none(tokenizer_type or saved_tok.get("type"), tokenizer_model or saved_tok.get("model"))
-    return model, tokenizer
+    config = recorded_tokenizer_config(saved_tok, _given_config(tokenizer_type, tokenizer_model, tokenizer_options))
+    return model, config
 
 
-def _from_hf(path: str, tokenizer_type, tokenizer_model):
+def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
     from megatron_dllm.hf import export
     from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
     config = DLLMConfig.from_pretrained(path)
     model = export.model_class(config.family).from_pretrained(path, config=config)
-    tokenizer = _tokenizer_or_none(tokenizer_type, tokenizer_model)
-    if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        tokenizer = HFDirTokenizer(path)
-    return model, tokenizer
+    return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
 
 
 class HFDirTokenizer:
@@ -87,23 +85,27 @@ class HFDirTokenizer:
 
 def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                          use_ema: bool = False, tokenizer_type: str | None = None,
-                         tokenizer_model: str | None = None) -> InferenceModel:
+                         tokenizer_model: str | None = None, tokenizer_options: dict | None = None) -> InferenceModel:
     """`path` is a megatron checkpoint root (with latest_checkpointed_iteration.txt) or an
     iter_XXXXXXX directory, or an exported HF directory (config.json + model.safetensors).
-    The tokenizer is the one given, else the checkpoint's recorded one, else the HF directory's."""
+    The tokenizer is the one given (`tokenizer_options`: TikTokenizer's, `TokenizerConfig.options()`),
+    else the checkpoint's recorded one (with its options), else the HF directory's."""
     if os.path.isfile(os.path.join(path, "config.json")):
         if use_ema:
             raise ValueError(f"--use-ema applies to megatron checkpoints; {path} is an HF directory "
                              f"(export it with tools/convert_to_hf.py --use-ema)")
-        model, tokenizer = _from_hf(path, tokenizer_type, tokenizer_model)
+        model, config = _from_hf(path, tokenizer_type, tokenizer_model, tokenizer_options)
         source = "hf"
     elif os.path.isdir(path):
-        model, tokenizer = _from_megatron(path, use_ema, tokenizer_type, tokenizer_model)
+        model, config = _from_megatron(path, use_ema, tokenizer_type, tokenizer_model, tokenizer_options)
         source = "megatron"
     else:
         raise FileNotFoundError(f"--load {path}: no such directory (expected a megatron checkpoint or an "
                                 f"HF directory with config.json)")
+    tokenizer = config.build() if config is not None else None
+    if tokenizer is None and source == "hf" and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        tokenizer = HFDirTokenizer(path)
     cfg = model.config
     model = model.to(device=device, dtype=dtype).eval()
     return InferenceModel(model, cfg.family, cfg.mask_token_id, cfg.vocab_size,
-                          cfg.max_position_embeddings, tokenizer, source)
+                          cfg.max_position_embeddings, tokenizer, source, config)
