@@ -20,6 +20,7 @@ import sys
 import tempfile
 
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.config.data import TokenizerConfig
 
 
 def main(argv=None):
@@ -31,9 +32,8 @@ def main(argv=None):
                         help="default: inferred from the checkpoint's config (algo.name)")
     parser.add_argument("--mask-id", type=int, default=None,
                         help="default: the tokenizer's [MASK] with --tokenizer-model, else the last vocabulary id")
-    parser.add_argument("--tokenizer-type", default=None, help="the run's tokenizer (as tools/convert_to_hf.py)")
-    parser.add_argument("--tokenizer-model", default=None,
-                        help="checked against the vocabulary; gives the [MASK] id; exported with --hf-out")
+    TokenizerConfig.add_arguments(parser)  # the run's tokenizer: checked against the vocabulary, gives the
+    # [MASK] id, exported with --hf-out; TikTokenizer takes training's --tiktoken-* options
     parser.add_argument("--num-attention-heads", type=int, default=None,
                         help="only for weights with neither config nor rotary buffer")
     parser.add_argument("--seq-length", type=int, default=None,
@@ -74,9 +74,7 @@ def load_reference(args):
     vocab = sizes["vocab_size"]
     mask_id = vocab - 1 if args.mask_id is None else args.mask_id
     if args.tokenizer_model:
-        from megatron_dllm.data.tokenizers import build_tokenizer
-
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = TokenizerConfig.from_args(args).build()
         mask_id = tokenizer.mask_id if args.mask_id is None else args.mask_id
         if (tokenizer.vocab_size, tokenizer.mask_id) != (vocab, mask_id):
             raise ValueError(f"--tokenizer-model {args.tokenizer_model}: vocabulary {tokenizer.vocab_size} with "
@@ -114,7 +112,7 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
         export.write_hf_dir(staging, hf_state, config)
         if args.tokenizer_model:
             export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model,
-                                    identity.vocab_size, identity.mask_id)
+                                    identity.vocab_size, identity.mask_id, TokenizerConfig.from_args(args).options())
         for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
             os.chmod(base, 0o755)
             for name in files:
