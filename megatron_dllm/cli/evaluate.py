@@ -3,6 +3,7 @@
     python tools/evaluate.py nelbo --load CKPT|HF_DIR [--num-t-draws K] [data flags as pretraining]
     python tools/evaluate.py gen-ppl --samples samples.json --judge DIR|smollm2 [--judge-gguf-file NAME]
     python tools/evaluate.py throughput --load CKPT|HF_DIR --steps T --batch-size B|auto [--max-batch-size N]
+    python tools/evaluate.py gsm8k --load CKPT|HF_DIR [--data FILE] [--protocol left-to-right|native] [--predictions F]
 
 Each subcommand prints one JSON object with its results and every setting that produced them,
 and writes it to --output FILE when given. Bad input (a missing checkpoint, a judge that does not
@@ -204,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_throughput)
+
+    from megatron_dllm.evaluation.gsm8k import add_gsm8k_parser
+
+    add_gsm8k_parser(sub, add_model, add_common)
     return parser
 
 
