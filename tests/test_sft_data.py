@@ -2,15 +2,11 @@
 the prompt mask and its validation, and the epoch order of SFT samples."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from megatron_dllm.data import sft
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +71,7 @@ def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # nothing left half-written
 
 
-def test_validation_catches_a_bad_mask(tmp_path, tokenizer):
+def test_validation_catches_a_bad_mask(tmp_path, tokenizer, capsys):
     a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"})] * 3)
     prefix = str(tmp_path / "sft")
     sft.preprocess_sft([a], prefix, tokenizer, 16)
@@ -83,24 +79,22 @@ def test_validation_catches_a_bad_mask(tmp_path, tokenizer):
         f.write(bytes([1] * 16))
     with pytest.raises(ValueError, match="row 0 has no response token"):
         sft.validate_sft_dataset(prefix)
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "inspect_dataset.py"), prefix, "--verify"],
-                          capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    from megatron_dllm.cli.inspect_dataset import main
+
+    assert main([prefix, "--verify"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {sft.mask_prefix(prefix)}.bin: row 0 has no response token"]
 
 
-def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo_cache):
+def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo_cache, capsys):
+    from megatron_dllm.cli.preprocess_sft import main
+
     a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"}), json.dumps({"prompt": 3})])
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_sft_data.py"), "--input", a,
-                           "--output-prefix", str(tmp_path / "out"), "--seq-length", "16",
-                           "--tokenizer-type", "SentencePieceTokenizer",
-                           "--tokenizer-model", os.path.join(demo_cache, "shakespeare_bpe4096.model")],
-                          capture_output=True, text=True, env=env)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"error: {a}:2: expected string fields 'prompt' and 'response', "
-                                                f"or 'messages'"]
+    assert main(["--input", a, "--output-prefix", str(tmp_path / "out"), "--seq-length", "16",
+                 "--tokenizer-type", "SentencePieceTokenizer",
+                 "--tokenizer-model", os.path.join(demo_cache, "shakespeare_bpe4096.model")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {a}:2: expected string fields 'prompt' and 'response', or 'messages'"]
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
 
 
