@@ -7,18 +7,19 @@ set -euo pipefail
 OUT=${OUT:-runs/sft-demo}
 DEMO=${DEMO_CACHE:-$HOME/.cache/megatron_dllm/demo}
 TOK=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO/shakespeare_bpe4096.model")
-EPOCHS=${EPOCHS:-5}
-LIMIT=${LIMIT:-200}
+EPOCHS=${EPOCHS:-10}
+LIMIT=${LIMIT:-100}
 families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(ar mdlm)
 mkdir -p "$OUT"
 stamp() { date +%s; }
-python -m megatron_dllm.data.arithmetic "$OUT/task"            # 3300 train / 300 test problems
+[ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.arithmetic "$OUT/task"   # 900 train / 100 test
 for family in "${families[@]}"; do
   run="$OUT/$family"
   t0=$(stamp)
-  torchrun --nproc-per-node 2 pretrain_dllm.py --family "$family" --demo-cache-dir "$DEMO" \
-    --save "$run/pretrained" --tensorboard-dir "$run/tb-pretrain"
+  [ -f "$run/pretrained/latest_checkpointed_iteration.txt" ] || \
+    torchrun --nproc-per-node 2 pretrain_dllm.py --family "$family" --demo-cache-dir "$DEMO" \
+      --save "$run/pretrained" --tensorboard-dir "$run/tb-pretrain"
   t1=$(stamp)
   [ -f "$OUT/task/train_sft.idx" ] || python tools/preprocess_sft_data.py --input "$OUT/task/train.txt" \
     --output-prefix "$OUT/task/train_sft" --seq-length 48 "${TOK[@]}"
@@ -28,7 +29,7 @@ for family in "${families[@]}"; do
   torchrun --nproc-per-node 2 pretrain_dllm.py --sft --family "$family" --load "$run/pretrained" --finetune \
     --data-path "$OUT/task/train_sft" --split 98,2,0 "${TOK[@]}" --preset cpu-small --seq-length 48 \
     --micro-batch-size 16 --global-batch-size 32 --train-epochs "$EPOCHS" --lr 1e-3 --min-lr 1e-4 \
-    --lr-warmup-fraction 0.01 --eval-interval 100 --eval-iters 2 --log-interval 50 \
+    --lr-warmup-fraction 0.01 --eval-interval 50 --eval-iters 1 --log-interval 25 \
     --save "$run/sft" --tensorboard-dir "$run/tb-sft" --metrics-file "$run/sft-metrics.jsonl"
   t3=$(stamp)
   python tools/evaluate.py gsm8k --load "$run/sft" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \

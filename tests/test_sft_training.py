@@ -28,7 +28,7 @@ def sft_data(demo_cache, task_dir):
 
     work = task_dir
     tok_model = os.path.join(demo_cache, "shakespeare_bpe4096.model")
-    task = write_task(str(work), max_operand=10, test_size=20)
+    task = write_task(str(work), max_operand=10, max_second=10, test_size=20)
     tokenizer = build_tokenizer("SentencePieceTokenizer", tok_model)
     preprocess_sft([task["train"]], str(work / "train_sft"), tokenizer, 48)
     return ["--sft", "--data-path", str(work / "train_sft"), "--split", "90,10,0",

@@ -1,12 +1,12 @@
 """A synthetic arithmetic task with checkable answers, for the CPU fine-tuning demonstration (not GSM8K).
 
-Problems are additions a + b with 0 <= a, b < `max_operand`; every (a, b) pair appears once, and a
-seeded `test_size` of them is held out. The training split is written in Deng et al.'s GSM8K text
-format (`question||reasoning #### answer`, rendered by `data/sft.py` as "Question: ..." /
+Problems are additions a + b with 0 <= a < `max_operand` and 0 <= b < `max_second`; every (a, b)
+pair appears once, and a seeded `test_size` of them is held out. The training split is written in
+Deng et al.'s GSM8K text format (`question||reasoning #### answer`, rendered by `data/sft.py` as "Question: ..." /
 "Answer: ... #### N"), the test split in the standard GSM8K JSONL format (`question`, `answer`
 ending in `#### N`), so fine-tuning and scoring run exactly the GSM8K commands.
 
-    python -m megatron_dllm.data.arithmetic OUT_DIR [--max-operand 60] [--test-size 300] [--seed 0]
+    python -m megatron_dllm.data.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def problem(a: int, b: int) -> tuple[str, str, str]:
     return f"What is {a} plus {b}?", f"{a} + {b} = {a + b}", str(a + b)
 
 
-def write_task(out_dir: str, max_operand: int = 60, test_size: int = 300, seed: int = 0) -> dict:
-    pairs = [(a, b) for a in range(max_operand) for b in range(max_operand)]
+def write_task(out_dir: str, max_operand: int = 100, max_second: int = 10, test_size: int = 100,
+               seed: int = 0) -> dict:
+    pairs = [(a, b) for a in range(max_operand) for b in range(max_second)]
     if not 0 < test_size < len(pairs):
         raise ValueError(f"--test-size {test_size}: expected 1..{len(pairs) - 1} ({len(pairs)} problems)")
     random.Random(seed).shuffle(pairs)
@@ -46,11 +47,12 @@ def write_task(out_dir: str, max_operand: int = 60, test_size: int = 300, seed: 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
-    p.add_argument("--max-operand", type=int, default=60)
-    p.add_argument("--test-size", type=int, default=300)
+    p.add_argument("--max-operand", type=int, default=100)
+    p.add_argument("--max-second", type=int, default=10)
+    p.add_argument("--test-size", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    print(json.dumps(write_task(args.out_dir, args.max_operand, args.test_size, args.seed)))
+    print(json.dumps(write_task(args.out_dir, args.max_operand, args.max_second, args.test_size, args.seed)))
     return 0
 
 
