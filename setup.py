@@ -79,6 +79,8 @@ setup(
         "dllm-preprocess=megatron_dllm.cli.preprocess_data:main",
         "dllm-merge=megatron_dllm.cli.merge_datasets:main",
         "dllm-convert-dataset=megatron_dllm.cli.convert_dataset:main",
+        "dllm-preprocess-sft=megatron_dllm.cli.preprocess_sft:main",
+        "dllm-sft-lr-grid=megatron_dllm.cli.sft_lr_grid:main",
         "dllm-inspect=megatron_dllm.cli.inspect_dataset:main",
         "dllm-build-indexes=megatron_dllm.cli.build_indexes:main",
         "dllm-sample=megatron_dllm.cli.sample:main",

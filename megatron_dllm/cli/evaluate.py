@@ -4,6 +4,7 @@
     python tools/evaluate.py gen-ppl --samples samples.json --judge DIR|smollm2 [--judge-gguf-file NAME]
     python tools/evaluate.py throughput --load CKPT|HF_DIR --steps T --batch-size B|auto [--max-batch-size N]
     python tools/evaluate.py downstream --load CKPT|HF_DIR --tasks arc_easy,piqa [--limit N] [--num-mc-samples N]
+    python tools/evaluate.py gsm8k --load CKPT|HF_DIR [--data FILE] [--protocol left-to-right|native] [--predictions F]
 
 Each subcommand prints one JSON object with its results and every setting that produced them,
 and writes it to --output FILE when given. Bad input (a missing checkpoint, a judge that does not
@@ -271,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None)
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.set_defaults(func=run_downstream)
+
+    from megatron_dllm.evaluation.gsm8k import add_gsm8k_parser
+
+    add_gsm8k_parser(sub, add_model, add_common)
     return parser
 
 

@@ -19,6 +19,7 @@ from megatron_dllm.cli import fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
 from megatron_dllm.data.inspect import describe_dataset, verify_dataset
+from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
 
 
 def get_args(argv=None):
@@ -48,14 +49,22 @@ def main(argv=None) -> int:
             vocab = args.vocab_size if args.vocab_size is not None else (tok.vocab_size if tok else None)
             verify_dataset(args.prefix, vocab)
         report = describe_dataset(args.prefix, tok, args.samples, args.sample_tokens, scan_tokens=args.verify)
+        sft = sft_metadata(args.prefix)
+        if sft is not None:  # the SFT format: also check the prompt mask against the rows
+            sft = validate_sft_dataset(args.prefix) if args.verify else sft
     except DatasetFormatError as err:
         return fail(f"INVALID: {err}")
     except (ValueError, OSError) as err:
         return fail(str(err))
     if args.json:
-        print(json.dumps(report.__dict__, indent=1, default=str))
+        print(json.dumps({**report.__dict__, "sft": sft}, indent=1, default=str))
     else:
         print(report.format())
+        if sft is not None:
+            print(f"sft: rows of {sft['seq_length']} tokens ({'packed' if sft['packing'] else 'EOS-padded'}), "
+                  f"{sft['rows']} rows from {sft['examples']} examples ({sft['dropped_too_long']} dropped: too "
+                  f"long); prompt mask {args.prefix}_prompt_mask"
+                  + (" verified" if args.verify else ""))
         if args.verify:
             print("verify: OK (header, pointers, lengths, document indices, .bin size"
                   + (", token ids < vocabulary)" if (args.vocab_size or tok) else ")"))

@@ -19,6 +19,11 @@ class TrainingConfig(FlagGroup):
     flops_convention: str = flag("calflops", choices=["calflops", "full"],
                                  help="how --train-flops and the logged cumulative FLOPs count: calflops (the paper's, "
                                       "no attention matmuls) | full (every matmul)")
+    sft: bool = flag(False, action="store_true",
+                     help="supervised fine-tuning on an SFT dataset (tools/preprocess_sft_data.py): no loss on, "
+                          "and no noise in, prompt tokens; start from a pretrained model with --load ... --finetune")
+    train_epochs: float | None = flag(type=finite_float, help="--sft: passes over the training rows "
+                                                              "(rounded up to whole global batches)")
     seed: int = flag(1234, type=int, help="seeds weights, data order and noise")
     ema_decay: float | None = flag(type=float, help="keep an fp32 exponential moving average of the weights with "
                                                     "this decay, saved in checkpoints under 'ema'")

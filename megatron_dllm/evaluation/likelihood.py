@@ -12,7 +12,7 @@
     (`stratified_stderr`: conservative, unlike std / sqrt(N) not inflated by the spread between strata).
 
 Two modes (`mode`):
-- `conditional` (default): the context stays clean (`Family.corrupt(..., keep=context)`) and
+- `conditional` (default): the context stays clean (`Family.corrupt(..., prompt=context)`) and
   only the continuation is noised; ll = -(NELBO of the continuation given the clean context),
   a lower bound on log p(continuation | context), summed over the continuation's tokens as AR's
   exact score is. The prompt is never corrupted, so the score is about the answer alone; it has
@@ -113,14 +113,14 @@ class LikelihoodEstimator:
         tokens = (context + continuation)[-self.max_length:]
         n_ctx = len(tokens) - len(continuation)
         x = torch.tensor(tokens, dtype=torch.long)[None]
-        keep = (torch.arange(len(tokens)) < n_ctx)[None] if self.mode == "conditional" else None
+        prompt = (torch.arange(len(tokens)) < n_ctx)[None] if self.mode == "conditional" else None
         seed, n = self.noise_seed(context), self.num_mc_samples
         values = []
         for first in range(0, n, self.batch_size):
             ids = torch.arange(first, min(first + self.batch_size, n))
             rows = x.expand(len(ids), -1)
-            inp = self.family.corrupt(rows, Noise(seed, ids, ids, n), None if keep is None
-                                      else keep.expand(len(ids), -1)).to(self.inf.device)
+            inp = self.family.corrupt(rows, Noise(seed, ids, ids, n), None if prompt is None
+                                      else prompt.expand(len(ids), -1)).to(self.inf.device)
             logits = self.inf.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma).logits
             per_token = self.family.nelbo(logits.float().transpose(0, 1).contiguous(), inp).double().cpu()
             if self.mode == "conditional":

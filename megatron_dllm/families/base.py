@@ -32,6 +32,13 @@ class ModelInput:
         return ModelInput(**{k: v.to(device) for k, v in self.__dict__.items()})
 
 
+def response_positions(tokens: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+    """Float 1/0 [b, L]: the positions that count in the loss (all of them without a prompt mask)."""
+    if prompt is None:
+        return torch.ones(tokens.shape, dtype=torch.float32)
+    return (~prompt.bool()).float()
+
+
 def seed_for(*values) -> int:
     """A 63-bit seed from values (stable across processes and Python versions)."""
     return zlib.crc32(b"/".join(str(v).encode() for v in values)) * 2_654_435_761 % 2**63
@@ -87,9 +94,10 @@ class Family:
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
-        """The model's input for clean `tokens` [b, s]. `keep` ([b, s] bool, optional) marks
-        positions that stay clean whatever the noise (a prompt that conditions a likelihood)."""
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
+        """The model input of clean `tokens` [b, L]. Supervised fine-tuning passes `prompt` (bool
+        [b, L], True at prompt tokens): those are never corrupted and get valid = 0, so no loss is
+        taken on them and the trainer's denominator counts response (and padding) positions only."""
         raise NotImplementedError
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dllm.families import vocab_parallel
-from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries per chunk: 16 MiB each
@@ -179,26 +179,26 @@ class Duo(Family):
         """V: the number of ids a token can take (all ids < vocab_size except [MASK])."""
         return self.vocab_size - (1 if 0 <= self.mask_id < self.vocab_size else 0)
 
-    def replace(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None):
+    def replace(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None):
         """(z_t, t, replaced): with probability 1 - alpha_t a token is redrawn uniformly from the
-        V real ids ([MASK] skipped), never where `keep`; `replaced` marks the decisions (a redraw
-        may equal x)."""
+        V real ids ([MASK] skipped); `replaced` marks the decisions (a redraw may equal x).
+        Prompt tokens (SFT) are never redrawn."""
         t = noise.t()
         length = tokens.shape[1]
         replaced = noise.uniform("replace", length) < (1 - self.schedule.alpha(t))[:, None]
-        if keep is not None:
-            replaced &= ~keep
+        if prompt is not None:
+            replaced &= ~prompt.bool()
         k = (noise.uniform("replace_id", length) * self.num_real).long().clamp_(max=self.num_real - 1)
         if 0 <= self.mask_id < self.vocab_size:
             k = k + (k >= self.mask_id).long()
         return torch.where(replaced, k, tokens), t, replaced
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
-        z_t, t, _ = self.replace(tokens, noise, keep)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
+        z_t, t, _ = self.replace(tokens, noise, prompt)
         b, s = tokens.shape
         return ModelInput(
-            input_ids=z_t, position_ids=torch.arange(s).expand(b, s),
-            sigma=self.schedule.sigma(t).float(), targets=tokens, valid=torch.ones(b, s), t=t.float(),
+            input_ids=z_t, position_ids=torch.arange(s).expand(b, s), sigma=self.schedule.sigma(t).float(),
+            targets=tokens, valid=response_positions(tokens, prompt), t=t.float(),
         )
 
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dllm.families import shuffle as _shuffle
-from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.mdlm import MDLM
 
 
@@ -40,14 +40,19 @@ class EsoLM(Family):
         self._mdlm = MDLM(mask_id=mask_id, vocab_size=vocab_size, loss=self.loss_type)
         self.schedule = self._mdlm.schedule
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
-        z_t, t = self._mdlm.mask(tokens, noise, keep)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
+        z_t, t = self._mdlm.mask(tokens, noise, prompt)
         b, s = tokens.shape
         keys = noise.uniform("shuffle", s)  # float64 [b, s]
+        valid = response_positions(tokens, prompt)
+        if prompt is not None:
+            # SFT: the prompt is the clean prefix of the shuffled order, in sequence order (key 0,
+            # ties by index); the clean response tokens follow in random order, the masks last.
+            keys = torch.where(prompt.bool(), torch.zeros_like(keys), keys.clamp(min=torch.finfo(keys.dtype).tiny))
         sort_idx, z_sorted, x0_sorted = _shuffle.shuffle(z_t == self.mask_id, keys, z_t, tokens)
         return ModelInput(
             input_ids=z_sorted, position_ids=sort_idx, sigma=torch.zeros(b),
-            targets=x0_sorted, valid=torch.ones(b, s), t=t.float(),
+            targets=x0_sorted, valid=valid.gather(1, sort_idx), t=t.float(),
         )
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

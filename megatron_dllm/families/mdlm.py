@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dllm.families import vocab_parallel
-from megatron_dllm.families.base import Family, ModelInput, Noise
+from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
 
 
@@ -21,22 +21,23 @@ class MDLM(Family):
     losses = ("low-var", "nelbo")
     schedule = LogLinear()
 
-    def mask(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z_t, t): each token masked independently with probability 1 - alpha_t (never where `keep`)."""
+    def mask(self, tokens: torch.Tensor, noise: Noise,
+             prompt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_t, t): each token masked independently with probability 1 - alpha_t; prompt tokens
+        (SFT) never are."""
         t = noise.t()
         u = noise.uniform("mask", tokens.shape[1])
         masked = u < (1 - self.schedule.alpha(t))[:, None]
-        if keep is not None:
-            masked &= ~keep
+        if prompt is not None:
+            masked &= ~prompt.bool()
         return torch.where(masked, torch.full_like(tokens, self.mask_id), tokens), t
 
-    def corrupt(self, tokens: torch.Tensor, noise: Noise, keep: torch.Tensor | None = None) -> ModelInput:
-        z_t, t = self.mask(tokens, noise, keep)
+    def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
+        z_t, t = self.mask(tokens, noise, prompt)
         b, s = tokens.shape
         return ModelInput(
             input_ids=z_t, position_ids=torch.arange(s).expand(b, s), sigma=torch.zeros(b),
-            targets=tokens, valid=torch.ones(b, s), t=t.float(),
+            targets=tokens, valid=response_positions(tokens, prompt), t=t.float(),
         )
 
     def _masked_nll(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

@@ -51,11 +51,18 @@ class BatchSchedule:
         rows = ids - self.data_offset
         if int(rows[-1]) >= len(self.dataset):
             raise IndexError(f"sample {int(rows[-1])} requested but the dataset holds {len(self.dataset)}")
-        tokens = torch.from_numpy(np.stack([self.dataset[int(i)] for i in rows]).astype(np.int64))
+        prompt = None
+        if getattr(self.dataset, "prompt_mask", False):  # SFT samples: (tokens, prompt mask)
+            pairs = [self.dataset.sample(int(i)) for i in rows]
+            tokens = torch.from_numpy(np.stack([p[0] for p in pairs]).astype(np.int64))
+            prompt = torch.from_numpy(np.stack([p[1] for p in pairs]))
+        else:
+            tokens = torch.from_numpy(np.stack([self.dataset[int(i)] for i in rows]).astype(np.int64))
         extra = int(self.family.extra_token)
-        tokens = tokens[:, :self.cut_length(start, tokens.shape[1] - extra) + extra]
+        cut = self.cut_length(start, tokens.shape[1] - extra) + extra
+        tokens, prompt = tokens[:, :cut], None if prompt is None else prompt[:, :cut]
         noise = Noise(self.seed, ids, strata=ids - consumed, num_strata=self.gbs)
-        return self.family.corrupt(tokens, noise).to(platform.device())
+        return self.family.corrupt(tokens, noise, prompt).to(platform.device())
 
     def iteration(self, consumed: int) -> Iterator[ModelInput]:
         return (self.micro_batch(consumed, m) for m in range(self.num_microbatches))

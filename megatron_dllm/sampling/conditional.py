@@ -1,0 +1,114 @@
+"""Conditional generation: a response to one prompt, for every family, the prompt never altered.
+
+    from megatron_dllm.sampling.loading import load_inference_model
+    from megatron_dllm.sampling.conditional import generate_left_to_right, generate_native
+
+    inf = load_inference_model("runs/sft/checkpoints")
+    ids = generate_left_to_right(inf, inf.tokenizer.tokenize("Question: ...\\n"), max_new_tokens=200)
+    text = inf.tokenizer.detokenize(ids)
+
+Two protocols, both returning the generated ids only (no prompt), cut after the first EOS (the
+EOS included; nothing after it), so `len(ids)` is what batch-1 throughput counts:
+  - `generate_left_to_right`: one token per model call, in sequence order (the paper's GSM8K
+    protocol for every family). AR: next-token sampling with its KV cache. MDLM: the canvas is
+    the prompt then [MASK] up to the context, the leftmost mask is filled each step. Duo: the
+    canvas is the prompt then uniform noise, position by position denoised with
+    alpha = the clean fraction. Eso-LM: causal decoding in sequence order with its KV cache (the
+    prompt first, in order, exactly as SFT trains it). Generation stops at EOS or after
+    `max_new_tokens`.
+  - `generate_native`: the family's own sampler (MDLM/Duo ancestral over `steps` steps, Eso-LM
+    ancestral with its KV cache, AR = left to right) on a canvas of `max_new_tokens` positions
+    after the prompt, which is held fixed; the result is cut at its first EOS.
+The canvas of the diffusion families is prompt + `max_new_tokens` (default: up to the model's
+training context, as SFT rows are EOS-padded to it). `greedy=True` (default) takes the most
+likely token (the top-p nucleus of one id); otherwise `temperature`/`top_p` sampling seeded by
+`seed`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megatron_dllm.families.base import seed_for
+from megatron_dllm.sampling.config import SamplingConfig
+from megatron_dllm.sampling.esolm import EsoLMSampler
+from megatron_dllm.sampling.registry import get_sampler
+
+GREEDY_TOP_P = 1e-12  # the nucleus keeps at least one id: a vanishing top-p keeps exactly the argmax
+
+
+def _canvas_length(inf, prompt_len: int, max_new_tokens: int | None) -> int:
+    if prompt_len < 1:
+        raise ValueError("conditional generation needs a prompt of at least one token")
+    room = inf.seq_length - prompt_len
+    if room < 1:
+        raise ValueError(f"the prompt is {prompt_len} tokens; the model's context is {inf.seq_length}, "
+                         f"which leaves no room to generate")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens}: must be >= 1")
+    return prompt_len + min(room, max_new_tokens or room)
+
+
+def _cut_at_eos(row: list[int], eos_id: int | None) -> list[int]:
+    if eos_id is not None and eos_id in row:
+        return row[:row.index(eos_id) + 1]
+    return row
+
+
+class _PromptInOrderEsoLM(EsoLMSampler):
+    """Eso-LM's sampler with the prompt attended in sequence order (as SFT trains it)."""
+
+    def plan(self, b, p, generator, device):
+        order, counts = super().plan(b, p, generator, device)
+        order[:, :p] = torch.arange(p, device=device)
+        return order, counts
+
+
+def _run(inf, prompt_ids: Sequence[int], cfg: SamplingConfig, seed: int) -> list[int]:
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=inf.device)[None, :]
+    if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
+                           or bool((prompt == inf.mask_id).any())):
+        raise ValueError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
+    sampler = get_sampler(inf, cfg)
+    if isinstance(sampler, EsoLMSampler):
+        sampler = _PromptInOrderEsoLM(sampler.family, inf, cfg)
+    if sampler.eos_id is None and cfg.predictor == "left-to-right":
+        raise ValueError("no EOS id: give eos_id or load the model with its tokenizer")
+    generator = torch.Generator(device=inf.device).manual_seed(seed_for("conditional", seed))
+    with torch.inference_mode():
+        out = sampler.sample(prompt, generator)[0].tolist()
+    return _cut_at_eos(out[prompt.shape[1]:], sampler.eos_id)
+
+
+def _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, **kw) -> SamplingConfig:
+    return SamplingConfig(seq_length=_canvas_length(inf, len(prompt_ids), max_new_tokens), eos_id=eos_id,
+                          temperature=1.0 if greedy else temperature, top_p=GREEDY_TOP_P if greedy else top_p,
+                          stop_at_eos=True, **kw)
+
+
+def generate_left_to_right(inf, prompt_ids: Sequence[int], max_new_tokens: int | None = None,
+                           eos_id: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
+                           top_p: float = 1.0, seed: int = 0) -> list[int]:
+    """The response to `prompt_ids`, generated left to right one token per model call.
+
+    inf: an `InferenceModel` (`sampling.loading.load_inference_model`: a megatron checkpoint or an
+        HF export; it carries the model, its family, [MASK] id and context length).
+    prompt_ids: the prompt's token ids (at least one; never altered).
+    max_new_tokens: at most this many new tokens (default and cap: the context left after the prompt).
+    eos_id: stop token (default: the tokenizer's EOD).
+    Returns the generated ids, ending with EOS when one was generated (nothing after it).
+    """
+    cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor="left-to-right")
+    return _run(inf, prompt_ids, cfg, seed)
+
+
+def generate_native(inf, prompt_ids: Sequence[int], max_new_tokens: int | None = None, eos_id: int | None = None,
+                    *, steps: int = 64, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                    seed: int = 0) -> list[int]:
+    """The response to `prompt_ids` from the family's own sampler (`steps` denoising steps; AR is
+    left to right), the prompt held fixed; cut after the first EOS. Arguments as
+    `generate_left_to_right`."""
+    cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor="ancestral",
+                  steps=steps)
+    return _run(inf, prompt_ids, cfg, seed)

@@ -1,0 +1,86 @@
+"""GSM8K scoring (megatron_dllm/evaluation/gsm8k.py): answer extraction on tricky strings, the three
+input formats and the shipped test set, and the accounting of accuracy and throughput."""
+import json
+
+import pytest
+from test_sampling import MASK, V, random_model
+
+from megatron_dllm.evaluation import gsm8k
+from megatron_dllm.sampling import InferenceModel
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("so 3 + 4 = 7\n#### 7", "7"),
+    ("#### 1,234", "1234"),
+    ("She makes $18.\n#### $18", "18"),
+    ("#### -5", "-5"),
+    ("####-3", "-3"),
+    ("#### 18.00", "18"),
+    ("#### 0.50", "0.5"),
+    ("#### -0", "0"),
+    ("#### $1,000.00.", "1000"),
+    ("#### 5 dollars", "5"),
+    ("first #### 7 then #### 8", "8"),
+    ("#### 12\n#### 13\nQuestion: next", "13"),
+    ("#### 72\nQuestion: how many #### is 4?", "4"),
+    ("#### twelve", "twelve"),
+    ("the answer is 42", None),
+    ("####", None),
+])
+def test_extract_answer(text, answer):
+    assert gsm8k.extract_answer(text) == answer
+
+
+def test_shipped_test_set():
+    problems = gsm8k.load_problems()
+    assert len(problems) == 1319
+    assert problems[0].question.startswith("Janet") and problems[0].gold == "18"
+    assert all(p.gold is not None for p in problems)
+
+
+def test_input_formats_and_errors(tmp_path):
+    std = tmp_path / "test.jsonl"
+    std.write_text(json.dumps({"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n"
+                   + json.dumps({"doc": {"question": "Q2?", "answer": "#### 1,500"}}) + "\n")
+    assert [(p.question, p.gold) for p in gsm8k.load_problems(str(std))] == [("Q1?", "2"), ("Q2?", "1500")]
+    deng = tmp_path / "test.txt"
+    deng.write_text("How many?||3 + 4 = 7 #### 7\n")
+    assert [(p.question, p.gold) for p in gsm8k.load_problems(str(deng))] == [("How many?", "7")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "Q?", "answer": "no final answer"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: the reference solution has no"):
+        gsm8k.load_problems(str(bad))
+
+
+class DigitTokenizer:
+    """ids 1..10 = '0'..'9', 11 = '#', 12 = ' ', 13 = '\\n', 14.. = other characters; EOS 0."""
+
+    eod = 0
+    chars = "0123456789# \nQuestion:?"
+
+    def tokenize(self, text):
+        return [self.chars.index(c) + 1 for c in text if c in self.chars]
+
+    def detokenize(self, ids):
+        return "".join(self.chars[i - 1] for i in ids if 0 < i <= len(self.chars))
+
+
+def test_accuracy_and_throughput_accounting(tmp_path):
+    tok = DigitTokenizer()
+    inf = InferenceModel(random_model("mdlm", length=48), "mdlm", MASK, V, 48, tok, "hf")
+    problems = [gsm8k.Problem(i, f"{i}?", str(i), f"#### {i}") for i in range(2)]
+    out = tmp_path / "pred.jsonl"
+    result = gsm8k.evaluate_gsm8k(inf, problems, max_new_tokens=8, predictions=str(out))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == [0, 1]
+    assert result["generated_tokens"] == sum(r["generated_tokens"] for r in records)
+    assert all(1 <= r["generated_tokens"] <= 8 for r in records)
+    assert result["correct"] == sum(r["correct"] for r in records)
+    assert all(r["correct"] == (r["extracted"] == r["gold"]) for r in records)
+    assert result["throughput_tokens_per_s"] == pytest.approx(result["generated_tokens"] / result["generation_seconds"])
+    assert records[0]["prompt"] == "Question: 0?\n"
+    # the model's own greedy generation, decoded, is what was scored
+    from megatron_dllm.sampling.conditional import generate_left_to_right
+
+    again = generate_left_to_right(inf, tok.tokenize("Question: 1?\n"), 8, 0)
+    assert records[1]["generation"] == tok.detokenize([i for i in again if i != 0])

@@ -1,0 +1,114 @@
+"""SFT data: rendering of the three input formats, rows (EOS padding, packing, dropped examples),
+the prompt mask and its validation, and the epoch order of SFT samples."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_dllm.data import sft
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_cache):
+    from megatron_dllm.data.tokenizers import build_tokenizer
+
+    return build_tokenizer("SentencePieceTokenizer", os.path.join(demo_cache, "shakespeare_bpe4096.model"))
+
+
+def _write(path, lines):
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_renderings():
+    assert sft.render_deng("How many?||3 + 4 = 7 #### 7") == ("Question: How many?\n", "Answer: 3 + 4 = 7\n#### 7")
+    prompt, response = sft.render_messages([{"role": "system", "content": "be brief"},
+                                            {"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello"}])
+    assert prompt == "System: be brief\nUser: hi\nAssistant: " and response == "hello"
+    with pytest.raises(ValueError, match="assistant"):
+        sft.render_messages([{"role": "user", "content": "hi"}])
+
+
+def test_rows_pad_with_eos_and_drop_long_examples():
+    stats = sft.SFTStats()
+    rows = list(sft.build_rows([([1, 2], [3]), ([1] * 5, [2] * 5), ([7], [8, 9])], 6, eos_id=0,
+                               packing=False, stats=stats))
+    assert [r.tolist() for r, _ in rows] == [[1, 2, 3, 0, 0, 0], [7, 8, 9, 0, 0, 0]]
+    assert [m.tolist() for _, m in rows] == [[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
+    assert (stats.examples, stats.dropped_too_long, stats.rows, stats.padding_tokens) == (3, 1, 2, 4)
+    # an example of exactly seq_length tokens (its EOS included) fits
+    assert len(list(sft.build_rows([([1, 2], [3, 4, 5])], 6, 0, False, sft.SFTStats()))) == 1
+
+
+def test_packing_keeps_examples_whole():
+    stats = sft.SFTStats()
+    rows = list(sft.build_rows([([1], [2]), ([3], [4]), ([5, 5], [6, 6])], 7, eos_id=0, packing=True, stats=stats))
+    assert [r.tolist() for r, _ in rows] == [[1, 2, 0, 3, 4, 0, 0], [5, 5, 6, 6, 0, 0, 0]]
+    assert [m.tolist() for _, m in rows] == [[1, 0, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0]]
+
+
+def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "Question: 2+3?\n", "response": "5"}),
+                                      json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "hello"}]}),
+                                      json.dumps({"prompt": "x", "response": "word " * 100})])
+    d = _write(tmp_path / "d.txt", ["A has 3||3 + 4 = 7 #### 7"])
+    prefix = str(tmp_path / "sft")
+    stats = sft.preprocess_sft([a, d], prefix, tokenizer, 48)
+    assert (stats.examples, stats.dropped_too_long, stats.rows) == (4, 1, 3)
+    meta = sft.validate_sft_dataset(prefix)
+    assert meta["seq_length"] == 48 and meta["rows"] == 3
+    rows = sft.SFTRows(prefix)
+    tokens, mask = rows.row(2)  # the Deng example
+    prompt = tokenizer.tokenize("Question: A has 3\n")
+    response = tokenizer.tokenize("Answer: 3 + 4 = 7\n#### 7") + [tokenizer.eod]
+    n = len(prompt) + len(response)
+    assert tokens.tolist() == prompt + response + [tokenizer.eod] * (48 - n)
+    assert mask.tolist() == [True] * len(prompt) + [False] * (48 - len(prompt))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # nothing left half-written
+
+
+def test_validation_catches_a_bad_mask(tmp_path, tokenizer, capsys):
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"})] * 3)
+    prefix = str(tmp_path / "sft")
+    sft.preprocess_sft([a], prefix, tokenizer, 16)
+    with open(sft.mask_prefix(prefix) + ".bin", "r+b") as f:  # a row that is all prompt
+        f.write(bytes([1] * 16))
+    with pytest.raises(ValueError, match="row 0 has no response token"):
+        sft.validate_sft_dataset(prefix)
+    from megatron_dllm.cli.inspect_dataset import main
+
+    assert main([prefix, "--verify"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {sft.mask_prefix(prefix)}.bin: row 0 has no response token"]
+
+
+def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo_cache, capsys):
+    from megatron_dllm.cli.preprocess_sft import main
+
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"}), json.dumps({"prompt": 3})])
+    assert main(["--input", a, "--output-prefix", str(tmp_path / "out"), "--seq-length", "16",
+                 "--tokenizer-type", "SentencePieceTokenizer",
+                 "--tokenizer-model", os.path.join(demo_cache, "shakespeare_bpe4096.model")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {a}:2: expected string fields 'prompt' and 'response', or 'messages'"]
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
+
+
+def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer):
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(10)])
+    prefix = str(tmp_path / "sft")
+    sft.preprocess_sft([a], prefix, tokenizer, 16)
+    rows = sft.SFTRows(prefix)
+    train = sft.SFTSamples(rows, 0, 8, seed=5, extra_token=True)
+    epoch = lambda e: sorted(tuple(train.sample(e * 8 + j)[0][:-1]) for j in range(8))  # noqa: E731
+    assert epoch(0) == epoch(1) == sorted(tuple(rows.row(i)[0]) for i in range(8))
+    assert [train.sample(j)[0].tolist() for j in range(8)] != [train.sample(8 + j)[0].tolist() for j in range(8)]
+    again = sft.SFTSamples(rows, 0, 8, seed=5, extra_token=True)
+    assert all(np.array_equal(again.sample(i)[0], train.sample(i)[0]) for i in range(20))
+    tokens, mask = train.sample(3)
+    assert len(tokens) == 17 and tokens[-1] == tokenizer.eod and not mask[-1]
+    assert sft.split_rows(100, "90,10,0") == ((0, 90), (90, 100))
