@@ -15,9 +15,7 @@ checkpoints are pickles: load only ones you trust. Bad input: one `error: ...` l
 """
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
@@ -97,29 +95,18 @@ def convert(args) -> int:
 
 def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
     """The HF export, staged beside --hf-out and renamed into place when complete."""
-    from megatron_dllm.checkpoint import layout
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.hf import export
 
     out = os.path.normpath(args.hf_out)
     if os.path.exists(out) and not args.overwrite:
         raise ValueError(f"--hf-out {args.hf_out} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
-    try:
-        config = export.hf_config_dict(identity, FAMILIES[identity.family].attention, max_length)
-        export.write_hf_dir(staging, hf_state, config)
+    with export.staged_export(out) as staging:
+        export.write_hf_dir(staging, hf_state,
+                            export.hf_config_dict(identity, FAMILIES[identity.family].attention, max_length))
         if args.tokenizer_model:
-            export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model,
-                                    identity.vocab_size, identity.mask_id, TokenizerConfig.from_args(args).options())
-        for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
-            os.chmod(base, 0o755)
-            for name in files:
-                os.chmod(os.path.join(base, name), 0o644)
-        layout.publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
+            export.export_tokenizer(staging, args.tokenizer_type, args.tokenizer_model, identity.vocab_size,
+                                    identity.mask_id, TokenizerConfig.from_args(args).options())
     print(f"wrote {args.hf_out} ({identity.family}, {len(hf_state)} tensors, {args.weights} weights"
           f"{', tokenizer' if args.tokenizer_model else ''})")
     return 0

@@ -14,9 +14,7 @@ The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModel
 """
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 from megatron_dllm.cli import fail
 from megatron_dllm.config.data import TokenizerConfig
@@ -41,13 +39,9 @@ def main(argv=None):
         return fail(f"--out {args.out} already exists; pass --overwrite to replace it")
 
     from megatron_dllm import platform
-    from megatron_dllm.checkpoint import layout
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
     try:
         platform.init_distributed(1, 1)
         model, identity, common, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
@@ -57,20 +51,13 @@ def main(argv=None):
             check_tokenizer(common.get("tokenizer"), args.tokenizer_model, args.load)
             tokenizer = recorded_tokenizer_config(common.get("tokenizer"), TokenizerConfig.from_args(args))
         hf_state = export.megatron_to_hf(model.state_dict(), identity.num_attention_heads, identity.vocab_size)
-        config = export.hf_config_dict(identity, arch.attention, arch.seq_length)
-        export.write_hf_dir(staging, hf_state, config)
-        if tokenizer is not None:
-            export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
-                                    identity.vocab_size, identity.mask_id, tokenizer.options())
-        for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
-            os.chmod(base, 0o755)
-            for name in files:
-                os.chmod(os.path.join(base, name), 0o644)
-        layout.publish(staging, out)
+        with export.staged_export(out) as staging:
+            export.write_hf_dir(staging, hf_state, export.hf_config_dict(identity, arch.attention, arch.seq_length))
+            if tokenizer is not None:
+                export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
+                                        identity.vocab_size, identity.mask_id, tokenizer.options())
     except (ValueError, OSError) as err:
         return fail(str(err))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     print(f"wrote {args.out} ({identity.family}, {len(hf_state)} tensors"
           f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")
     return 0

@@ -9,12 +9,15 @@ loading and the tests all convert through it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 
+from megatron_dllm.checkpoint import layout
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.families.schedules import LogLinear
@@ -222,6 +225,25 @@ def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
         gen = {"use_cache": False, "do_sample": False}
         with open(os.path.join(out, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)
+
+
+@contextlib.contextmanager
+def staged_export(out: str):
+    """Yield a directory beside `out` to write an export into. When the block completes it becomes
+    `out` (replacing an earlier export whole), world-readable; on an error it is removed, so a
+    partial export never stands under the final name."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
+    try:
+        yield staging
+        for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private
+            os.chmod(base, 0o755)
+            for name in files:
+                os.chmod(os.path.join(base, name), 0o644)
+        layout.publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
 
 
 def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int,
