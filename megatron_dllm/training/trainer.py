@@ -306,9 +306,17 @@ class Trainer:
         """After a save is complete (renamed into place and tracked): log it, apply retention."""
         self.logger.info(f"saved checkpoint {path}")
         ckpt = self.cfg.checkpoint
+        if not self.config_beside_checkpoints:
+            self.config_beside_checkpoints = True
+            self._write_resolved_config(ckpt.save)
         if ckpt.keep_last_n_checkpoints:
             checkpoint.store.apply_retention(ckpt.save, ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
                                              log=self.logger.info)
+
+    def _write_resolved_config(self, directory: str | None) -> None:
+        if directory and self.logger.active:
+            for path in write_resolved(self.cfg, [directory], dist.get_world_size()):
+                self.logger.info(f"wrote the resolved configuration {path}")
 
     def _wait_for_saves(self) -> None:
         if self.async_queue is not None:
@@ -328,9 +336,10 @@ class Trainer:
         self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         self.peak_flops, peak_source = observability.peak_flops(log.peak_flops, cfg.precision.fp8_format is not None)
         self.logger.info(f"MFU against {peak_source}")
-        if self.logger.active:
-            for path in write_resolved(cfg, [cfg.checkpoint.save, log.tensorboard_dir], dist.get_world_size()):
-                self.logger.info(f"wrote the resolved configuration {path}")
+        # Beside the logs now; beside the checkpoints with the first save, so a run that only loads,
+        # evaluates or fails leaves --save as it found it (the run that saved there keeps its record).
+        self.config_beside_checkpoints = False
+        self._write_resolved_config(log.tensorboard_dir)
         if log.wandb_project:
             if importlib.util.find_spec("wandb") is None:  # checked on every rank: none waits for another
                 raise ValueError("--wandb-project needs the wandb package (pip install -e '.[wandb]')")
