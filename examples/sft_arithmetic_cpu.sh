@@ -7,10 +7,10 @@ set -euo pipefail
 OUT=${OUT:-runs/sft-demo}
 DEMO=${DEMO_CACHE:-$HOME/.cache/megatron_dllm/demo}
 TOK=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO/shakespeare_bpe4096.model")
-EPOCHS=${EPOCHS:-10}
+EPOCHS=${EPOCHS:-40}
 LIMIT=${LIMIT:-100}
 NPROC=${NPROC:-2}
-LR=${LR:-1e-3}
+LR=${LR:-2e-3}
 MIN_LR=${MIN_LR:-1e-4}
 families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(ar mdlm)
