@@ -2,33 +2,36 @@
 # The CPU fine-tuning demonstration (docs/sft.md): pretrain on the Shakespeare demo corpus, score a
 # synthetic arithmetic task (held-out problems), fine-tune with --sft, score again. Not GSM8K: the
 # task only exercises the same commands (its test split is in GSM8K's JSONL format).
-#   bash examples/sft_arithmetic_cpu.sh [families...]     (default: ar mdlm; 2 ranks on 2 cores)
+#   bash examples/sft_arithmetic_cpu.sh [families...]     (default: ar mdlm; NPROC ranks, default 2)
 set -euo pipefail
 OUT=${OUT:-runs/sft-demo}
 DEMO=${DEMO_CACHE:-$HOME/.cache/megatron_dllm/demo}
 TOK=(--tokenizer-type SentencePieceTokenizer --tokenizer-model "$DEMO/shakespeare_bpe4096.model")
-EPOCHS=${EPOCHS:-10}
+EPOCHS=${EPOCHS:-40}
 LIMIT=${LIMIT:-100}
+NPROC=${NPROC:-2}
+LR=${LR:-2e-3}
+MIN_LR=${MIN_LR:-1e-4}
 families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(ar mdlm)
 mkdir -p "$OUT"
 stamp() { date +%s; }
-[ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.arithmetic "$OUT/task"   # 900 train / 100 test
+[ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.arithmetic "$OUT/task"   # 900 train / 100 test, column steps
 for family in "${families[@]}"; do
   run="$OUT/$family"
   t0=$(stamp)
   [ -f "$run/pretrained/latest_checkpointed_iteration.txt" ] || \
-    torchrun --nproc-per-node 2 pretrain_dllm.py --family "$family" --demo-cache-dir "$DEMO" \
+    torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --family "$family" --demo-cache-dir "$DEMO" \
       --save "$run/pretrained" --tensorboard-dir "$run/tb-pretrain"
   t1=$(stamp)
   [ -f "$OUT/task/train_sft.idx" ] || python tools/preprocess_sft_data.py --input "$OUT/task/train.txt" \
     --output-prefix "$OUT/task/train_sft" --seq-length 48 "${TOK[@]}"
-  python tools/evaluate.py gsm8k --load "$run/pretrained" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
+  [ -f "$run/before.json" ] || python tools/evaluate.py gsm8k --load "$run/pretrained" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
     --max-new-tokens 32 --output "$run/before.json" --predictions "$run/before.jsonl"
   t2=$(stamp)
-  torchrun --nproc-per-node 2 pretrain_dllm.py --sft --family "$family" --load "$run/pretrained" --finetune \
+  torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --sft --family "$family" --load "$run/pretrained" --finetune \
     --data-path "$OUT/task/train_sft" --split 98,2,0 "${TOK[@]}" --preset cpu-small --seq-length 48 \
-    --micro-batch-size 16 --global-batch-size 32 --train-epochs "$EPOCHS" --lr 1e-3 --min-lr 1e-4 \
+    --micro-batch-size 16 --global-batch-size 32 --train-epochs "$EPOCHS" --lr "$LR" --min-lr "$MIN_LR" \
     --lr-warmup-fraction 0.01 --eval-interval 50 --eval-iters 1 --log-interval 25 \
     --save "$run/sft" --tensorboard-dir "$run/tb-sft" --metrics-file "$run/sft-metrics.jsonl"
   t3=$(stamp)

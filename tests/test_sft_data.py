@@ -112,3 +112,24 @@ def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer)
     tokens, mask = train.sample(3)
     assert len(tokens) == 17 and tokens[-1] == tokenizer.eod and not mask[-1]
     assert sft.split_rows(100, "90,10,0") == ((0, 90), (90, 100))
+
+
+def test_arithmetic_task_steps_are_right_and_test_pairs_held_out(tmp_path):
+    from megatron_dllm.data.arithmetic import column_steps, write_task
+
+    assert column_steps(47, 8) == "7+8=15, 4+1=5" and column_steps(97, 5) == "7+5=12, 9+1=10"
+    assert column_steps(3, 4) == "3+4=7, 0+0=0" and column_steps(999, 1) == "9+1=10, 9+1=10, 9+1=10"
+    for a, b in [(a, b) for a in range(0, 1000, 7) for b in range(0, 100, 3)]:
+        # the answer is read off the steps: the last column's sum, then each earlier column's units digit
+        sums = [step.split("=")[1] for step in column_steps(a, b).split(", ")]
+        assert int(sums[-1] + "".join(s[-1] for s in reversed(sums[:-1]))) == a + b
+    task = write_task(str(tmp_path), max_operand=100, max_second=10, test_size=100)
+    train = [line.split("||")[0] for line in open(task["train"])]
+    test = [json.loads(line) for line in open(task["test"])]
+    assert len(train) == 900 and len(test) == 100 and not {t["question"] for t in test} & set(train)
+    assert len(set(train)) == 900
+    for record in test:  # "What is a plus b?" -> "...\n#### a+b"
+        a, b = record["question"][len("What is "):-1].split(" plus ")
+        assert record["answer"] == f"{column_steps(int(a), int(b))}\n#### {int(a) + int(b)}"
+    with pytest.raises(ValueError, match="--reasoning"):
+        write_task(str(tmp_path), reasoning="digits")
