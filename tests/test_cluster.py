@@ -155,7 +155,6 @@ def _wandb_records(path):
 
 
 def test_a_wandb_offline_run_holds_the_scalars_and_the_resolved_config(full):
-    pytest.importorskip("wandb")  # an optional extra: `pip install -e ".[wandb]"`
     work, _, records = full
     (path,) = glob.glob(str(work / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, config = {}, {}

@@ -102,8 +102,7 @@ def test_auto_dispatch_and_autograd():
 @pytest.mark.parametrize("L", [1, 7, 128, 2048, 4096])
 @pytest.mark.parametrize("B", [1, 8])
 def test_cuda_matches_torch_bit_for_bit(B, L, pattern, dtype):
-    if not S.HAVE_CUDA:
-        pytest.skip("megatron_dllm._esolm_shuffle_cuda is not built")
+    assert S.HAVE_CUDA, "megatron_dllm._esolm_shuffle_cuda is not built (python setup.py build_ext --inplace)"
     mask, u, z, x0, pos = _case(pattern, B, L, dtype)
     want = S.shuffle(mask, u, z, x0, pos, backend="torch")
     got = S.shuffle(mask.cuda(), u.cuda(), z.cuda(), x0.cuda(), pos.cuda(), backend="cuda")

