@@ -97,7 +97,7 @@ class MegatronDLLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out = []
-        step = max(1, self.estimator.batch_size if self.inf.family == "ar" else 1)
+        step = max(1, self.estimator.batch_size if self.estimator.family.next_token else 1)
         with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood") as bar:
             for first in range(0, len(requests), step):
                 chunk = requests[first:first + step]
