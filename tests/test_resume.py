@@ -174,12 +174,14 @@ def test_checkpoints_reshard_between_tp2_and_pp2(full, demo_cache, tmp_path):
     assert _valid(back, 8) == pytest.approx(_valid(records, 8), rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["ar", "mdlm", "duo", "esolm"])
+@pytest.mark.parametrize("family", ["duo", "esolm"])
 def test_sigkill_mid_training_at_tp2_pp2_resumes_exactly(family, demo_cache, tmp_path):
-    """Every family at TP=2 x PP=2 (4 ranks): SIGKILL between checkpoints, restart the same
-    command, and the iterations the killed run had already done come out bit-identical (same data
-    order, noise and optimizer state). The RNG states are not restored (--no-load-rng) for one
-    family: the noise is a function of (seed, sample), not of the generators' state."""
+    """TP=2 x PP=2 (4 ranks): SIGKILL between checkpoints, restart the same command, and the
+    iterations the killed run had already done come out bit-identical (same data order, noise and
+    optimizer state). Duo (uniform noise, RNG states not restored: --no-load-rng, since the noise
+    is a function of (seed, sample), not of the generators' state) and Eso-LM (a shuffled order
+    per sample); MDLM's resume is covered by the kill during a save and by the chaos soak, and AR
+    draws no noise."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     no_rng = ["--no-load-rng"] if family == "duo" else []
     flags = ["--demo-cache-dir", demo_cache, "--family", family, *BASE, *TP2, *PP2, "--train-iters", "6",
