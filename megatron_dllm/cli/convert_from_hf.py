@@ -15,11 +15,11 @@ import shutil
 import sys
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
     parser.add_argument("--save", required=True, help="checkpoint root to write")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
