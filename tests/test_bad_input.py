@@ -79,3 +79,101 @@ def test_refresh_constraints_help_prints_help_and_changes_nothing(tmp_path, caps
     assert exit_.value.code == 0 and not started
     assert "usage:" in capsys.readouterr().out
     assert (tmp_path / "constraints.txt").read_text() == "torch==2.13.0\n"
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-2"])
+def test_evaluate_downstream_limit_must_be_a_positive_finite_number_at_parse_time(value, capsys, monkeypatch):
+    from megatron_dllm.cli import evaluate
+
+    loaded = []
+    monkeypatch.setattr(evaluate, "_check_load", loaded.append)  # nothing past parsing may run
+    code = evaluate.main(["downstream", "--load", "ckpt", "--tasks", "piqa", "--limit", value])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert code == 2 and not loaded
+    assert line.startswith("error: ") and "argument --limit: expected a positive finite number" in line
+
+
+def _yaml(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+def _one_error(capsys, call) -> str:
+    """The one stderr line of `call()`, which must end with exit code 2."""
+    try:
+        code = call()
+    except SystemExit as exit_:
+        code = exit_.code
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"launch:\n  world-size: 2\npreset: \xff\xfe cpu\n", ":3: not UTF-8 text"),
+    ("launch: 4\n", "launch: expected a mapping such as `launch: {world-size: 2}`, got int"),
+    ("launch: [2]\n", "launch: expected a mapping such as `launch: {world-size: 2}`, got list"),
+    ("- launch\n", "expected a mapping of flag names to values, found list"),
+    ("launch:\n  world-size: 0\n", ":2: launch: world-size must be a positive integer, got 0"),
+    ("launch:\n  world-size: -2\n", ":2: launch: world-size must be a positive integer, got -2"),
+    ("launch:\n  world-size: 2.5\n", ":2: launch: world-size must be a positive integer, got 2.5"),
+    ("launch:\n  world-size: two\n", ":2: launch: world-size must be a positive integer, got 'two'"),
+    ("launch:\n  world-size: true\n", ":2: launch: world-size must be a positive integer, got True"),
+    ("launch:\n  world-size: [\n", ":3: not valid YAML"),
+])
+def test_relaunch_refuses_a_bad_configuration_in_one_line_naming_the_file(tmp_path, capsys, text, message):
+    from megatron_dllm.cli import relaunch
+
+    path = _yaml(tmp_path, text)
+    line = _one_error(capsys, lambda: relaunch.main([path, "--dry-run"]))
+    assert line.startswith(f"error: {path}") and message in line, line
+
+
+def test_relaunch_refuses_a_bad_nproc_per_node(tmp_path, capsys):
+    from megatron_dllm.cli import relaunch
+
+    path = _yaml(tmp_path, "launch:\n  world-size: 2\n")
+    line = _one_error(capsys, lambda: relaunch.main([path, "--dry-run", "--nproc-per-node", "0"]))
+    assert "argument --nproc-per-node: expected a positive integer, got 0" in line
+
+
+def test_a_yaml_scalar_for_a_multi_value_flag_is_one_value(tmp_path):
+    from megatron_dllm.config import parse_args
+
+    path = _yaml(tmp_path, 'data-path: "my corpus/file_text_document"\nprofile-ranks: 3\n'
+                           "tokenizer-type: SentencePieceTokenizer\ntokenizer-model: t.model\n")
+    cfg = parse_args(["--yaml-cfg", path])
+    assert cfg.data.data_path == ["my corpus/file_text_document"] and cfg.logging.profile_ranks == [3]
+    listed = _yaml(tmp_path, "data-path: [0.7, /d/a, 0.3, /d/b]\n", "listed.yaml")  # several: a list
+    assert parse_args(["--yaml-cfg", listed]).data.data_path == ["0.7", "/d/a", "0.3", "/d/b"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lr: 1.0e-3\noptimizer:\n  lr: 2.0e-3\n",
+     ":3: 'lr' is given twice: at the top level (line 1) and in section optimizer (line 3)"),
+    ("seq-length: 64\nmodel:\n  seq_length: 32\n",
+     ":3: 'seq_length' is given twice: at the top level (line 1) and in section model (line 3)"),
+    ("model:\n  preset: cpu-tiny\ntraining:\n  preset: cpu-small\n",
+     ":4: 'preset' is given twice: in section model (line 2) and in section training (line 4)"),
+    ("preset: cpu-tiny\npreset: cpu-small\n", ":2: 'preset' is given twice: at the top level (line 1) and at the "
+                                              "top level (line 2)"),
+    ("preset: cpu-tiny\nlr: [1, 2]\n", ":2: lr takes one value, got a list"),
+    ("model:\n  preset: cpu-tiny\n  no-such-flag: 1\n", ":3: 'no_such_flag' is not a flag of this command"),
+    (b"preset: cpu-tiny\n# \xe9t\xe9\n", ":2: not UTF-8 text (byte 19 is 0xe9)"),
+    ("preset: [\n", ":2: not valid YAML"),
+])
+def test_a_bad_yaml_config_is_one_error_naming_the_file_and_line(tmp_path, capsys, text, message):
+    from megatron_dllm.config import parse_args
+
+    path = _yaml(tmp_path, text)
+    line = _one_error(capsys, lambda: parse_args(["--yaml-cfg", path]))
+    assert f"--yaml-cfg {path}{message}" in line, line
+
+
+def test_a_second_yaml_cfg_is_refused_naming_both(tmp_path, capsys):
+    from megatron_dllm.config import parse_args
+
+    a, b = _yaml(tmp_path, "preset: cpu-tiny\n", "a.yaml"), _yaml(tmp_path, "lr: 1.0e-3\n", "b.yaml")
+    line = _one_error(capsys, lambda: parse_args(["--yaml-cfg", a, "--yaml-cfg=" + b]))
+    assert f"--yaml-cfg given 2 times ({a}, {b}); give one file" in line
