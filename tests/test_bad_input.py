@@ -177,3 +177,23 @@ def test_a_second_yaml_cfg_is_refused_naming_both(tmp_path, capsys):
     a, b = _yaml(tmp_path, "preset: cpu-tiny\n", "a.yaml"), _yaml(tmp_path, "lr: 1.0e-3\n", "b.yaml")
     line = _one_error(capsys, lambda: parse_args(["--yaml-cfg", a, "--yaml-cfg=" + b]))
     assert f"--yaml-cfg given 2 times ({a}, {b}); give one file" in line
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe\x00binary", ": not UTF-8 text (byte 0 is 0xff, line 1)"),
+    (b"[1, 2]\n", ": expected a JSON object of settings, found list"),
+    (b'{"model_type": "dllm",\n "family": }\n', ": not valid JSON (Expecting value at line 2, column 12)"),
+    (b'{"model_type": "llama"}\n', ": model_type 'llama', expected 'dllm'"),
+])
+@pytest.mark.parametrize("command", ["tools/convert_from_hf.py", "tools/sample.py"])
+def test_a_bad_config_json_is_one_error_naming_the_file_and_line(tmp_path, capsys, monkeypatch, command, content,
+                                                                 message):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_bytes(content)
+    (hf / "model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--hf", str(hf), "--save", str(tmp_path / "ckpt")] if "convert" in command else ["--load", str(hf)]
+    line = _one_error(capsys, lambda: _run(command, argv))
+    assert f"{argv[0]} {hf / 'config.json'}{message}" in line, line
+    assert not (tmp_path / "ckpt").exists()

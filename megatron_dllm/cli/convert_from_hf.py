@@ -9,7 +9,6 @@ the checkpoints there once the new one is complete (other files are left alone).
 `error: ...` line, exit code 2.
 """
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -39,17 +38,13 @@ def _read_hf(hf: str):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from megatron_dllm.hf.config_json import read_config_json
+
     config_path, weights_path = os.path.join(hf, "config.json"), os.path.join(hf, "model.safetensors")
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
-    try:
-        with open(config_path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--hf {config_path}: not valid JSON ({err})") from None
-    if cfg.get("model_type") != "dllm":
-        raise ValueError(f"--hf {config_path}: model_type {cfg.get('model_type')!r}, expected 'dllm'")
+    cfg = read_config_json(config_path, "--hf")
     identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
     try:
         weights = load_file(weights_path)
