@@ -3,7 +3,9 @@
 The file maps flag names (`seq-length` or `seq_length`) to values, either at the top level or
 under group sections as the resolved file writes them (`model: {preset: 1.7B}`). Its values are
 turned into command-line tokens placed before the real command line, so they pass the very same
-checks, and a flag given on the command line overrides the file's.
+checks, and a flag given on the command line overrides the file's. A scalar is one value, also
+for a multi-value flag (a path may hold spaces); a flag given twice in the file, and a second
+--yaml-cfg, are refused.
 
     family: mdlm
     preset: 1.7B
@@ -40,13 +42,13 @@ class YamlFile:
     line) and a loader to turn a value node into Python. Every error names the file, and the
     line where there is one."""
 
-    def __init__(self, path: str, what: str = "--yaml-cfg"):
+    def __init__(self, path: str, what: str | None = "--yaml-cfg"):
         self.path, self.what = path, what
         try:
             with open(path, "rb") as f:
                 raw = f.read()
         except OSError as err:
-            raise ValueError(f"{what} {path}: cannot read it ({err.strerror or err})") from None
+            raise ValueError(f"{self.at(None)}: cannot read it ({err.strerror or err})") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:  # a binary file: yaml would report it without its name
@@ -95,7 +97,7 @@ class YamlFile:
         return {}
 
     def flags(self) -> dict:
-        """flag dest -> (value, where it was given), from the top level and the group sections.
+        """flag dest -> (value, its line), from the top level and the group sections.
         A flag given twice (top level and a section, or two sections) is refused, naming both."""
         out = {}
 
@@ -108,12 +110,13 @@ class YamlFile:
                     continue
                 dest = key.replace("-", "_")
                 place = f"in section {section} (line {line})" if section else f"at the top level (line {line})"
-                if dest in out:
-                    raise ValueError(f"{self.at(line)}: {key!r} is given twice: {out[dest][1]} and {place}")
-                out[dest] = (self.value(value), place, line)
+                if dest in places:
+                    raise ValueError(f"{self.at(line)}: {key!r} is given twice: {places[dest]} and {place}")
+                places[dest], out[dest] = place, (self.value(value), line)
 
+        places = {}
         walk(None, None)
-        return {dest: (value, line) for dest, (value, _, line) in out.items()}
+        return out
 
 
 def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
