@@ -12,13 +12,14 @@ from megatron_dllm.training.trainer import Trainer
 POISON = {"nan": float("nan"), "inf": float("inf"), "overflow": 1e25}  # 1e25 squared overflows float32
 
 
-@pytest.fixture(scope="module")
-def trainer(demo_cache, tmp_path_factory):
+@pytest.fixture(scope="module", params=["adam", "distributed-adam"])
+def trainer(request, demo_cache, tmp_path_factory):
     work = tmp_path_factory.mktemp("nonfinite")
     cfg = parse_args(["--demo-cache-dir", demo_cache, "--preset", "cpu-micro", "--seq-length", "32",
                       "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20",
                       "--lr-warmup-iters", "0", "--check-for-nan-in-loss-and-grad",
-                      "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")])
+                      "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")]
+                     + (["--use-distributed-optimizer"] if request.param == "distributed-adam" else []))
     try:
         yield Trainer(cfg)
     finally:
@@ -58,9 +59,9 @@ def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_leaves_the_optimi
     loss, grad_norm = trainer.train_step()
     if kind == "overflow":  # the elements were finite: only their norm is not
         assert all(torch.isfinite(b.grad_data).all() for chunk in trainer.model for b in chunk.buffers)
+    assert _bitwise_equal(_state(trainer), before)  # weights, Adam's moments and steps, the LR
     assert trainer.nonfinite.skipped == skipped + 1 and trainer.iteration == iteration + 1
     assert grad_norm is None
-    assert _bitwise_equal(_state(trainer), before)
     monkeypatch.setattr(Trainer, "_loss_func", loss_func)
     _, grad_norm = trainer.train_step()  # and the next good step steps again
     assert grad_norm is not None and grad_norm == grad_norm and trainer.nonfinite.consecutive == 0
