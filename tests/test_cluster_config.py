@@ -217,3 +217,18 @@ def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_
                                             ckpt.keep_checkpoint_interval)
     each = retention.bytes_per_checkpoint(1_780_000_000, bf16=True, ema=False)
     assert on_disk == 24 and on_disk * each < 0.7e12  # instead of 1002 checkpoints, 25 TB
+
+
+def test_exit_duration_and_interval_0_mean_off_as_in_megatron_lm():
+    cfg = parse_args(["--exit-duration-in-mins", "0", "--exit-interval", "0"])
+    exits = ExitConditions(cfg.training)  # no collective: neither condition is on
+    assert [exits.reason(i) for i in (1, 2, 100)] == [None, None, None]
+
+
+@pytest.mark.parametrize("flag, value", [("--exit-duration-in-mins", "-1"), ("--exit-duration-in-mins", "-0.5"),
+                                         ("--exit-interval", "-3")])
+def test_negative_exit_duration_or_interval_is_one_error_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and line.startswith(f"error: argument {flag}: expected ") and ">= 0" in line

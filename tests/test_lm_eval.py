@@ -115,7 +115,7 @@ def test_downstream_bad_input_is_one_error_line(exports, tmp_path, capsys):
 
     for argv, needle in ((["--tasks", "arc_easy,mmlu"], "--tasks arc_easy,mmlu: unknown task mmlu"),
                          (["--tasks", "race"], "--tasks race: RACE ships in no package; give --race-data"),
-                         (["--tasks", "piqa", "--limit", "0"], "--limit 0")):
+                         (["--tasks", "piqa", "--limit", "0"], "--limit: expected a positive finite number, got 0")):
         capsys.readouterr()
         assert evaluate.main(["downstream", "--load", exports["ar"], *argv,
                               "--output-path", str(tmp_path / "r.json")]) == 2

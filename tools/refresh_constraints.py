@@ -6,11 +6,14 @@ extra, so every fresh install (the README's commands, CI) gets the set the suite
 Run it on purpose (to take new releases), never as part of an install. It resolves from scratch
 (--ignore-installed, without the current pins) and writes every package but this one.
 """
+import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from megatron_dllm.cli import OneLineParser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH = "torch==2.13.0"  # the README's pin; its CPU build comes from the local index
@@ -18,7 +21,9 @@ HEADER = ("# Exact versions for `pip install -c constraints.txt ...` (README, .c
           "# Regenerate with `python tools/refresh_constraints.py`, then run the full test suite.\n")
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    # no flags, but --help must only print this, and a stray flag must not rewrite the pins
+    OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         env = {**os.environ, "PIP_CONSTRAINT": ""}  # resolve afresh, not from the pins being replaced

@@ -9,17 +9,16 @@ the checkpoints there once the new one is complete (other files are left alone).
 `error: ...` line, exit code 2.
 """
 import argparse
-import json
 import os
 import shutil
 import sys
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
     parser.add_argument("--save", required=True, help="checkpoint root to write")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -39,17 +38,13 @@ def _read_hf(hf: str):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from megatron_dllm.hf.config_json import read_config_json
+
     config_path, weights_path = os.path.join(hf, "config.json"), os.path.join(hf, "model.safetensors")
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
             raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
-    try:
-        with open(config_path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--hf {config_path}: not valid JSON ({err})") from None
-    if cfg.get("model_type") != "dllm":
-        raise ValueError(f"--hf {config_path}: model_type {cfg.get('model_type')!r}, expected 'dllm'")
+    cfg = read_config_json(config_path, "--hf")
     identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
     try:
         weights = load_file(weights_path)

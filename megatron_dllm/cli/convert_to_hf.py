@@ -16,12 +16,12 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory whole")

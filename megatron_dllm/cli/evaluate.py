@@ -167,8 +167,6 @@ def run_downstream(args) -> dict:
     from megatron_dllm.evaluation.offline_tasks import task_names
 
     names = task_names(args.tasks)  # before the (slow) load
-    if args.limit is not None and args.limit <= 0:
-        raise ValueError(f"--limit {args.limit}: expected a positive number (documents per task, or a fraction < 1)")
     _check_load(args.load)
     lm = MegatronDLLM(args.load, num_mc_samples=args.num_mc_samples, likelihood_mode=args.likelihood_mode,
                       batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, device=args.device,
@@ -195,7 +193,7 @@ def run_downstream(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_dllm.config.data import DataConfig, TokenizerConfig
-    from megatron_dllm.config.fields import positive_int
+    from megatron_dllm.config.fields import positive_float, positive_int
 
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -258,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "winogrande, sciq, race (needs --race-data)")
     p.add_argument("--output-path", default="downstream_results.json",
                    help="lm-eval's results JSON; the markdown table goes beside it (.md)")
-    p.add_argument("--limit", type=float, default=None, help="documents per task (< 1: a fraction), for quick runs")
+    p.add_argument("--limit", type=positive_float, default=None,
+                   help="documents per task (< 1: a fraction), for quick runs")
     p.add_argument("--num-mc-samples", type=positive_int, default=64,
                    help="diffusion families: noise draws per request (AR is exact)")
     p.add_argument("--likelihood-mode", choices=("conditional", "joint"), default="conditional",

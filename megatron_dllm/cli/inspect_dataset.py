@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
 from megatron_dllm.data.inspect import describe_dataset, verify_dataset
@@ -23,7 +23,7 @@ from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prefix", help="dataset prefix (without .bin/.idx)")
     TokenizerConfig.add_arguments(p, exclude=("vocab_size",))
     p.add_argument("--vocab-size", type=int, default=None, help="for --verify without a tokenizer; with "

@@ -21,13 +21,13 @@ without copying).
 import argparse
 import sys
 
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
 from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="dataset prefixes (without .bin/.idx) or globs over them, in merge order")
     out = p.add_mutually_exclusive_group(required=True)

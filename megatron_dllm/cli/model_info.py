@@ -3,12 +3,13 @@
 FLOPs are per sequence of --seq-length tokens in the two conventions of
 megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, attention included).
 """
-import argparse
 import json
+
+from megatron_dllm.cli import OneLineParser
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(description=__doc__)
     parser.add_argument("--preset", required=True)
     parser.add_argument("--vocab-size", type=int, default=32001,
                         help="real vocabulary including [MASK] (the paper: 32000 + 1)")

@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 
+from megatron_dllm.cli import OneLineParser
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, PRESETS
 from megatron_dllm.scaling.plan import (
     FAMILY_ORDER,
@@ -51,7 +52,7 @@ def _table(runs) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=float, nargs="+", default=list(PAPER_BUDGETS),
                         help="training FLOPs budgets (default: the paper's 6e18 1e19 3e19 6e19 1e20)")
     parser.add_argument("--families", nargs="+", default=list(FAMILY_ORDER), choices=FAMILY_ORDER)

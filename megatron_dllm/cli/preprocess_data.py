@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.preprocess import preprocess
 
@@ -38,7 +38,7 @@ def _slurm_default(name: str):
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input data")
     g.add_argument("--input", nargs="+", required=True,
                    help="JSONL (.jsonl[.gz|.zst]), Parquet (.parquet) or .txt files; globs allowed")

@@ -14,9 +14,8 @@ import os
 import subprocess
 import sys
 
-import yaml
-
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.config.fields import positive_int
 
 PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "pretrain_dllm.py")
@@ -26,7 +25,7 @@ def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
                            usage="relaunch.py CONFIG [--nproc-per-node N] [--dry-run] [-- PRETRAIN FLAGS ...]")
     parser.add_argument("config", help="a run's run_config.yaml (or any --yaml-cfg file)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
+    parser.add_argument("--nproc-per-node", type=positive_int, default=None,
                         help="ranks on this machine (default: the world size in the file's launch: section)")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -35,12 +34,12 @@ def main(argv=None) -> int:
     args.flags = argv[split + 1:]
 
     from megatron_dllm.config import parse_args
+    from megatron_dllm.config.yaml_config import YamlFile
 
     try:
-        with open(args.config) as f:
-            launch = (yaml.safe_load(f) or {}).get("launch") or {}
-    except (OSError, yaml.YAMLError, AttributeError) as err:
-        return fail(f"{args.config}: cannot read it as a run configuration ({err})")
+        launch = YamlFile(args.config, what=None).launch()
+    except ValueError as err:
+        return fail(str(err))
     nproc = args.nproc_per_node or launch.get("world-size")
     if not nproc:
         return fail(f"{args.config} records no world size (no launch: section); pass --nproc-per-node")

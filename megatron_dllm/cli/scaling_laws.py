@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import asdict
 
+from megatron_dllm.cli import OneLineParser
 from megatron_dllm.scaling import pareto, plots
 from megatron_dllm.scaling.fits import analyze_isoflop
 from megatron_dllm.scaling.plan import final_validation, read_manifest
@@ -89,7 +90,7 @@ def to_markdown(result: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="run manifests from tools/plan_isoflop.py")
     parser.add_argument("--gen-ppl", nargs="*", default=[], help="Gen PPL JSON files from tools/evaluate.py")
     parser.add_argument("--throughput", nargs="*", default=[], help="throughput JSON files from tools/evaluate.py")

@@ -9,11 +9,11 @@ per checkpoint; a missing, truncated or altered file gives `error: ...` naming i
 import argparse
 import sys
 
-from megatron_dllm.cli import fail
+from megatron_dllm.cli import OneLineParser, fail
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="checkpoint root or iter_XXXXXXX directory")
     parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to check in a root")
     parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")

@@ -14,6 +14,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from megatron_dllm.cli import OneLineParser
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.data import DataConfig, TokenizerConfig
 from megatron_dllm.config.logs import LoggingConfig
@@ -60,7 +61,7 @@ _CLASSES = {"model": ModelConfig, "precision": PrecisionConfig, "parallel": Para
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Pretrain a DiT language model (AR, MDLM, Duo, Eso-LM) with megatron-core.", allow_abbrev=False)
     for cls in _CLASSES.values():
         cls.add_arguments(parser)
@@ -69,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Flags -> RunConfig; a bad value or combination exits like any argparse error (usage,
-    one `error: ...` line, exit code 2)."""
+    """Flags -> RunConfig; a bad value or combination exits with one `error: ...` line naming
+    the flag, exit code 2."""
     from megatron_dllm.data.datasets import parse_data_path
     from megatron_dllm.families import FAMILIES
 

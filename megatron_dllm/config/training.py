@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, finite_float, flag, positive_int
+from megatron_dllm.config.fields import (
+    FlagGroup,
+    finite_float,
+    flag,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 
 
 @dataclass(frozen=True)
@@ -30,10 +37,11 @@ class TrainingConfig(FlagGroup):
     # ---- leaving early and numerical guards (Megatron-LM's names and meanings)
     exit_signal_handler: bool = flag(False, action="store_true",
                                      help="on SIGTERM or SIGUSR1 finish the iteration, save and exit 0")
-    exit_duration_in_mins: float | None = flag(type=finite_float,
-                                               help="save and exit 0 once the run has been up this many minutes")
-    exit_interval: int | None = flag(type=positive_int, help="save and exit 0 at the first iteration divisible "
-                                                             "by this")
+    exit_duration_in_mins: float | None = flag(type=non_negative_float,
+                                               help="save and exit 0 once the run has been up this many minutes "
+                                                    "(0: off, as in Megatron-LM)")
+    exit_interval: int | None = flag(type=non_negative_int, help="save and exit 0 at the first iteration divisible "
+                                                                 "by this (0: off)")
     check_for_nan_in_loss_and_grad: bool = flag(False, action="store_true",
                                                 help="skip (and log) an iteration whose loss or gradient is not "
                                                      "finite")

@@ -3,7 +3,9 @@
 The file maps flag names (`seq-length` or `seq_length`) to values, either at the top level or
 under group sections as the resolved file writes them (`model: {preset: 1.7B}`). Its values are
 turned into command-line tokens placed before the real command line, so they pass the very same
-checks, and a flag given on the command line overrides the file's.
+checks, and a flag given on the command line overrides the file's. A scalar is one value, also
+for a multi-value flag (a path may hold spaces); a flag given twice in the file, and a second
+--yaml-cfg, are refused.
 
     family: mdlm
     preset: 1.7B
@@ -35,64 +37,128 @@ def add_yaml_flag(parser: argparse.ArgumentParser) -> None:
                              f"{RESOLVED_NAME} re-launches it")
 
 
-def _flat(mapping: dict, path: str) -> dict:
-    out = {}
-    for key, value in mapping.items():
-        if isinstance(value, dict):  # a group section
-            out.update(_flat(value, path))
-        else:
-            out[str(key).replace("-", "_")] = value
-    return out
+class YamlFile:
+    """A --yaml-cfg file read whole: its top-level mapping as YAML nodes (which keep each key's
+    line) and a loader to turn a value node into Python. Every error names the file, and the
+    line where there is one."""
+
+    def __init__(self, path: str, what: str | None = "--yaml-cfg"):
+        self.path, self.what = path, what
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as err:
+            raise ValueError(f"{self.at(None)}: cannot read it ({err.strerror or err})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:  # a binary file: yaml would report it without its name
+            line = raw[:err.start].count(b"\n") + 1
+            raise ValueError(f"{self.at(line)}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x})") from None
+        self._loader = yaml.SafeLoader(text)
+        try:
+            self.root = self._loader.get_single_node()
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{self.at(mark.line + 1 if mark else None)}: not valid YAML ({problem})") from None
+        if self.root is not None and not isinstance(self.root, yaml.MappingNode):
+            raise ValueError(f"{self.at(None)}: expected a mapping of flag names to values, found "
+                             f"{type(self.value(self.root)).__name__}")
+
+    def at(self, line: int | None) -> str:
+        return (f"{self.what} " if self.what else "") + self.path + (f":{line}" if line else "")
+
+    def value(self, node):
+        try:
+            return self._loader.construct_object(node, deep=True)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{self.at(node.start_mark.line + 1)}: {str(err).splitlines()[0]}") from None
+
+    def items(self, node=None):
+        """(key, key line, value node) of a mapping node (default: the top level)."""
+        node = self.root if node is None else node
+        for key, value in ([] if node is None else node.value):
+            yield str(key.value), key.start_mark.line + 1, value
+
+    def launch(self) -> dict:
+        """The `launch:` section (what the run was started with; not flags), checked."""
+        for key, line, node in self.items():
+            if key == LAUNCH:
+                if not isinstance(node, yaml.MappingNode):
+                    raise ValueError(f"{self.at(line)}: {LAUNCH}: expected a mapping such as `{LAUNCH}: "
+                                     f"{{world-size: 2}}`, got {type(self.value(node)).__name__}")
+                out = {}
+                for name, name_line, value in self.items(node):
+                    out[name] = self.value(value)
+                    if name == "world-size" and not (type(out[name]) is int and out[name] > 0):
+                        raise ValueError(f"{self.at(name_line)}: {LAUNCH}: world-size must be a positive "
+                                         f"integer, got {out[name]!r}")
+                return out
+        return {}
+
+    def flags(self) -> dict:
+        """flag dest -> (value, its line), from the top level and the group sections.
+        A flag given twice (top level and a section, or two sections) is refused, naming both."""
+        out = {}
+
+        def walk(node, section):
+            for key, line, value in self.items(node):
+                if section is None and key == LAUNCH:
+                    continue
+                if isinstance(value, yaml.MappingNode):  # a group section
+                    walk(value, key)
+                    continue
+                dest = key.replace("-", "_")
+                place = f"in section {section} (line {line})" if section else f"at the top level (line {line})"
+                if dest in places:
+                    raise ValueError(f"{self.at(line)}: {key!r} is given twice: {places[dest]} and {place}")
+                places[dest], out[dest] = place, (self.value(value), line)
+
+        places = {}
+        walk(None, None)
+        return out
 
 
 def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
     """The command-line tokens equivalent to the flags in `path`. Raises ValueError naming the
-    file and the key for anything that is not a flag or not a value the flag can take."""
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as err:
-        raise ValueError(f"--yaml-cfg {path}: cannot read it ({err.strerror or err})") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"--yaml-cfg {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if data is None:
-        return []
-    if not isinstance(data, dict):
-        raise ValueError(f"--yaml-cfg {path}: expected a mapping of flag names to values, found "
-                         f"{type(data).__name__}")
-    data = {k: v for k, v in data.items() if k != LAUNCH}
+    file, the line and the key for anything that is not a flag or not a value the flag can take."""
+    source = YamlFile(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens = []
-    for key, value in _flat(data, path).items():
+    for key, (value, line) in source.flags().items():
+        where = source.at(line)
         action = actions.get(key)
         if action is None or key == "yaml_cfg":
-            raise ValueError(f"--yaml-cfg {path}: {key!r} is not a flag of this command")
+            raise ValueError(f"{where}: {key!r} is not a flag of this command")
         option = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
-                raise ValueError(f"--yaml-cfg {path}: {key} is a switch; expected true or false, got {value!r}")
+                raise ValueError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [option] if value else []
         elif value is None:
             continue
         elif isinstance(value, (list, tuple)):
             if action.nargs not in ("*", "+"):
-                raise ValueError(f"--yaml-cfg {path}: {key} takes one value, got a list")
+                raise ValueError(f"{where}: {key} takes one value, got a list")
             tokens += [option, *map(str, value)]
-        elif isinstance(value, dict):
-            raise ValueError(f"--yaml-cfg {path}: {key}: expected a value, got a mapping")
-        else:
-            tokens += [option, *([str(value)] if action.nargs not in ("*", "+") else str(value).split())]
+        else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces
+            tokens += [option, str(value)]
     return tokens
 
 
 def expand_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """`argv` with `--yaml-cfg FILE` replaced by the file's flags in front (so argv wins)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    add_yaml_flag(pre)
+    from megatron_dllm.cli import OneLineParser
+
+    pre = OneLineParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--yaml-cfg", dest="yaml_cfg", action="append", default=[])
     known, rest = pre.parse_known_args(argv)
-    if known.yaml_cfg is None:
+    if len(known.yaml_cfg) > 1:  # which would win is not obvious: one file, flags override it
+        raise ValueError(f"--yaml-cfg given {len(known.yaml_cfg)} times ({', '.join(known.yaml_cfg)}); give one "
+                         f"file, and override its values with flags")
+    if not known.yaml_cfg:
         return list(argv)
-    return yaml_tokens(known.yaml_cfg, parser) + rest
+    return yaml_tokens(known.yaml_cfg[0], parser) + rest
 
 
 def resolved_dict(cfg) -> dict:

@@ -57,8 +57,10 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
 
 def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
     from megatron_dllm.hf import export
+    from megatron_dllm.hf.config_json import read_config_json
     from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
+    read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers reads it
     config = DLLMConfig.from_pretrained(path)
     model = export.model_class(config.family).from_pretrained(path, config=config)
     return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)

@@ -40,9 +40,10 @@ class ExitConditions:
         """Why the run should save and exit after `iteration` (the same answer on every rank),
         or None. Collective when a signal handler or a duration is set."""
         t = self.t
+        # 0 minutes means off, as in Megatron-LM (`if args.exit_duration_in_mins:`)
         local = [self.received is not None,
-                 t.exit_duration_in_mins is not None and self.minutes_up() > t.exit_duration_in_mins]
-        if t.exit_signal_handler or t.exit_duration_in_mins is not None:
+                 bool(t.exit_duration_in_mins) and self.minutes_up() > t.exit_duration_in_mins]
+        if t.exit_signal_handler or t.exit_duration_in_mins:
             flags = torch.tensor(local, dtype=torch.int)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             local = [bool(f) for f in flags.tolist()]

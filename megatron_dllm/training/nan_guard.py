@@ -1,4 +1,4 @@
-"""Numerical guards: skip an iteration whose loss or gradient is not finite
+"""Numerical guards: skip an iteration whose loss or total gradient norm is not finite
 (--check-for-nan-in-loss-and-grad), stop after K of them in a row, and report loss spikes.
 
 A skipped iteration still consumes its batch (as Megatron-LM's skipped iterations do): resuming
@@ -7,26 +7,42 @@ exactly as after the last good iteration.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 
 class NonFiniteStop(RuntimeError):
     """K consecutive non-finite iterations: the run saved its last good state and stopped."""
 
 
-def grads_and_loss_finite(model, loss: float | None) -> bool:
-    """Whether every rank's loss and gradients are finite (collective). The DDP grad buffers hold
-    this rank's gradients, so a non-finite value produced anywhere is seen by some rank."""
-    bad = loss is not None and not torch.isfinite(torch.tensor(loss)).item()
-    for chunk in model:
-        for buffer in chunk.buffers:
-            bad = bad or not torch.isfinite(buffer.grad_data).all().item()
+def finite_grad_norm(optimizer, loss: float | None) -> float | None:
+    """The step's total gradient norm, or None when the step must be skipped (collective): the
+    loss or the norm is not finite, or megatron-core's prepare_grads found an inf. The norm is
+    the one megatron-core clips with, so it also catches finite gradients whose squared sum
+    overflows (the norm is inf), which would otherwise clip every gradient to 0 and still move
+    Adam's moments and step count. This is the first half of megatron-core's optimizer.step();
+    step_with_norm is the rest."""
+    found_inf = optimizer.prepare_grads()
+    norm = optimizer.get_grad_norm()
+    bad = found_inf or not math.isfinite(norm) or (loss is not None and not math.isfinite(loss))
     flag = torch.tensor([int(bad)], dtype=torch.int)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not flag.item()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the loss is known on the last pipeline stage only
+    return None if flag.item() else norm
+
+
+def step_with_norm(optimizer, grad_norm: float) -> bool:
+    """The rest of megatron-core's optimizer.step() after finite_grad_norm: clip by the norm
+    already computed (as its ChainedOptimizer does), then step; returns whether it stepped."""
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(member, "is_stub_optimizer", False) else member.get_parameters()
+        if params and member.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(params, member.config.clip_grad, grad_norm,
+                                         member.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads()
 
 
 class NonFiniteCounter:

@@ -171,12 +171,18 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss = self._run_schedule(self.train_batches, self.consumed_samples, training=True)
-        if self.cfg.training.check_for_nan_in_loss_and_grad and not self._finite_step(loss):
-            self.iteration += 1  # the batch is consumed; weights and optimizer stay as they were
-            self.consumed_samples += self.cfg.training.global_batch_size
-            return loss, None
         self.timers("optimizer", log_level=1).start()
-        ok, grad_norm, _ = self.optimizer.step()
+        if self.cfg.training.check_for_nan_in_loss_and_grad:
+            # megatron-core's step in two halves, so a non-finite norm never reaches Adam
+            grad_norm = nan_guard.finite_grad_norm(self.optimizer, loss)
+            if not self._finite_step(grad_norm is not None):
+                self.timers("optimizer").stop()
+                self.iteration += 1  # the batch is consumed; weights and optimizer stay as they were
+                self.consumed_samples += self.cfg.training.global_batch_size
+                return loss, None
+            ok = nan_guard.step_with_norm(self.optimizer, grad_norm)
+        else:
+            ok, grad_norm, _ = self.optimizer.step()
         self.timers("optimizer").stop()
         if ok:
             self.scheduler.step(increment=1)
@@ -186,10 +192,9 @@ class Trainer:
         self.consumed_samples += self.cfg.training.global_batch_size
         return loss, grad_norm
 
-    def _finite_step(self, loss: float | None) -> bool:
-        """--check-for-nan-in-loss-and-grad: whether this iteration may step (collective); a
-        skipped one is logged, and K in a row stop the run after a save of the last good state."""
-        finite = nan_guard.grads_and_loss_finite(self.model, loss)
+    def _finite_step(self, finite: bool) -> bool:
+        """--check-for-nan-in-loss-and-grad: count this iteration; a skipped one is logged, and K
+        in a row stop the run after a save of the last good state."""
         stop = self.nonfinite.record(finite)
         if not finite:
             self.logger.info(f"iteration {self.iteration + 1}: non-finite loss or gradient; step skipped "

@@ -1,0 +1,28 @@
+"""An exported directory's config.json, read so that every fault names the file (and its line)."""
+from __future__ import annotations
+
+import json
+
+
+def read_config_json(path: str, flag: str) -> dict:
+    """The settings in `path` (a config.json of a dllm export); ValueError `{flag} PATH[:LINE]: ...`
+    for a file that cannot be read, is not UTF-8 JSON, not an object, or not a dllm model's."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}, "
+                         f"line {line})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, "
+                         f"column {err.colno})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag} {path}: expected a JSON object of settings, found {type(config).__name__}")
+    if config.get("model_type") != "dllm":
+        raise ValueError(f"{flag} {path}: model_type {config.get('model_type')!r}, expected 'dllm'")
+    return config
