@@ -160,3 +160,15 @@ def test_lm_eval_model(both, tmp_path):
         platform.destroy_distributed()
     assert no_payload_ran(tmp_path)
     assert got[0] == got[1] and all(np.isfinite(got[0]))
+
+
+def test_tokenizer_is_the_one_transformers_auto_class_loads(exports):
+    """The tokenizer the tools load equals what a user's AutoTokenizer loads from the export."""
+    from transformers import AutoTokenizer
+
+    from megatron_dllm.hf.load_export import load_tokenizer
+
+    ours, auto = load_tokenizer(exports["mdlm"]), AutoTokenizer.from_pretrained(exports["mdlm"])
+    assert type(ours) is type(auto) and ours.mask_token_id == auto.mask_token_id == VOCAB - 1
+    text = "Checkpoints of the paper's code import here: [MASK] and all."
+    assert ours.encode(text) == auto.encode(text) and len(ours) == len(auto) == VOCAB
