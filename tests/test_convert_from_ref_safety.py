@@ -116,3 +116,15 @@ def test_bf16_checkpoint_converts_with_its_rounded_rotary_buffer(tmp_path):
     with torch.no_grad():
         want = fp32(ids, sigma)
     assert_close(hf_logits(out, "mdlm", ids, sigma), want)
+
+
+@pytest.mark.parametrize("edit,flags,message", [
+    (lambda c: c["state_dict"].update({"backbone.blocks.0.norm1.weight": "ones"}), [],
+     "state_dict entry backbone.blocks.0.norm1.weight is not a tensor"),
+    (lambda c: c.update(ema={"shadow_params": 5}), ["--weights", "ema"], "ema.shadow_params is int, not a list"),
+    (lambda c: c.update(ema={"shadow_params": ["w"] * 30}), ["--weights", "ema"],
+     "the EMA entry for vocab_embed.embedding is not a tensor"),
+], ids=["state-dict", "ema-not-a-list", "ema-entry"])
+def test_entries_that_are_not_tensors_are_refused(edit, flags, message, tmp_path, capsys):
+    ckpt = save_lightning(random_paper_model("mdlm"), "mdlm", tmp_path / "last.ckpt", edit=edit)
+    assert message in _error(["--ref", ckpt, *flags], capsys, tmp_path / "out")

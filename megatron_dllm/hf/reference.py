@@ -262,9 +262,12 @@ def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
     if not_tensors:
         raise ValueError(f"--ref {path}: state_dict entry backbone.{not_tensors[0]} is not a tensor")
     hparams = ckpt.get("hyper_parameters") or {}
-    if isinstance(hparams, safe_load.Placeholder):  # an omegaconf DictConfig, as Lightning saves one
-        hparams = plain(hparams)
-    config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
+    try:
+        if isinstance(hparams, safe_load.Placeholder):  # an omegaconf DictConfig, as Lightning saves one
+            hparams = plain(hparams)
+        config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
+    except RecursionError:
+        raise ValueError(f"--ref {path}: hyper_parameters nest too deep (or hold a cycle)") from None
     if not isinstance(config, dict):
         config = {}
     if use_ema:
@@ -278,7 +281,9 @@ def _ema_weights(ema, raw: dict, path: str) -> dict:
     if not isinstance(ema, dict) or "shadow_params" not in ema:
         raise ValueError(f"--weights ema: {path} holds no EMA (no ema.shadow_params; trained with "
                          f"training.ema <= 0?); use --weights raw")
-    shadow = list(ema["shadow_params"])
+    shadow = ema["shadow_params"]
+    if not isinstance(shadow, (list, tuple)):
+        raise ValueError(f"--weights ema: {path}: ema.shadow_params is {type(shadow).__name__}, not a list")
     layers = len({k.split(".")[1] for k in raw if k.startswith("blocks.")})
     names = parameter_names(layers)
     if len(shadow) != len(names) or any(n not in raw for n in names):

@@ -3,9 +3,9 @@ any code from it.
 
 A pickle names the functions and classes that rebuild its objects, and the unpickler calls them:
 whoever wrote the file chooses what runs. Here every name goes through one allowlist:
-- torch's tensor rebuild functions, dtypes, `torch.Size`, `torch.device` and the storage types
-  (those torch's loader resolves itself), and builtin containers and `collections.OrderedDict`/
-  `defaultdict`, which only build data;
+- torch's rebuild functions of plain tensors and parameters, dtypes, `torch.Size` and
+  `torch.device` (torch's loader resolves the storage types itself), builtin containers and
+  `collections.OrderedDict`/`defaultdict`, which only build data;
 - the classes a Lightning checkpoint of the paper's trainer holds in `hyper_parameters`: omegaconf
   containers and nodes, `typing.Any`, Lightning's `AttributeDict`, the run's transformers/tokenizers
   tokenizer. They become inert placeholders that only keep the pickled arguments and state, so the
@@ -57,9 +57,10 @@ class AttributeDict(dict):
     """Lightning's AttributeDict (a dict whose keys are also attributes), as the plain dict it holds."""
 
 
+# Plain tensors and parameters only: the rebuilds that also set attributes or a subclass
+# (`_rebuild_parameter_with_state`, `_rebuild_from_type_v2`) are left out.
 _TORCH_OBJECTS = ("_utils._rebuild_tensor", "_utils._rebuild_tensor_v2", "_utils._rebuild_tensor_v3",
-                  "_utils._rebuild_parameter", "_utils._rebuild_parameter_with_state",
-                  "_tensor._rebuild_from_type_v2", "Size", "Tensor", "device", "nn.parameter.Parameter")
+                  "_utils._rebuild_parameter", "Size", "device")
 _BUILTINS = ("dict", "list", "tuple", "set", "frozenset", "bytearray", "bytes", "str", "int", "float", "bool",
              "complex", "slice", "range")
 
@@ -97,8 +98,6 @@ def resolve(module: str, name: str):
     module = _compat_pickle.IMPORT_MAPPING.get(module, module)
     if (module, name) in _ALLOWED:
         return _ALLOWED[(module, name)]
-    if module == "torch" and name.endswith("Storage") and isinstance(getattr(torch, name, None), type):
-        return getattr(torch, name)
     if module in _ATTRIBUTE_DICTS and name == "AttributeDict":
         return AttributeDict
     if (module, name) == ("typing", "Any") or module.split(".")[0] in _PLACEHOLDER_MODULES:
