@@ -145,7 +145,6 @@ def test_convert_from_hf(both, tmp_path):
 
 
 def test_lm_eval_model(both, tmp_path):
-    pytest.importorskip("lm_eval")
     from megatron_dllm import platform
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
 

@@ -112,7 +112,8 @@ def _exported_family(folder: str) -> str | None:
             config = json.load(f)
     except (OSError, ValueError):
         return None
-    return config.get("family") if isinstance(config, dict) else None
+    ours = isinstance(config, dict) and config.get("model_type") == "dllm"
+    return config.get("family") if ours else None
 
 
 def load_judge(path: str, gguf_file: str | None = None, device: str | torch.device = "cpu",
