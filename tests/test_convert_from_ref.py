@@ -6,14 +6,18 @@ tree, parameter names and registration order, adaLN layout, rotary convention, t
 output layer), written for this test. It writes the hub-mixin directory with huggingface_hub's own
 `PyTorchModelHubMixin.save_pretrained`; the Lightning checkpoint is the dict the paper's trainer
 saves (state_dict under `backbone.`, `ema.shadow_params` in parameters() order, hyper_parameters
-with the run config and a tokenizer object whose class the reader cannot import).
+with the run config as omegaconf pickles it and a transformers tokenizer, both of which the reader
+keeps as inert data).
 """
+import contextlib
+import copyreg
 import math
 import os
 import subprocess
 import sys
 import types
-from collections import OrderedDict
+import typing
+from collections import OrderedDict, defaultdict
 
 import huggingface_hub
 import pytest
@@ -169,19 +173,82 @@ def random_paper_model(algo: str, seed: int = 0, vocab: int = VOCAB) -> PaperDiT
     return model.eval()
 
 
-def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None = None, edit=None,
-                   hparams_class=dict):
-    """The dict the paper's Lightning trainer saves (changed by `edit`), written with torch.save;
-    `hparams_class` "unimportable" makes hyper_parameters a dict subclass the reader lacks."""
-    run = types.ModuleType("paper_run_classes")  # classes the reader cannot import
-    run.Tokenizer = type("Tokenizer", (), {"__module__": "paper_run_classes"})
-    run.AttributeDict = type("AttributeDict", (dict,), {"__module__": "paper_run_classes"})
-    sys.modules["paper_run_classes"] = run
-    hparams_class = run.AttributeDict if hparams_class == "unimportable" else hparams_class
+class _PickledLikeOmegaconf:
+    """Pickles as omegaconf 2.3's containers and nodes do: the class, then a state dict (`_content`
+    of a container, `_val` of a node, `_metadata` with typing.Any and a defaultdict)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __reduce__(self):
+        return copyreg.__newobj__, (type(self),), self.state
+
+
+_OMEGACONF = {module: {name: type(name, (_PickledLikeOmegaconf,), {}) for name in names} for module, names in
+              {"omegaconf.dictconfig": ["DictConfig"], "omegaconf.listconfig": ["ListConfig"],
+               "omegaconf.nodes": ["AnyNode"], "omegaconf.base": ["ContainerMetadata", "Metadata"]}.items()}
+_LIGHTNING = {"lightning.fabric.utilities.data": {"AttributeDict": type("AttributeDict", (dict,), {})}}
+
+
+def omegaconf_like(value):
+    """A plain config as omegaconf 2.3 pickles it (DictConfig/ListConfig of AnyNode leaves)."""
+    def metadata(cls, **more):
+        return cls(dict(ref_type=typing.Any, object_type=None, optional=True, key=None, flags={}, flags_root=False,
+                        resolver_cache=defaultdict(dict), **more))
+    base = _OMEGACONF["omegaconf.base"]
+    if isinstance(value, dict):
+        return _OMEGACONF["omegaconf.dictconfig"]["DictConfig"](
+            {"_metadata": metadata(base["ContainerMetadata"], key_type=typing.Any, element_type=typing.Any),
+             "_parent": None, "_content": {k: omegaconf_like(v) for k, v in value.items()}})
+    if isinstance(value, list):
+        return _OMEGACONF["omegaconf.listconfig"]["ListConfig"](
+            {"_metadata": metadata(base["ContainerMetadata"]), "_parent": None,
+             "_content": [omegaconf_like(v) for v in value]})
+    return _OMEGACONF["omegaconf.nodes"]["AnyNode"]({"_metadata": metadata(base["Metadata"]), "_parent": None,
+                                                     "_val": value})
+
+
+@contextlib.contextmanager
+def importable(classes: dict):
+    """Make {module: {name: class}} importable by pickle (the libraries need not be installed; an
+    installed one is set aside meanwhile)."""
+    names = {".".join(m.split(".")[:i + 1]) for m in classes for i in range(m.count(".") + 1)}
+    saved = {name: sys.modules.pop(name, None) for name in names}
     try:
+        for name in names:
+            sys.modules[name] = types.ModuleType(name)
+        for module, members in classes.items():
+            for name, cls in members.items():
+                cls.__module__, cls.__qualname__ = module, name
+                setattr(sys.modules[module], name, cls)
+        yield
+    finally:
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+
+
+def paper_tokenizer():
+    """A transformers tokenizer, as the paper's trainer keeps in its hyper-parameters."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2, "[UNK]": 3}, [("a", "b")], unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="b", unk_token="[UNK]")
+
+
+def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None = None, edit=None,
+                   hparams_class="dict", save=torch.save):
+    """The dict the paper's Lightning trainer saves (changed by `edit`), written with `save`: the run
+    config as omegaconf pickles it, a transformers tokenizer, and with `hparams_class` "lightning"
+    hyper_parameters in Lightning's AttributeDict."""
+    with importable({**_OMEGACONF, **_LIGHTNING}):
+        hparams = _LIGHTNING["lightning.fabric.utilities.data"]["AttributeDict"] if hparams_class == "lightning" \
+            else dict
         ckpt = {"epoch": 0, "global_step": 7, "pytorch-lightning_version": "2.5.0",
                 "state_dict": OrderedDict(("backbone." + k, v.clone()) for k, v in model.state_dict().items()),
-                "hyper_parameters": hparams_class(config=paper_config(algo), tokenizer=run.Tokenizer()),
+                "hyper_parameters": hparams(config=paper_config(algo), tokenizer=paper_tokenizer()),
                 "loops": {"fit_loop": {}}, "optimizer_states": [], "lr_schedulers": [],
                 "train_start_file_idx": 0}
         if ema_model is not None:
@@ -189,9 +256,8 @@ def save_lightning(model: PaperDiT, algo: str, path, ema_model: PaperDiT | None 
                            "shadow_params": [p.detach().clone() for p in ema_model.parameters()]}
         if edit is not None:
             edit(ckpt)
-        torch.save(ckpt, path)
-    finally:
-        del sys.modules["paper_run_classes"]
+        ckpt["hyper_parameters"]["config"] = omegaconf_like(ckpt["hyper_parameters"]["config"])
+        save(ckpt, path)
     return str(path)
 
 
@@ -251,8 +317,8 @@ def test_hub_mixin_directory_reproduces_the_paper_logits(algo, tmp_path):
 
 def test_esolm_shuffled_order_reproduces_the_paper_logits(tmp_path):
     model = random_paper_model("esolm", seed=4)
-    ckpt = save_lightning(model, "esolm", tmp_path / "esolm.ckpt", hparams_class="unimportable")
-    out = convert_to_hf(tmp_path, ckpt)  # the family comes from a config inside an unimportable dict
+    ckpt = save_lightning(model, "esolm", tmp_path / "esolm.ckpt", hparams_class="lightning")
+    out = convert_to_hf(tmp_path, ckpt)  # the family comes from a config inside an AttributeDict
     ids, sigma, order = inputs(5)
     shuffled = torch.gather(ids, 1, order)
     with torch.no_grad():
@@ -276,9 +342,11 @@ RECORDED_CONFIG = {
 }
 
 
-def test_omegaconf_run_config_is_read_with_or_without_omegaconf():
+def test_omegaconf_run_config_is_read_as_inert_data():
+    from megatron_dllm.hf import safe_load
+
     with open(os.path.join(REPO, "tests", "data", "paper_hyper_parameters_omegaconf.pkl"), "rb") as f:
-        hparams = reference._TolerantUnpickler(f).load()
+        hparams = safe_load.load_pickle(f)  # the allowlist: omegaconf's classes become inert placeholders
     config = reference.plain(hparams["config"])
     assert config == RECORDED_CONFIG
     ref = reference.RefCheckpoint({}, config, "recorded")

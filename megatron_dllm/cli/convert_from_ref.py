@@ -10,8 +10,9 @@ written by its DiT's `save_pretrained` (huggingface_hub mixin: config.json + mod
 The family is --family, else the checkpoint's `algo.name` (ar, mdlm, esolm, duo_base/distillation
 -> duo). The [MASK] id is --mask-id, else the one of --tokenizer-type/--tokenizer-model (whose
 vocabulary must match; --hf-out then exports it), else the last vocabulary id (the paper's code
-appends [MASK] to a tokenizer that has none). Lightning
-checkpoints are pickles: load only ones you trust. Bad input: one `error: ...` line, exit code 2.
+appends [MASK] to a tokenizer that has none). A Lightning
+checkpoint is a pickle: it is read through an allowlist that runs no code from the file
+(megatron_dllm/hf/safe_load.py). Bad input: one `error: ...` line, exit code 2.
 """
 import argparse
 import os
@@ -19,6 +20,7 @@ import sys
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.config.fields import non_negative_int, positive_int
 
 
 def main(argv=None):
@@ -32,17 +34,17 @@ def main(argv=None):
                         help="default: the tokenizer's [MASK] with --tokenizer-model, else the last vocabulary id")
     TokenizerConfig.add_arguments(parser)  # the run's tokenizer: checked against the vocabulary, gives the
     # [MASK] id, exported with --hf-out; TikTokenizer takes training's --tiktoken-* options
-    parser.add_argument("--num-attention-heads", type=int, default=None,
+    parser.add_argument("--num-attention-heads", type=positive_int, default=None,
                         help="only for weights with neither config nor rotary buffer")
-    parser.add_argument("--seq-length", type=int, default=None,
+    parser.add_argument("--seq-length", type=positive_int, default=None,
                         help="max_position_embeddings of the result (default: the config's model.length, else 2048)")
     out = parser.add_mutually_exclusive_group(required=True)
     out.add_argument("--save", help="megatron checkpoint root to write")
     out.add_argument("--hf-out", help="Hugging Face directory to write (as tools/convert_to_hf.py)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--iteration", type=int, default=0)
+    parser.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
+    parser.add_argument("--iteration", type=non_negative_int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="replace what --save or --hf-out holds")
     args = parser.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
@@ -62,7 +64,7 @@ def load_reference(args):
 
     ref = reference.read(args.ref, args.weights)
     if args.num_attention_heads is not None:
-        model = ref.config.setdefault("model", {})
+        model = ref.section("model")
         if model.setdefault("n_heads", args.num_attention_heads) != args.num_attention_heads:
             raise ValueError(f"--num-attention-heads {args.num_attention_heads} but {args.ref} says "
                              f"model.n_heads {model['n_heads']}")

@@ -1,8 +1,8 @@
 """The judge of generative perplexity: any Hugging Face causal LM given by path.
 
-- `DIR`: a transformers directory loadable with `AutoModelForCausalLM` / `AutoTokenizer`
-  (`trust_remote_code=True`, so the project's own AR model exported by tools/convert_to_hf.py
-  works as a judge).
+- `DIR`: a transformers directory loadable with `AutoModelForCausalLM` / `AutoTokenizer`, never
+  with `trust_remote_code` (no python file of DIR runs). The project's own AR model exported by
+  tools/convert_to_hf.py is loaded with the project's classes (`hf/load_export.py`).
 - `DIR` + `gguf_file`: a GGUF checkpoint in DIR (e.g. SmolLM2-135M).
   Converting GGUF takes ~20 s on 2 cores, so the converted model is cached once as a plain
   transformers folder under ~/.cache/megatron_dllm/judges/ (later loads take a fraction of a second).
@@ -112,7 +112,8 @@ def _exported_family(folder: str) -> str | None:
             config = json.load(f)
     except (OSError, ValueError):
         return None
-    return config.get("family") if isinstance(config, dict) else None
+    ours = isinstance(config, dict) and config.get("model_type") == "dllm"
+    return config.get("family") if ours else None
 
 
 def load_judge(path: str, gguf_file: str | None = None, device: str | torch.device = "cpu",
@@ -132,14 +133,19 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
     if family in FAMILIES and not FAMILIES[family].next_token:
         raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
                          f"model or any other Hugging Face causal LM)")
+    from megatron_dllm.hf import load_export
+
+    ours = family in FAMILIES
     # transformers raises many exception types (OSError, ValueError, KeyError, ...) for a bad folder
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
+        model = load_export.load_model(folder, dtype=dtype) if ours else \
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, dtype=dtype)
     except Exception as err:
         raise ValueError(f"--judge {source}: not loadable as a Hugging Face causal LM "
                          f"(AutoModelForCausalLM: {_first_line(err)})") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        tokenizer = load_export.load_tokenizer(folder) if ours else \
+            AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:
         raise ValueError(f"--judge {source}: the judge's tokenizer does not load "
                          f"(AutoTokenizer: {_first_line(err)})") from None

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import types
 
 import torch
 
+from megatron_dllm.hf import safe_load
 from megatron_dllm.model import constants
 
 # The paper code's algorithm names (configs/algo/*.yaml `name`) -> our families.
@@ -52,7 +51,17 @@ class RefCheckpoint:
     """The paper's DiT weights (fp32, the paper's names without `backbone.`) and its run config."""
 
     def __init__(self, weights: dict, config: dict, source: str):
+        if not isinstance(config, dict):
+            raise ValueError(f"{source}: the run config is {type(config).__name__} {config!r:.60}, not a mapping")
         self.weights, self.config, self.source = weights, config, source
+
+    def section(self, name: str) -> dict:
+        """The config's `model` or `algo` section ({} where absent, kept); anything but a mapping is refused."""
+        value = self.config.setdefault(name, {})
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.source}: config {name} is {type(value).__name__} {value!r:.60}, not a "
+                             f"mapping of settings")
+        return value
 
     # ------------------------------------------------------------------ architecture
 
@@ -64,9 +73,12 @@ class RefCheckpoint:
             raise ValueError(f"{src}: no vocab_embed.embedding tensor; is it a checkpoint of the paper's DiT?")
         vocab, hidden = w["vocab_embed.embedding"].shape
         layers = len({k.split(".")[1] for k in w if k.startswith("blocks.")})
-        model = self.config.get("model", {})
+        model = self.section("model")
         heads = model.get("n_heads")
         if _INV_FREQ in w:
+            if not 0 < 2 * w[_INV_FREQ].numel() <= hidden:
+                raise ValueError(f"{src}: rotary_emb.inv_freq has {w[_INV_FREQ].numel()} values; a head of "
+                                 f"hidden size {hidden} or less has 1 to {hidden // 2}")
             from_buffer = hidden // (2 * w[_INV_FREQ].numel())
             if heads is not None and heads != from_buffer:
                 raise ValueError(f"{src}: config model.n_heads {heads} but the rotary buffer has head_dim "
@@ -87,7 +99,7 @@ class RefCheckpoint:
     def family(self, given: str | None) -> str:
         """--family, else from the config's algo section (its `name`); they must agree with its
         attention (`causal_attention` only for ar) and backbone (`esolm_dit` only for esolm)."""
-        algo = self.config.get("algo", {})
+        algo = self.section("algo")
         inferred = ALGO_FAMILIES.get(algo.get("name"))
         if given is None and inferred is None:
             why = f"algo.name {algo['name']!r} is not one of {', '.join(ALGO_FAMILIES)}" if "name" in algo else \
@@ -107,7 +119,7 @@ class RefCheckpoint:
         return family
 
     def seq_length(self) -> int | None:
-        return self.config.get("model", {}).get("length")
+        return self.section("model").get("length")
 
     # ------------------------------------------------------------------ conversion
 
@@ -116,7 +128,7 @@ class RefCheckpoint:
         mapped exactly, or an error naming what cannot be."""
         w, src = self.weights, self.source
         sizes = self.sizes()
-        if self.config.get("algo", {}).get("adaLN") is False or sizes["cond_dim"] is None:
+        if self.section("algo").get("adaLN") is False or sizes["cond_dim"] is None:
             raise ValueError(f"{src}: a DiT without adaLN time conditioning (algo.adaLN false) is not "
                              f"supported; every configuration of the paper's code uses adaLN")
         expected = parameter_names(sizes["num_layers"])
@@ -129,6 +141,9 @@ class RefCheckpoint:
         out = {}
         for name in expected:
             ours = "backbone." + ("vocab_embed.weight" if name == "vocab_embed.embedding" else name)
+            if not torch.isfinite(w[name]).all():
+                raise ValueError(f"{src}: {name} holds NaN or infinite values; a model with them computes "
+                                 f"NaN logits, so it is not converted")
             value = w[name].float().contiguous()
             if tuple(value.shape) != shapes[ours]:
                 raise ValueError(f"{src}: {name} has shape {tuple(value.shape)}, expected {shapes[ours]} for "
@@ -151,7 +166,10 @@ class RefCheckpoint:
         if _INV_FREQ in w:
             head_dim = d // sizes["num_heads"]
             want = 1.0 / constants.ROTARY_BASE ** (torch.arange(0, head_dim, 2).float() / head_dim)
-            if not torch.allclose(w[_INV_FREQ].float(), want, rtol=1e-5, atol=0):
+            buffer = w[_INV_FREQ]
+            # A checkpoint saved in bf16/fp16 holds the buffer rounded to that precision.
+            rtol = max(1e-5, torch.finfo(buffer.dtype).eps) if buffer.is_floating_point() else 0
+            if not buffer.is_floating_point() or not torch.allclose(buffer.float(), want, rtol=rtol, atol=0):
                 raise ValueError(f"{src}: rotary_emb.inv_freq is not base {constants.ROTARY_BASE:g} over "
                                  f"head_dim {head_dim}")
 
@@ -210,45 +228,10 @@ def read_hub_dir(path: str) -> RefCheckpoint:
     return RefCheckpoint(state, config.get("config", config), weights_path)
 
 
-class _Placeholder:
-    """Stands for a pickled object whose class is not importable here (the run's tokenizer, omegaconf
-    containers when omegaconf is absent): keeps its constructor arguments and state, runs nothing."""
-
-    def __init__(self, *args, **kwargs):
-        self.__dict__["_args"] = args
-
-    def __setstate__(self, state):
-        self.__dict__["_state"] = state
-
-    def __setitem__(self, key, value):  # a dict subclass's items (Lightning's AttributeDict)
-        self.__dict__.setdefault("_items", {})[key] = value
-
-    def append(self, value):  # a list subclass's items
-        self.__dict__.setdefault("_list", []).append(value)
-
-    def extend(self, values):
-        self.__dict__.setdefault("_list", []).extend(values)
-
-
-class _TolerantUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            return type(name, (_Placeholder,), {"__module__": "placeholder." + module})
-
-
-_tolerant_pickle = types.SimpleNamespace(Unpickler=_TolerantUnpickler, load=pickle.load, __name__="pickle")
-
-
 def plain(value):
-    """A config as plain dicts/lists: omegaconf containers (real, or placeholders of their pickled
-    state: `_content` holds the children, `_val` a node's value) and mappings."""
-    if type(value).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(value, resolve=False)
-    if isinstance(value, _Placeholder):
+    """A config as plain dicts/lists: placeholders of omegaconf containers (their pickled state:
+    `_content` holds the children, `_val` a node's value), mappings and sequences."""
+    if isinstance(value, safe_load.Placeholder):
         for items in ("_items", "_list"):
             if items in value.__dict__:
                 return plain(value.__dict__[items])
@@ -268,33 +251,28 @@ def plain(value):
 
 
 def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
-    try:  # memory-mapped: optimizer states and other unused tensors are never read into memory
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_tolerant_pickle,
-                          mmap=_is_zip(path))
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:
-        raise ValueError(f"--ref {path}: not a readable PyTorch checkpoint ({err})") from None
+    ckpt = safe_load.torch_load(path, f"--ref {path}")  # runs no code from the file
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise ValueError(f"--ref {path}: no state_dict (expected a PyTorch Lightning checkpoint)")
     prefix = "backbone."
     raw = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     if not raw:
         raise ValueError(f"--ref {path}: no backbone.* tensors in state_dict (expected the paper's trainer)")
+    not_tensors = [k for k, v in raw.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        raise ValueError(f"--ref {path}: state_dict entry backbone.{not_tensors[0]} is not a tensor")
     hparams = ckpt.get("hyper_parameters") or {}
-    if isinstance(hparams, _Placeholder):  # Lightning's AttributeDict without Lightning
-        hparams = plain(hparams)
-    config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
+    try:
+        if isinstance(hparams, safe_load.Placeholder):  # an omegaconf DictConfig, as Lightning saves one
+            hparams = plain(hparams)
+        config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
+    except RecursionError:
+        raise ValueError(f"--ref {path}: hyper_parameters nest too deep (or hold a cycle)") from None
     if not isinstance(config, dict):
         config = {}
     if use_ema:
         raw = _ema_weights(ckpt.get("ema"), raw, path)
     return RefCheckpoint(raw, config, path)
-
-
-def _is_zip(path: str) -> bool:
-    """torch.save's zip format (memory-mappable), not the legacy one."""
-    import zipfile
-
-    return zipfile.is_zipfile(path)
 
 
 def _ema_weights(ema, raw: dict, path: str) -> dict:
@@ -303,7 +281,9 @@ def _ema_weights(ema, raw: dict, path: str) -> dict:
     if not isinstance(ema, dict) or "shadow_params" not in ema:
         raise ValueError(f"--weights ema: {path} holds no EMA (no ema.shadow_params; trained with "
                          f"training.ema <= 0?); use --weights raw")
-    shadow = list(ema["shadow_params"])
+    shadow = ema["shadow_params"]
+    if not isinstance(shadow, (list, tuple)):
+        raise ValueError(f"--weights ema: {path}: ema.shadow_params is {type(shadow).__name__}, not a list")
     layers = len({k.split(".")[1] for k in raw if k.startswith("blocks.")})
     names = parameter_names(layers)
     if len(shadow) != len(names) or any(n not in raw for n in names):
@@ -311,6 +291,8 @@ def _ema_weights(ema, raw: dict, path: str) -> dict:
                          f"{len(names)} parameters; cannot match them")
     out = dict(raw)
     for name, value in zip(names, shadow):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"--weights ema: {path}: the EMA entry for {name} is not a tensor")
         if tuple(value.shape) != tuple(raw[name].shape):
             raise ValueError(f"--weights ema: {path}: EMA tensor for {name} has shape {tuple(value.shape)}, "
                              f"the parameter {tuple(raw[name].shape)}")

@@ -56,13 +56,11 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
 
 
 def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
-    from megatron_dllm.hf import export
+    from megatron_dllm.hf import load_export
     from megatron_dllm.hf.config_json import read_config_json
-    from megatron_dllm.hf.configuration_dllm import DLLMConfig
 
     read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers reads it
-    config = DLLMConfig.from_pretrained(path)
-    model = export.model_class(config.family).from_pretrained(path, config=config)
+    model = load_export.load_model(path)  # this project's classes: no python file of the export runs
     return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
 
 
@@ -70,9 +68,9 @@ class HFDirTokenizer:
     """The tokenizer exported next to an HF model, behind megatron_dllm's tokenizer surface."""
 
     def __init__(self, path: str):
-        from transformers import AutoTokenizer
+        from megatron_dllm.hf import load_export
 
-        self._tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # our own export
+        self._tok = load_export.load_tokenizer(path)
         self.mask_id = self._tok.mask_token_id
         self.eod = self._tok.eos_token_id
         self.bos = self._tok.bos_token_id

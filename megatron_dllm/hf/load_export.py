@@ -1,0 +1,47 @@
+"""Load one of this project's Hugging Face exports with this project's own classes.
+
+An export ships `modeling_dllm.py` and `configuration_dllm.py` (for users of transformers' Auto
+classes with `trust_remote_code=True`), and anyone who passes it on can edit them or add python
+files and an `auto_map` to its configs. The tools never import them: the model is
+`megatron_dllm/hf/modeling_dllm.py`'s class of the config's family, and the tokenizer is the
+transformers class that tokenizer_config.json names (one of transformers' own, nothing from the
+directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def load_config(path: str):
+    from megatron_dllm.hf.configuration_dllm import DLLMConfig
+
+    return DLLMConfig.from_pretrained(path)
+
+
+def load_model(path: str, **kwargs):
+    """DLLMForMaskedLM or DLLMForCausalLM (by the config's family) with the export's weights."""
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.hf import export
+
+    config = load_config(path)
+    if config.family not in FAMILIES:
+        raise ValueError(f"{path}/config.json: family {config.family!r} is not one of {', '.join(FAMILIES)}")
+    return export.model_class(config.family).from_pretrained(path, config=config, **kwargs)
+
+
+def load_tokenizer(path: str):
+    """The exported tokenizer as the transformers class its tokenizer_config.json names."""
+    import transformers
+
+    config_path = os.path.join(path, "tokenizer_config.json")
+    try:
+        with open(config_path) as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ValueError(f"{config_path}: not a readable tokenizer config ({err})") from None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+        raise ValueError(f"{config_path}: tokenizer_class {name!r} is not a tokenizer class of transformers "
+                         f"(tokenizers shipped as code in an export are never run)")
+    return cls.from_pretrained(path)
