@@ -12,7 +12,7 @@ from functools import partial
 
 import torch.distributed as dist
 
-from megatron_dllm.checkpoint import layout, retention
+from megatron_dllm.checkpoint import layout, retention, safe_read
 from megatron_dllm.checkpoint.manifest import CheckpointError, verify_manifest, write_manifest
 
 
@@ -136,6 +136,7 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
     else:
         log(f"{found.path} has no manifest (written by an older version or another tool): "
             f"loading it without verifying its files")
+    safe_read.check_no_code(found.path)  # before megatron-core's loader unpickles anything
     return found
 
 
