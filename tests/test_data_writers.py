@@ -444,8 +444,8 @@ def test_read_only_output_directory_is_one_line(tmp_path, sp_model, paragraphs, 
         if tool == "merge":
             argv = ("merge_datasets.py", "--input", _made(tmp_path, sp_model, paragraphs), "--output-prefix", out)
         elif tool == "convert":
-            argv = ("convert_dataset.py", "--from", "litpkds", _litpkds_input(str(tmp_path), [5, 6, 2, 7]), "--eos-id", 2,
-                    "--output-prefix", out)
+            argv = ("convert_dataset.py", "--from", "litpkds", _litpkds_input(str(tmp_path), [5, 6, 2, 7]),
+                    "--eos-id", 2, "--output-prefix", out)
         elif tool == "sft":
             argv = ("preprocess_sft_data.py", "--input", _sft_input(tmp_path / "s.jsonl"), "--output-prefix", out,
                     "--seq-length", 32, "--tokenizer-type", SP, "--tokenizer-model", sp_model)
