@@ -396,6 +396,15 @@ def test_tiktoken_options_are_recorded_and_enforced(tmp_path, vocab, paragraphs)
             "--data-cache-path", tmp_path / "cache"]
     r = _tool("build_indexes.py", *argv)
     _one_error_line(r, f"--tiktoken-num-special-tokens 1000 but {meta_path(prefix)} records 500")
+    # tools/evaluate.py nelbo resolves its data through the same path
+    from megatron_dllm.config.data import DataConfig, TokenizerConfig
+    from megatron_dllm.evaluation.nelbo import validation_run
+
+    with pytest.raises(ValueError, match=f"--tiktoken-num-special-tokens 1000 but {m} records 500"):
+        validation_run("mdlm", 32, DataConfig(data_path=[prefix], split="90,10,0",
+                                              data_cache_path=str(tmp_path / "cache")),
+                       TokenizerConfig("TikTokenizer", vocab, tiktoken_pattern="v1", tiktoken_num_special_tokens=1000,
+                                       vocab_size=2000), global_batch_size=2, eval_iters=1, seed=1)
     # SFT data the same way
     sft_prefix = str(tmp_path / "sft")
     preprocess_sft([_sft_input(tmp_path / "s.jsonl")], sft_prefix, build_tokenizer("TikTokenizer", vocab, **made), 32)
