@@ -4,8 +4,9 @@
 copies (the `.bin` in 16 MiB blocks, the index sections in chunks): memory does not grow with
 the corpus. The result is what megatron-core's `IndexedDatasetBuilder.add_index` would build
 (lengths concatenated, pointers recomputed, document indices shifted, modes kept), and for our
-shards it equals preprocessing all inputs in one run byte for byte. Outputs are written under
-temporary names and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
+shards it equals preprocessing all inputs in one run byte for byte. The output prefix is locked
+and, without `overwrite`, must not hold a dataset yet. Outputs are written under temporary names
+and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
 name, vocabulary or `tokenizer_sha256`) are refused. The rejection lists of merged shards
 (`{run}_shardIIIIIofNNNNN_rejected.tsv`, rows of this dataset's key) are joined in shard order
 into `{output_prefix}_rejected.tsv`.

@@ -24,6 +24,10 @@ whose marker matches its inputs/tokenizer/flags and whose datasets validate, and
 other (an interrupted shard leaves only temporaries, which are removed). Merging the shards
 in order (`merge.merge_datasets`) equals a single unsharded run byte for byte.
 
+One writer per dataset: each dataset prefix (a shard's own, when sharded) is locked while it
+is written (`output.claim_outputs`), and a run without shards refuses a prefix that already holds
+a dataset unless `overwrite`.
+
 Failures publish nothing: an input that does not read to its end (truncated or corrupt `.gz`,
 `.zst`, Parquet), a key that no record has (a Parquet column missing from a file's schema is
 caught before tokenizing), an output directory that cannot be written (checked before
