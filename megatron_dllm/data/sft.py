@@ -86,7 +86,7 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
     with _open_bytes(path) as f:
         for lineno, raw in enumerate(f, 1):
             try:  # decoded per line, so that bad bytes are reported with their line
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
             if not line.strip():
