@@ -84,12 +84,13 @@ def bench(directory: str, tokens: int, dtype, vocab: int, repeats: int) -> dict:
     paths = write_corpus(src, tokens, dtype, vocab)
     out = os.path.join(directory, "out")
     quiet = dict(log=lambda m: None, progress=False)
-    stats = litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, **quiet)  # warm-up, page cache
+    stats = litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, overwrite=True, **quiet)  # warm-up, page cache
     variants = {
         "read": lambda: read_all(paths, dtype),
         "copy": lambda: copy_all(paths, dtype, out + ".copy"),
-        "convert": lambda: litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, **quiet),
-        "convert_sync0": lambda: litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, sync_interval=0,
+        "convert": lambda: litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, overwrite=True, **quiet),
+        "convert_sync0": lambda: litpkds.convert_litpkds([src], out, EOS, vocab_size=vocab, overwrite=True,
+                                                         sync_interval=0,
                                                          **quiet),
     }
     times = {k: [] for k in variants}

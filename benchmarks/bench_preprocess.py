@@ -101,7 +101,8 @@ def main():
                 for r in range(args.repeat):
                     cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
                            *inputs, "--output-prefix", os.path.join(d, f"out{r}"), "--tokenizer-type", ttype,
-                           "--tokenizer-model", model, "--append-eod", "--workers", str(workers), "--no-progress"]
+                           "--tokenizer-model", model, "--append-eod", "--workers", str(workers), "--no-progress",
+                           "--overwrite"]
                     secs, peak, out = _run(cmd)
                     tokens = int(out.split("tokens written: ")[1].split()[0])
                     if best is None or secs < best[0]:

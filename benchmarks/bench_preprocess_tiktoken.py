@@ -104,7 +104,7 @@ def main() -> None:
                               "--output-prefix", prefix]
                     if tool == "ours":
                         return [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *common,
-                                "--no-progress", "--log-interval", "1e9"]
+                                "--no-progress", "--log-interval", "1e9", "--overwrite"]
                     return [sys.executable, RUNNER, "--one", args.megatron_lm, *common, "--log-interval", "100000000"]
 
                 order = ["ours", "megatron"] if r % 2 == 0 else ["megatron", "ours"]

@@ -233,7 +233,8 @@ def test_full_output_disk(tmp_path, sp_model, paragraphs):
         stats = preprocess([str(small)], os.path.join(full, "c"), SP, sp_model, **QUIET)
         before, inputs = _snapshot(full), _snapshot(src)
         r = _tool("preprocess_data.py", "--input", src, "--output-prefix", os.path.join(full, "c"),
-                  "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--workers", "2")
+                  "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--workers", "2",
+                  "--overwrite")  # replacing them: they are kept whole until the new ones are complete
         _one_error_line(r, f"--output-prefix {full}/c: cannot write {full}", "(No space left on device)")
         _same_outputs(before, full)
         assert _snapshot(src) == inputs

@@ -18,10 +18,12 @@ That writes megatron-core's cache files under `--data-cache-path` (default
 `<directory of the first prefix>/cache`): per dataset and split
 `{hash}-TokenGPTDataset-{split}-{description.txt,document_index,sample_index,shuffle_index}.npy`,
 per blend `{hash}-BlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
-plus the token-range scan of each prefix. Training with the same flags then loads them (its log
-says "Load the ... indices"). Existing cache files are loaded without unpickling: one that holds
-Python objects is refused (`error: index cache <file>: ...`, exit code 2). The sample and blending indices come from
-`megatron_dllm.data.index_builders` (C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).
+plus the token-range scan of each prefix. The cache directory is locked while building
+(`.dllm-writer.lock`): a second builder stops with one line naming the first. Training with the
+same flags then loads them (its log says "Load the ... indices"). Existing cache files are loaded
+without unpickling: one that holds Python objects is refused (`error: index cache <file>: ...`,
+exit code 2). The sample and blending indices come from `megatron_dllm.data.index_builders`
+(C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).
 """
 
 import logging
@@ -30,6 +32,7 @@ import sys
 import time
 
 from megatron_dllm.cli import reports_bad_input
+from megatron_dllm.output_lock import OutputLockedError
 
 
 def _cache_files(path):
@@ -43,6 +46,8 @@ def build(argv=None) -> dict:
     from megatron_dllm.config import parse_args
     from megatron_dllm.data import index_builders
     from megatron_dllm.data.datasets import parse_data_path
+    from megatron_dllm.data.output import check_writable
+    from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
     from megatron_dllm.training.inputs import prepare_inputs
 
     cfg = parse_args(argv)
@@ -56,9 +61,17 @@ def build(argv=None) -> dict:
 
     cache = cache_of(cfg.data.data_path)
     before = _cache_files(cache)
-    t0 = time.perf_counter()
-    cfg, inputs = prepare_inputs(cfg)
-    elapsed = time.perf_counter() - t0
+    lock = None
+    if cache:  # two builders never write one cache directory at once
+        check_writable(cache, f"--data-cache-path {cache}")
+        lock = OutputLock(lock_path_for_dir(cache), f"--data-cache-path {cache}").acquire()
+    try:
+        t0 = time.perf_counter()
+        cfg, inputs = prepare_inputs(cfg)
+        elapsed = time.perf_counter() - t0
+    finally:
+        if lock is not None:
+            lock.release()
     cache = cache or cache_of(cfg.data.data_path)  # the embedded demo: its prefixes are known only now
     after = _cache_files(cache)
     new = sorted(n for n, m in after.items() if before.get(n) != m)
@@ -78,7 +91,7 @@ def build(argv=None) -> dict:
     return {"cache": cache, "written": new, "seconds": elapsed}
 
 
-@reports_bad_input(ValueError)
+@reports_bad_input(ValueError, OutputLockedError)
 def main(argv=None) -> int:
     """`build` with bad input (a flag, a dataset, a refused index cache) as one `error:` line, exit 2."""
     build(argv)

@@ -35,6 +35,8 @@ def get_args(argv=None):
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="LITPKDS files, globs or directories")
     p.add_argument("--from", dest="source", required=True, choices=["litpkds"], help="the input format")
     p.add_argument("--output-prefix", help="writes {prefix}.bin/.idx")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at --output-prefix (once the new one is complete)")
     p.add_argument("--validate", action="store_true", help="only check the inputs' headers and sizes")
     p.add_argument("--eos-id", type=int, default=None,
                    help="the id that ends each document (default: the tokenizer's EOS)")
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
                          "LITPKDS files do not record their separator")
     stats = convert_litpkds(args.inputs, args.output_prefix, eos_id, pad_id=args.pad_id, vocab_size=vocab_size,
                             metadata=metadata, progress=False if args.no_progress else None,
-                            log_interval=args.log_interval, sync_interval=args.sync_interval)
+                            log_interval=args.log_interval, sync_interval=args.sync_interval,
+                            overwrite=args.overwrite)
     print(stats.summary())
     return 0
 

@@ -35,6 +35,8 @@ def get_args(argv=None):
     out.add_argument("--blend-file", help="write a Megatron weighted list `tokens prefix` instead of merging")
     p.add_argument("--allow-incomplete", action="store_true",
                    help="merge a shard set with missing shards, or shards mixed with other datasets")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at --output-prefix (once the merged one is complete)")
     p.add_argument("--relative", action="store_true", help="--blend-file: keep prefixes as given, not absolute")
     return p.parse_args(argv)
 
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
             pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative)
             print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
         else:
-            stats = merge_datasets(prefixes, args.output_prefix, log=print)
+            stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)
             print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
     except (ValueError, DatasetFormatError, OSError) as err:
         return fail(str(err))

@@ -53,7 +53,9 @@ def get_args(argv=None):
                    help="split the sorted inputs into this many shards (default: $SLURM_ARRAY_TASK_COUNT)")
     g.add_argument("--shard-index", type=int, default=None,
                    help="the shard to process (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
-    g.add_argument("--overwrite", action="store_true", help="redo a shard even if it is finished")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset at --output-prefix (once the new one is complete); "
+                        "with shards: redo a shard even if it is finished")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize in this process)")
     g.add_argument("--chunksize", type=int, default=256, help="max records per worker task")

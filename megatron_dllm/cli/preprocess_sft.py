@@ -28,6 +28,8 @@ def get_args(argv=None):
                    help="pack several whole examples per row (default: one example per row, EOS-padded)")
     p.add_argument("--prompt-key", default="prompt", help="JSON field of the prompt")
     p.add_argument("--response-key", default="response", help="JSON field of the response")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at --output-prefix (once the new one is complete)")
     TokenizerConfig.add_arguments(p)
     args = p.parse_args(argv)
     if not (args.tokenizer_type and args.tokenizer_model):
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
 
     tokenizer = TokenizerConfig.from_args(args).build()
     stats = preprocess_sft(args.input, args.output_prefix, tokenizer, args.seq_length, args.packing,
-                           args.prompt_key, args.response_key)
+                           args.prompt_key, args.response_key, args.overwrite)
     print(stats.summary())
     return 0
 

@@ -41,6 +41,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
+    check_tokenizer_options,
     meta_path,
     read_metadata,
     token_id_range,
@@ -188,6 +189,7 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
             f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
             f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
             f"({os.path.basename(str(getattr(tokenizer, 'model_path', '?')))}, vocab_size={tokenizer.vocab_size})")
+    check_tokenizer_options(prefix, made_with, tokenizer, flag)
     recorded = (made_with or {}).get("tokenizer_sha256")  # absent in sidecars of older datasets
     if recorded is not None:
         given = tokenizer_fingerprint(tokenizer)

@@ -113,7 +113,8 @@ def _prepare(cache_dir: str, marker: str) -> Dict:
             for path in split_files:
                 f.write(json.dumps({"text": _read(path), "source": os.path.basename(path)}) + "\n")
         stats = preprocess([jsonl], os.path.join(cache_dir, split), "SentencePieceTokenizer", model,
-                           append_eod=True, workers=1, log=lambda m: None)
+                           append_eod=True, workers=1, log=lambda m: None,
+                           overwrite=True)  # the cache is the demo's own: an interrupted preparation is redone
         key = stats.keys["text"]
         if key.written != len(split_files):
             raise RuntimeError(f"demo corpus: {split} wrote {key.written} of {len(split_files)} plays")

@@ -25,6 +25,8 @@ from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
+from megatron_dllm.data.output import publish_pair, staging_tag
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + sequence_count 8 + document_count 8
@@ -73,7 +75,7 @@ def meta_path(prefix: str) -> str:
 def write_metadata(prefix: str, metadata: dict) -> None:
     """Sidecar `{prefix}.meta.json` saying how the dataset was made (tokenizer, vocabulary), so
     training can name both sides of a tokenizer mismatch. Written atomically; Megatron ignores it."""
-    tmp = meta_path(prefix) + f".tmp-{os.getpid()}"
+    tmp = meta_path(prefix) + staging_tag()
     with open(tmp, "w") as f:
         json.dump(metadata, f, indent=1, sort_keys=True)
     os.replace(tmp, meta_path(prefix))
@@ -95,7 +97,33 @@ def tokenizer_metadata(tokenizer) -> dict:
 
     return {"tokenizer": tokenizer.name, "tokenizer_model": os.path.basename(str(tokenizer.model_path)),
             "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "mask_id": tokenizer.mask_id}
+            "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "mask_id": tokenizer.mask_id,
+            **{k: v for k, v in getattr(tokenizer, "id_options", {}).items() if k != "vocab_size"}}
+
+
+# The flag of each recorded tokenizer option that changes ids (Megatron-LM's TikTokenizer JSON).
+TOKENIZER_OPTION_FLAGS = {"tiktoken_pattern": "--tiktoken-pattern",
+                          "tiktoken_num_special_tokens": "--tiktoken-num-special-tokens",
+                          "tokenizer_special_tokens": "--tokenizer-special-tokens"}
+
+
+def check_tokenizer_options(prefix: str, made_with: Optional[dict], tokenizer, flag: str) -> None:
+    """ValueError naming both values when the sidecar records an id-changing option other than the
+    tokenizer's; options a sidecar does not record (older datasets, other tokenizers) pass."""
+    given = getattr(tokenizer, "id_options", {})
+    for key, option in TOKENIZER_OPTION_FLAGS.items():
+        if made_with is None or key not in made_with:
+            continue
+        if key not in given:
+            raise ValueError(f"{flag}: {meta_path(prefix)} records {option} {_shown(made_with[key])}, but this "
+                             f"run's tokenizer ({getattr(tokenizer, 'name', '?')}) has no such option")
+        if made_with[key] != given[key]:
+            raise ValueError(f"{flag}: {option} {_shown(given[key])} but {meta_path(prefix)} records "
+                             f"{_shown(made_with[key])} (preprocess with, or pass, the same tokenizer flags)")
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 class IndexedDatasetWriter:
@@ -112,7 +140,7 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: str, dtype=np.int32, tag: Optional[str] = None,
                  resume_at: Optional[Tuple[int, int]] = None) -> None:
-        """`tag` names the temporaries (default `.tmp-{pid}`); `resume_at=(tokens, documents)`
+        """`tag` names the temporaries (default `.tmp-{pid}-{random}`); `resume_at=(tokens, documents)`
         reopens the temporaries of an interrupted writer with that tag, cut back to the state
         a `checkpoint()` returned (ValueError when they hold less)."""
         self.prefix = prefix
@@ -121,7 +149,7 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {self.dtype} has no Megatron .idx code")
         if os.path.dirname(prefix):
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        tag = tag or f".tmp-{os.getpid()}"
+        tag = tag or staging_tag()
         self._tmp_bin = bin_path(prefix) + tag
         self._tmp_idx = idx_path(prefix) + tag
         self._tmp_lengths = idx_path(prefix) + tag + ".lengths"
@@ -289,16 +317,18 @@ class IndexedDatasetWriter:
         self._drop_lengths_file()
         self._prepared = True
 
-    def publish(self) -> None:
-        """Rename the prepared temporaries into place, the .idx last."""
+    def publish(self, metadata: Optional[dict] = None) -> None:
+        """Rename the prepared temporaries into place, the .idx last (`output.publish_pair`).
+        `metadata` becomes the sidecar, written while no `.idx` is there: a dataset is never
+        visible beside another dataset's sidecar."""
         if self.finalized:
             return
         self.prepare()
-        # An old .idx beside a new .bin would look valid until its sizes were checked.
-        if os.path.exists(idx_path(self.prefix)):
-            os.remove(idx_path(self.prefix))
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(self._tmp_idx, idx_path(self.prefix))
+        if metadata is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(idx_path(self.prefix))
+            write_metadata(self.prefix, metadata)
+        publish_pair(self.prefix, self._tmp_bin, self._tmp_idx)
         self.finalized = True
 
     def abort(self) -> None:

@@ -52,8 +52,8 @@ from megatron_dllm.data.indexed_dataset import (
     IndexedDatasetWriter,
     optimal_dtype,
     validate_indexed_dataset,
-    write_metadata,
 )
+from megatron_dllm.data.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 
 MAGIC = b"LITPKDS"
 VERSION = 1
@@ -62,7 +62,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                6: np.float32, 7: np.float64, 8: np.uint16}
 SPLITS = ("train", "validation")
 STATE_VERSION = 1
-TEMP_TAG = ".tmp-convert"  # fixed, so that a later run finds an interrupted run's temporaries
+TEMP_TAG = ".tmp-convert"  # + the writer's staging_tag; the state file names it for a resume
 PADDING_HINT_RUN = 8  # a file ending in this many copies of one id is reported as possible padding
 
 
@@ -339,6 +339,9 @@ def _resume_state(output_prefix: str, fingerprint: str, log) -> Optional[dict]:
     except (OSError, ValueError) as err:
         log(f"{state_path(output_prefix)}: unreadable ({err}); starting over")
         return None
+    if staging_owner_alive(str(state.get("tag", ""))):
+        log(f"{state_path(output_prefix)}: its writer is still running; starting over")
+        return None
     if state.get("fingerprint") != fingerprint:
         log(f"{state_path(output_prefix)}: an interrupted run with other inputs or flags; starting over")
         return None
@@ -346,9 +349,12 @@ def _resume_state(output_prefix: str, fingerprint: str, log) -> Optional[dict]:
 
 
 def _remove_temporaries(output_prefix: str) -> None:
-    """An interrupted run's temporaries and state file (of a run that cannot be resumed)."""
+    """An interrupted run's temporaries and state file (of a run that cannot be resumed); not
+    those of a writer still running here (one that bypassed the lock)."""
     state = state_path(output_prefix)
-    for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*") + [state, state + ".tmp"]:
+    stale = [p for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*")
+             if not staging_owner_alive(p)]
+    for p in stale + [state, state + ".tmp"]:
         if os.path.exists(p):
             os.remove(p)
 
@@ -357,7 +363,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
                     vocab_size: Optional[int] = None, metadata: Optional[dict] = None,
                     log: Optional[Callable[[str], None]] = None, progress: Optional[bool] = None,
                     log_interval: float = 30.0, block_tokens: int = 1 << 24,
-                    sync_interval: float = 10.0) -> ConvertStats:
+                    sync_interval: float = 10.0, overwrite: bool = False) -> ConvertStats:
     """Convert the LITPKDS files `inputs` (files, globs, directories) into `output_prefix.bin/.idx`.
 
     `vocab_size` (when known) picks the output dtype by Megatron's rule and bounds the ids;
@@ -385,60 +391,66 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
     if any(os.path.abspath(f) in (out_abs + ".bin", out_abs + ".idx") for f in files):
         raise ValueError(f"--output-prefix {output_prefix}: would overwrite an input")
 
-    settings = {"version": STATE_VERSION,
-                "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
-                "eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "dtype": dtype.name}
-    fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()  # the state file stays small
-    state = _resume_state(output_prefix, fingerprint, log)
-    counters = dict.fromkeys(COUNTED, 0)
-    writer, done = None, 0
-    if state is not None:
-        try:
-            writer = IndexedDatasetWriter(output_prefix, dtype, tag=TEMP_TAG,
-                                          resume_at=(state["tokens"], state["documents"]))
-            done, counters = state["files_done"], state["counters"]
-            log(f"resuming an interrupted conversion after {done} of {len(files)} files")
-        except (ValueError, OSError, KeyError) as err:
-            log(f"cannot resume ({err}); starting over")
-    if writer is None:
-        _remove_temporaries(output_prefix)
-        writer = IndexedDatasetWriter(output_prefix, dtype, tag=TEMP_TAG)
-    stats = ConvertStats(output_prefix, describe_layout(files), dtype.name, len(files), done)
-    log(f"converting {len(files)} LITPKDS files ({stats.layout}; {in_dtype.name} chunks of "
-        f"{headers[0].chunk_size} tokens) -> {output_prefix}.bin/.idx ({dtype.name})")
-    total_bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files)
-    bar = Progress(total_bytes, log, tty=progress, log_interval=log_interval)
-    bar.bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files[:done])
-
-    def on_block(docs: int, tokens: int, nbytes: int) -> None:
-        bar.update(docs, tokens, bar.bytes + nbytes)
-
-    last_sync = time.time()
+    # One writer at a time; an existing dataset is replaced only with --overwrite. An interrupted
+    # run published nothing, so its resume needs no --overwrite.
+    locks = claim_outputs([output_prefix], f"--output-prefix {output_prefix}", overwrite)
     try:
-        for i in range(done, len(files)):
-            _convert_file(headers[i], writer, eos_id, pad_id, vocab_size, block_tokens, counters, on_block, log)
-            if time.time() - last_sync >= sync_interval or i + 1 == len(files):
-                tokens, documents = writer.checkpoint()
-                _write_json(state_path(output_prefix), {"fingerprint": fingerprint, "files_done": i + 1,
-                                                        "tokens": tokens, "documents": documents,
-                                                        "counters": counters})
-                last_sync = time.time()
-        bar.close()
-        writer.prepare()
-        writer.publish()
-    except BaseException as err:
-        writer.close()  # the temporaries and the state file stay, for the next run to resume
-        if isinstance(err, OSError):
-            raise ValueError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
-                             f"--output-prefix {output_prefix}; a rerun resumes)") from None
-        raise
-    if metadata is not None:
-        write_metadata(output_prefix, metadata)
-    elif os.path.exists(output_prefix + ".meta.json"):
-        os.remove(output_prefix + ".meta.json")  # an earlier dataset's, not this one's
-    os.remove(state_path(output_prefix))
-    validate_indexed_dataset(output_prefix, use_cache=False)
-    for key in COUNTED:
-        setattr(stats, key, counters[key])
-    stats.seconds = time.time() - t0
-    return stats
+        settings = {"version": STATE_VERSION,
+                    "inputs": [[os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files],
+                    "eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "dtype": dtype.name}
+        fingerprint = hashlib.sha256(json.dumps(settings).encode()).hexdigest()  # the state file stays small
+        state = _resume_state(output_prefix, fingerprint, log)
+        counters = dict.fromkeys(COUNTED, 0)
+        writer, done = None, 0
+        tag = TEMP_TAG + staging_tag()
+        if state is not None:
+            try:
+                writer = IndexedDatasetWriter(output_prefix, dtype, tag=state["tag"],
+                                              resume_at=(state["tokens"], state["documents"]))
+                tag = state["tag"]
+                done, counters = state["files_done"], state["counters"]
+                log(f"resuming an interrupted conversion after {done} of {len(files)} files")
+            except (ValueError, OSError, KeyError) as err:
+                log(f"cannot resume ({err}); starting over")
+        if writer is None:
+            _remove_temporaries(output_prefix)
+            writer = IndexedDatasetWriter(output_prefix, dtype, tag=tag)
+        stats = ConvertStats(output_prefix, describe_layout(files), dtype.name, len(files), done)
+        log(f"converting {len(files)} LITPKDS files ({stats.layout}; {in_dtype.name} chunks of "
+            f"{headers[0].chunk_size} tokens) -> {output_prefix}.bin/.idx ({dtype.name})")
+        total_bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files)
+        bar = Progress(total_bytes, log, tty=progress, log_interval=log_interval)
+        bar.bytes = sum(os.path.getsize(f) - HEADER_SIZE for f in files[:done])
+
+        def on_block(docs: int, tokens: int, nbytes: int) -> None:
+            bar.update(docs, tokens, bar.bytes + nbytes)
+
+        last_sync = time.time()
+        try:
+            for i in range(done, len(files)):
+                _convert_file(headers[i], writer, eos_id, pad_id, vocab_size, block_tokens, counters, on_block, log)
+                if time.time() - last_sync >= sync_interval or i + 1 == len(files):
+                    tokens, documents = writer.checkpoint()
+                    _write_json(state_path(output_prefix), {"fingerprint": fingerprint, "tag": tag,
+                                                            "files_done": i + 1, "tokens": tokens,
+                                                            "documents": documents, "counters": counters})
+                    last_sync = time.time()
+            bar.close()
+            writer.prepare()
+            if metadata is None and os.path.exists(output_prefix + ".meta.json"):
+                os.remove(output_prefix + ".meta.json")  # the replaced (--overwrite) dataset's, not this one's
+            writer.publish(metadata)
+        except BaseException as err:
+            writer.close()  # the temporaries and the state file stay, for the next run to resume
+            if isinstance(err, OSError):
+                raise ValueError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
+                                 f"--output-prefix {output_prefix}; a rerun resumes)") from None
+            raise
+        os.remove(state_path(output_prefix))
+        validate_indexed_dataset(output_prefix, use_cache=False)
+        for key in COUNTED:
+            setattr(stats, key, counters[key])
+        stats.seconds = time.time() - t0
+        return stats
+    finally:
+        release_all(locks)

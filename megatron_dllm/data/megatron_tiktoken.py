@@ -57,6 +57,10 @@ class MegatronTikTokenizer(_Tokenizer):
         n_special = DEFAULT_NUM_SPECIAL_TOKENS if num_special_tokens is None else num_special_tokens
         size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
         _check_flags(self.pattern, specials, n_special, size, core.SPECIAL_TOKENS)
+        # Every option that changes ids, as in effect (defaults filled in): a dataset's sidecar
+        # records them and training compares (`indexed_dataset.check_tokenizer_options`).
+        self.id_options = {"tiktoken_pattern": self.pattern, "tiktoken_num_special_tokens": n_special,
+                           "tokenizer_special_tokens": list(specials), "vocab_size": size}
         if not os.path.isfile(model_path):
             raise _bad_model(self.name, model_path, "file not found, expected Megatron-LM's JSON vocabulary")
         self.model_path = os.path.abspath(model_path)

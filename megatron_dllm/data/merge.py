@@ -4,8 +4,9 @@
 copies (the `.bin` in 16 MiB blocks, the index sections in chunks): memory does not grow with
 the corpus. The result is what megatron-core's `IndexedDatasetBuilder.add_index` would build
 (lengths concatenated, pointers recomputed, document indices shifted, modes kept), and for our
-shards it equals preprocessing all inputs in one run byte for byte. Outputs are written under
-temporary names and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
+shards it equals preprocessing all inputs in one run byte for byte. The output prefix is locked
+and, without `overwrite`, must not hold a dataset yet. Outputs are written under temporary names
+and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
 name, vocabulary or `tokenizer_sha256`) are refused. The rejection lists of merged shards
 (`{run}_shardIIIIIofNNNNN_rejected.tsv`, rows of this dataset's key) are joined in shard order
 into `{output_prefix}_rejected.tsv`.
@@ -40,6 +41,7 @@ from megatron_dllm.data.indexed_dataset import (
     validate_indexed_dataset,
     write_metadata,
 )
+from megatron_dllm.data.output import claim_outputs, publish_pair, release_all, staging_tag
 
 SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")
 
@@ -149,14 +151,25 @@ def _sidecar(prefix: str, meta: Optional[dict]) -> str:
 
 
 def merge_datasets(prefixes: Sequence[str], output_prefix: str,
-                   log: Optional[Callable[[str], None]] = None) -> MergeStats:
-    """Concatenate the datasets `prefixes` (in order) into `output_prefix.bin/.idx`."""
+                   log: Optional[Callable[[str], None]] = None, overwrite: bool = False) -> MergeStats:
+    """Concatenate the datasets `prefixes` (in order) into `output_prefix.bin/.idx`; an existing
+    dataset there is replaced only with `overwrite` (once the new one is complete)."""
     log = log or (lambda m: None)
     if not prefixes:
         raise ValueError("--input: no dataset to merge")
     out_abs = os.path.abspath(output_prefix)
     if any(os.path.abspath(p) == out_abs for p in prefixes):
         raise ValueError(f"--output-prefix {output_prefix!r} is also an input")
+    locks = claim_outputs([output_prefix], f"--output-prefix {output_prefix}", overwrite,
+                          other_files=[output_prefix + "_rejected.tsv"])
+    try:
+        return _merge(prefixes, output_prefix, log)
+    finally:
+        release_all(locks)
+
+
+def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
+    out_abs = os.path.abspath(output_prefix)
     headers = [validate_indexed_dataset(p) for p in prefixes]
     metas = [read_metadata(p) for p in prefixes]
     for p, m in zip(prefixes, metas):
@@ -175,7 +188,7 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     multimodal = headers[0].multimodal
     n_seq = sum(h.sequence_count for h in headers)
     n_doc = sum(h.num_documents for h in headers)
-    tag = f".tmp-{os.getpid()}"
+    tag = staging_tag()
     tmp_bin, tmp_idx = bin_path(output_prefix) + tag, idx_path(output_prefix) + tag
     rejections = output_prefix + "_rejected.tsv"
     tmp_rejections = rejections + tag
@@ -224,13 +237,12 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
         elif os.path.exists(rejections):
             os.remove(rejections)  # from an earlier merge into the same prefix
         if os.path.exists(idx_path(output_prefix)):
-            os.remove(idx_path(output_prefix))
-        os.replace(tmp_bin, bin_path(output_prefix))
-        os.replace(tmp_idx, idx_path(output_prefix))
+            os.remove(idx_path(output_prefix))  # no dataset is visible while its sidecar changes
         if metas[0] is not None:
             write_metadata(output_prefix, metas[0])
         elif os.path.exists(meta_path(output_prefix)):
-            os.remove(meta_path(output_prefix))  # an earlier merge's, not these datasets'
+            os.remove(meta_path(output_prefix))  # the replaced (--overwrite) dataset's, not these datasets'
+        publish_pair(output_prefix, tmp_bin, tmp_idx)
     except BaseException as err:
         for p in (tmp_bin, tmp_idx, tmp_rejections):
             if os.path.exists(p):

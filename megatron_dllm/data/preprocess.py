@@ -24,6 +24,10 @@ whose marker matches its inputs/tokenizer/flags and whose datasets validate, and
 other (an interrupted shard leaves only temporaries, which are removed). Merging the shards
 in order (`merge.merge_datasets`) equals a single unsharded run byte for byte.
 
+One writer per dataset: each dataset prefix (a shard's own, when sharded) is locked while it
+is written (`output.claim_outputs`), and a run without shards refuses a prefix that already holds
+a dataset unless `overwrite`.
+
 Failures publish nothing: an input that does not read to its end (truncated or corrupt `.gz`,
 `.zst`, Parquet), a key that no record has (a Parquet column missing from a file's schema is
 caught before tokenizing), an output directory that cannot be written (checked before
@@ -40,7 +44,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -54,8 +57,8 @@ from megatron_dllm.data.indexed_dataset import (
     optimal_dtype,
     tokenizer_metadata,
     validate_indexed_dataset,
-    write_metadata,
 )
+from megatron_dllm.data.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 from megatron_dllm.data.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
@@ -332,9 +335,10 @@ def _fingerprint(files, tokenizer_type, tokenizer, tokenizer_options, json_keys,
 
 
 def _remove_stale_temporaries(paths: Sequence[str], log) -> None:
-    """Temporaries `{path}.tmp-*` of an interrupted run (any pid); never finished files.
-    (Two runs of the same output at once are not supported.)"""
-    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")]
+    """Temporaries `{path}.tmp-*` of an interrupted run; never finished files, nor the
+    temporaries of a writer still running here (one that bypassed the lock)."""
+    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")
+             if not staging_owner_alive(p)]
     for p in sorted(set(stale)):
         try:
             os.remove(p)
@@ -417,17 +421,33 @@ def preprocess(
     label = f"[shard {shard_index}/{num_shards}] " if sharded else ""
 
     fingerprint = _fingerprint(files, tokenizer_type, tokenizer, tokenizer_options, json_keys, append_eod)
-    if sharded and not overwrite:
-        done, why = _finished(marker, fingerprint, list(prefixes.values()))
-        if done is not None:
-            stats = PreprocessStats.from_json(done)
-            stats.skipped = True
-            log(f"{label}already finished ({marker}), skipping; --overwrite redoes it")
-            return stats
-        log(f"{label}{why}: processing {len(files)} files")
+    # One writer per dataset (each shard locks its own); a finished or existing output is judged
+    # only once the lock is held. A shard is redone as before; a whole run needs --overwrite.
+    locks = claim_outputs(list(prefixes.values()), f"--output-prefix {output_prefix}",
+                          overwrite=sharded or overwrite, other_files=[rejections_path])
+    try:
+        if sharded and not overwrite:
+            done, why = _finished(marker, fingerprint, list(prefixes.values()))
+            if done is not None:
+                stats = PreprocessStats.from_json(done)
+                stats.skipped = True
+                log(f"{label}already finished ({marker}), skipping; --overwrite redoes it")
+                return stats
+            log(f"{label}{why}: processing {len(files)} files")
+        check_parquet_columns(files, json_keys)
+        return _write(files, prefixes, rejections_path, marker, label, sharded, fingerprint, tokenizer, dtype,
+                      json_keys, append_eod, workers, chunksize, chunk_bytes, parquet_batch_rows, progress,
+                      log_interval, output_prefix, base, (shard_index, num_shards), log)
+    finally:
+        release_all(locks)
+
+
+def _write(files, prefixes, rejections_path, marker, label, sharded, fingerprint, tokenizer, dtype, json_keys,
+           append_eod, workers, chunksize, chunk_bytes, parquet_batch_rows, progress, log_interval,
+           output_prefix, base, shard, log) -> PreprocessStats:
+    """Tokenize `files` into the locked outputs: temporaries first, published at the end."""
+    shard_index, num_shards = shard
     out_dir = os.path.dirname(os.path.abspath(base))
-    _check_writable(out_dir, output_prefix)
-    check_parquet_columns(files, json_keys)
     _remove_stale_temporaries([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
                               + [rejections_path, marker], log)
 
@@ -437,7 +457,7 @@ def preprocess(
     for key in json_keys:
         stats.output_prefixes[key] = prefixes[key]
         stats.keys[key] = KeyStats()
-    tag = f".tmp-{os.getpid()}"
+    tag = staging_tag()
     rejections_tmp, marker_tmp = rejections_path + tag, marker + tag
     rejections_out = None
     n_rejected = 0
@@ -503,8 +523,7 @@ def preprocess(
         elif os.path.exists(rejections_path):
             os.remove(rejections_path)  # stale report from an earlier run of the same prefix
         for w in writers.values():
-            w.publish()
-            write_metadata(w.prefix, metadata)
+            w.publish(metadata)
         stats.seconds = time.time() - t0
         if sharded:
             with open(marker_tmp, "w") as f:
@@ -527,19 +546,3 @@ def preprocess(
         raise
     return stats
 
-
-def _check_writable(directory: str, output_prefix: str) -> None:
-    """Create the output directory and a one-byte file in it: a read-only or full file system
-    fails here, before any tokenizing (permission bits alone would not show it: root ignores them)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
-        try:
-            os.write(fd, b"\0")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            os.remove(probe)
-    except OSError as err:
-        raise ValueError(f"--output-prefix {output_prefix}: cannot write to {directory} "
-                         f"({err.strerror or err})") from None

@@ -32,13 +32,14 @@ import numpy as np
 
 from megatron_dllm.data.indexed_dataset import (
     IndexedDatasetWriter,
+    check_tokenizer_options,
     meta_path,
     optimal_dtype,
     read_metadata,
     tokenizer_metadata,
     validate_indexed_dataset,
-    write_metadata,
 )
+from megatron_dllm.data.output import claim_outputs, release_all
 
 MASK_SUFFIX = "_prompt_mask"
 
@@ -74,16 +75,20 @@ def render_messages(messages) -> tuple[str, str]:
     return "".join(lines) + "Assistant: ", last["content"]
 
 
-def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+def _open_bytes(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
 def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "response") -> Iterator[tuple[str, str]]:
     """(prompt, response) texts of one input file; a malformed record is a ValueError naming the
     file and line (nothing is skipped silently)."""
     deng = path.endswith(".txt") or path.endswith(".txt.gz")
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
+    with _open_bytes(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            try:  # decoded per line, so that bad bytes are reported with their line
+                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -154,13 +159,23 @@ def build_rows(examples, seq_length: int, eos_id: int, packing: bool, stats: SFT
 
 
 def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, packing: bool = False,
-                   prompt_key: str = "prompt", response_key: str = "response") -> SFTStats:
-    """Write the SFT dataset `prefix` (see the module docstring) and return its statistics."""
+                   prompt_key: str = "prompt", response_key: str = "response", overwrite: bool = False) -> SFTStats:
+    """Write the SFT dataset `prefix` (see the module docstring) and return its statistics. One
+    writer at a time; an existing dataset is replaced only with `overwrite`, once the new one is
+    complete."""
     if seq_length < 2:
         raise ValueError(f"--seq-length {seq_length}: must be >= 2")
     for path in inputs:
         if not os.path.isfile(path):
             raise ValueError(f"--input {path}: no such file")
+    locks = claim_outputs([prefix, mask_prefix(prefix)], f"--output-prefix {prefix}", overwrite)
+    try:
+        return _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key)
+    finally:
+        release_all(locks)
+
+
+def _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key) -> SFTStats:
     stats = SFTStats(inputs=[os.path.abspath(p) for p in inputs])
 
     def tokenized():
@@ -179,10 +194,11 @@ def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, p
                              f"{stats.dropped_too_long} too long)")
         token_writer.prepare()
         mask_writer.prepare()
+        if os.path.exists(prefix + ".idx"):
+            os.remove(prefix + ".idx")  # the replaced dataset is gone before its mask changes
         mask_writer.publish()
-        write_metadata(prefix, {**tokenizer_metadata(tokenizer),
-                                "sft": {"seq_length": seq_length, "packing": packing, **asdict(stats)}})
-        token_writer.publish()  # last: the token .idx says the dataset is complete
+        token_writer.publish({**tokenizer_metadata(tokenizer),  # last: the token .idx says it is complete
+                              "sft": {"seq_length": seq_length, "packing": packing, **asdict(stats)}})
     except BaseException:
         token_writer.abort()
         mask_writer.abort()
@@ -325,6 +341,7 @@ def _check(rows: SFTRows, seq_length: int, tokenizer, flag: str) -> None:
         raise ValueError(f"{flag}: {rows.prefix} holds rows of {rows.length} tokens, but --seq-length is "
                          f"{seq_length} (preprocess with the run's --seq-length)")
     made = read_metadata(rows.prefix) or {}
+    check_tokenizer_options(rows.prefix, made, tokenizer, flag)
     if made.get("tokenizer_sha256") and made["tokenizer_sha256"] != tokenizer_metadata(tokenizer)["tokenizer_sha256"]:
         raise ValueError(f"{flag}: {rows.prefix} was preprocessed with another tokenizer "
                          f"({made.get('tokenizer_model')}); give the tokenizer the data was made with")

@@ -1,0 +1,153 @@
+"""How every dataset writer claims and publishes its output.
+
+- `claim_outputs`: the output directory must be writable (checked with a real file: root ignores
+  permission bits), then each dataset prefix is locked (`output_lock`: a second writer stops with
+  one line naming the first), then, unless `--overwrite`, a prefix that already holds a dataset
+  is refused. The lock comes before the "already exists" check so that check sees a settled disk.
+- `staging_tag`: temporaries are named `.tmp-{pid}-{random}`, so two writers of one prefix (the
+  lock bypassed, or a filesystem that ignores it) never write into each other's files.
+- `publish_pair`: renames a staged `.bin/.idx` into place so that what is left is one writer's
+  pair, never a `.bin` of one writer beside the `.idx` of another (see its docstring).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import tempfile
+from typing import Optional, Sequence
+
+from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix
+
+DATASET_SUFFIXES = (".bin", ".idx", ".meta.json")
+
+
+def staging_tag() -> str:
+    return f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def staging_pid(path: str) -> Optional[int]:
+    """The pid in a `...tmp-{pid}[-{random}]...` temporary's name, or None."""
+    tail = path.rsplit(".tmp-", 1)[-1].split("-")[0].split(".")[0]
+    return int(tail) if tail.isdigit() else None
+
+
+def staging_owner_alive(path: str) -> bool:
+    """Whether the temporary `path` belongs to another writer still running on this host."""
+    pid = staging_pid(path)
+    if pid is None or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def check_writable(directory: str, flag: str) -> None:
+    """Create the directory and a one-byte file in it: a read-only or full file system fails
+    here, before any work, with one message naming the path."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=directory)
+        try:
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"{flag}: cannot write to {directory} ({err.strerror or err})") from None
+
+
+def existing_outputs(paths: Sequence[str]) -> list:
+    return [p for p in paths if os.path.lexists(p)]
+
+
+def claim_outputs(prefixes: Sequence[str], flag: str, overwrite: bool = True,
+                  other_files: Sequence[str] = ()) -> list:
+    """Check, lock and (without `overwrite`) refuse to replace the datasets `prefixes`; returns
+    the held locks, to `release_all` when the writer is done. Raises ValueError / OSError."""
+    for directory in sorted({os.path.dirname(os.path.abspath(p)) for p in prefixes}):
+        check_writable(directory, flag)
+    locks = []
+    try:
+        # Testing only: lets a test run two writers at once to check `publish_pair` on its own.
+        if os.environ.get("DLLM_TEST_NO_DATA_LOCK") != "1":
+            for p in sorted(prefixes):  # one order for every writer
+                locks.append(OutputLock(lock_path_for_prefix(p), f"{flag} ({p})").acquire())
+        if not overwrite:
+            there = existing_outputs([p + s for p in prefixes for s in DATASET_SUFFIXES] + list(other_files))
+            if there:
+                raise ValueError(f"{flag}: {there[0]} already exists"
+                                 + (f" (and {len(there) - 1} more output files)" if len(there) > 1 else "")
+                                 + "; pass --overwrite to replace it")
+    except BaseException:
+        release_all(locks)
+        raise
+    return locks
+
+
+def release_all(locks) -> None:
+    for lock in reversed(locks):
+        lock.release()
+
+
+def _inode(path: str):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _place(staged: str, final: str) -> None:
+    """Rename `staged` onto `final` through a hard link, keeping `staged` (so it can be placed
+    again); where hard links are refused, a plain rename."""
+    link = staged + ".pub"
+    try:
+        os.link(staged, link)
+    except OSError:
+        os.replace(staged, final)
+        return
+    os.replace(link, final)
+
+
+class PublishRaceError(ValueError):
+    """Another writer published the same prefix at the same moment (no lock held)."""
+
+
+def publish_pair(prefix: str, tmp_bin: str, tmp_idx: str) -> None:
+    """Put the staged `tmp_bin`/`tmp_idx` in place as `prefix.bin/.idx`.
+
+    Order: the old `.idx` is removed first (an old `.idx` beside a new `.bin` could look valid),
+    then the `.bin` is renamed in, then the `.idx`: a reader sees the old dataset, no dataset, or
+    the new one. Two writers without the lock can interleave their renames so that one's `.bin`
+    lands between the other's `.bin` and `.idx`; the writer whose `.idx` is in place then puts its
+    own `.bin` back (kept through a hard link) and checks again. A writer that finds the published
+    files are not both its own raises PublishRaceError, after removing its `.idx` if that is still
+    there. What remains is one writer's pair, or no `.idx` at all; the only window in which a
+    reader can see a mismatched pair is between a writer's `.idx` rename and its check.
+    """
+    bin_final, idx_final = prefix + ".bin", prefix + ".idx"
+    mine_bin, mine_idx = _inode(tmp_bin), _inode(tmp_idx)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(idx_final)
+    try:
+        _place(tmp_bin, bin_final)
+        os.replace(tmp_idx, idx_final)
+        if _inode(idx_final) == mine_idx and _inode(bin_final) != mine_bin and os.path.exists(tmp_bin):
+            _place(tmp_bin, bin_final)  # another writer's .bin landed inside our renames
+        ours = _inode(bin_final) == mine_bin and _inode(idx_final) == mine_idx
+        if not ours:
+            if _inode(idx_final) == mine_idx:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(idx_final)
+            raise PublishRaceError(f"{prefix}: another writer published this dataset at the same time "
+                                   f"(was its lock bypassed?); run one writer at a time")
+    finally:
+        for p in (tmp_bin, tmp_bin + ".pub"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p)
