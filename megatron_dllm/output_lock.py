@@ -44,7 +44,7 @@ def lock_path_for_prefix(prefix: str) -> str:
 
 def _describe(owner: dict | None) -> str:
     if not owner:
-        return "a writer that left no record"
+        return "a writer whose record is empty"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("start_time", 0)))
     command = owner.get("command", "")
     return (f"pid {owner.get('pid')} on host {owner.get('host')}, started {started}"
@@ -133,9 +133,13 @@ class OutputLock:
                 owner = _read_owner(self.path)
                 stale = owner and owner.get("host") == socket.gethostname() and not _alive(owner.get("pid"))
                 if not stale:
-                    where = ("still running" if owner and owner.get("host") == socket.gethostname()
-                             else "on another host, which cannot be checked from here: remove the lock file "
-                                  "once that run is known to be dead")
+                    if not owner:  # created, its record not yet written (or never: killed in between)
+                        where = "starting now, or killed while starting: remove the lock file if no writer runs"
+                    elif owner.get("host") == socket.gethostname():
+                        where = "still running"
+                    else:
+                        where = ("on another host, which cannot be checked from here: remove the lock file "
+                                 "once that run is known to be dead")
                     raise OutputLockedError(f"{self.flag}: another writer is using it: {_describe(owner)}, "
                                             f"{where}; lock file {self.path}") from None
                 self.log(f"{self.flag}: taking over the lock left by {_describe(owner)}, "

@@ -121,3 +121,14 @@ def test_a_holder_stopped_by_sigterm_mid_write_leaves_a_lock_that_is_taken_over(
     with OutputLock(path, "--output-prefix P", log=logs.append):
         pass
     assert any("taking over" in m for m in logs)
+
+
+def test_file_mode_lock_without_a_record_is_refused_as_starting(tmp_path, monkeypatch):
+    """A lock file created but not yet written (a writer between O_EXCL and its record) is not
+    taken over, and the message does not blame another host."""
+    monkeypatch.setenv("DLLM_LOCK_MODE", "file")
+    path = tmp_path / "out.lock"
+    path.write_text("")
+    with pytest.raises(OutputLockedError, match="record is empty, starting now, or killed while starting"):
+        OutputLock(str(path), "--output-prefix X").acquire()
+    assert path.read_text() == ""
