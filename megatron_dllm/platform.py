@@ -112,6 +112,20 @@ def megatron_config_overrides() -> dict:
     return {"use_cpu_initialization": not HAS_CUDA}
 
 
+def sdpa_backends() -> list:
+    """PyTorch SDPA kernels in priority order (`--attention-backend sdpa`): on Hopper cuDNN's fused
+    attention first (it outruns flash there), else flash; the memory-efficient kernel and the
+    math fallback after them. On CPU the fused CPU kernel, then math."""
+    from torch.nn.attention import SDPBackend
+
+    if not HAS_CUDA:
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if torch.cuda.get_device_capability()[0] == 9:
+        fused.reverse()
+    return [*fused, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def synchronize() -> None:
     if HAS_CUDA:
         torch.cuda.synchronize()
