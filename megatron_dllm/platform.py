@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import random
 
@@ -112,6 +113,7 @@ def megatron_config_overrides() -> dict:
     return {"use_cpu_initialization": not HAS_CUDA}
 
 
+@functools.cache
 def sdpa_backends() -> list:
     """PyTorch SDPA kernels in priority order (`--attention-backend sdpa`): on Hopper cuDNN's fused
     attention first (it outruns flash there), else flash; the memory-efficient kernel and the

@@ -33,8 +33,9 @@ from megatron_dllm import platform
 TE_BACKENDS = ("unfused", "fused", "flash", "auto")
 ATTENTION_BACKENDS = ("local", "sdpa", *TE_BACKENDS)
 
-# TransformerEngine reads its kernel choice from the environment (as Megatron-LM sets it).
-_TE_ENV = {"unfused": (0, 0, 1), "fused": (0, 1, 0), "flash": (1, 0, 0), "auto": (1, 1, 1)}
+# TransformerEngine reads its kernel choice from the environment (the values Megatron-LM sets);
+# `auto` leaves the environment as it is (TE's default: every kernel allowed).
+_TE_ENV = {"unfused": (0, 0, 1), "fused": (0, 1, 0), "flash": (1, 0, 0)}
 _TE_ENV_NAMES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
@@ -57,7 +58,10 @@ def core_attention_module(backend: str) -> type:
         return SDPAttention
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-    for name, value in zip(_TE_ENV_NAMES, _TE_ENV[backend]):
+    for name, value in zip(_TE_ENV_NAMES, _TE_ENV.get(backend, ())):
+        if os.environ.get(name, str(value)) != str(value):  # as Megatron-LM: a contradiction is an error
+            raise ValueError(f"--attention-backend {backend} needs {name}={value}, the environment has "
+                             f"{name}={os.environ[name]}")
         os.environ[name] = str(value)
     return TEDotProductAttention
 
