@@ -2,7 +2,10 @@
 
     python benchmarks/bench_attention_backend.py [--presets cpu-small cpu-base] [--seqs 128 512]
                                                  [--families mdlm ar] [--tokens 2048] [--rounds 10]
-                                                 [--warmup 2] [--threads N]
+                                                 [--warmup 2] [--threads N] [--bf16]
+
+On a GPU (`--bf16`) the same comparison runs on the device, e.g. the 1.7B preset at seq 2048
+(see docs/gpu.md).
 
 For every (preset, seq, family) both backends are built with the same weights (adaLN gates drawn,
 not zero) and batch (`tokens / seq` sequences; MDLM bidirectional, AR causal) and timed in
@@ -46,15 +49,17 @@ def forward_backward(step: MegatronStep) -> float:
         num_microbatches=1, seq_length=step.seq, micro_batch_size=step.batch, forward_only=False,
     )
     total, count = losses[0]["loss"]
-    return (total / count).item()
+    loss = (total / count).item()
+    platform.synchronize()  # a GPU step ends when its kernels have
+    return loss
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
     preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
     family = get_family(family_name, args.vocab - 1, args.vocab)
-    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token))
+    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
     steps = {b: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
-                             attention_backend=b) for b in BACKENDS}
+                             attention_backend=b, bf16=args.bf16) for b in BACKENDS}
     for s in steps.values():  # live adaLN gates: with zero gates attention would not reach the loss
         initialize_weights(s.model[0].module, seed=7, adaln_zero=False)
     first = {b: forward_backward(s) for b, s in steps.items()}
@@ -88,26 +93,28 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--bf16", action="store_true", help="bf16 (GPU; the CPU runs fp32)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     platform.init_distributed(1, 1, seed=0)
-    load_before = os.getloadavg()
+    print(f"{platform.device_name() or 'CPU'}, {'bf16' if args.bf16 else 'fp32'}, {args.rounds} alternating "
+          f"rounds after {args.warmup} warm-up, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"1-min load average {os.getloadavg()[0]:.1f} at the start\n")
+    print("| preset | seq x batch | family (attention) | local median (ms) | sdpa median (ms) | "
+          "sdpa / local (median of rounds) | range | load average |")
+    print("|---|---|---|---:|---:|---:|---|---:|", flush=True)
     try:
-        rows = [bench(pr, seq, fam, args) for pr in args.presets for seq in args.seqs for fam in args.families]
+        for preset in args.presets:
+            for seq in args.seqs:
+                for family in args.families:
+                    r = bench(preset, seq, family, args)
+                    kind = "causal" if family == "ar" else "bidirectional"
+                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {1e3 * r['local']:.1f} | "
+                          f"{1e3 * r['sdpa']:.1f} | **{r['ratio']:.3f}** | {r['ratio_min']:.2f}–{r['ratio_max']:.2f} "
+                          f"| {os.getloadavg()[0]:.1f} |", flush=True)
     finally:
         platform.destroy_distributed()
-    load_after = os.getloadavg()
-    print(f"{args.rounds} alternating rounds after {args.warmup} warm-up, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; 1-min load average {load_before[0]:.1f} before, "
-          f"{load_after[0]:.1f} after\n")
-    print("| preset | seq x batch | family (attention) | local median (ms) | sdpa median (ms) | "
-          "sdpa / local (median of rounds) | range |")
-    print("|---|---|---|---:|---:|---:|---|")
-    for r in rows:
-        kind = "causal" if r["family"] == "ar" else "bidirectional"
-        print(f"| {r['preset']} | {r['seq']} x {r['batch']} | {r['family']} ({kind}) | {1e3 * r['local']:.1f} | "
-              f"{1e3 * r['sdpa']:.1f} | **{r['ratio']:.3f}** | {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |")
 
 
 if __name__ == "__main__":
