@@ -9,11 +9,12 @@ On a GPU (`--bf16`) the same comparison runs on the device, e.g. the 1.7B preset
 
 For every (preset, seq, family) both backends are built with the same weights (adaLN gates drawn,
 not zero) and batch (`tokens / seq` sequences; MDLM bidirectional, AR causal) and timed in
-alternating rounds (local, sdpa, then sdpa, local, ...) after warm-up rounds, in one process. One step is megatron's
-`forward_backward_func` (forward, family loss, backward into DDP's grad buffers) exactly as the
+alternating rounds (local, sdpa, then sdpa, local, ...) after warm-up rounds, in one process.
+One step is megatron's `forward_backward_func` (forward, family loss, backward into DDP's grad buffers) exactly as the
 trainer calls it at TP=1, without the optimizer step (the same in both). Both backends' first
 losses are printed to show they compute the same step. Prints a markdown table: median wall time
-per step of each backend, the median of the per-round ratios sdpa/local, and the load average.
+and process CPU time (all threads; less sensitive to other processes on a shared machine) per
+step of each backend, the medians of the per-round ratios sdpa/local, and the load average.
 """
 from __future__ import annotations
 
@@ -68,19 +69,19 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
     for _ in range(args.warmup):
         for s in steps.values():
             forward_backward(s)
-    times = {b: [] for b in BACKENDS}
+    wall, cpu = {b: [] for b in BACKENDS}, {b: [] for b in BACKENDS}
     for r in range(args.rounds):
         order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]  # alternate who goes first
         for b in order:
-            times[b].append(timed(partial_call(forward_backward, steps[b]), contextlib.nullcontext)[0])
-    ratios = [s / lo for lo, s in zip(times["local"], times["sdpa"])]
-    return {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name,
-            "local": statistics.median(times["local"]), "sdpa": statistics.median(times["sdpa"]),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
-
-
-def partial_call(fn, arg):
-    return lambda: fn(arg)
+            seconds, used, _ = timed(lambda s=steps[b]: forward_backward(s), contextlib.nullcontext)
+            wall[b].append(seconds)
+            cpu[b].append(used)
+    row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name}
+    for what, t in (("wall", wall), ("cpu", cpu)):
+        ratios = [s / lo for lo, s in zip(t["local"], t["sdpa"])]
+        row[what] = (statistics.median(t["local"]), statistics.median(t["sdpa"]), statistics.median(ratios),
+                     min(ratios), max(ratios))
+    return row
 
 
 def main(argv=None) -> None:
@@ -101,18 +102,19 @@ def main(argv=None) -> None:
     print(f"{platform.device_name() or 'CPU'}, {'bf16' if args.bf16 else 'fp32'}, {args.rounds} alternating "
           f"rounds after {args.warmup} warm-up, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"1-min load average {os.getloadavg()[0]:.1f} at the start\n")
-    print("| preset | seq x batch | family (attention) | local median (ms) | sdpa median (ms) | "
-          "sdpa / local (median of rounds) | range | load average |")
-    print("|---|---|---|---:|---:|---:|---|---:|", flush=True)
+    print("| preset | seq x batch | family (attention) | wall ms local | wall ms sdpa | **wall sdpa / local** | "
+          "range | CPU ms local | CPU ms sdpa | **CPU sdpa / local** | range | load average |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|", flush=True)
     try:
         for preset in args.presets:
             for seq in args.seqs:
                 for family in args.families:
                     r = bench(preset, seq, family, args)
                     kind = "causal" if family == "ar" else "bidirectional"
-                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {1e3 * r['local']:.1f} | "
-                          f"{1e3 * r['sdpa']:.1f} | **{r['ratio']:.3f}** | {r['ratio_min']:.2f}–{r['ratio_max']:.2f} "
-                          f"| {os.getloadavg()[0]:.1f} |", flush=True)
+                    cells = [f"{1e3 * lo:.1f} | {1e3 * sd:.1f} | **{ratio:.3f}** | {rmin:.2f}–{rmax:.2f}"
+                             for lo, sd, ratio, rmin, rmax in (r["wall"], r["cpu"])]
+                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {' | '.join(cells)} | "
+                          f"{os.getloadavg()[0]:.1f} |", flush=True)
     finally:
         platform.destroy_distributed()
 
