@@ -40,15 +40,21 @@ from megatron_dllm.families import get_family  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
+# megatron-core's full recompute of every layer (ModelConfig.recompute() for --recompute-granularity full
+# --recompute-method uniform --recompute-num-layers 1)
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
-def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int):
+
+def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int,
+             attention_backend: str):
     """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     step = None
     try:
         torch.cuda.reset_peak_memory_stats()
         step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
-                            keep_initial=False, bf16=True, recompute=recompute)
+                            keep_initial=False, bf16=True, recompute=FULL_RECOMPUTE if recompute else None,
+                            attention_backend=attention_backend)
         first = step()
         for _ in range(warmup - 1):
             step()
@@ -76,13 +82,15 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak of the GPU")
+    p.add_argument("--attention-backend", default="local", choices=["local", "sdpa"], help="core attention")
     args = p.parse_args(argv)
     if not platform.HAS_CUDA:
         sys.exit("error: bench_gpu_train_step.py needs a CUDA GPU")
 
     platform.init_distributed(1, 1, seed=0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, "
-          f"bf16, local spec, {args.warmup} warm-up + {args.steps} timed steps (median)\n")
+          f"bf16, local spec, {args.attention_backend} core attention, {args.warmup} warm-up + {args.steps} "
+          f"timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -96,7 +104,8 @@ def main(argv=None) -> None:
                     while batch >= 1:
                         try:
                             sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
-                                                       recompute == "full", args.steps, args.warmup)
+                                                       recompute == "full", args.steps, args.warmup,
+                                                       args.attention_backend)
                             break
                         except torch.OutOfMemoryError:
                             batch //= 2

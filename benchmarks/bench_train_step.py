@@ -72,7 +72,7 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
-                 keep_initial: bool = True, **config_kwargs):
+                 keep_initial: bool = True, attention_backend: str | None = None, **config_kwargs):
         from megatron_dllm.config.optimizer import OptimizerConfig
         from megatron_dllm.config.parallel import ParallelConfig
         from megatron_dllm.model.builder import Architecture, build_model, transformer_config
@@ -80,7 +80,7 @@ class MegatronStep:
 
         self.arch = Architecture(preset, vocab, seq, family.attention)
         self.config, mlp_config = transformer_config(self.arch, **config_kwargs)  # bf16, recompute (GPU)
-        chunks = build_model(self.arch, self.config, mlp_config, seed=0)
+        chunks = build_model(self.arch, self.config, mlp_config, seed=0, attention_backend=attention_backend)
         self.initial_state = ({k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
                               if keep_initial else None)  # the plain step's weights
         parallel = ParallelConfig()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import random
 
@@ -110,6 +111,21 @@ def megatron_config_overrides() -> dict:
     """TransformerConfig fields that depend on the device: on CPU, megatron must build weights on
     the host (its GPU path allocates on CUDA and forks the CUDA RNG)."""
     return {"use_cpu_initialization": not HAS_CUDA}
+
+
+@functools.cache
+def sdpa_backends() -> list:
+    """PyTorch SDPA kernels in priority order (`--attention-backend sdpa`): on Hopper cuDNN's fused
+    attention first (it outruns flash there), else flash; the memory-efficient kernel and the
+    math fallback after them. On CPU the fused CPU kernel, then math."""
+    from torch.nn.attention import SDPBackend
+
+    if not HAS_CUDA:
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    if torch.cuda.get_device_capability()[0] == 9:
+        fused.reverse()
+    return [*fused, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def synchronize() -> None:

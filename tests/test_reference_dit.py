@@ -2,7 +2,8 @@
 PyTorch DiT (as in the paper's code) that every HF export runs.
 
 Single process on CPU (world size 1, TP=1, PP=1): the megatron model's weights are converted into
-the dense model (`hf.export.hf_model`) and logits and gradients must agree in fp32.
+the dense model (`hf.export.hf_model`) and logits and gradients must agree in fp32, with
+megatron-core's core attention (`local`) and with PyTorch's SDPA (`sdpa`).
 """
 
 import pytest
@@ -28,12 +29,12 @@ def distributed():
     platform.destroy_distributed()
 
 
-def build_megatron(attention: str, randomise: bool = True):
+def build_megatron(attention: str, randomise: bool = True, attention_backend: str = "local"):
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 
     arch = Architecture(PRESET, VOCAB, SEQ, attention)
     config, mlp_config = transformer_config(arch)
-    model = build_model(arch, config, mlp_config, seed=0)[0]
+    model = build_model(arch, config, mlp_config, seed=0, attention_backend=attention_backend)[0]
     if randomise:  # adaLN and output layer are zero-initialised: make the comparison non-trivial
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -69,9 +70,10 @@ def dense_logits(ref, ids, positions, sigma):
     return ref(input_ids=ids, position_ids=positions, sigma=sigma).logits
 
 
+@pytest.mark.parametrize("backend", ["local", "sdpa"])
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_logits_match_dense_model(attention):
-    model = build_megatron(attention)
+def test_logits_match_dense_model(attention, backend):
+    model = build_megatron(attention, attention_backend=backend)
     ref = dense(model, attention)
     ids, positions, sigma = inputs()
     with torch.no_grad():
@@ -123,9 +125,10 @@ def dense_mdlm_loss(logits, ids, targets, mask_id, vocab_size):
     return (nll.view_as(targets) * (ids == mask_id)).sum() / targets.numel()
 
 
+@pytest.mark.parametrize("backend", ["local", "sdpa"])
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
-def test_gradients_match_dense_model(attention):
-    model = build_megatron(attention)
+def test_gradients_match_dense_model(attention, backend):
+    model = build_megatron(attention, attention_backend=backend)
     ref = dense(model, attention)
     family = get_family("mdlm", MASK_ID, VOCAB)
     gen = torch.Generator().manual_seed(5)

@@ -21,6 +21,10 @@ class ModelConfig(FlagGroup):
     make_vocab_size_divisible_by: int = flag(128, type=positive_int, help="vocabulary padding multiple (x TP)")
     transformer_impl: str | None = flag(choices=["local", "transformer_engine"],
                                         help="default: transformer_engine when installed on a GPU, else local")
+    attention_backend: str | None = flag(choices=["local", "sdpa", "unfused", "fused", "flash", "auto"],
+                                         help="core attention: local (megatron-core) | sdpa (PyTorch's fused "
+                                              "kernels, cuDNN/flash on GPU) | unfused, fused, flash, auto "
+                                              "(TransformerEngine); default: auto with TE layers, else local")
     recompute_activations: bool = flag(False, action="store_true",
                                        help="selective activation recompute (Megatron-LM: = --recompute-granularity "
                                             "selective)")

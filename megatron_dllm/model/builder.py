@@ -87,10 +87,10 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
 
 
 def build_model(arch: Architecture, config: TransformerConfig, mlp_config: TransformerConfig,
-                seed: int, use_te: bool = False) -> list[DiTModel]:
+                seed: int, use_te: bool = False, attention_backend: str | None = None) -> list[DiTModel]:
     """This rank's model chunks (one per virtual pipeline stage), initialised from `seed`."""
     vpp = config.virtual_pipeline_model_parallel_size
-    spec = dit_layer_spec(arch.attention, use_te=use_te)
+    spec = dit_layer_spec(arch.attention, use_te=use_te, attention_backend=attention_backend)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None

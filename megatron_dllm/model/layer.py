@@ -3,9 +3,10 @@
 One block (as in the paper's code): pre-norm with a weight-only LayerNorm, adaLN-zero modulation with six
 chunks from the conditioning vector, megatron's SelfAttention (qkv and out projections without
 bias, rotary on per-token positions) and megatron's MLP (with bias, tanh-GELU). The local spec
-runs everywhere; the TransformerEngine spec swaps the linears and core attention for TE's (FP8)
-and keeps the same module tree. The norm cannot be fused into the qkv GEMM (TE's
-LayerNormLinear) because the modulation sits between them.
+runs everywhere; the TransformerEngine spec swaps the linears for TE's (FP8) and keeps the same
+module tree; core attention is chosen separately (`attention.py`, `--attention-backend`). The
+norm cannot be fused into the qkv GEMM (TE's LayerNormLinear) because the modulation sits
+between them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -23,6 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.constants import COND_DIM
 
 ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal}
@@ -105,18 +106,16 @@ class DiTLayer(MegatronModule):
         return x + gate_mlp * mlp_out
 
 
-def dit_layer_spec(attention: str, use_te: bool = False) -> ModuleSpec:
-    """The block's spec for an attention layout (`bidirectional` or `causal`)."""
+def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str | None = None) -> ModuleSpec:
+    """The block's spec for an attention layout (`bidirectional` or `causal`) and a core-attention
+    backend (`model.attention`; default: TE's with TE linears, else megatron-core's local one)."""
     if use_te:
-        from megatron.core.extensions.transformer_engine import (
-            TEColumnParallelLinear,
-            TEDotProductAttention,
-            TERowParallelLinear,
-        )
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
-        column, row, core_attention = TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention
+        column, row = TEColumnParallelLinear, TERowParallelLinear
     else:
-        column, row, core_attention = ColumnParallelLinear, RowParallelLinear, DotProductAttention
+        column, row = ColumnParallelLinear, RowParallelLinear
+    core_attention = core_attention_module(resolve_backend(attention_backend, use_te))
     return ModuleSpec(
         module=DiTLayer,
         submodules=DiTLayerSubmodules(

@@ -25,6 +25,7 @@ from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.yaml_config import resolved_dict, write_resolved
 from megatron_dllm.families import get_family
+from megatron_dllm.model.attention import resolve_backend
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.scaling.flops import train_flops_per_sequence
 from megatron_dllm.training import nan_guard, observability
@@ -69,9 +70,10 @@ class Trainer:
         )
         self.timers = observability.make_timers(cfg.logging.timing_log_level)
         self.config.timers = self.timers  # megatron's schedules and gradient sync time themselves
-        chunks = build_model(self.arch, self.config, mlp_config, t.seed, use_te=use_te)
+        attention = resolve_backend(model_cfg.attention_backend, use_te)
+        chunks = build_model(self.arch, self.config, mlp_config, t.seed, use_te=use_te, attention_backend=attention)
         self.model = wrap_ddp(chunks, self.config, par)
-        self.layer_impl = "transformer_engine" if use_te else "local"
+        self.layer_impl = f"{'transformer_engine' if use_te else 'local'}, attention {attention}"
         self.optimizer, self.scheduler = build_optimizer(self.model, self.config, cfg.optimizer, par, t.train_iters)
 
         dp_rank = parallel_state.get_data_parallel_rank()

@@ -1,0 +1,74 @@
+"""Shared by tests/test_attention_backend.py and tests/attention_backend_worker.py: one family's
+training step (forward and backward) run on two core-attention backends with the same weights and
+the same batch, and the relative differences of their logits and gradients."""
+import torch
+
+from megatron_dllm import platform
+from megatron_dllm.families import Noise, get_family
+from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+from megatron_dllm.model.init import initialize_weights
+from megatron_dllm.model.presets import Preset
+
+VOCAB, MASK_ID = 300, 299
+PRESET = Preset(64, 2, 4)
+SEQ, BATCH = 32, 3
+FAMILIES = ("ar", "mdlm", "duo", "esolm")
+GAIN = 3.0
+
+
+def batch(family, seed: int = 0):
+    """A corrupted batch as training draws it (Eso-LM: shuffled tokens and permuted positions)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MASK_ID, (BATCH, SEQ + int(family.extra_token)), generator=gen)
+    ids = torch.arange(BATCH)
+    return family.corrupt(tokens, Noise(seed, ids, strata=ids, num_strata=BATCH)).to(platform.device())
+
+
+def train_step(model, family, inp) -> tuple[torch.Tensor, dict]:
+    """(logits [s, b, V/tp], grads by parameter name) of one micro-batch's loss."""
+    model.zero_grad()
+    logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+    kept = logits.detach().clone()  # megatron's vocab-parallel cross entropy works in place
+    (family.loss(logits, inp).sum() / inp.valid.sum()).backward()
+    return kept, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius)."""
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def build(attention: str, backend: str, tp: int = 1, sequence_parallel: bool = False,
+          recompute: dict | None = None, seed: int = 7):
+    """A small model of an attention layout on `backend`, with weights that depend on neither the
+    backend nor the TP layout."""
+    arch = Architecture(PRESET, VOCAB, SEQ, attention)
+    config, mlp_config = transformer_config(arch, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute)
+    model = build_model(arch, config, mlp_config, seed=0, attention_backend=backend)[0]
+    initialize_weights(model, seed=seed, adaln_zero=False)  # live gates: gradients reach every layer
+    with torch.no_grad():  # larger modulation and head: logits of order 1, attention visible in them
+        for n, p in model.named_parameters():
+            if "adaLN_modulation" in n or "output_layer" in n:
+                p.mul_(GAIN)
+    return model
+
+
+def compare_backends(name: str, backend: str, reference: str = "local", *, tp: int = 1,
+                     sequence_parallel: bool = False, backend_attention: str | None = None,
+                     backend_recompute: dict | None = None) -> dict:
+    """Both backends' training step on the same weights and batch: the relative logits difference,
+    the worst gradient's, and the sizes that show the comparison is not trivial.
+    `backend_attention` gives the tested backend another attention layout (a deliberate fault),
+    `backend_recompute` megatron's recompute settings."""
+    family = get_family(name, MASK_ID, VOCAB)
+    inp = batch(family)
+    models = {reference: build(family.attention, reference, tp, sequence_parallel),
+              backend: build(backend_attention or family.attention, backend, tp, sequence_parallel,
+                             backend_recompute)}
+    results = {which: train_step(model, family, inp) for which, model in models.items()}
+    (logits_a, grads_a), (logits_b, grads_b) = results[reference], results[backend]
+    assert grads_a.keys() == grads_b.keys()  # the same parameters: nothing backend-specific
+    return {"logits": rel_diff(logits_b, logits_a),
+            "grads": max(rel_diff(grads_b[n], grads_a[n]) for n in grads_a),
+            "logits_scale": logits_a.abs().max().item(),
+            "min_grad_scale": min(g.abs().max().item() for g in grads_a.values())}
