@@ -9,6 +9,7 @@ the checkpoints there once the new one is complete (other files are left alone).
 `error: ...` line, exit code 2.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ import sys
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.cli import fail
+from megatron_dllm.hf import config_check
+from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
 
 def main(argv=None):
@@ -51,10 +54,12 @@ def _read_hf(hf: str):
     if cfg.get("model_type") != "dllm":
         raise ValueError(f"--hf {config_path}: model_type {cfg.get('model_type')!r}, expected 'dllm'")
     identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
+    config_check.check_config(cfg, identity, f"--hf {config_path}")
     try:
         weights = load_file(weights_path)
     except SafetensorError as err:
         raise ValueError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
+    config_check.check_shapes(weights, identity, cfg.get("max_position_embeddings", 2048), f"--hf {weights_path}")
     return identity, cfg, weights
 
 
@@ -69,7 +74,13 @@ def convert(args) -> int:
 def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
     """Write the dense DiT weights `hf_state` ("backbone." names) as a megatron checkpoint at the
     layout of `args` (--save, --tensor/--pipeline-model-parallel-size, --make-vocab-size-divisible-by,
-    --iteration, --overwrite), each rank its shard."""
+    --iteration, --overwrite), each rank its shard. Rank 0 holds --save's writer lock throughout."""
+    first = int(os.environ.get("RANK", "0")) == 0
+    with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
+        return _write_checkpoint(hf_state, identity, seq_length, args, source)
+
+
+def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
     import torch
     from megatron.core import parallel_state
 
