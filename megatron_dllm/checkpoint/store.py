@@ -145,11 +145,24 @@ def _disk_full(err: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
+        if isinstance(e, (tuple, list, dict)):  # CheckpointException.failures: {rank: (exception, traceback)}
+            todo += list(e.values() if isinstance(e, dict) else e)
+            continue
         if getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e):
             return True
-        todo += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
-        todo += [getattr(e, "exc", None), *[a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]]
+        if isinstance(e, BaseException):
+            todo += [e.__cause__, e.__context__, getattr(e, "failures", None), *e.args]
     return False
+
+
+def _no_space_left(root: str) -> bool:
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL
+    except OSError:
+        return False
+
+
+_NEARLY_FULL = 1 << 20
 
 
 @contextmanager
@@ -158,16 +171,21 @@ def reporting_full_disk(root: str, staging: str | None = None):
     staged save is removed (rank 0) to give the space back. It never had its final name."""
     try:
         yield
-    except CheckpointError:
+    except (KeyboardInterrupt, SystemExit):
         raise
-    except Exception as err:  # torch's and megatron's writers wrap the OSError in their own types
-        if not _disk_full(err):
+    except BaseException as err:  # torch's CheckpointException, wrapping the OSError, is a BaseException
+        # torch's zip writer reports a short write as a position mismatch, without the errno: a
+        # write that failed on a filesystem left with no free space is taken as ENOSPC too
+        full = _disk_full(err) or (not isinstance(err, CheckpointError) and _no_space_left(root))
+        if not full:
             raise
+        unfinished = [staging] if staging else layout.incomplete_saves(root)  # a background save's
         if _rank() == 0:
-            for path in [staging] if staging else layout.incomplete_saves(root):
+            for path in unfinished:
                 shutil.rmtree(path, ignore_errors=True)
-        raise CheckpointError(f"--save {root}: no space left on device (ENOSPC) writing {staging or root}; the "
-                              f"unfinished save was removed, complete checkpoints are kept") from err
+        raise CheckpointError(f"--save {root}: no space left on device (ENOSPC) writing "
+                              f"{', '.join(unfinished) or root}; the unfinished save was removed, complete "
+                              f"checkpoints are kept") from err
 
 
 def finalize_saves(root: str, async_queue, blocking: bool) -> None:
