@@ -31,6 +31,12 @@ def watch_parent(what: str) -> None:
     threading.Thread(target=_watch, args=(os.getppid(), what), name="parent-watch", daemon=True).start()
 
 
+def watch_forked_children(what: str) -> None:
+    """Every process forked from this one from now on (megatron-core's per-bucket checkpoint
+    writers, which have no watch of their own) starts a watch of this process."""
+    os.register_at_fork(after_in_child=lambda: watch_parent(what))
+
+
 def exit_when_parent_dies(what: str = "worker") -> None:
     """Start the watch (once per process). `what` names the process in the exit message."""
     global _started

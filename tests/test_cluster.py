@@ -194,7 +194,16 @@ def _files(directory):
     """Every file's bytes (the shards: .distcp), except two pickles compared by content: torch's
     .metadata, whose storage_meta holds a random id per save, and megatron's common.pt, whose
     byte layout depends on which equal strings happen to be one object (pickle's memo) -- the
-    relaunched run reads its paths from YAML."""
+    relaunched run reads its paths from YAML. In the shards, each rank's writer record (the id
+    of the run that saved it, `checkpoint/writers.py`) is blanked out."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_dllm.checkpoint.writers import RECORD_KEY
+
+    records = {}
+    for index, info in FileSystemReader(str(directory)).read_metadata().storage_data.items():
+        if index.fqn.startswith(RECORD_KEY + "/"):
+            records.setdefault(info.relative_path, []).append((info.offset, info.length))
     out = {}
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
@@ -204,7 +213,10 @@ def _files(directory):
         elif name == "common.pt":
             out[name] = torch.load(path, weights_only=False)
         elif name != "manifest.json":  # hashes of the above
-            out[name] = open(path, "rb").read()
+            data = bytearray(open(path, "rb").read())
+            for offset, length in records.get(name, []):
+                data[offset:offset + length] = bytes(length)
+            out[name] = bytes(data)
     return out
 
 
@@ -273,7 +285,7 @@ def test_sigkill_during_an_async_save_never_leaves_a_checkpoint_that_loads_as_co
         log.close()
     assert staged is not None, "the run was never caught during a save"
     found = layout.find_checkpoint(str(ckpt))
-    assert found.path != staged[:-len(".incomplete")]
+    assert found.path != os.path.join(os.path.dirname(staged), os.path.basename(staged).split(".")[0])
     for path in layout.iterations(str(ckpt)).values():  # every final name is complete
         verify_manifest(path)
     assert layout.incomplete_saves(str(ckpt))  # what the next start removes

@@ -207,7 +207,7 @@ def test_free_space_is_checked_against_the_last_checkpoint(ckpt):
 
 @pytest.mark.slow
 def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
-    staging = layout.staging_dir(str(ckpt), 4)
+    staging = layout.staging_dir(str(ckpt), 4, "0123abcd")
     shutil.copytree(ckpt / "iter_0000002", staging)
     layout.publish(staging, layout.iteration_dir(str(ckpt), 4))
     assert _snapshot(ckpt / "iter_0000004") == _snapshot(ckpt / "iter_0000002")

@@ -1,5 +1,5 @@
 """Hardened checkpoints: SIGKILL mid-training and during a save, then an exact resume; partial
-saves (staged as iter_N.incomplete) are removed on the next start; checkpoints (weights, EMA, optimizer state)
+saves (staged as iter_N.RUNID.incomplete) are removed on the next start; checkpoints (weights, EMA, optimizer state)
 reshard between TP=2 and PP=2; the EMA is restored bit-identically on resume."""
 import json
 import os
@@ -123,13 +123,13 @@ def test_sigkill_during_a_save_then_resume_is_bit_identical(full, demo_cache, tm
 
     def saving():  # a save after the first finished checkpoint is under way (staged, not yet renamed)
         tracker = ckpt / TRACKER
-        nxt = ckpt / f"iter_{int(tracker.read_text()) + 2:07d}.incomplete" if tracker.exists() else None
-        return nxt if nxt is not None and nxt.exists() else None
+        staged = sorted(ckpt.glob(f"iter_{int(tracker.read_text()) + 2:07d}.*.incomplete")) if tracker.exists() else []
+        return staged[0] if staged else None
 
     partial = _run_until(2, flags, tmp_path, metrics, saving)
     assert partial is not None, "the run was never caught during a save"
     done = int((ckpt / TRACKER).read_text())
-    assert done >= 2 and partial.exists() and not (ckpt / partial.name[:-len(".incomplete")]).exists()
+    assert done >= 2 and partial.exists() and not (ckpt / partial.name.split(".")[0]).exists()
     killed = [json_line for json_line in metrics.read_text().splitlines()]
     assert len(killed) >= done  # it trained past its last checkpoint
 

@@ -3,11 +3,13 @@
 Megatron-LM's layout, with a staging name so that nothing unfinished ever looks finished:
 
     ROOT/iter_0000100/                    a complete checkpoint (holds manifest.json)
-    ROOT/iter_0000200.incomplete/         a save under way, or killed: the only thing ever removed
+    ROOT/iter_0000200.RUNID.incomplete/   a save under way, or killed: the only thing ever removed
     ROOT/latest_checkpointed_iteration.txt
+    ROOT/.dllm-writer.lock                the writer's lock (`output_lock.py`): no checkpoint
 
-A save writes into `iter_N.incomplete`, adds the manifest, and renames the directory to `iter_N`
-(the atomic completion step); only then is the tracker pointed at it. Loading therefore never
+A save writes into `iter_N.RUNID.incomplete` (RUNID: the writing run's id, so two runs never
+stage into one directory), adds the manifest, and renames the directory to `iter_N` (the atomic
+completion step); only then is the tracker pointed at it. Loading therefore never
 has to guess: `iter_N` directories are complete (or were written by an older version or another
 tool, without a manifest: loadable when named, never removed), and `*.incomplete` ones are not.
 """
@@ -24,14 +26,15 @@ from megatron_dllm.checkpoint.manifest import MANIFEST, CheckpointError, manifes
 TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 _ITER = re.compile(r"iter_(\d+)")
+_STAGED = re.compile(r"iter_\d+(\.[0-9a-f]+)?")  # before INCOMPLETE; older versions staged without a run id
 
 
 def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def staging_dir(root: str, iteration: int) -> str:
-    return iteration_dir(root, iteration) + INCOMPLETE
+def staging_dir(root: str, iteration: int, run_id: str) -> str:
+    return f"{iteration_dir(root, iteration)}.{run_id}{INCOMPLETE}"
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -75,11 +78,11 @@ def incomplete_saves(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     return sorted(os.path.join(root, n) for n in os.listdir(root)
-                  if n.endswith(INCOMPLETE) and _ITER.fullmatch(n[:-len(INCOMPLETE)]))
+                  if n.endswith(INCOMPLETE) and _STAGED.fullmatch(n[:-len(INCOMPLETE)]))
 
 
 def remove_incomplete_saves(root: str) -> list[str]:
-    """Remove the `iter_N.incomplete` directories under `root` (saves that never finished)."""
+    """Remove the `iter_N[.RUNID].incomplete` directories under `root` (saves that never finished)."""
     removed = incomplete_saves(root)
     for path in removed:
         shutil.rmtree(path)
@@ -159,9 +162,32 @@ def check_save_dir(save: str) -> None:
             pass
     except OSError as err:
         raise CheckpointError(f"--save {save}: not writable ({err.strerror or err})") from None
+    check_free_space(save, None)
+
+
+def check_free_space(save: str, estimate: int | None) -> None:
+    """Fail if `save` cannot hold one more checkpoint: the size of the newest complete one there,
+    else `estimate` (bytes; None: no check without a previous checkpoint)."""
     complete = [p for p in iterations(save).values() if has_manifest(p)]
+    free = shutil.disk_usage(save).free
     if complete:
-        need, free = manifest_size(complete[-1]), shutil.disk_usage(save).free
+        need = manifest_size(complete[-1])
         if need > free:
             raise CheckpointError(f"--save {save}: {free / 2**30:.2f} GiB free, but the last checkpoint "
                                   f"{os.path.basename(complete[-1])} took {need / 2**30:.2f} GiB")
+    elif estimate is not None and estimate > free:
+        raise CheckpointError(f"--save {save}: {free / 2**20:.1f} MiB free, but one checkpoint of this model "
+                              f"needs about {estimate / 2**20:.1f} MiB")
+
+
+def refuse_existing(save: str, finetune: bool) -> None:
+    """Refuse a run that would start at iteration 0 in a root that holds checkpoints: its saves
+    would replace them."""
+    found = iterations(save)
+    if not found:
+        return
+    if finetune:
+        raise CheckpointError(f"--save {save} already holds checkpoints ({_listing(found)}); --finetune starts "
+                              f"again at iteration 0 and would replace them: pick a new --save")
+    raise CheckpointError(f"--save {save} already holds checkpoints ({_listing(found)}); resume with --load "
+                          f"{save}, or pick a new --save")

@@ -59,9 +59,9 @@ def _rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def write_manifest(directory: str, iteration: int | None) -> None:
+def write_manifest(directory: str, iteration: int | None, run: str | None = None) -> None:
     """Hash every file of `directory` (collective when distributed) and write the manifest
-    atomically (rank 0)."""
+    atomically (rank 0); `run`: the id of the run that wrote the files (`writers.py`)."""
     rank, size = _rank_and_size()
     names = _files(directory)
     mine = {n: {"size": os.path.getsize(os.path.join(directory, n)), "sha256": sha256(os.path.join(directory, n))}
@@ -71,7 +71,7 @@ def write_manifest(directory: str, iteration: int | None) -> None:
         tmp = os.path.join(directory, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
             json.dump({"format": FORMAT, "version": 1, "iteration": iteration,
-                       "files": dict(sorted(files.items()))}, f, indent=1)
+                       **({"run": run} if run else {}), "files": dict(sorted(files.items()))}, f, indent=1)
         os.replace(tmp, os.path.join(directory, MANIFEST))
 
 

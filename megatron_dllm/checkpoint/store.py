@@ -6,14 +6,18 @@ happens on disk and broadcasts it, so every rank sees the same checkpoint and th
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import os
 import shutil
+from contextlib import contextmanager
 from functools import partial
 
 import torch.distributed as dist
 
-from megatron_dllm.checkpoint import layout, retention, safe_read
-from megatron_dllm.checkpoint.manifest import CheckpointError, verify_manifest, write_manifest
+from megatron_dllm.checkpoint import layout, retention, safe_read, writers
+from megatron_dllm.checkpoint.manifest import CheckpointError, read_manifest, verify_manifest, write_manifest
+from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
 
 def _distributed() -> bool:
@@ -59,7 +63,10 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
     """
     from megatron.core import dist_checkpointing
 
-    staging, final = layout.staging_dir(root, iteration), layout.iteration_dir(root, iteration)
+    _watch_writer_processes()
+    run = writers.run_id()
+    staging, final = layout.staging_dir(root, iteration, run), layout.iteration_dir(root, iteration)
+    state = {**state, writers.RECORD_KEY: writers.sharded_record()}  # lands in this rank's own shard file
 
     def prepare():
         os.makedirs(root, exist_ok=True)
@@ -73,7 +80,7 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
 
     def finish():
         _barrier()
-        write_manifest(staging, iteration)
+        write_manifest(staging, iteration, run)
         _barrier()
         _from_rank0(complete)
         if on_complete is not None:
@@ -81,10 +88,12 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
 
     _from_rank0(prepare)
     if async_queue is None:
-        dist_checkpointing.save(state, staging)
-        finish()
+        with reporting_full_disk(root, staging):
+            dist_checkpointing.save(state, staging)
+            finish()
         return final
-    request = dist_checkpointing.save(state, staging, async_sharded_save=True)
+    with reporting_full_disk(root, staging):
+        request = dist_checkpointing.save(state, staging, async_sharded_save=True)
     request = request._replace(async_fn=partial(_write_in_background, request.async_fn))
     request.add_finalize_fn(finish)
     async_queue.schedule_async_request(request)
@@ -98,6 +107,116 @@ def _write_in_background(write, *args, **kwargs):
 
     watch_parent("checkpoint writer")
     return write(*args, **kwargs)
+
+
+_writers_watched = False
+_results_manager = None
+
+
+def _watch_writer_processes() -> None:
+    """Make every process megatron-core starts to write a checkpoint die with this rank (once per
+    process). Its writer workers are forked (from this rank, or from the --async-save writer): each
+    fork now starts a watch of its parent. Its results queue is served by a spawned manager process
+    that has no watch of its own; it is started here instead, with one."""
+    global _writers_watched, _results_manager
+    if _writers_watched:
+        return
+    _writers_watched = True
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dllm.parent_watch import exit_when_parent_dies, watch_forked_children
+
+    watch_forked_children("checkpoint writer")
+    if filesystem_async._results_queue is None:  # megatron's own would outlive a killed rank
+        _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        _results_manager.start(initializer=exit_when_parent_dies, initargs=("checkpoint results queue",))
+        filesystem_async._results_queue = _results_manager.Queue()
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ENOSPC caused `err`, however torch's and megatron's writers wrapped it (as a cause,
+    as a per-rank failure of a CheckpointException, or only in the text of a worker's error)."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (tuple, list, dict)):  # CheckpointException.failures: {rank: (exception, traceback)}
+            todo += list(e.values() if isinstance(e, dict) else e)
+            continue
+        if getattr(e, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(e):
+            return True
+        if isinstance(e, BaseException):
+            todo += [e.__cause__, e.__context__, getattr(e, "failures", None), *e.args]
+    return False
+
+
+def _no_space_left(root: str) -> bool:
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL
+    except OSError:
+        return False
+
+
+_NEARLY_FULL = 1 << 20
+
+
+@contextmanager
+def reporting_full_disk(root: str, staging: str | None = None):
+    """A full disk under a save becomes one CheckpointError naming ENOSPC and the directory; the
+    staged save is removed (rank 0) to give the space back. It never had its final name."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException, wrapping the OSError, is a BaseException
+        # torch's zip writer reports a short write as a position mismatch, without the errno: a
+        # write that failed on a filesystem left with no free space is taken as ENOSPC too
+        full = _disk_full(err) or (not isinstance(err, CheckpointError) and _no_space_left(root))
+        if not full:
+            raise
+        unfinished = [staging] if staging else layout.incomplete_saves(root)  # a background save's
+        if _rank() == 0:
+            for path in unfinished:
+                shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointError(f"--save {root}: no space left on device (ENOSPC) writing "
+                              f"{', '.join(unfinished) or root}; the unfinished save was removed, complete "
+                              f"checkpoints are kept") from err
+
+
+def finalize_saves(root: str, async_queue, blocking: bool) -> None:
+    """Finish the background saves that are done (or all, `blocking`): megatron's write-result
+    check, then our manifest, rename and tracker; a full disk is reported as in a plain save."""
+    with reporting_full_disk(root):
+        async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+
+_save_lock: OutputLock | None = None
+
+
+def lock_save(save: str, log=print) -> None:
+    """Take the one-writer lock of the checkpoint root `save` on rank 0 for the rest of this
+    process (collective: a writer already there fails every rank with its name). Released at exit
+    (normal or by a handled error); a killed process's lock is taken over by the next run."""
+
+    def take():
+        global _save_lock
+        if _save_lock is None:
+            _save_lock = OutputLock(lock_path_for_dir(save), f"--save {save}", log=log).acquire()
+            atexit.register(_save_lock.release)
+
+    _from_rank0(take)
+
+
+def release_save_lock() -> None:
+    global _save_lock
+    if _save_lock is not None:
+        _save_lock.release()
+        _save_lock = None
 
 
 def remove_incomplete(root: str, log=print) -> list[str]:
@@ -133,6 +252,7 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
         return None
     if layout.has_manifest(found.path):
         verify_manifest(found.path)
+        _from_rank0(lambda: writers.check_single_run(found.path, read_manifest(found.path).get("run")))
     else:
         log(f"{found.path} has no manifest (written by an older version or another tool): "
             f"loading it without verifying its files")
@@ -142,6 +262,16 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
 
 def check_writable(save: str) -> None:
     _from_rank0(lambda: layout.check_save_dir(save))
+
+
+def check_free_space(save: str, estimate: int) -> None:
+    """Fail before the first iteration when --save cannot hold one more checkpoint (rank 0)."""
+    _from_rank0(lambda: layout.check_free_space(save, estimate))
+
+
+def refuse_existing(save: str, finetune: bool) -> None:
+    """A run that does not resume from --save must not write over the checkpoints there."""
+    _from_rank0(lambda: layout.refuse_existing(save, finetune))
 
 
 def read(path: str, fn, *args):

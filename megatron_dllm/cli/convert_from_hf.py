@@ -9,12 +9,15 @@ the checkpoints there once the new one is complete (other files are left alone).
 `error: ...` line, exit code 2.
 """
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.hf import config_check
+from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
 
 def main(argv=None):
@@ -46,10 +49,12 @@ def _read_hf(hf: str):
             raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
     cfg = read_config_json(config_path, "--hf")
     identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
+    config_check.check_config(cfg, identity, f"--hf {config_path}")
     try:
         weights = load_file(weights_path)
     except SafetensorError as err:
         raise ValueError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
+    config_check.check_shapes(weights, identity, cfg.get("max_position_embeddings", 2048), f"--hf {weights_path}")
     return identity, cfg, weights
 
 
@@ -64,7 +69,13 @@ def convert(args) -> int:
 def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
     """Write the dense DiT weights `hf_state` ("backbone." names) as a megatron checkpoint at the
     layout of `args` (--save, --tensor/--pipeline-model-parallel-size, --make-vocab-size-divisible-by,
-    --iteration, --overwrite), each rank its shard."""
+    --iteration, --overwrite), each rank its shard. Rank 0 holds --save's writer lock throughout."""
+    first = int(os.environ.get("RANK", "0")) == 0
+    with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
+        return _write_checkpoint(hf_state, identity, seq_length, args, source)
+
+
+def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
     import torch
     from megatron.core import parallel_state
 

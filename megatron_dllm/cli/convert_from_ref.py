@@ -21,6 +21,7 @@ import sys
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
+from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
 def main(argv=None):
@@ -87,12 +88,15 @@ def load_reference(args):
 
 
 def convert(args) -> int:
-    identity, hf_state, max_length = load_reference(args)
-    if args.save:
+    if args.save:  # write_checkpoint holds --save's lock
         from megatron_dllm.cli.convert_from_hf import write_checkpoint
 
+        identity, hf_state, max_length = load_reference(args)
         return write_checkpoint(hf_state, identity, max_length, args, source=args.ref)
-    return write_hf(args, identity, hf_state, max_length)
+    # a sibling lock (OUT.lock), taken before reading --ref: the export is staged beside OUT and renamed whole
+    with exclusive(lock_path_for_prefix(os.path.normpath(args.hf_out)), f"--hf-out {args.hf_out}"):
+        identity, hf_state, max_length = load_reference(args)
+        return write_hf(args, identity, hf_state, max_length)
 
 
 def write_hf(args, identity, hf_state: dict, max_length: int) -> int:

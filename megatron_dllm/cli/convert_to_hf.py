@@ -18,6 +18,7 @@ import sys
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
 def main(argv=None):
@@ -35,9 +36,16 @@ def main(argv=None):
         parser.error("--tokenizer-type and --tokenizer-model go together")
 
     out = os.path.normpath(args.out)
-    if os.path.exists(out) and not args.overwrite:
-        return fail(f"--out {args.out} already exists; pass --overwrite to replace it")
+    try:  # the lock is a sibling (OUT.lock): the export is staged beside OUT and renamed whole
+        with exclusive(lock_path_for_prefix(out), f"--out {args.out}"):
+            if os.path.exists(out) and not args.overwrite:
+                return fail(f"--out {args.out} already exists; pass --overwrite to replace it")
+            return _export(args, out)
+    except OSError as err:  # another writer holds --out
+        return fail(str(err))
 
+
+def _export(args, out: str) -> int:
     from megatron_dllm import platform
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export

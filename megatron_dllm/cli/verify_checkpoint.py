@@ -4,7 +4,8 @@
 
 CKPT is a checkpoint root (the checkpoint `--load CKPT` would load is checked) or one
 iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root. Prints one line
-per checkpoint; a missing, truncated or altered file gives `error: ...` naming it and exit code 2.
+per checkpoint; a missing, truncated or altered file, or shards written by different runs (a
+mixed checkpoint), gives `error: ...` naming the files and exit code 2.
 """
 import argparse
 import sys
@@ -19,7 +20,7 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")
     args = parser.parse_args(argv)
 
-    from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+    from megatron_dllm.checkpoint import CheckpointError, layout, manifest, writers
 
     try:
         if args.all:
@@ -34,7 +35,9 @@ def main(argv=None) -> int:
                 raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
                                       f"tool): nothing to verify against")
             manifest.verify_manifest(path)
-            files = manifest.read_manifest(path)["files"]
+            record = manifest.read_manifest(path)
+            writers.check_single_run(path, record.get("run"))
+            files = record["files"]
             print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes")
     except CheckpointError as err:
         return fail(str(err))

@@ -154,6 +154,8 @@ def resolve_defaults(cfg: RunConfig, demo_corpus: dict | None = None) -> RunConf
         if demo_corpus is None:
             raise ValueError("resolving the embedded demo needs its prepared corpus")
         defaults = dict(DEMO_DEFAULTS)
+        if cfg.checkpoint.save is None and cfg.checkpoint.load is None:  # the demo command resumes its own run
+            defaults["checkpoint"] = {**defaults["checkpoint"], "load": defaults["checkpoint"]["save"]}
         if cfg.training.train_samples is not None or cfg.training.train_flops is not None:
             defaults["training"] = {k: v for k, v in defaults["training"].items() if k != "train_iters"}
         cfg = cfg.replace(data={"data_path": [demo_corpus["data_prefix"]],

@@ -49,6 +49,9 @@ class Trainer:
         ckpt, model_cfg, prec, t = cfg.checkpoint, cfg.model, cfg.precision, cfg.training
         if ckpt.save:  # a run that cannot save fails now, not after its first save interval
             checkpoint.check_writable(ckpt.save)
+            checkpoint.store.lock_save(ckpt.save)  # held until this process exits
+            if not ckpt.load or ckpt.finetune:  # iteration 0 again: its saves would replace what is there
+                checkpoint.store.refuse_existing(ckpt.save, ckpt.finetune)
         self.tokenizer_record = tokenizer_record(cfg.tokenizer)
         vocab = self.tokenizer.vocab_size
         self.family = get_family(model_cfg.family, self.tokenizer.mask_id, vocab, model_cfg.loss)
@@ -241,7 +244,9 @@ class Trainer:
                          f"{iters} iterations of {gbs} x {seq} tokens | "
                          f"{iters * gbs * self.budget_flops_per_seq:.4g} training FLOPs ({t.flops_convention})")
         if ckpt.save:
-            self.logger.info(self._disk_estimate())  # collective
+            line, each = self._disk_estimate()  # collective
+            self.logger.info(line)
+            checkpoint.store.check_free_space(ckpt.save, each)
         if self.iteration >= iters:  # loaded a checkpoint at (or past) the end: evaluate only
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: evaluating only")
             self.logger.valid(self.iteration, self.evaluate(), self.cumulative_flops(), self.consumed_samples)
@@ -254,7 +259,7 @@ class Trainer:
         while self.iteration < iters:
             self.profiler.before_iteration(self.iteration + 1)
             if self.async_queue is not None:
-                self.async_queue.maybe_finalize_async_calls(blocking=False)
+                checkpoint.store.finalize_saves(ckpt.save, self.async_queue, blocking=False)
             loss, grad_norm = self.train_step()
             if (mean := self.spikes.check(loss)) is not None:
                 self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
@@ -286,6 +291,7 @@ class Trainer:
         if ckpt.save and saved_at != self.iteration:
             self.save()
         self._wait_for_saves()
+        checkpoint.store.release_save_lock()  # every save, background ones too, is complete
         self.logger.close()
 
     def cumulative_flops(self) -> int:
@@ -294,7 +300,7 @@ class Trainer:
 
     def save(self) -> None:
         if self.async_queue is not None:  # one save in flight at a time: bounded host memory
-            self.async_queue.maybe_finalize_async_calls(blocking=True)
+            checkpoint.store.finalize_saves(self.cfg.checkpoint.save, self.async_queue, blocking=True)
         start = time.perf_counter()
         path = training_state.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.model, self.optimizer, self.scheduler,
@@ -327,7 +333,7 @@ class Trainer:
 
     def _wait_for_saves(self) -> None:
         if self.async_queue is not None:
-            self.async_queue.maybe_finalize_async_calls(blocking=True)
+            checkpoint.store.finalize_saves(self.cfg.checkpoint.save, self.async_queue, blocking=True)
 
     # ------------------------------------------------------------------ cluster features
 
@@ -354,8 +360,9 @@ class Trainer:
                 default = os.path.join(cfg.checkpoint.save or log.tensorboard_dir or ".", "wandb")
                 self.logger.add_writer(observability.WandbWriter(log, resolved_dict(cfg), default))
 
-    def _disk_estimate(self) -> str:
-        """The start-of-run line on checkpoint size and the disk this run's checkpoints need."""
+    def _disk_estimate(self) -> tuple[str, int]:
+        """The start-of-run line on checkpoint size and the disk this run's checkpoints need, and
+        the estimated bytes of one checkpoint."""
         ckpt, t = self.cfg.checkpoint, self.cfg.training
         params = self._checkpointed_parameters()
         each = retention.bytes_per_checkpoint(params, self.config.bf16, self.ema is not None)
@@ -366,7 +373,7 @@ class Trainer:
                 f"{ckpt.save} at once -> about {count * each / 2**30:.3g} GiB ({free / 2**30:.4g} GiB free)")
         if count * each > free:
             line += "; NOT ENOUGH DISK for all of them: set --keep-last-n-checkpoints"
-        return line
+        return line, each
 
     def _checkpointed_parameters(self) -> int:
         """Elements of every tensor a checkpoint holds for the model, whatever the layout: the
