@@ -8,6 +8,7 @@ rank's own reasons: a signal delivered to one rank only still stops them all tog
 """
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import time
 
@@ -54,3 +55,34 @@ class ExitConditions:
         if t.exit_interval and iteration % t.exit_interval == 0:
             return f"--exit-interval {t.exit_interval}"
         return None
+
+
+def _ignore_exit_signals() -> None:
+    """Runs first in megatron-core's results-queue server: the exit signals are its rank's."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+def shield_async_save_server() -> None:
+    """With --async-save, megatron-core (0.16) passes the write results through a multiprocessing
+    Manager server that it spawns at the first save, in the rank's process group. A SIGTERM to that
+    group (torchrun forwards its own SIGTERM with killpg; schedulers signal every process) killed
+    the server, which has no handler: the save in flight, and the exit save the signal asked for,
+    then failed with BrokenPipeError or EOFError and the rank crashed. So the server is started
+    here, ignoring the exit signals (blocked while it starts, so none slips in before the ignore),
+    and put into megatron-core's cache. It still ends with its rank: a shutdown message at exit,
+    or the SIGKILL of the group."""
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # the spawned child inherits the mask
+    try:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_ignore_exit_signals)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal that came meanwhile is handled now
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive

@@ -30,7 +30,7 @@ from megatron_dllm.scaling.flops import train_flops_per_sequence
 from megatron_dllm.training import nan_guard, observability
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.ema import EMA
-from megatron_dllm.training.exit_conditions import ExitConditions
+from megatron_dllm.training.exit_conditions import ExitConditions, shield_async_save_server
 from megatron_dllm.training.inputs import prepare_inputs
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
@@ -334,6 +334,8 @@ class Trainer:
         self.spikes = nan_guard.LossSpikes(t.loss_spike_factor)
         self.profiler = observability.Profiler(log)
         self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
+        if self.async_queue is not None and t.exit_signal_handler:
+            shield_async_save_server()
         self.peak_flops, peak_source = observability.peak_flops(log.peak_flops, cfg.precision.fp8_format is not None)
         self.logger.info(f"MFU against {peak_source}")
         # Beside the logs now; beside the checkpoints with the first save, so a run that only loads,
