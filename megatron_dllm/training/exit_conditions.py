@@ -58,10 +58,14 @@ class ExitConditions:
 
 
 def _ignore_exit_signals() -> None:
-    """Runs first in megatron-core's results-queue server: the exit signals are its rank's."""
+    """Runs first in megatron-core's results-queue server: the exit signals are its rank's, and
+    it dies with its rank (a SIGTERM no longer ends it once its rank is SIGKILLed)."""
+    from megatron_dllm.parent_watch import watch_parent
+
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    watch_parent("async-save results server")
 
 
 def shield_async_save_server() -> None:
@@ -71,8 +75,8 @@ def shield_async_save_server() -> None:
     the server, which has no handler: the save in flight, and the exit save the signal asked for,
     then failed with BrokenPipeError or EOFError and the rank crashed. So the server is started
     here, ignoring the exit signals (blocked while it starts, so none slips in before the ignore),
-    and put into megatron-core's cache. It still ends with its rank: a shutdown message at exit,
-    or the SIGKILL of the group."""
+    and put into megatron-core's cache. It ends with its rank: a shutdown message at exit, or its
+    parent watch."""
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
