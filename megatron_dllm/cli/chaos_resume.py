@@ -229,9 +229,11 @@ class Soak:
         try:
             code = proc.wait(timeout=self.args.attempt_timeout)
         except subprocess.TimeoutExpired:
-            signal_tree(proc.pid, signal.SIGKILL)
-            proc.wait()
             raise Mismatch(f"the reference run did not finish in {self.args.attempt_timeout} s") from None
+        finally:  # also on Ctrl-C
+            if proc.poll() is None:
+                signal_tree(proc.pid, signal.SIGKILL)
+                proc.wait()
         if code != 0:
             raise Mismatch(f"the reference run failed (exit {code}); see {run}/run.log")
         if (left := leftovers(run)):
@@ -317,6 +319,7 @@ class Soak:
         at = time.time() - start
         signal_tree(proc.pid, sig)
         info = {"signal": signal.Signals(sig).name, "aimed": aimed, "phase": phase, "at": at,
+                "clock": time.strftime("%H:%M:%S", time.gmtime()),
                 "last_iteration": done, "staged": [os.path.basename(p) for p in seen["staged"]]}
         if sig == signal.SIGTERM:
             try:
@@ -330,7 +333,8 @@ class Soak:
         k = attempt.kill
         where = k["phase"] + (f" ({', '.join(k['staged'])} present)" if k["staged"] else "")
         last = "none" if k["last_iteration"] is None else k["last_iteration"]
-        text = (f"kill {index}/{self.args.kills}: {k['signal']} at {k['at']:.2f} s into attempt {attempt.number} "
+        text = (f"kill {index}/{self.args.kills}: {k['signal']} at {k['clock']} UTC, {k['at']:.2f} s into attempt "
+                f"{attempt.number} "
                 f"during {where}, aimed at {k['aimed']}; last iteration logged by this attempt: {last}")
         if k["signal"] == "SIGTERM":
             with open(attempt.log, errors="replace") as f:
@@ -495,7 +499,9 @@ def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--work", required=True, help="a new or empty directory for the corpus, both runs and their logs")
     p.add_argument("--kills", type=int, default=10, help="how many times the run is killed (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the signals, phases and moments of the kills")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the signals, the phases aimed at and the delays; where a kill lands also depends "
+                        "on the machine's speed")
     p.add_argument("--train-iters", type=int, default=None,
                    help="iterations of the run (default: enough that the kills come before the end, 2 x kills + 8)")
     p.add_argument("--save-interval", type=int, default=2)
