@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 def test_a_run_killed_at_random_moments_resumes_bit_identically(tmp_path):
     work = tmp_path / "w"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "chaos_resume.py"), "--work", str(work),
-                           "--kills", "3", "--seed", "3", "--train-iters", "6"],
+                           "--kills", "3", "--seed", "3", "--train-iters", "6",
+                           "--attempt-timeout", "240"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     kills = re.findall(r"^kill \d/3: (SIGKILL|SIGTERM) at .* during (startup|first iteration|training|save)",

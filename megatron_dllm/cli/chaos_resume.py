@@ -146,6 +146,24 @@ def marked_processes(mark: str) -> list[tuple[int, str]]:
     return found
 
 
+def describe_stuck(mark: str, ckpt: str) -> str:
+    """What a run that did not finish in time was doing: its processes (state, kernel wait
+    channel) and the files of its staged saves, for the failure message."""
+    parts = []
+    for pid, cmdline in marked_processes(mark):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read()
+        except OSError:
+            continue
+        parts.append(f"pid {pid} {state} {wchan or '-'}: {cmdline[:90]}")
+    for path in staged_saves(ckpt):
+        parts.append(f"{os.path.basename(path)} holds {sorted(os.listdir(path))}")
+    return "; ".join(parts)
+
+
 def leftovers(mark: str, wait_s: float = 3.0) -> list[tuple[int, str]]:
     """Processes of the run still alive `wait_s` after it ended (the parent watches need 0.5 s);
     they are SIGKILLed once reported so that the soak can go on."""
@@ -229,7 +247,8 @@ class Soak:
         try:
             code = proc.wait(timeout=self.args.attempt_timeout)
         except subprocess.TimeoutExpired:
-            raise Mismatch(f"the reference run did not finish in {self.args.attempt_timeout} s") from None
+            raise Mismatch(f"the reference run did not finish in {self.args.attempt_timeout} s (see {run}/run.log): "
+                           + describe_stuck(run, os.path.join(run, "ckpt"))) from None
         finally:  # also on Ctrl-C
             if proc.poll() is None:
                 signal_tree(proc.pid, signal.SIGKILL)
@@ -266,10 +285,10 @@ class Soak:
             if seen["started"] and "at" not in state:
                 state["at"] = time.time() + self.rng.uniform(0.0, 0.1)  # the iteration takes about 0.3 s
             return "at" in state and time.time() >= state["at"]
-        if phase == "training":  # a few iterations into this attempt
+        if phase == "training":  # a few iterations into this attempt, no save under way
             target = state.setdefault("target", self.rng.randint(1, self.args.save_interval + 1))
-            if len(seen["iterations"]) >= target and "at" not in state:
-                state["at"] = time.time() + self.rng.uniform(0.0, 0.3)
+            if len(seen["iterations"]) >= target and not seen["staged"] and "at" not in state:
+                state["at"] = time.time() + self.rng.uniform(0.0, 0.05)
             return "at" in state and time.time() >= state["at"]
         if seen["staged"] and "at" not in state:  # "save": a staged save exists
             state["at"] = time.time() + self.rng.uniform(0.0, 0.15)
@@ -298,7 +317,7 @@ class Soak:
             while proc.poll() is None:
                 if time.time() - start > self.args.attempt_timeout:
                     raise Mismatch(f"attempt {number} did not finish in {self.args.attempt_timeout} s "
-                                   f"(see {attempt.log})")
+                                   f"(see {attempt.log}): " + describe_stuck(self.chaos_dir, self.ckpt))
                 if kill and self._trigger(kill[1], attempt, start, state):
                     attempt.kill = self._kill(proc, kill, attempt, start)
                     break
