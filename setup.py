@@ -93,6 +93,7 @@ setup(
         "dllm-relaunch=megatron_dllm.cli.relaunch:main",
         "dllm-plan-isoflop=megatron_dllm.cli.plan_isoflop:main",
         "dllm-scaling-laws=megatron_dllm.cli.scaling_laws:main",
+        "dllm-chaos-resume=megatron_dllm.cli.chaos_resume:main",
     ]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -10,6 +10,7 @@ import atexit
 import errno
 import os
 import shutil
+import signal
 from contextlib import contextmanager
 from functools import partial
 
@@ -111,13 +112,29 @@ def _write_in_background(write, *args, **kwargs):
 
 _writers_watched = False
 _results_manager = None
+# The exit signals a scheduler (or torchrun, forwarding its own with killpg) sends the rank's group
+_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _results_server_init() -> None:
+    """Runs first in the results-queue server: the exit signals are its rank's to handle (it would
+    die without a handler, and the save in flight and the exit save with it), and it dies with its
+    rank instead."""
+    from megatron_dllm.parent_watch import watch_parent
+
+    for sig in _EXIT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _EXIT_SIGNALS)
+    watch_parent("checkpoint results queue")
 
 
 def _watch_writer_processes() -> None:
     """Make every process megatron-core starts to write a checkpoint die with this rank (once per
     process). Its writer workers are forked (from this rank, or from the --async-save writer): each
-    fork now starts a watch of its parent. Its results queue is served by a spawned manager process
-    that has no watch of its own; it is started here instead, with one."""
+    fork now starts a watch of its parent. Its results queue is served by a manager process that
+    megatron-core (0.16) spawns, in the rank's process group, with neither a watch nor a signal
+    handler: a SIGKILLed rank left it running, and a SIGTERM to the group killed it and crashed the
+    rank's save. It is started here instead, and put into megatron-core's cache."""
     global _writers_watched, _results_manager
     if _writers_watched:
         return
@@ -127,12 +144,16 @@ def _watch_writer_processes() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_dllm.parent_watch import exit_when_parent_dies, watch_forked_children
+    from megatron_dllm.parent_watch import watch_forked_children
 
     watch_forked_children("checkpoint writer")
-    if filesystem_async._results_queue is None:  # megatron's own would outlive a killed rank
-        _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        _results_manager.start(initializer=exit_when_parent_dies, initargs=("checkpoint results queue",))
+    if filesystem_async._results_queue is None:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _EXIT_SIGNALS)  # inherited: none slips in before the ignore
+        try:
+            _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+            _results_manager.start(_results_server_init)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal that came meanwhile is handled now
         filesystem_async._results_queue = _results_manager.Queue()
 
 

@@ -15,6 +15,7 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-convert-from-hf tools/convert_from_hf.py      Hugging Face directory -> checkpoint
     dllm-convert-from-ref tools/convert_from_ref.py    the paper code's checkpoint -> checkpoint / HF
     dllm-verify-checkpoint tools/verify_checkpoint.py  check a checkpoint against its manifest
+    dllm-chaos-resume    tools/chaos_resume.py         kill a run at random until done; compare bit for bit
     dllm-model-info      tools/model_info.py           parameters and FLOPs of a preset
     dllm-relaunch        tools/relaunch.py             re-launch a run from its run_config.yaml
     dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid
