@@ -446,3 +446,27 @@ def test_convert_from_hf_refuses_a_weight_of_the_wrong_shape(exported, tmp_path)
         f"error: --hf {bad}/model.safetensors: tensor {name} has shape {(expected[0], expected[1] - 1)}, expected "
         f"{expected} for the model its config.json describes"], r.stderr
     assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
+
+
+def test_results_queue_server_survives_a_sigterm_to_the_group_while_it_starts(tmp_path):
+    """A SIGTERM to the rank's process group while megatron-core's results-queue server is still
+    starting (its spawned interpreter importing) must neither kill it nor the rank's save: the
+    signals stay blocked until the server ignores them, and the rank handles its own afterwards.
+    (multiprocessing's resource tracker, started on the way, unblocks SIGTERM: it is started first.)"""
+    script = """
+import os, signal, threading, time
+os.setpgrp()
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))
+from megatron_dllm.checkpoint import store
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+threading.Thread(target=lambda: (time.sleep(0.05), os.killpg(os.getpgrp(), signal.SIGTERM))).start()
+store._watch_writer_processes()
+queue = filesystem_async._results_queue
+queue.put("result")
+time.sleep(0.5)
+print("queue", queue.get(), "rank saw", got, flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0 and "queue result rank saw ['TERM']" in proc.stdout, proc.stderr[-3000:]

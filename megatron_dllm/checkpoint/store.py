@@ -140,6 +140,7 @@ def _watch_writer_processes() -> None:
         return
     _writers_watched = True
     import multiprocessing
+    from multiprocessing import resource_tracker
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -148,6 +149,9 @@ def _watch_writer_processes() -> None:
 
     watch_forked_children("checkpoint writer")
     if filesystem_async._results_queue is None:
+        # Starting the spawn context's resource tracker unblocks SIGTERM (multiprocessing does so
+        # after its own start): have it running first, so the mask below holds while the server starts.
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _EXIT_SIGNALS)  # inherited: none slips in before the ignore
         try:
             _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
