@@ -458,10 +458,10 @@ import os, signal, threading, time
 os.setpgrp()
 got = []
 signal.signal(signal.SIGTERM, lambda *a: got.append("TERM"))
-from megatron_dllm.checkpoint import store
+from megatron_dllm.checkpoint import writer_processes
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 threading.Thread(target=lambda: (time.sleep(0.05), os.killpg(os.getpgrp(), signal.SIGTERM))).start()
-store._watch_writer_processes()
+writer_processes.watch()
 queue = filesystem_async._results_queue
 queue.put("result")
 time.sleep(0.5)

@@ -10,13 +10,12 @@ import atexit
 import errno
 import os
 import shutil
-import signal
 from contextlib import contextmanager
 from functools import partial
 
 import torch.distributed as dist
 
-from megatron_dllm.checkpoint import layout, retention, safe_read, writers
+from megatron_dllm.checkpoint import layout, retention, safe_read, writer_processes, writers
 from megatron_dllm.checkpoint.manifest import CheckpointError, read_manifest, verify_manifest, write_manifest
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
@@ -64,7 +63,7 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
     """
     from megatron.core import dist_checkpointing
 
-    _watch_writer_processes()
+    writer_processes.watch()
     run = writers.run_id()
     staging, final = layout.staging_dir(root, iteration, run), layout.iteration_dir(root, iteration)
     state = {**state, writers.RECORD_KEY: writers.sharded_record()}  # lands in this rank's own shard file
@@ -95,70 +94,10 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
         return final
     with reporting_full_disk(root, staging):
         request = dist_checkpointing.save(state, staging, async_sharded_save=True)
-    request = request._replace(async_fn=partial(_write_in_background, request.async_fn))
+    request = request._replace(async_fn=partial(writer_processes.write_in_background, request.async_fn))
     request.add_finalize_fn(finish)
     async_queue.schedule_async_request(request)
     return final
-
-
-def _write_in_background(write, *args, **kwargs):
-    """The forked writer: it dies with its training rank, so nothing writes into the staging
-    directory after the next run has removed it."""
-    from megatron_dllm.parent_watch import watch_parent
-
-    watch_parent("checkpoint writer")
-    return write(*args, **kwargs)
-
-
-_writers_watched = False
-_results_manager = None
-# The exit signals a scheduler (or torchrun, forwarding its own with killpg) sends the rank's group
-_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def _results_server_init() -> None:
-    """Runs first in the results-queue server: the exit signals are its rank's to handle (it would
-    die without a handler, and the save in flight and the exit save with it), and it dies with its
-    rank instead."""
-    from megatron_dllm.parent_watch import watch_parent
-
-    for sig in _EXIT_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _EXIT_SIGNALS)
-    watch_parent("checkpoint results queue")
-
-
-def _watch_writer_processes() -> None:
-    """Make every process megatron-core starts to write a checkpoint die with this rank (once per
-    process). Its writer workers are forked (from this rank, or from the --async-save writer): each
-    fork now starts a watch of its parent. Its results queue is served by a manager process that
-    megatron-core (0.16) spawns, in the rank's process group, with neither a watch nor a signal
-    handler: a SIGKILLed rank left it running, and a SIGTERM to the group killed it and crashed the
-    rank's save. It is started here instead, and put into megatron-core's cache."""
-    global _writers_watched, _results_manager
-    if _writers_watched:
-        return
-    _writers_watched = True
-    import multiprocessing
-    from multiprocessing import resource_tracker
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megatron_dllm.parent_watch import watch_forked_children
-
-    watch_forked_children("checkpoint writer")
-    if filesystem_async._results_queue is None:
-        # Starting the spawn context's resource tracker unblocks SIGTERM (multiprocessing does so
-        # after its own start): have it running first, so the mask below holds while the server starts.
-        resource_tracker.ensure_running()
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _EXIT_SIGNALS)  # inherited: none slips in before the ignore
-        try:
-            _results_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-            _results_manager.start(_results_server_init)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a signal that came meanwhile is handled now
-        filesystem_async._results_queue = _results_manager.Queue()
 
 
 def _disk_full(err: BaseException) -> bool:
