@@ -13,6 +13,7 @@ BAD = "--no-such-flag"
 COMMANDS = {
     "pretrain_dllm.py": [],
     "tools/build_indexes.py": [],
+    "tools/chaos_resume.py": ["--work", "w"],
     "tools/convert_dataset.py": ["--from", "litpkds", "in.bin"],
     "tools/convert_from_hf.py": ["--hf", "h", "--save", "s"],
     "tools/convert_from_ref.py": ["--ref", "r", "--save", "s"],

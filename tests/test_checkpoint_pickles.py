@@ -98,6 +98,10 @@ def test_a_poisoned_pickle_is_refused_before_anything_runs(poisoned):
         store.locate(str(root))
     assert f"{os.path.join(path, where)}: refused, it names '{name}'" in str(err.value)
     assert not marker.exists()
+    from megatron_dllm.cli import verify_checkpoint  # the offline check of a downloaded checkpoint refuses it too
+
+    assert verify_checkpoint.main([str(root)]) == 2
+    assert not marker.exists()
 
 
 @pytest.mark.slow

@@ -216,11 +216,12 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
         return None
     if layout.has_manifest(found.path):
         verify_manifest(found.path)
-        _from_rank0(lambda: writers.check_single_run(found.path, read_manifest(found.path).get("run")))
     else:
         log(f"{found.path} has no manifest (written by an older version or another tool): "
             f"loading it without verifying its files")
-    safe_read.check_no_code(found.path)  # before megatron-core's loader unpickles anything
+    safe_read.check_no_code(found.path)  # before anything unpickles a file of it
+    if layout.has_manifest(found.path):
+        _from_rank0(lambda: writers.check_single_run(found.path, read_manifest(found.path).get("run")))
     return found
 
 

@@ -51,12 +51,12 @@ def sharded_record():
 def shard_records(directory: str) -> dict[str, dict]:
     """{file: record} of every rank record in the checkpoint (empty for one without records)."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        metadata = FileSystemReader(directory).read_metadata()
-    except Exception as err:  # torch raises many types for a missing or foreign .metadata
-        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable ({type(err).__name__})") from None
+    from megatron_dllm.checkpoint.safe_read import read_metadata
+
+    if not os.path.exists(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: missing")
+    metadata = read_metadata(directory)  # through the allowlist: torch's reader would unpickle anything
     records = {}
     for index, info in metadata.storage_data.items():
         if not index.fqn.startswith(RECORD_KEY + "/"):

@@ -4,8 +4,9 @@
 
 CKPT is a checkpoint root (the checkpoint `--load CKPT` would load is checked) or one
 iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root. Prints one line
-per checkpoint; a missing, truncated or altered file, or shards written by different runs (a
-mixed checkpoint), gives `error: ...` naming the files and exit code 2.
+per checkpoint; a missing, truncated or altered file, a pickle naming anything but checkpoint
+data (which loading would refuse rather than run), or shards written by different runs (a mixed
+checkpoint), gives `error: ...` naming the files and exit code 2.
 """
 import argparse
 import sys
@@ -20,7 +21,7 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")
     args = parser.parse_args(argv)
 
-    from megatron_dllm.checkpoint import CheckpointError, layout, manifest, writers
+    from megatron_dllm.checkpoint import CheckpointError, layout, manifest, safe_read, writers
 
     try:
         if args.all:
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
                 raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
                                       f"tool): nothing to verify against")
             manifest.verify_manifest(path)
+            safe_read.check_no_code(path)
             record = manifest.read_manifest(path)
             writers.check_single_run(path, record.get("run"))
             files = record["files"]
