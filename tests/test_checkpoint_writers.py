@@ -103,7 +103,7 @@ def test_a_second_training_on_the_same_save_exits_2_naming_the_first(demo_cache,
     assert not layout.incomplete_saves(str(ckpt))
 
 
-@pytest.mark.parametrize("mode", ["flock", "file"])
+@pytest.mark.parametrize("mode", ["flock"])  # the lock-file mode's takeover: tests/test_output_lock.py
 def test_a_sigkilled_runs_lock_is_taken_over_on_restart(demo_cache, tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     env = {"DLLM_LOCK_MODE": mode}
@@ -159,7 +159,7 @@ def _tool(name, *args, env=None):
                           text=True, env={**launch_env(1), **(env or {})}, timeout=300)
 
 
-@pytest.mark.parametrize("mode", ["flock", "file"])
+@pytest.mark.parametrize("mode", ["flock"])  # both modes name the holder alike: tests/test_output_lock.py
 def test_converters_refuse_an_output_another_writer_holds(exported, tmp_path, mode):
     ckpt, hf = exported
     cases = [("convert_to_hf.py", ["--load", str(ckpt), "--out", str(tmp_path / "out")], "--out",
@@ -239,7 +239,7 @@ def test_checkpoints_without_writer_records_still_verify(exported, tmp_path):
 # ------------------------------------------------------------------ nothing replaced unasked
 
 
-@pytest.mark.parametrize("mode", ["flock", "file"])
+@pytest.mark.parametrize("mode", ["file"])  # the mode whose lock only an explicit release removes
 def test_a_run_without_load_refuses_a_save_holding_checkpoints(exported, demo_cache, tmp_path, mode):
     """... and releases its lock on that handled error: the directory is byte-identical after."""
     ckpt = tmp_path / "ckpt"
