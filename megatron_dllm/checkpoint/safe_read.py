@@ -38,6 +38,7 @@ _METADATA_NAMES = {
     "torch": {"Size"} | {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
     "builtins": {"dict", "list", "tuple", "set", "frozenset", "str", "int", "float", "bool", "bytes"},
     "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # torch records the checkpoint id a save was given as a Path
 }
 # numpy arrays, as numpy pickles them (the RNG states' MT19937 key)
 _NUMPY_GLOBALS = [np.dtype, np.ndarray, np._core.multiarray._reconstruct, *(
