@@ -60,7 +60,8 @@ def _read_owner(path: str) -> dict | None:
         return None
 
 
-def _alive(pid) -> bool:
+def pid_alive(pid) -> bool:
+    """Whether a process of this pid runs on this host."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -131,7 +132,7 @@ class OutputLock:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 owner = _read_owner(self.path)
-                stale = owner and owner.get("host") == socket.gethostname() and not _alive(owner.get("pid"))
+                stale = owner and owner.get("host") == socket.gethostname() and not pid_alive(owner.get("pid"))
                 if not stale:
                     if not owner:  # created, its record not yet written (or never: killed in between)
                         where = "starting now, or killed while starting: remove the lock file if no writer runs"

@@ -16,6 +16,8 @@ import pytest
 from conftest import REPO, launch_env, run_pretrain
 
 from megatron_dllm.checkpoint import layout, manifest
+from megatron_dllm.cli.chaos_resume import children as _kids
+from megatron_dllm.cli.chaos_resume import process_tree
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir, lock_path_for_prefix
 
 pytestmark = pytest.mark.slow
@@ -272,24 +274,8 @@ def test_the_demo_command_resumes_its_own_checkpoints():
 # ------------------------------------------------------------------ every descendant dies with the run
 
 
-def _kids(pid: int) -> list[int]:
-    kids = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids += [int(k) for k in f.read().split()]
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return kids
-
-
 def _descendants(pid: int) -> list[int]:
-    out, todo = [], _kids(pid)
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += _kids(p)
-    return out
+    return process_tree(pid)[1:]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -87,7 +87,7 @@ def launch(flags: list[str], cwd: str, log: str, nproc: int) -> subprocess.Popen
 # ---------------------------------------------------------------- processes
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     kids = []
     try:
         for task in os.listdir(f"/proc/{pid}/task"):
@@ -101,7 +101,7 @@ def _children(pid: int) -> list[int]:
 def process_tree(pid: int) -> list[int]:
     tree, todo = [pid], [pid]
     while todo:
-        kids = _children(todo.pop())
+        kids = children(todo.pop())
         tree += kids
         todo += kids
     return tree

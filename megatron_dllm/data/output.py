@@ -17,7 +17,7 @@ import secrets
 import tempfile
 from typing import Optional, Sequence
 
-from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix
+from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix, pid_alive
 
 DATASET_SUFFIXES = (".bin", ".idx", ".meta.json")
 
@@ -35,15 +35,7 @@ def staging_pid(path: str) -> Optional[int]:
 def staging_owner_alive(path: str) -> bool:
     """Whether the temporary `path` belongs to another writer still running on this host."""
     pid = staging_pid(path)
-    if pid is None or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return pid is not None and pid != os.getpid() and pid_alive(pid)
 
 
 def check_writable(directory: str, flag: str) -> None:
