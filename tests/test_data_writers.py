@@ -129,7 +129,8 @@ def test_preprocess_second_writer_exits_2_while_the_first_runs(tmp_path, sp_mode
                               *_preprocess_args(tmp_path / "in.jsonl", out, sp_model)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=_env())
     try:
-        while not os.path.exists(lock) and first.poll() is None:
+        # held: the lock taken and its record written (the file exists a moment before both)
+        while not (os.path.exists(lock) and os.stat(lock).st_size > 0) and first.poll() is None:
             time.sleep(0.002)
         os.kill(first.pid, signal.SIGSTOP)
         assert first.poll() is None and os.path.exists(lock), "the first writer finished before it was held"
