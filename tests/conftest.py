@@ -1,6 +1,8 @@
-"""Shared fixtures: the demo corpus prepared once per session, and a torchrun launcher."""
+"""Shared fixtures: the demo corpus prepared once per session, a torchrun launcher, and small
+file systems of their own (read-only, full) for fault injection."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +21,24 @@ def demo_cache(tmp_path_factory) -> str:
     prepare_demo_corpus(path)
     return path
 
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str, read_only: bool = False):
+    """A tmpfs of `size` mounted at `path` (created): at its size it runs out of space (a real
+    ENOSPC); remounted read-only it refuses root too (EROFS), which chmod cannot do for the root
+    user these tests run as. Mounting needs CAP_SYS_ADMIN, which CI has: without it the test
+    fails rather than skips, so a fault case is never silently untested."""
+    os.makedirs(path)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, f"cannot mount a tmpfs at {path} (needs CAP_SYS_ADMIN): {r.stderr.strip()}"
+    try:
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def launch_env(nproc: int) -> dict:

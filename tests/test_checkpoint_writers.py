@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch_env, run_pretrain
+from conftest import REPO, launch_env, run_pretrain, tmpfs
 
 from megatron_dllm.checkpoint import layout, manifest
 from megatron_dllm.cli.chaos_resume import children as _kids
@@ -351,25 +351,11 @@ def test_every_process_of_an_async_save_run_dies_with_it(demo_cache, tmp_path):
 # ------------------------------------------------------------------ full disk
 
 
-@contextlib.contextmanager
-def _tmpfs(path, size):
-    """A small file system of its own (a real ENOSPC); mounting needs CAP_SYS_ADMIN, else skip."""
-    os.makedirs(path)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 @pytest.mark.parametrize("flags", [[], ["--async-save"]])
 def test_a_full_disk_during_a_save_is_named_and_nothing_partial_is_published(exported, demo_cache, tmp_path, flags):
     one = manifest.manifest_size(layout.iteration_dir(str(exported[0]), 2))
-    with _tmpfs(tmp_path / "disk", f"{int(one * 1.5) // 1024}k") as disk:
-        ckpt = disk / "ckpt"
+    with tmpfs(tmp_path / "disk", f"{int(one * 1.5) // 1024}k"):
+        ckpt = tmp_path / "disk" / "ckpt"
         proc, records = _launch(demo_cache, tmp_path, "--train-iters", "3", "--save-interval", "1",
                                 "--save", str(ckpt), *flags)
         assert proc.returncode == 2, proc.stderr[-3000:]
@@ -384,8 +370,8 @@ def test_a_full_disk_during_a_save_is_named_and_nothing_partial_is_published(exp
 
 def test_a_run_refuses_to_start_without_space_for_one_checkpoint(exported, demo_cache, tmp_path):
     one = manifest.manifest_size(layout.iteration_dir(str(exported[0]), 2))
-    with _tmpfs(tmp_path / "disk", f"{int(one * 0.5) // 1024}k") as disk:
-        ckpt = disk / "ckpt"
+    with tmpfs(tmp_path / "disk", f"{int(one * 0.5) // 1024}k"):
+        ckpt = tmp_path / "disk" / "ckpt"
         proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--save", str(ckpt))
         assert proc.returncode == 2 and len(_errors(proc.stderr)) == 1, proc.stderr[-3000:]
         assert _errors(proc.stderr)[0].startswith(f"error: --save {ckpt}: "), proc.stderr

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import tmpfs
 
 from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
@@ -431,24 +432,9 @@ def test_non_utf8_sft_input_names_file_and_line(tmp_path, sp_model):
     assert not glob.glob(out + "*")
 
 
-@contextlib.contextmanager
-def _read_only_tmpfs(path):
-    """chmod cannot stop root (these tests run as root): a tmpfs remounted read-only refuses it
-    too. Mounting needs CAP_SYS_ADMIN; without it the test is skipped."""
-    os.makedirs(path)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
-    try:
-        subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 @pytest.mark.parametrize("tool", ["merge", "convert", "sft", "build_indexes"])
 def test_read_only_output_directory_is_one_line(tmp_path, sp_model, paragraphs, tool):
-    with _read_only_tmpfs(tmp_path / "ro") as ro:
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
         out = os.path.join(ro, "o")
         if tool == "merge":
             argv = ("merge_datasets.py", "--input", _made(tmp_path, sp_model, paragraphs), "--output-prefix", out)

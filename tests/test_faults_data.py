@@ -7,7 +7,6 @@ overwritten, tmpfs mounts, SIGKILL, crafted .npy files) and checked for its mess
 code, and that inputs and earlier outputs are byte-identical afterwards with nothing new published.
 """
 
-import contextlib
 import glob
 import gzip
 import json
@@ -21,6 +20,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import tmpfs
 
 from megatron_dllm.data.datasets import build_datasets, check_prefix
 from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
@@ -79,23 +79,6 @@ def _one_error_line(r, *needles):
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
-
-
-@contextlib.contextmanager
-def _tmpfs(path, size):
-    """A small file system of its own. chmod cannot make a directory read-only for root (these
-    tests run as root) and no disk is full on demand, so a tmpfs is mounted: remounted read-only
-    it refuses root too (EROFS); at `size` bytes it runs out of space (ENOSPC). Mounting needs
-    CAP_SYS_ADMIN; without it the test is skipped."""
-    os.makedirs(path)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def _same_outputs(before, directory):
@@ -214,7 +197,7 @@ def test_key_missing_from_every_record_stops_naming_the_keys_there(tmp_path, sp_
 def test_read_only_output_directory(tmp_path, sp_model, paragraphs):
     src = tmp_path / "in.jsonl"
     src.write_bytes(_jsonl(paragraphs[:300]))
-    with _tmpfs(tmp_path / "ro", "1m") as ro:
+    with tmpfs(tmp_path / "ro", "1m") as ro:
         preprocess([str(src)], os.path.join(ro, "c"), SP, sp_model, **QUIET)  # an earlier run's outputs
         subprocess.run(["mount", "-o", "remount,ro", ro], check=True)
         before = _snapshot(ro)
@@ -229,7 +212,7 @@ def test_full_output_disk(tmp_path, sp_model, paragraphs):
     src.write_bytes(_jsonl(paragraphs))  # ~85 KB of tokens: more than the disk has left
     small = tmp_path / "small.jsonl"
     small.write_bytes(_jsonl(paragraphs[:100]))
-    with _tmpfs(tmp_path / "full", "64k") as full:
+    with tmpfs(tmp_path / "full", "64k") as full:
         stats = preprocess([str(small)], os.path.join(full, "c"), SP, sp_model, **QUIET)
         before, inputs = _snapshot(full), _snapshot(src)
         r = _tool("preprocess_data.py", "--input", src, "--output-prefix", os.path.join(full, "c"),
