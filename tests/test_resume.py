@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import REPO, launch_env, run_pretrain
 
+from megatron_dllm.cli.chaos_resume import children as _children
+
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 BASE = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -47,17 +49,6 @@ def full(demo_cache, tmp_path_factory):
     work = tmp_path_factory.mktemp("full")
     _, records = run_pretrain(2, ["--demo-cache-dir", demo_cache, *BASE, *TP2, "--save", str(work / "ckpt")], work)
     return work / "ckpt", records
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                kids += [int(k) for k in f.read().split()]
-    except (FileNotFoundError, ProcessLookupError):  # a thread or the process ended meanwhile
-        pass
-    return kids
 
 
 def _kill_tree(pid: int) -> None:
