@@ -51,19 +51,6 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-try:
-    from packaging.requirements import Requirement
-    from packaging.specifiers import SpecifierSet
-    from packaging.tags import sys_tags
-    from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
-    from packaging.version import Version
-except ImportError:  # a bare venv: pip carries its own copy
-    from pip._vendor.packaging.requirements import Requirement
-    from pip._vendor.packaging.specifiers import SpecifierSet
-    from pip._vendor.packaging.tags import sys_tags
-    from pip._vendor.packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
-    from pip._vendor.packaging.version import Version
-
 wh, root, work = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 problems = []  # one line each, all printed before exiting
 
@@ -81,9 +68,25 @@ except ImportError:
 if not getattr(torch.version, "cuda", None):
     fail(f"torch {torch.__version__} in {sys.executable} is a CPU build (torch.version.cuda is None); "
          "TransformerEngine's PyTorch binding needs a CUDA build of torch")
-cuda_major = Version(torch.version.cuda).major
+cuda_major = int(str(torch.version.cuda).split(".")[0])
 if cuda_major not in (12, 13):
     fail(f"torch {torch.__version__} is built for CUDA {torch.version.cuda}; TransformerEngine has wheels for CUDA 12 and 13")
+
+try:
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.tags import sys_tags
+    from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # a bare venv: pip carries its own copy
+    try:
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
+        from pip._vendor.packaging.tags import sys_tags
+        from pip._vendor.packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+        from pip._vendor.packaging.version import Version
+    except ImportError:
+        fail(f"{sys.executable} has no pip: install pip (python -m ensurepip) first")
 
 # Transfers split to pass a size limit leave a SHA256SUMS to check the reassembled files against
 sums = wh / "SHA256SUMS"
@@ -142,6 +145,7 @@ def wheel_requires(path):
 
 
 picked = {}  # name -> (version, wheel path): what pip is told to install from the wheelhouse
+absent = set()
 
 
 def need(req, why, with_deps=True):
@@ -163,8 +167,10 @@ def need(req, why, with_deps=True):
     spec = r.specifier & pins.get(name, SpecifierSet())
     ok = [v for v in wheels.get(name, {}) if spec.contains(v, prereleases=True)]
     if not ok:
-        what = f"{name}{spec}" if str(spec) else name
-        problems.append(f"{what} (needed by {why}): no wheel for this Python and platform in {wh}")
+        if name not in absent:  # named once, for whoever needs it first
+            absent.add(name)
+            what = f"{name}{spec}" if str(spec) else name
+            problems.append(f"{what} (needed by {why}): no wheel for this Python and platform in {wh}")
         return
     v = max(ok)
     picked[name] = (v, wheels[name][v])
