@@ -179,11 +179,13 @@ def parts(tmp_path_factory):
     make_wheel(wh, "zipp", "3.23.0")
     make_wheel(wh, "psutil", PINS["psutil"])
     make_wheel(wh, "psutil", "99.0")  # newer than the pin: the pin must win
-    # the build tools a bare Python 3.12 venv lacks; wheel>=0.46's bdist_wheel is setuptools'
-    make_wheel(wh, "wheel", "0.46.3", files={"wheel/__init__.py": "__version__ = '0.46.3'\n",
-                                             "wheel/bdist_wheel.py": "from setuptools.command.bdist_wheel import "
-                                                                     "bdist_wheel  # noqa: F401\n"})
+    # the build tools a bare Python 3.12 venv lacks (wheel: the copy setuptools carries)
     repack_installed(wh, "setuptools")
+    vendor = Path(md.distribution("setuptools").locate_file("setuptools")) / "_vendor"
+    info = next(vendor.glob("wheel-*.dist-info"))
+    _zip_wheel(wh / f"{info.name[:-len('.dist-info')]}-py3-none-any.whl", info.name, {
+        str(f.relative_to(vendor)): f.read_bytes() for d in (vendor / "wheel", info) for f in d.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts and f.name not in ("RECORD", "INSTALLER", "REQUESTED")})
     repack_installed(wh, "packaging")
     return {"pre": pre, "wh": wh, "te_new": te_new}
 
@@ -234,9 +236,8 @@ def node(parts, tmp_path_factory):
 
 def copy_wh(parts, dest: Path, drop=(), add=()) -> Path:
     dest.mkdir()
-    for f in list(parts["wh"].iterdir()) + list(add):
-        if not any(f.name.startswith(p) for p in drop):
-            shutil.copy2(f, dest / f.name)
+    for f in [f for f in parts["wh"].iterdir() if not f.name.startswith(tuple(drop))] + list(add):
+        shutil.copy2(f, dest / f.name)
     return dest
 
 
@@ -311,12 +312,17 @@ def test_install_builds_the_binding_once_and_the_next_node_reuses_it(parts, tmp_
     assert kept.is_file()
     assert r.stdout.strip().splitlines()[-1] == (f"torch 2.13.0+cu130 (CUDA 13.0), transformer_engine {TE}, "
                                                  "megatron-core 0.16.1, HAVE_TE True")
-    versions = dict(line.split("==") for line in freeze(first).splitlines() if "==" in line)
+    versions = json.loads(subprocess.run(
+        [str(first / "bin" / "python"), "-c", "import importlib.metadata as md, json; print(json.dumps("
+         "{d.metadata['Name'].lower().replace('_', '-'): d.version for d in md.distributions()}))"],
+        capture_output=True, text=True, check=True).stdout)
     assert versions["psutil"] == PINS["psutil"]  # constraints.txt's pin, not the newest wheel
     assert versions["numpy"] == PINS["numpy"] and versions["torch"] == "2.13.0+cu130"  # the image's, untouched
-    for name in ("megatron-core", "transformer-engine", "transformer-engine-cu13", "transformer-engine-torch",
-                 "pydantic", "setuptools", "wheel"):
-        assert name in {k.lower().replace("_", "-") for k in versions}, name
+    for name in ("megatron-core", "transformer-engine", "transformer-engine-cu13", "transformer-engine-torch"):
+        assert versions[name] == ("0.16.1" if name == "megatron-core" else TE), name
+    for name in ("pydantic", "pydantic-core", "typing-extensions", "packaging", "setuptools"):
+        assert versions[name] == PINS[name], name
+    assert "wheel" in versions and "importlib-metadata" in versions
 
     # the next node gets the wheelhouse with the built wheel in it: no build
     kept_mtime = kept.stat().st_mtime_ns

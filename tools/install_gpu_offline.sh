@@ -90,6 +90,7 @@ except ImportError:  # a bare venv: pip carries its own copy
 
 # Transfers split to pass a size limit leave a SHA256SUMS to check the reassembled files against
 sums = wh / "SHA256SUMS"
+corrupt = set()  # left out of the wheelhouse, so what needs them is named as missing too
 if sums.is_file():
     for line in sums.read_text().splitlines():
         if not line.strip():
@@ -104,12 +105,15 @@ if sums.is_file():
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
         if h.hexdigest() != digest:
+            corrupt.add(f.name)
             problems.append(f"{f}: sha256 differs from {sums} (a truncated or corrupted transfer)")
 
 # The wheelhouse: compatible wheels by name and version, and sdists
 tags = set(sys_tags())
 wheels, sdists = {}, {}
 for f in sorted(wh.iterdir()):
+    if f.name in corrupt:
+        continue
     try:
         if f.name.endswith(".whl"):
             name, ver, _, wtags = parse_wheel_filename(f.name)
@@ -137,9 +141,13 @@ def installed(name):
 
 
 def wheel_requires(path):
-    with zipfile.ZipFile(path) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
-        text = z.read(meta).decode("utf-8")
+    try:
+        with zipfile.ZipFile(path) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+            text = z.read(meta).decode("utf-8")
+    except (OSError, zipfile.BadZipFile, StopIteration, UnicodeDecodeError) as e:
+        problems.append(f"{path}: not a readable wheel ({type(e).__name__}: {e})")
+        return []
     return [v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)
             if k == "Requires-Dist"]
 
