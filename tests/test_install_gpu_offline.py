@@ -345,12 +345,12 @@ def test_override_installs_a_newer_te_with_a_warning(parts, tmp_path):
 
 
 @pytest.mark.parametrize("args,expected", [
-    ([], "usage: tools/install_gpu_offline.sh WHEELHOUSE"),
+    ([], "usage: tools/install_gpu_offline.sh WHEELHOUSE (a directory of wheels; see docs/gpu.md)"),
     (["/nonexistent/wh"], "error: WHEELHOUSE /nonexistent/wh: not a directory"),
 ])
 def test_install_bad_arguments(args, expected, tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and expected in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [expected]
 
 
 def test_install_without_torch_or_pip_is_one_line(tmp_path):
@@ -367,3 +367,13 @@ def test_install_without_torch_or_pip_is_one_line(tmp_path):
     r = run_script(venv, tmp_path / "wh", tmp_path / "log")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"error: {venv / 'bin' / 'python'} has no pip: install pip (python -m ensurepip) first"]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["wh"], "usage: tools/download_gpu_wheelhouse.sh DIR cu12|cu13 [TE_VERSION]"),
+    (["wh", "cu11"], "error: CUDA choice cu11: expected cu12 or cu13 (the CUDA major of the node's torch)"),
+    (["wh", "cu13", "latest"], "error: TE_VERSION latest: expected a release such as 2.11.0"),
+])
+def test_download_bad_arguments_touch_nothing(args, expected, tmp_path):
+    r = subprocess.run(["bash", str(DOWNLOAD), *args], capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [expected] and not (tmp_path / "wh").exists()
