@@ -35,9 +35,6 @@ TE, TE_NEW = "2.11.0", "2.20.2"
 PREINSTALLED = ["numpy", "sentencepiece", "tensorboard", "pybind11", "tokenizers", "tiktoken", "zstandard",
                 "pyarrow", "scipy", "matplotlib"]
 
-pytestmark = pytest.mark.slow  # venvs and pip runs: 2 to 15 s a test
-
-
 def make_wheel(dest: Path, name: str, version: str, files: dict | None = None, requires=(),
                tag: str = "py3-none-any", extras=()) -> Path:
     dist = f"{name.replace('-', '_')}-{version}"
@@ -253,6 +250,7 @@ def check_refused(node, wh, log, expected_lines, **extra):
     return r
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_missing_artifacts_each_named_before_anything_installs(parts, node, tmp_path):
     # torch built for CUDA 12 and a wheelhouse with TE for CUDA 13 only
     wh = copy_wh(parts, tmp_path / "wh12")
@@ -269,6 +267,7 @@ def test_missing_artifacts_each_named_before_anything_installs(parts, node, tmp_
         (f"missing or refused: pydantic-core=={PINS['pydantic-core']}", "needed by pydantic 2.14.3", "no wheel")])
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_cpu_torch_is_refused_with_one_line(parts, node, tmp_path):
     wh = copy_wh(parts, tmp_path / "wh")
     check_refused(node, wh, tmp_path / "log", [
@@ -276,6 +275,7 @@ def test_cpu_torch_is_refused_with_one_line(parts, node, tmp_path):
         STANDIN_TORCH_CUDA="")
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_te_outside_megatron_core_range_is_refused(parts, node, tmp_path):
     wh = copy_wh(parts, tmp_path / "wh", drop=("transformer_engine",), add=parts["te_new"].iterdir())
     check_refused(node, wh, tmp_path / "log", [
@@ -284,6 +284,7 @@ def test_te_outside_megatron_core_range_is_refused(parts, node, tmp_path):
          "DLLM_ALLOW_ANY_TE=1")])
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_corrupt_transfer_is_named(parts, node, tmp_path):
     wh = copy_wh(parts, tmp_path / "wh")
     core = next(wh.glob("transformer_engine_cu13-*.whl"))
@@ -296,6 +297,7 @@ def test_corrupt_transfer_is_named(parts, node, tmp_path):
         ("transformer_engine_cu13", "core wheel")])
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_install_builds_the_binding_once_and_the_next_node_reuses_it(parts, tmp_path):
     wh, log = copy_wh(parts, tmp_path / "wh"), tmp_path / "build.log"
     nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
@@ -334,6 +336,7 @@ def test_install_builds_the_binding_once_and_the_next_node_reuses_it(parts, tmp_
     assert r.stdout.strip().splitlines()[-1].endswith("HAVE_TE True")
 
 
+@pytest.mark.slow  # venvs and pip runs
 def test_override_installs_a_newer_te_with_a_warning(parts, tmp_path):
     wh = copy_wh(parts, tmp_path / "wh", drop=("transformer_engine",), add=parts["te_new"].iterdir())
     venv, log = make_venv(tmp_path / "node", parts["pre"]), tmp_path / "build.log"
