@@ -194,11 +194,25 @@ project_reqs = next(ast.literal_eval(kw.value) for node in ast.walk(tree) if isi
 for req in project_reqs:
     need(req, "megatron_dllm (setup.py)")
 
+# megatron-core, and the TE range it declares (its `dev` extra pins the TE it is tested with)
+need("megatron-core", "megatron_dllm")
+mc = picked.get("megatron-core", (installed("megatron-core"), None))
+te_range = None
+if mc[0] is not None:
+    reqs = wheel_requires(mc[1]) if mc[1] else (md.requires("megatron-core") or [])
+    for line in reqs:
+        r = Requirement(line)
+        if canonicalize_name(r.name) == "transformer-engine" and r.marker is not None \
+                and r.marker.evaluate({"extra": "dev"}) and not r.marker.evaluate({"extra": ""}):
+            te_range = r.specifier
 # TransformerEngine: core wheel for torch's CUDA major, meta wheel, binding (built wheel or sdist),
-# all of one version
+# all of one version: the newest core wheel inside megatron-core's range (the newest of all with
+# DLLM_ALLOW_ANY_TE=1)
+allow_any = os.environ.get("DLLM_ALLOW_ANY_TE") == "1"
 core = f"transformer-engine-cu{cuda_major}"
 te_versions = (wheels.get(core) or wheels.get("transformer-engine") or sdists.get("transformer-engine-torch") or {})
-te = max(te_versions) if te_versions else None
+in_range = [v for v in te_versions if te_range is None or te_range.contains(v, prereleases=True)]
+te = max(in_range) if in_range and not allow_any else (max(te_versions) if te_versions else None)
 label = te if te is not None else "<version>"
 if te is None or te not in wheels.get(core, {}):
     problems.append(f"transformer_engine_cu{cuda_major}-{label}-py3-none-manylinux_2_28_<arch>.whl "
@@ -216,24 +230,13 @@ if te is not None:
     if te in wheels.get("transformer-engine", {}):
         need(f"transformer-engine=={te}", "TransformerEngine", with_deps=False)  # its deps are extras
 
-# megatron-core, and the TE range it declares (its `dev` extra pins the TE it is tested with)
-need("megatron-core", "megatron_dllm")
-mc = picked.get("megatron-core", (installed("megatron-core"), None))
-te_range = None
-if mc[0] is not None:
-    reqs = wheel_requires(mc[1]) if mc[1] else (md.requires("megatron-core") or [])
-    for line in reqs:
-        r = Requirement(line)
-        if canonicalize_name(r.name) == "transformer-engine" and r.marker is not None \
-                and r.marker.evaluate({"extra": "dev"}) and not r.marker.evaluate({"extra": ""}):
-            te_range = r.specifier
 if te is not None and mc[0] is not None:
     if te_range is None:
         problems.append(f"megatron-core {mc[0]} declares no transformer-engine range (its `dev` extra)")
     elif not te_range.contains(te, prereleases=True):
         msg = (f"TransformerEngine {te} in {wh} is outside megatron-core {mc[0]}'s supported range "
                f"{te_range}")
-        if os.environ.get("DLLM_ALLOW_ANY_TE") == "1":
+        if allow_any:
             print(f"warning: {msg}; installing it anyway (DLLM_ALLOW_ANY_TE=1)", file=sys.stderr)
         else:
             problems.append(f"{msg}; set DLLM_ALLOW_ANY_TE=1 to install it anyway")
