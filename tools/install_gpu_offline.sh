@@ -46,6 +46,7 @@ import hashlib
 import importlib.metadata as md
 import os
 import re
+import shlex
 import sys
 import tarfile
 import zipfile
@@ -267,10 +268,11 @@ if problems:
         print(f"  missing or refused: {p}", file=sys.stderr)
     sys.exit(1)
 
+q = shlex.quote  # paths may hold spaces
 with open(work / "plan.sh", "w") as out:
-    out.write(f"TE_VERSION={te}\nCUDA_MAJOR={cuda_major}\n")
-    out.write(f"BUILT_WHEEL={built or ''}\nSDIST={sdist or ''}\n")
-    out.write("REQS=(" + " ".join(f"'{n}=={v}'" for n, (v, _) in sorted(picked.items())) + ")\n")
+    out.write(f"TE_VERSION={q(str(te))}\nCUDA_MAJOR={cuda_major}\n")
+    out.write(f"BUILT_WHEEL={q(str(built or ''))}\nSDIST={q(str(sdist or ''))}\n")
+    out.write("REQS=(" + " ".join(q(f"{n}=={v}") for n, (v, _) in sorted(picked.items())) + ")\n")
 PY
 # shellcheck disable=SC1091
 source "$WORK/plan.sh"
