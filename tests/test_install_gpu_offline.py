@@ -300,7 +300,8 @@ def test_corrupt_transfer_is_named(parts, node, tmp_path):
 @pytest.mark.slow  # venvs and pip runs
 def test_install_builds_the_binding_once_and_the_next_node_reuses_it(parts, tmp_path):
     # TE 2.20.2 beside 2.11.0: the newest inside megatron-core's range is chosen
-    wh, log = copy_wh(parts, tmp_path / "wh", add=parts["te_new"].iterdir()), tmp_path / "build.log"
+    # (a space in the wheelhouse's path)
+    wh, log = copy_wh(parts, tmp_path / "wheel house", add=parts["te_new"].iterdir()), tmp_path / "build.log"
     nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
     first = make_venv(tmp_path / "node1", parts["pre"])
     r = run_script(first, wh, log)
