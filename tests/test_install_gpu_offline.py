@@ -3,8 +3,9 @@
 The wheelhouse holds stand-ins named and versioned like the real artifacts, with their real
 declared requirements (megatron-core's come from its installed metadata, the pydantic chain's from
 theirs): TE's core and meta wheels, a `transformer_engine_torch` sdist whose setup.py records how
-it was built, and megatron-core with a `HAVE_TE` module. setuptools and packaging are repacked from
-this interpreter's real installs, since the build and the check use them. The venv's torch is a
+it was built, and megatron-core with a `HAVE_TE` module. setuptools, packaging and wheel (the copy
+setuptools carries) are repacked from this interpreter's real installs: the build and the check
+run them. The venv's torch is a
 stand-in whose `torch.version.cuda` comes from STANDIN_TORCH_CUDA, so the CUDA checks run on a CPU;
 the compile itself and the real TE import need a GPU node (docs/gpu.md)."""
 from __future__ import annotations
@@ -34,6 +35,7 @@ TE, TE_NEW = "2.11.0", "2.20.2"
 # this project's requirements already in the node's image; psutil is left to the wheelhouse
 PREINSTALLED = ["numpy", "sentencepiece", "tensorboard", "pybind11", "tokenizers", "tiktoken", "zstandard",
                 "pyarrow", "scipy", "matplotlib"]
+
 
 def make_wheel(dest: Path, name: str, version: str, files: dict | None = None, requires=(),
                tag: str = "py3-none-any", extras=()) -> Path:
