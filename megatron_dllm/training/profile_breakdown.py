@@ -110,7 +110,8 @@ def breakdown(events, device: bool = False) -> Breakdown:
     op_category, fetches = {}, []
     for e, ctx in _walk(step_events, forward_region):
         category = _category(e, ctx)
-        op_category[e.id] = category
+        if e.linked_correlation_id == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
+            op_category[e.id] = category  # its kernels name it by this id
         us[category] += e.self_cpu_time_total
         top[category][_short(e.name)] += e.self_cpu_time_total
         if e.name == regions.INPUT_WAIT:
