@@ -15,8 +15,9 @@ The rule (the same on CPU and GPU):
 * a collective op, and everything under it, is communication, wherever it runs;
 * else the innermost region of `profile_regions` around the op decides. A backward op belongs to
   the region its forward op ran in, found as torch.profiler itself links them (the backward
-  function's sequence number and forward thread); a region opened inside a backward function
-  (activation recompute) is innermost there;
+  function's sequence number and forward thread), also where the autograd engine runs backward
+  on a thread of its own (on GPU); a region opened inside a backward function (activation
+  recompute) is innermost there;
 * else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear) is matmul, any other
   ATen op is elementwise/normalisation, and the rest is other.
 
@@ -102,20 +103,28 @@ def breakdown(events, device: bool = False) -> Breakdown:
     if not step_events:
         raise ValueError(f"no {regions.STEP} region in the profile: nothing to break down")
     total = sum(e.time_range.elapsed_us() for e in step_events)
+    # On GPU the autograd engine runs backward on a thread of its own: its ops are no children of
+    # the step region, but their kernels need their category.
+    windows = [(e.time_range.start, e.time_range.end) for e in step_events]
+    other_threads = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
+                     and e.thread != step_events[0].thread and not e.is_async
+                     and any(w0 <= e.time_range.start and e.time_range.end <= w1 for w0, w1 in windows)]
     forward_region = {}  # (sequence number, thread) of a forward op -> its region's category
-    for e, ctx in _walk(step_events, {}):
+    for e, ctx in _walk(step_events + other_threads, {}):
         if e.sequence_nr >= 0 and not _is_backward(e):
             forward_region.setdefault((e.sequence_nr, e.thread), ctx.region)
     us, top = dict.fromkeys(CATEGORIES, 0.0), {c: Counter() for c in CATEGORIES}
     op_category, fetches = {}, []
-    for e, ctx in _walk(step_events, forward_region):
-        category = _category(e, ctx)
-        if e.linked_correlation_id == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
-            op_category[e.id] = category  # its kernels name it by this id
-        us[category] += e.self_cpu_time_total
-        top[category][_short(e.name)] += e.self_cpu_time_total
-        if e.name == regions.INPUT_WAIT:
-            fetches.append((e.time_range.start, e.time_range.end, "input wait"))
+    for roots, main_thread in ((step_events, True), (other_threads, False)):
+        for e, ctx in _walk(roots, forward_region):
+            category = _category(e, ctx)
+            if e.linked_correlation_id == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
+                op_category[e.id] = category  # its kernels name it by this id
+            if main_thread:  # the host's time: the step's own thread only
+                us[category] += e.self_cpu_time_total
+                top[category][_short(e.name)] += e.self_cpu_time_total
+                if e.name == regions.INPUT_WAIT:
+                    fetches.append((e.time_range.start, e.time_range.end, "input wait"))
     if not device:
         return Breakdown(len(step_events), total, us, "host wall time, main thread (self time per op)", top)
     return _device_breakdown(events, step_events, op_category, fetches, total)
