@@ -137,9 +137,9 @@ class _Context:
     collective: bool = False  # under a collective op
 
 
-def _walk(step_events, forward_region: dict):
-    """(event, context) for every CPU event inside the steps, parents before children."""
-    stack = [(e, _Context()) for e in step_events]
+def _walk(roots, forward_region: dict):
+    """(event, context) for every CPU event under `roots`, parents before children."""
+    stack = [(e, _Context()) for e in roots]
     while stack:
         e, ctx = stack.pop()
         region = REGION_CATEGORY.get(e.name, ctx.region)
