@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from conftest import tmpfs
 
-from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
     IndexedDatasetWriter,
     meta_path,
@@ -25,7 +24,8 @@ from megatron_dllm.data.indexed_dataset import (
     read_metadata,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.preprocess import preprocess
+from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
+from megatron_dllm.data.prep.preprocess import preprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP = "SentencePieceTokenizer"

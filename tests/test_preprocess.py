@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from megatron_dllm.data import indexed_dataset as idxmod
-from megatron_dllm.data.demo import shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
     DatasetFormatError,
@@ -24,10 +23,11 @@ from megatron_dllm.data.indexed_dataset import (
     open_indexed_dataset,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.inspect import describe_dataset, verify_dataset
-from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
-from megatron_dllm.data.preprocess import Progress, preprocess, shard_prefix
-from megatron_dllm.data.sources import expand_inputs, shard_files
+from megatron_dllm.data.prep.demo import shakespeare_files
+from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
+from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
+from megatron_dllm.data.prep.preprocess import Progress, preprocess, shard_prefix
+from megatron_dllm.data.prep.sources import expand_inputs, shard_files
 from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_from_bytelevel
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

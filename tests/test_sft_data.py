@@ -115,7 +115,7 @@ def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer)
 
 
 def test_arithmetic_task_steps_are_right_and_test_pairs_held_out(tmp_path):
-    from megatron_dllm.data.arithmetic import column_steps, write_task
+    from megatron_dllm.data.prep.arithmetic import column_steps, write_task
 
     assert column_steps(47, 8) == "7+8=15, 4+1=5" and column_steps(97, 5) == "7+5=12, 9+1=10"
     assert column_steps(3, 4) == "3+4=7, 0+0=0" and column_steps(999, 1) == "9+1=10, 9+1=10, 9+1=10"

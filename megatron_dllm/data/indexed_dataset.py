@@ -25,7 +25,7 @@ from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
-from megatron_dllm.data.output import publish_pair, staging_tag
+from megatron_dllm.data.prep.output import publish_pair, staging_tag
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -420,7 +420,7 @@ def validate_indexed_dataset(prefix: str, use_cache: bool = True) -> IndexHeader
     pointers (contiguous tiling of the `.bin`; a wrong length is told from a wrong pointer),
     `.bin` size. Every message names the file, the byte offset and what was expected. Cost is
     O(sequences) on the index (memory-mapped, chunked); the `.bin` is only stat-ed (token
-    values: `megatron_dllm.data.inspect.verify_dataset`). Results are memoised by size and
+    values: `megatron_dllm.data.prep.inspect.verify_dataset`). Results are memoised by size and
     mtime unless `use_cache=False`.
     """
     ipath, bpath = idx_path(prefix), bin_path(prefix)

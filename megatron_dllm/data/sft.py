@@ -39,7 +39,7 @@ from megatron_dllm.data.indexed_dataset import (
     tokenizer_metadata,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.output import claim_outputs, release_all
+from megatron_dllm.data.prep.output import claim_outputs, release_all
 
 MASK_SUFFIX = "_prompt_mask"
 

@@ -58,8 +58,8 @@ from megatron_dllm.data.indexed_dataset import (
     tokenizer_metadata,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.output import claim_outputs, release_all, staging_owner_alive, staging_tag
-from megatron_dllm.data.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
+from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
+from megatron_dllm.data.prep.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
 __all__ = ["preprocess", "expand_inputs", "shard_prefix", "PreprocessStats", "REJECT_REASONS"]

@@ -9,7 +9,7 @@ Deng et al.'s GSM8K text format (`question||reasoning #### answer`, rendered by 
 "Answer: ... #### N"), the test split in the standard GSM8K JSONL format (`question`, `answer`
 ending in `#### N`), so fine-tuning and scoring run exactly the GSM8K commands.
 
-    python -m megatron_dllm.data.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
+    python -m megatron_dllm.data.prep.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
         [--reasoning columns|direct]
 """
 from __future__ import annotations
