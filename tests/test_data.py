@@ -13,12 +13,12 @@ import torch
 from megatron_dllm.data.datasets import build_datasets, parse_data_path
 from megatron_dllm.data.indexed_dataset import (
     DatasetFormatError,
-    IndexedDatasetWriter,
     max_token_id,
     open_indexed_dataset,
     optimal_dtype,
     validate_indexed_dataset,
 )
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 from megatron_dllm.data.tokenizers import build_tokenizer

@@ -48,11 +48,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_dllm.data.indexed_dataset import (
-    IndexedDatasetWriter,
-    optimal_dtype,
-    validate_indexed_dataset,
-)
+from megatron_dllm.data.indexed_dataset import optimal_dtype, validate_indexed_dataset
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 
 MAGIC = b"LITPKDS"

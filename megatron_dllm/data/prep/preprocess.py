@@ -53,11 +53,11 @@ import numpy as np
 
 from megatron_dllm.data.indexed_dataset import (
     DatasetFormatError,
-    IndexedDatasetWriter,
     optimal_dtype,
     tokenizer_metadata,
     validate_indexed_dataset,
 )
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 from megatron_dllm.data.prep.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
