@@ -26,7 +26,8 @@ from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.demo import shakespeare_files
 from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
-from megatron_dllm.data.prep.preprocess import Progress, preprocess, shard_prefix
+from megatron_dllm.data.prep.preprocess import preprocess, shard_prefix
+from megatron_dllm.data.prep.progress import Progress
 from megatron_dllm.data.prep.sources import expand_inputs, shard_files
 from megatron_dllm.data.prep.tiktoken_files import write_tiktoken_from_bytelevel
 from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer

@@ -367,7 +367,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
     `metadata` is written as the dataset's `.meta.json` sidecar. Raises ValueError, naming the
     file and byte offset, for invalid inputs (all headers are checked before anything is read).
     """
-    from megatron_dllm.data.prep.preprocess import Progress
+    from megatron_dllm.data.prep.progress import Progress
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.time()
