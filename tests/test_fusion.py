@@ -139,14 +139,15 @@ def test_flags_take_megatron_and_positive_forms(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrain_compiled_run_matches_eager_and_says_so(pretrain):
-    """Through pretrain_dllm.py: the fused run logs its fusions and continues the eager run's losses."""
+def test_pretrain_compiled_run_matches_eager_and_says_so(pretrain, tmp_path):
+    """Through pretrain_dllm.py: the fused run logs its fusions and repeats the eager run's losses."""
     run = ["--family", "esolm", "--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2",
            "--global-batch-size", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100",
            "--train-iters", "3"]
-    proc, eager = pretrain(1, *run, "--no-bias-gelu-fusion", "--no-compile-elementwise")
+    proc, eager = pretrain(1, *run, "--no-bias-gelu-fusion", "--no-compile-elementwise",
+                           "--save", str(tmp_path / "eager"))
     assert "fusion: bias-dropout |" in proc.stdout + proc.stderr
-    proc, fused = pretrain(1, *run, "--bias-gelu-fusion", "--compile-elementwise")
+    proc, fused = pretrain(1, *run, "--bias-gelu-fusion", "--compile-elementwise", "--save", str(tmp_path / "fused"))
     assert "fusion: bias-gelu, bias-dropout, compiled elementwise |" in proc.stdout + proc.stderr
     losses = [r["loss"] for r in eager if "loss" in r]
     assert len(losses) == 3 and [r["loss"] for r in fused if "loss" in r] == pytest.approx(losses, rel=1e-6)
