@@ -15,6 +15,8 @@ from megatron_dllm.config.model import ModelConfig
 from megatron_dllm.config.run import build_parser
 from megatron_dllm.config.yaml_config import yaml_tokens
 from megatron_dllm.families import get_family
+from megatron_dllm.model import elementwise
+from megatron_dllm.model import layer as dit_layer
 from megatron_dllm.model.fusion import Fusion, resolve_fusion
 
 REL = 1e-6  # relative (Frobenius) difference allowed between fused and eager in fp32
@@ -48,12 +50,15 @@ def compare(name: str, fusion: Fusion, recompute: dict | None = None, reference_
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_training_step_equals_eager(family, monkeypatch):
     """Compiled LN + modulate and bias + gate + residual, megatron's fused bias-GELU: the same step."""
-    calls = []
-    real = megatron_mlp.bias_gelu_impl
-    monkeypatch.setattr(megatron_mlp, "bias_gelu_impl", lambda *a: calls.append(1) or real(*a))
+    calls, chosen = [], set()
+    real_gelu, real_regions = megatron_mlp.bias_gelu_impl, dit_layer.regions
+    monkeypatch.setattr(megatron_mlp, "bias_gelu_impl", lambda *a: calls.append(1) or real_gelu(*a))
+    monkeypatch.setattr(dit_layer, "regions", lambda compiled: chosen.add(compiled) or real_regions(compiled))
     got = compare(family, ALL)
     assert calls, "megatron's fused bias-GELU did not run"
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the regions were compiled
+    assert chosen == {False, True}  # eager for the reference, compiled for the fused model
+    assert real_regions(True).norm_modulate._torchdynamo_orig_callable is elementwise.norm_modulate
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo built graphs in this process
     assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3  # every part shapes the result
     assert got["logits"] < REL and got["grads"] < REL, got
 
