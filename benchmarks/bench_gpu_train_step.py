@@ -37,6 +37,7 @@ from bench_train_step import MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
+from megatron_dllm.model.fusion import Fusion, resolve_fusion  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
@@ -46,7 +47,7 @@ FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"
 
 
 def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int,
-             attention_backend: str):
+             attention_backend: str, fusion: Fusion):
     """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     step = None
@@ -54,7 +55,7 @@ def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, 
         torch.cuda.reset_peak_memory_stats()
         step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
                             keep_initial=False, bf16=True, recompute=FULL_RECOMPUTE if recompute else None,
-                            attention_backend=attention_backend)
+                            attention_backend=attention_backend, fusion=fusion)
         first = step()
         for _ in range(warmup - 1):
             step()
@@ -83,14 +84,17 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak of the GPU")
     p.add_argument("--attention-backend", default="local", choices=["local", "sdpa"], help="core attention")
+    p.add_argument("--fusion", default="default", choices=["default", "none"],
+                   help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager")
     args = p.parse_args(argv)
     if not platform.HAS_CUDA:
         sys.exit("error: bench_gpu_train_step.py needs a CUDA GPU")
 
     platform.init_distributed(1, 1, seed=0)
+    fusion = resolve_fusion(args.attention_backend) if args.fusion == "default" else Fusion()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, "
-          f"bf16, local spec, {args.attention_backend} core attention, {args.warmup} warm-up + {args.steps} "
-          f"timed steps (median)\n")
+          f"bf16, local spec, {args.attention_backend} core attention, {fusion.describe()}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -105,7 +109,7 @@ def main(argv=None) -> None:
                         try:
                             sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
                                                        recompute == "full", args.steps, args.warmup,
-                                                       args.attention_backend)
+                                                       args.attention_backend, fusion)
                             break
                         except torch.OutOfMemoryError:
                             batch //= 2

@@ -39,11 +39,12 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def build(attention: str, backend: str, tp: int = 1, sequence_parallel: bool = False,
-          recompute: dict | None = None, seed: int = 7):
-    """A small model of an attention layout on `backend`, with weights that depend on neither the
-    backend nor the TP layout."""
+          recompute: dict | None = None, seed: int = 7, fusion=None):
+    """A small model of an attention layout on `backend` (and `fusion`, builder's default: none),
+    with weights that depend on neither the backend, the fusions nor the TP layout."""
     arch = Architecture(PRESET, VOCAB, SEQ, attention)
-    config, mlp_config = transformer_config(arch, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute)
+    config, mlp_config = transformer_config(arch, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
+                                            fusion=fusion)
     model = build_model(arch, config, mlp_config, seed=0, attention_backend=backend)[0]
     initialize_weights(model, seed=seed, adaln_zero=False)  # live gates: gradients reach every layer
     with torch.no_grad():  # larger modulation and head: logits of order 1, attention visible in them

@@ -1,6 +1,7 @@
 """What model is trained: family, size, layer implementation, precision."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, positive_int
@@ -36,6 +37,23 @@ class ModelConfig(FlagGroup):
                                              "block (the first --recompute-num-layers layers of each stage)")
     recompute_num_layers: int | None = flag(type=positive_int, help="full recompute: layers per group (uniform) "
                                                                     "or recomputed layers per stage (block)")
+    # Megatron-LM's fusion flags (it spells the --no- forms; both forms here, absent = the platform's
+    # default) and the DiT's own compiled regions; their meanings: model/fusion.py.
+    bias_gelu_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                         help="the MLP's bias + tanh-GELU as megatron-core's fused kernel "
+                                              "(default: on with CUDA, off on CPU)")
+    bias_dropout_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                            help="the MLP's bias added inside the bias + gate + residual region "
+                                                 "(no dropout in the DiT; default on)")
+    masked_softmax_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                              help="--attention-backend local: apex's fused scale + mask + softmax "
+                                                   "(default: on where apex's kernels are installed)")
+    rope_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                    help="TransformerEngine's fused RoPE: not for the DiT's per-sample positions "
+                                         "(--no-rope-fusion is accepted, --rope-fusion is an error)")
+    compile_elementwise: bool | None = flag(action=argparse.BooleanOptionalAction,
+                                            help="torch.compile the DiT's LayerNorm + modulation and bias + gate + "
+                                                 "residual (default: on with CUDA, off on CPU)")
 
     def recompute(self) -> dict:
         """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them."""
@@ -48,6 +66,15 @@ class ModelConfig(FlagGroup):
             raise ValueError("--recompute-granularity full needs --recompute-method uniform|block")
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
                 "recompute_num_layers": self.recompute_num_layers or 1}
+
+    def fusion(self, use_te: bool):
+        """The run's fused elementwise work (model.fusion.Fusion), platform defaults filled in."""
+        from megatron_dllm.model.attention import resolve_backend
+        from megatron_dllm.model.fusion import resolve_fusion
+
+        return resolve_fusion(resolve_backend(self.attention_backend, use_te), bias_gelu=self.bias_gelu_fusion,
+                              bias_dropout=self.bias_dropout_fusion, masked_softmax=self.masked_softmax_fusion,
+                              rope=self.rope_fusion, compile_elementwise=self.compile_elementwise)
 
 
 @dataclass(frozen=True)

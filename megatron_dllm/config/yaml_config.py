@@ -135,6 +135,10 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [option] if value else []
+        elif isinstance(action, argparse.BooleanOptionalAction) and value is not None:  # --x / --no-x
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
+            tokens += [action.option_strings[0 if value else 1]]
         elif value is None:
             continue
         elif isinstance(value, (list, tuple)):

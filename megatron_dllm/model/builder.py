@@ -5,12 +5,14 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dllm import platform
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
+from megatron_dllm.model.fusion import Fusion
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
 from megatron_dllm.model.presets import Preset
@@ -51,17 +53,20 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
                        fp8: str | None = None, fp8_recipe: str = "delayed",
                        fp8_amax_history_len: int = 1, fp8_amax_compute_algo: str = "most_recent",
                        recompute: dict | None = None, variable_seq_lengths: bool = False,
+                       fusion: Fusion | None = None,
                        ) -> tuple[TransformerConfig, TransformerConfig]:
-    """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output)."""
+    """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output);
+    `fusion`: the fused elementwise work (default none: the eager reference)."""
     check_layout(arch, tp, pp, vpp)
+    fusion = fusion or Fusion()
     p = arch.preset
     dtype = platform.params_dtype(bf16)
     config = TransformerConfig(
         num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
         ffn_hidden_size=p.ffn_hidden_size, kv_channels=p.hidden_size // p.num_attention_heads,
         layernorm_epsilon=LAYER_NORM_EPS, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        activation_func=gelu_tanh, bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        activation_func=gelu_tanh, bias_activation_fusion=False, **fusion.config_fields(),
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
@@ -82,7 +87,11 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         **platform.megatron_config_overrides(),
     )
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
-    mlp_config = dataclasses.replace(config, add_bias_linear=True)
+    config.compile_elementwise = fusion.compile_elementwise  # read by DiTLayer and FinalLayer
+    # megatron's fused bias-GELU is the tanh approximation, this model's GELU; megatron's MLP picks
+    # it for activation_func F.gelu only (Megatron-LM's default GELU), so F.gelu names it here.
+    mlp_config = dataclasses.replace(config, add_bias_linear=True, bias_activation_fusion=fusion.bias_gelu,
+                                     activation_func=F.gelu if fusion.bias_gelu else gelu_tanh)
     return config, mlp_config
 
 

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_dllm.model.constants import COND_DIM, ROTARY_BASE, TIME_FREQ_DIM, TIME_MAX_PERIOD
-from megatron_dllm.model.layer import AdaLNModulation, DiTLayerNorm, modulate, tag_replicated
+from megatron_dllm.model.layer import AdaLNModulation, DiTLayerNorm, tag_replicated
 
 
 class TimestepEmbedder(torch.nn.Module):
@@ -64,10 +64,11 @@ class FinalLayer(MegatronModule):
             config.hidden_size, padded_vocab_size, config=config, init_method=torch.nn.init.zeros_,
             bias=True, gather_output=False, skip_bias_add=False,
         )
+        self.compiled = getattr(config, "compile_elementwise", False)  # set by builder.transformer_config
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c)
-        logits, _ = self.output_layer(modulate(self.norm(x), shift, scale))
+        logits, _ = self.output_layer(self.norm.modulated(x, shift, scale, self.compiled))
         return logits
 
 

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.constants import COND_DIM
+from megatron_dllm.model.elementwise import regions
 
 ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal}
 
@@ -41,7 +42,8 @@ def tag_replicated(module: torch.nn.Module, config: TransformerConfig) -> None:
 
 
 class DiTLayerNorm(torch.nn.Module):
-    """LayerNorm without bias, computed in fp32 (reference `LayerNorm`)."""
+    """LayerNorm without bias, computed in fp32 (reference `LayerNorm`): the weight and epsilon,
+    applied together with the modulation by `elementwise.norm_modulate`."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -49,9 +51,9 @@ class DiTLayerNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
         tag_replicated(self, config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+    def modulated(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, compiled: bool) -> torch.Tensor:
+        """mod(LN(x)) with this norm's weight."""
+        return regions(compiled).norm_modulate(x, self.weight, shift, scale, self.eps)
 
 
 class AdaLNModulation(torch.nn.Module):
@@ -67,10 +69,6 @@ class AdaLNModulation(torch.nn.Module):
     def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # c: [b, cond_dim] -> chunks of [1, b, h], broadcast over the sequence dimension.
         return self.linear(c).unsqueeze(0).chunk(self.chunks, dim=-1)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
 
 
 @dataclass
@@ -93,17 +91,19 @@ class DiTLayer(MegatronModule):
         self.pre_mlp_layernorm = DiTLayerNorm(config)
         self.mlp = build_module(submodules.mlp, config=mlp_config,
                                 ffn_hidden_size=mlp_config.ffn_hidden_size)
+        self.compiled = getattr(config, "compile_elementwise", False)  # set by builder.transformer_config
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
-        h = modulate(self.input_layernorm(x), shift_msa, scale_msa)
+        gated_residual = regions(self.compiled).gated_residual
+        h = self.input_layernorm.modulated(x, shift_msa, scale_msa, self.compiled)
         attn_out, _ = self.self_attention(h, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
-        x = x + gate_msa * attn_out
-        h = modulate(self.pre_mlp_layernorm(x), shift_mlp, scale_mlp)
-        mlp_out, mlp_bias = self.mlp(h)
-        if mlp_bias is not None:  # megatron's fc2 returns its bias separately (skip_bias_add)
-            mlp_out = mlp_out + mlp_bias
-        return x + gate_mlp * mlp_out
+        x = gated_residual(x, attn_out, None, gate_msa)
+        h = self.pre_mlp_layernorm.modulated(x, shift_mlp, scale_mlp, self.compiled)
+        mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)
+        if not self.config.bias_dropout_fusion and mlp_bias is not None:  # the bias added on its own
+            mlp_out, mlp_bias = mlp_out + mlp_bias, None
+        return gated_residual(x, mlp_out, mlp_bias, gate_mlp)
 
 
 def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str | None = None) -> ModuleSpec:

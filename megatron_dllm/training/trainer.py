@@ -63,6 +63,7 @@ class Trainer:
         if (use_te or prec.fp8_format) and not platform.HAS_TE:
             raise ValueError("--transformer-impl transformer_engine and --fp8-format need TransformerEngine "
                              "on a CUDA GPU (not found); use --transformer-impl local without FP8")
+        fusion = model_cfg.fusion(use_te)
         self.config, mlp_config = transformer_config(
             self.arch, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
             vpp=par.virtual_pipeline_model_parallel_size, sequence_parallel=par.sequence_parallel,
@@ -70,13 +71,14 @@ class Trainer:
             fp8_amax_history_len=prec.fp8_amax_history_len,
             fp8_amax_compute_algo=prec.fp8_amax_compute_algo, recompute=model_cfg.recompute(),
             variable_seq_lengths=cfg.data.variable_seq_length_prob > 0 and self.family.variable_length,
+            fusion=fusion,
         )
         self.timers = observability.make_timers(cfg.logging.timing_log_level)
         self.config.timers = self.timers  # megatron's schedules and gradient sync time themselves
         attention = resolve_backend(model_cfg.attention_backend, use_te)
         chunks = build_model(self.arch, self.config, mlp_config, t.seed, use_te=use_te, attention_backend=attention)
         self.model = wrap_ddp(chunks, self.config, par)
-        self.layer_impl = f"{'transformer_engine' if use_te else 'local'}, attention {attention}"
+        self.layer_impl = f"{'transformer_engine' if use_te else 'local'}, attention {attention}, {fusion.describe()}"
         self.optimizer, self.scheduler = build_optimizer(self.model, self.config, cfg.optimizer, par, t.train_iters)
 
         dp_rank = parallel_state.get_data_parallel_rank()

@@ -1,0 +1,50 @@
+"""The DiT block's own elementwise regions as pure functions, eager or `torch.compile`d
+(`--compile-elementwise`).
+
+    norm_modulate    LN(x) * (1 + scale) + shift   weight-only LayerNorm in fp32, then adaLN modulation
+    gated_residual   x + gate * (out + bias)        the DiT's bias-dropout-add: no dropout, an adaLN gate
+
+Each is compiled on its own (static shapes, no graph breaks) rather than the whole layer: the
+layer's linears are megatron-core's custom autograd Functions (tensor parallelism, gradient
+accumulation), which stay outside the compiled graphs. The norm cannot join the qkv GEMM
+(TransformerEngine's LayerNormLinear) because the modulation sits between them. The bias + GELU
+between the MLP's GEMMs is megatron-core's own fused kernel (`--bias-gelu-fusion`); rotary
+embeddings are applied inside megatron-core's attention (see `model/fusion.py`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+def norm_modulate(x: torch.Tensor, weight: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """mod(LN(x)): the reference LayerNorm (no bias, fp32), back in x's dtype, then shift and scale."""
+    y = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    y = (y * weight.float()).to(x.dtype)
+    return y * (1 + scale) + shift
+
+
+def gated_residual(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+                   gate: torch.Tensor) -> torch.Tensor:
+    """x + gate * (out + bias); `bias` is the second output of a megatron linear (skip_bias_add)."""
+    if bias is not None:
+        out = out + bias
+    return x + gate * out
+
+
+class Regions(NamedTuple):
+    norm_modulate: Callable
+    gated_residual: Callable
+
+
+@functools.cache
+def regions(compiled: bool) -> Regions:
+    """The regions eager, or compiled once per process (each graph is specialised to its shapes;
+    a new shape compiles anew, up to dynamo's recompile limit, then runs eager)."""
+    if not compiled:
+        return Regions(norm_modulate, gated_residual)
+    return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False) for fn in (norm_modulate, gated_residual)))

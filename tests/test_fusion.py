@@ -1,0 +1,160 @@
+"""Fused and compiled elementwise work (`--compile-elementwise`, Megatron-LM's fusion flags)
+against the eager reference: a training step's logits and every gradient on CPU in fp32 for every
+family (Eso-LM: shuffled order, permuted positions), each fusion alone, under full recompute, the
+checkpoint (unchanged), and what the flags resolve to on this platform."""
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention_cases import FAMILIES, MASK_ID, VOCAB, batch, build, rel_diff, train_step
+from megatron.core.transformer import mlp as megatron_mlp
+
+from megatron_dllm import platform
+from megatron_dllm.config.model import ModelConfig
+from megatron_dllm.config.run import build_parser
+from megatron_dllm.config.yaml_config import yaml_tokens
+from megatron_dllm.families import get_family
+from megatron_dllm.model import elementwise
+from megatron_dllm.model import layer as dit_layer
+from megatron_dllm.model.fusion import Fusion, resolve_fusion
+
+REL = 1e-6  # relative (Frobenius) difference allowed between fused and eager in fp32
+ALL = Fusion(bias_gelu=True, bias_dropout=True, compile_elementwise=True)  # every fusion the CPU can run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def distributed():
+    platform.init_distributed(1, 1, seed=0)
+    yield
+    platform.destroy_distributed()
+
+
+def compare(name: str, fusion: Fusion, recompute: dict | None = None, reference_fault=None) -> dict:
+    """One training step of the eager model and of the fused one, same weights and batch."""
+    family = get_family(name, MASK_ID, VOCAB)
+    inp = batch(family)
+    eager = build(family.attention, "local", recompute=recompute)
+    fused = build(family.attention, "local", recompute=recompute, fusion=fusion)
+    if reference_fault:
+        reference_fault(eager)
+    (logits_a, grads_a), (logits_b, grads_b) = train_step(eager, family, inp), train_step(fused, family, inp)
+    assert grads_a.keys() == grads_b.keys()
+    return {"logits": rel_diff(logits_b, logits_a),
+            "grads": max(rel_diff(grads_b[n], grads_a[n]) for n in grads_a),
+            "logits_scale": logits_a.abs().max().item(),
+            "min_grad_scale": min(g.abs().max().item() for g in grads_a.values())}
+
+
+@pytest.mark.slow  # the first test compiles the regions (inductor, g++): seconds to tens of seconds
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_training_step_equals_eager(family, monkeypatch):
+    """Compiled LN + modulate and bias + gate + residual, megatron's fused bias-GELU: the same step."""
+    calls, chosen = [], set()
+    real_gelu, real_regions = megatron_mlp.bias_gelu_impl, dit_layer.regions
+    monkeypatch.setattr(megatron_mlp, "bias_gelu_impl", lambda *a: calls.append(1) or real_gelu(*a))
+    monkeypatch.setattr(dit_layer, "regions", lambda compiled: chosen.add(compiled) or real_regions(compiled))
+    got = compare(family, ALL)
+    assert calls, "megatron's fused bias-GELU did not run"
+    assert chosen == {False, True}  # eager for the reference, compiled for the fused model
+    assert real_regions(True).norm_modulate._torchdynamo_orig_callable is elementwise.norm_modulate
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo built graphs in this process
+    assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3  # every part shapes the result
+    assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alone", ["bias_gelu", "bias_dropout", "compile_elementwise"])
+def test_each_fusion_alone_equals_eager(alone):
+    got = compare("mdlm", Fusion(**{alone: True}))
+    assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.slow
+def test_fused_with_full_recompute_equals_eager():
+    """Full recompute re-runs the compiled regions inside autograd's backward."""
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    got = compare("esolm", ALL, recompute=recompute)
+    assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.slow
+def test_the_comparison_sees_an_erf_gelu():
+    """The tolerance can fail: megatron's fused kernel is the tanh GELU; an erf GELU in the
+    reference differs by far more than REL."""
+    def erf_gelu(model):
+        for layer in model.layers:
+            layer.mlp.activation_func = F.gelu
+
+    got = compare("mdlm", ALL, reference_fault=erf_gelu)
+    assert got["logits"] > 100 * REL and got["grads"] > 100 * REL, got
+
+
+def test_checkpoints_do_not_change():
+    """No parameter added, none renamed: the same (sharded) state dict keys and initial values."""
+    eager, fused = build("bidirectional", "local"), build("bidirectional", "local", fusion=ALL)
+    assert eager.sharded_state_dict().keys() == fused.sharded_state_dict().keys()
+    want, got = eager.state_dict(), fused.state_dict()
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        if torch.is_tensor(value):
+            assert torch.equal(got[key], value), key
+
+
+def test_platform_defaults():
+    defaults = platform.fusion_defaults()
+    assert resolve_fusion("local") == Fusion(**defaults)
+    assert resolve_fusion("sdpa") == Fusion(**{**defaults, "masked_softmax": False})  # SDPA fuses it itself
+    if not platform.HAS_CUDA:  # compiling costs more than it gains on CPU; no apex kernels
+        assert defaults == {"compile_elementwise": False, "bias_gelu": False, "bias_dropout": True,
+                            "masked_softmax": False}
+    assert resolve_fusion("local", bias_gelu=not defaults["bias_gelu"], bias_dropout=False,
+                          compile_elementwise=not defaults["compile_elementwise"], rope=False) == Fusion(
+        bias_gelu=not defaults["bias_gelu"], compile_elementwise=not defaults["compile_elementwise"],
+        masked_softmax=defaults["masked_softmax"])
+
+
+def test_fusions_that_cannot_apply_are_refused():
+    with pytest.raises(ValueError, match="^--rope-fusion: .*per sample"):
+        resolve_fusion("local", rope=True)
+    if not platform.fusion_defaults()["masked_softmax"]:
+        with pytest.raises(ValueError, match="^--masked-softmax-fusion with --attention-backend local needs apex"):
+            resolve_fusion("local", masked_softmax=True)
+    assert not resolve_fusion("sdpa", masked_softmax=True).masked_softmax  # inside SDPA's kernel anyway
+
+
+def test_flags_take_megatron_and_positive_forms(tmp_path):
+    """Megatron-LM's --no- forms and the positive ones; absent = None (the platform's default);
+    a --yaml-cfg file and the resolved run_config.yaml spell them as booleans."""
+    parser = build_parser()
+    ns = parser.parse_args(["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+                            "--no-rope-fusion", "--compile-elementwise"])
+    cfg = ModelConfig.from_args(ns)
+    assert (cfg.bias_gelu_fusion, cfg.bias_dropout_fusion, cfg.masked_softmax_fusion, cfg.rope_fusion,
+            cfg.compile_elementwise) == (False, False, False, False, True)
+    assert cfg.fusion(use_te=False) == Fusion(compile_elementwise=True)
+    assert ModelConfig.from_args(parser.parse_args([])).compile_elementwise is None
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  bias-gelu-fusion: false\n  compile-elementwise: true\n")
+    assert yaml_tokens(str(path), parser) == ["--no-bias-gelu-fusion", "--compile-elementwise"]
+    path.write_text("compile-elementwise: yes please\n")
+    with pytest.raises(ValueError, match="compile_elementwise is a switch; expected true or false"):
+        yaml_tokens(str(path), parser)
+    assert isinstance(next(a for a in parser._actions if a.dest == "rope_fusion"), argparse.BooleanOptionalAction)
+
+
+@pytest.mark.slow
+def test_pretrain_compiled_run_matches_eager_and_says_so(pretrain, tmp_path):
+    """Through pretrain_dllm.py: the fused run logs its fusions and repeats the eager run's losses."""
+    run = ["--family", "esolm", "--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2",
+           "--global-batch-size", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100",
+           "--train-iters", "3"]
+    proc, eager = pretrain(1, *run, "--no-bias-gelu-fusion", "--no-compile-elementwise",
+                           "--save", str(tmp_path / "eager"))
+    assert "fusion: bias-dropout |" in proc.stdout + proc.stderr
+    proc, fused = pretrain(1, *run, "--bias-gelu-fusion", "--compile-elementwise", "--save", str(tmp_path / "fused"))
+    assert "fusion: bias-gelu, bias-dropout, compiled elementwise |" in proc.stdout + proc.stderr
+    losses = [r["loss"] for r in eager if "loss" in r]
+    assert len(losses) == 3 and [r["loss"] for r in fused if "loss" in r] == pytest.approx(losses, rel=1e-6)
+    proc, _ = pretrain(1, *run, "--rope-fusion", check=False)
+    assert proc.returncode != 0 and "--rope-fusion: TransformerEngine's fused RoPE" in proc.stderr
