@@ -17,7 +17,8 @@ the same again) so drift in clocks or temperature shows as a spread rather than 
   `clip_grad_norm_(1.0)` and `torch.optim.AdamW` with its hyper-parameters.
 * ours: `sdpa`, `local`, `sdpa+fp8`, ... — `bench_train_step.MegatronStep`, the trainer's own
   step (megatron DDP, megatron's optimizer, the schedule, the family loss) in bf16 with that core
-  attention backend; `+fp8` adds TransformerEngine linears with `--fp8-format hybrid`
+  attention backend and the fusion defaults the trainer uses on a GPU (compiled elementwise
+  regions, fused bias-GELU); `+fp8` adds TransformerEngine linears with `--fp8-format hybrid`
   (tensorwise scaling), `+full` full recompute, `+selective` selective recompute.
 
 Micro-batches: `2` is the paper's 1.7B setting (2 sequences per GPU); `max` is the largest power of
@@ -48,6 +49,7 @@ from bench_train_step import OPT, MegatronStep, make_batch  # noqa: E402
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
 from megatron_dllm.model.constants import COND_DIM  # noqa: E402
+from megatron_dllm.model.fusion import resolve_fusion  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
@@ -114,7 +116,8 @@ def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int,
     recompute = next((RECOMPUTE[e] for e in extras if e in RECOMPUTE), None)
     kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
     return MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=10 * steps, keep_initial=False,
-                        attention_backend=backend, bf16=True, recompute=recompute, **kwargs)
+                        attention_backend=backend, bf16=True, recompute=recompute,
+                        fusion=resolve_fusion(backend), **kwargs)  # the trainer's fusion defaults
 
 
 def measure(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int, warmup: int):
