@@ -104,3 +104,15 @@ def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol
     assert runs[1] == runs[2] == runs["auto"]
     generations = [json.loads(line)["generation"] for line in runs[1][2].splitlines()]
     assert len(set(generations)) > 1  # distinct prompts, distinct answers: a row mix-up would show
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "big"])
+def test_bad_batch_size_is_one_line_naming_the_flag(value, capsys):
+    from megatron_dllm.cli.evaluate import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["gsm8k", "--load", "x", "--batch-size", value])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "--batch-size" in err and value in err
+    assert build_parser().parse_args(["gsm8k", "--load", "x", "--batch-size", "auto"]).batch_size == "auto"
