@@ -84,3 +84,35 @@ def test_accuracy_and_throughput_accounting(tmp_path):
 
     again = generate_left_to_right(inf, tok.tokenize("Question: 1?\n"), 8, 0)
     assert records[1]["generation"] == tok.detokenize([i for i in again if i != 0])
+
+
+@pytest.mark.parametrize("family,protocol", [("ar", "left-to-right"), ("mdlm", "left-to-right"), ("duo", "native"),
+                                             ("esolm", "left-to-right"), ("esolm", "native")])
+def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol):
+    """--batch-size 2 and auto: every problem's generation, answer and the accuracy equal batch 1's."""
+    tok = DigitTokenizer()
+    inf = InferenceModel(random_model(family, length=48).double(), family, MASK, V, 48, tok, "hf")
+    questions = ["1?", "12 + 30?", "7", "100 - 1 is?", "3 3?"]
+    problems = [gsm8k.Problem(i, q, str(i), f"#### {i}") for i, q in enumerate(questions)]
+    runs = {}
+    for batch_size in (1, 2, "auto"):
+        out = tmp_path / f"pred-{batch_size}.jsonl"
+        result = gsm8k.evaluate_gsm8k(inf, problems, protocol, max_new_tokens=8, steps=4, predictions=str(out),
+                                      batch_size=batch_size)
+        assert result["batch_size"] == batch_size
+        runs[batch_size] = (result["accuracy"], result["generated_tokens"], out.read_text())
+    assert runs[1] == runs[2] == runs["auto"]
+    generations = [json.loads(line)["generation"] for line in runs[1][2].splitlines()]
+    assert len(set(generations)) > 1  # distinct prompts, distinct answers: a row mix-up would show
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "big"])
+def test_bad_batch_size_is_one_line_naming_the_flag(value, capsys):
+    from megatron_dllm.cli.evaluate import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["gsm8k", "--load", "x", "--batch-size", value])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "--batch-size" in err and value in err
+    assert build_parser().parse_args(["gsm8k", "--load", "x", "--batch-size", "auto"]).batch_size == "auto"

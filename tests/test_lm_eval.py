@@ -200,3 +200,18 @@ def test_generate_until_is_greedy_left_to_right_and_stops(world):
                                                           ("4 6 2", {"until": [stop], "max_gen_toks": 6})]))
     assert out[0] == full
     assert out[1] == full[:full.index(stop)] and len(out[1]) < len(full)
+
+
+@pytest.mark.parametrize("family", ["ar", "esolm"])
+def test_generate_until_in_batches_equals_batch_1(world, family):
+    """Requests of different lengths and settings (greedy, sampled): batch 3 gives batch 1's texts."""
+    lm = _tiny_lm(family)
+    greedy, sampled = {"until": ["none"], "max_gen_toks": 5}, {"until": ["none"], "max_gen_toks": 5,
+                                                               "do_sample": True, "temperature": 0.8}
+    requests = [("4 6 2", greedy), ("3", greedy), ("5 5 7 9 2", sampled), ("8 2", sampled), ("2 2 2 2", greedy),
+                ("9 9", {"until": ["none"], "max_gen_toks": 3})]
+    lm.generation_batch_size = 1
+    one = lm.generate_until(_instances("generate_until", requests))
+    lm.generation_batch_size = 3
+    assert lm.generate_until(_instances("generate_until", requests)) == one
+    assert len(set(one)) > 2

@@ -4,7 +4,7 @@
     python tools/evaluate.py gen-ppl --samples samples.json --judge DIR|smollm2 [--judge-gguf-file NAME]
     python tools/evaluate.py throughput --load CKPT|HF_DIR --steps T --batch-size B|auto [--max-batch-size N]
     python tools/evaluate.py downstream --load CKPT|HF_DIR --tasks arc_easy,piqa [--limit N] [--num-mc-samples N]
-    python tools/evaluate.py gsm8k --load CKPT|HF_DIR [--data FILE] [--protocol left-to-right|native] [--predictions F]
+    python tools/evaluate.py gsm8k --load CKPT|HF_DIR [--data FILE] [--protocol P] [--batch-size N|auto]
 
 Each subcommand prints one JSON object with its results and every setting that produced them,
 and writes it to --output FILE when given. Bad input (a missing checkpoint, a judge that does not

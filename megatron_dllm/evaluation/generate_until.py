@@ -1,15 +1,19 @@
-"""lm-eval's `generate_until` for every family through the left-to-right generator.
+"""lm-eval's `generate_until` for every family through the batched left-to-right generator.
 
 Each request's context (left-truncated so that `max_gen_toks` new tokens fit in the model's
-context) is the prompt of `sampling.conditional.generate_left_to_right`, the generator shared
-with the SFT/GSM8K evaluation: one token per model call in sequence order (AR: next-token; MDLM,
-Duo, Eso-LM: their left-to-right denoising), the prompt never altered, stopping at EOD. Greedy
-unless the task asks `do_sample` (then its temperature). The text is cut at the first of the
-task's `until` strings.
+context) is the prompt of `sampling.conditional.generate_left_to_right_batch`, the generator
+shared with the SFT/GSM8K evaluation: one token per model call in sequence order (AR: next-token;
+MDLM, Duo, Eso-LM: their left-to-right denoising), the prompt never altered, stopping at EOD.
+Greedy unless the task asks `do_sample` (then its temperature), request i seeded by seed + i.
+Requests with the same generation settings run in batches of the model's `batch_size`
+(`evaluation.generation_batches`; 'auto' as there); every text is the batch-1 text. The text is
+cut at the first of the task's `until` strings.
 """
 from __future__ import annotations
 
 from tqdm import tqdm
+
+from megatron_dllm.evaluation.generation_batches import in_batches
 
 
 def _settings(gen_kwargs: dict, default_max: int) -> tuple[list[str], int, bool, float]:
@@ -24,22 +28,43 @@ def _settings(gen_kwargs: dict, default_max: int) -> tuple[list[str], int, bool,
 
 def generate_until(lm, requests, disable_tqdm: bool = False) -> list[str]:
     """One continuation text per lm-eval request (args = (context, gen_kwargs))."""
-    from megatron_dllm.sampling.conditional import generate_left_to_right
-
-    out = []
-    for index, (context, gen_kwargs) in enumerate(tqdm([r.args for r in requests], disable=disable_tqdm,
-                                                       desc="generate_until")):
+    args = [r.args for r in requests]
+    settings, prompts, groups = [], [], {}
+    for index, (context, gen_kwargs) in enumerate(args):
         until, max_gen, greedy, temperature = _settings(gen_kwargs, lm.max_gen_toks)
         max_gen = max(1, min(max_gen, lm.max_length - 1))
-        prompt = (lm.tok_encode(context) or [lm.prefix_token_id])[-(lm.max_length - max_gen):]
-        new = generate_left_to_right(lm.inf, prompt, max_new_tokens=max_gen, eos_id=lm.eot_token_id,
-                                     greedy=greedy, temperature=temperature, seed=lm.seed + index)
-        if new and new[-1] == lm.eot_token_id:
-            new = new[:-1]
-        text = lm.tok_decode(new)
+        settings.append((until, max_gen, greedy, temperature))
+        prompts.append((lm.tok_encode(context) or [lm.prefix_token_id])[-(lm.max_length - max_gen):])
+        groups.setdefault((max_gen, greedy, temperature), []).append(index)
+
+    new: list = [None] * len(args)
+    with tqdm(total=len(args), disable=disable_tqdm, desc="generate_until") as bar:
+        for (max_gen, greedy, temperature), members in groups.items():
+            for i, ids in zip(members, _generate(lm, prompts, members, max_gen, greedy, temperature, bar)):
+                new[i] = ids
+
+    out = []
+    for (context, gen_kwargs), (until, *_), ids in zip(args, settings, new):
+        if ids and ids[-1] == lm.eot_token_id:
+            ids = ids[:-1]
+        text = lm.tok_decode(ids)
         for stop in until:
             if stop and stop in text:
                 text = text[:text.index(stop)]
         lm.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         out.append(text)
     return out
+
+
+def _generate(lm, prompts, members: list[int], max_gen: int, greedy: bool, temperature: float, bar) -> list:
+    """Generated ids of the requests `members` (equal settings), in batches, in that order."""
+    from megatron_dllm.sampling.conditional import generate_left_to_right_batch
+
+    def run(chunk: list[int]) -> list[list[int]]:
+        out = generate_left_to_right_batch(
+            lm.inf, [prompts[members[j]] for j in chunk], max_new_tokens=max_gen, eos_id=lm.eot_token_id,
+            greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk])
+        bar.update(len(chunk))
+        return out
+
+    return in_batches([len(prompts[i]) for i in members], lm.generation_batch_size, lm.inf.device, run)

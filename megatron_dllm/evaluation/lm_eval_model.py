@@ -17,7 +17,8 @@ training data start right after an EOD and never with a BOS.
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of the model's context, each
   scored as (continuation | clean context) and summed (AR: the exact log-likelihood; diffusion:
   a sum of conditional bounds, whatever `likelihood_mode`, since a joint per-token mean does not add up).
-- `generate_until`: see `generate_until` below.
+- `generate_until`: batched left-to-right generation, `batch_size` requests per call ('auto': 8 on
+  CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class MegatronDLLM(TemplateLM):
         batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
         self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))
         self.max_gen_toks = int(max_gen_toks)
+        self.generation_batch_size = "auto" if str(batch_size).startswith("auto") else batch  # generate_until
         self.seed = int(seed)
         self.stderrs: list[float] = []  # one per scored request, in order
         self.stderrs_by_task: dict[str, list[float]] = {}

@@ -158,18 +158,19 @@ class DiT(nn.Module):
 
     def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None):
         """input_ids, position_ids: [b, s]; sigma: [b]; attn_mask: None (the config's attention
-        layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it. Logits [b, s, V]."""
+        layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it ([b, 1, s, n + s]
+        over cached + new keys with `kv_cache`: batched decoding with padding). Logits [b, s, V]."""
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
         causal = self.config.attention == "causal"
         s = input_ids.shape[1]
         if kv_cache is not None:
-            if not causal or attn_mask is not None:
-                raise ValueError("kv_cache needs a causal model and no attention_mask")
-            # new queries see all cached keys, and the new slice causally
-            n = len(kv_cache)
-            attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
+            if not causal:
+                raise ValueError("kv_cache needs a causal model")
+            if attn_mask is None:  # new queries see all cached keys, and the new slice causally
+                n = len(kv_cache)
+                attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
         keep = s if kv_keep is None else kv_keep
         for i, block in enumerate(self.blocks):
             x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i, keep)

@@ -7,6 +7,10 @@ the output row keeps it and `decode` drops EOS tokens. With a prompt, generation
 after the prompt as given. Every row runs the full length L, across EOS tokens, as the paper's AR
 samples do; `SamplingConfig(stop_at_eos=True)` (`--stop-at-eos`) stops a row at its first
 generated EOS and fills the rest with EOS instead.
+
+Batched conditional generation (`sample_batch`): the prompts, right-padded, are fed once into a
+`PaddedKVCache` (padding masked out of every attention row, rotary at each row's own positions),
+then every row feeds its last token at its own position; a row leaves the batch at EOS.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.sampling.base import Sampler
+from megatron_dllm.sampling.padded_kv_cache import PaddedKVCache
 
 
 class ARSampler(Sampler):
@@ -40,3 +45,23 @@ class ARSampler(Sampler):
             return logits
 
         return self.fill_left_to_right(x, prompt.shape[1], generator, next_logits)
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        x, _ = batch.canvas(batch.pad_id)  # prompts, then padding
+        plen = batch.prompt_lengths()
+        cache = PaddedKVCache(self.model, batch.size, batch.device)
+        cached_rows = torch.arange(batch.size, device=batch.device)
+
+        def next_logits(rows, pos, last):
+            nonlocal cached_rows
+            if last is None:  # the prompts, each at positions 0..P_i-1, padding masked
+                width = int(plen.max())
+                ids, at = x[:, :width], torch.arange(width, device=x.device).expand(batch.size, -1)
+                logits = cache.forward(ids, at, at < plen[:, None], keep=width)
+                return logits[torch.arange(batch.size, device=x.device), plen - 1]
+            cache.keep_rows(torch.isin(cached_rows, rows))
+            cached_rows = rows
+            return cache.forward(last[:, None], (pos - 1)[:, None], torch.ones_like(last[:, None], dtype=torch.bool),
+                                 keep=1)[:, 0]
+
+        return self.fill_batch_left_to_right(batch, next_logits)

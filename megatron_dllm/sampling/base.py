@@ -86,5 +86,33 @@ class Sampler:
                 break
         return x
 
+    def fill_batch_left_to_right(self, batch, next_logits) -> list[list[int]]:
+        """Batched `fill_left_to_right` over a `PromptBatch`: each row fills its positions from its
+        prompt length on, one per step, drawing from its own generator; a row leaves the batch at
+        its canvas end or (stop_at_eos) at its first EOS, so finished rows cost nothing.
+        `next_logits(rows, pos, last)` gives the logits [n, V] at positions `pos` of the batch rows
+        `rows`, after writing `last` (the ids just drawn at pos - 1; None at the first step).
+        Returns the ids drawn per row (EOS included, nothing after it)."""
+        stop_at_eos = self.cfg.stop_at_eos and self.eos_id is not None
+        rows = torch.arange(batch.size, device=batch.device)
+        pos, lengths = batch.prompt_lengths(), batch.canvas_lengths()
+        out: list[list[int]] = [[] for _ in range(batch.size)]
+        last = None
+        while len(rows):
+            last = batch.draw_rows(self.probs(next_logits(rows, pos, last)), rows)
+            for r, token in zip(rows.tolist(), last.tolist()):
+                out[r].append(token)
+            going = pos + 1 < lengths[rows]
+            if stop_at_eos:
+                going &= last != self.eos_id
+            rows, pos, last = rows[going], pos[going] + 1, last[going]
+        return out
+
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        """Conditional generation for a `PromptBatch` (prompts of different lengths, one generator
+        per row): the ids generated after each prompt; row i equals `sample` on prompt i alone
+        with row i's generator and canvas length. Each family implements it in its own file."""
         raise NotImplementedError

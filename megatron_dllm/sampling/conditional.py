@@ -23,6 +23,11 @@ The canvas of the diffusion families is prompt + `max_new_tokens` (default: up t
 training context, as SFT rows are EOS-padded to it). `greedy=True` (default) takes the most
 likely token (the top-p nucleus of one id); otherwise `temperature`/`top_p` sampling seeded by
 `seed`.
+
+Batches: `generate_left_to_right_batch` / `generate_native_batch` take a list of prompts of any
+lengths and one seed per prompt (or one for all) and return, per prompt, exactly the ids of the
+batch-1 call with that prompt and seed (`PromptBatch`: per-row canvases and generators, padding
+never attended). Rows leave the batch when they end, so a batch costs what its longest row costs.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch
 from megatron_dllm.families.base import seed_for
 from megatron_dllm.sampling.config import SamplingConfig
 from megatron_dllm.sampling.esolm import EsoLMSampler
+from megatron_dllm.sampling.prompt_batch import PromptBatch
 from megatron_dllm.sampling.registry import get_sampler
 
 GREEDY_TOP_P = 1e-12  # the nucleus keeps at least one id: a vanishing top-p keeps exactly the argmax
@@ -59,23 +65,36 @@ def _cut_at_eos(row: list[int], eos_id: int | None) -> list[int]:
 class _PromptInOrderEsoLM(EsoLMSampler):
     """Eso-LM's sampler with the prompt attended in sequence order (as SFT trains it)."""
 
-    def plan(self, b, p, generator, device):
-        order, counts = super().plan(b, p, generator, device)
+    def plan(self, b, p, generator, device, length=None):
+        order, counts = super().plan(b, p, generator, device, length)
         order[:, :p] = torch.arange(p, device=device)
         return order, counts
 
 
-def _run(inf, prompt_ids: Sequence[int], cfg: SamplingConfig, seed: int) -> list[int]:
-    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=inf.device)[None, :]
+def _check_prompt(inf, prompt: torch.Tensor) -> None:
     if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
                            or bool((prompt == inf.mask_id).any())):
         raise ValueError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
+
+
+def _sampler(inf, cfg: SamplingConfig):
     sampler = get_sampler(inf, cfg)
     if isinstance(sampler, EsoLMSampler):
         sampler = _PromptInOrderEsoLM(sampler.family, inf, cfg)
     if sampler.eos_id is None and cfg.predictor == "left-to-right":
         raise ValueError("no EOS id: give eos_id or load the model with its tokenizer")
-    generator = torch.Generator(device=inf.device).manual_seed(seed_for("conditional", seed))
+    return sampler
+
+
+def _generator(inf, seed: int) -> torch.Generator:
+    return torch.Generator(device=inf.device).manual_seed(seed_for("conditional", seed))
+
+
+def _run(inf, prompt_ids: Sequence[int], cfg: SamplingConfig, seed: int) -> list[int]:
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=inf.device)[None, :]
+    _check_prompt(inf, prompt)
+    sampler = _sampler(inf, cfg)
+    generator = _generator(inf, seed)
     with torch.inference_mode():
         out = sampler.sample(prompt, generator)[0].tolist()
     return _cut_at_eos(out[prompt.shape[1]:], sampler.eos_id)
@@ -112,3 +131,47 @@ def generate_native(inf, prompt_ids: Sequence[int], max_new_tokens: int | None =
     cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor="ancestral",
                   steps=steps)
     return _run(inf, prompt_ids, cfg, seed)
+
+
+def _run_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None, seeds, pad_id: int,
+               **config) -> list[list[int]]:
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        return []
+    seeds = [seeds] * len(prompts) if isinstance(seeds, int) else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+    lengths = [_canvas_length(inf, len(p), max_new_tokens) for p in prompts]
+    for p in prompts:
+        _check_prompt(inf, torch.as_tensor(p, dtype=torch.long))
+    sampler = _sampler(inf, SamplingConfig(seq_length=max(lengths), stop_at_eos=True, **config))
+    batch = PromptBatch(prompts, lengths, [_generator(inf, seed) for seed in seeds], inf.device, pad_id)
+    with torch.inference_mode():
+        rows = sampler.sample_batch(batch)
+    return [_cut_at_eos(row, sampler.eos_id) for row in rows]
+
+
+def _sampling(greedy: bool, temperature: float, top_p: float) -> dict:
+    return {"temperature": 1.0 if greedy else temperature, "top_p": GREEDY_TOP_P if greedy else top_p}
+
+
+def generate_left_to_right_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                                 eos_id: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
+                                 top_p: float = 1.0, seeds: int | Sequence[int] = 0, pad_id: int = 0
+                                 ) -> list[list[int]]:
+    """`generate_left_to_right` for many prompts (of any lengths) in one batch: element i is
+    exactly `generate_left_to_right(inf, prompts[i], ..., seed=seeds[i])`. `seeds`: one per
+    prompt, or one int for all; `pad_id`: the id padding holds (any: it changes nothing)."""
+    return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor="left-to-right",
+                      **_sampling(greedy, temperature, top_p))
+
+
+def generate_native_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
+                          eos_id: int | None = None, *, steps: int = 64, greedy: bool = False,
+                          temperature: float = 1.0, top_p: float = 1.0, seeds: int | Sequence[int] = 0,
+                          pad_id: int = 0) -> list[list[int]]:
+    """`generate_native` for many prompts in one batch; element i is exactly
+    `generate_native(inf, prompts[i], ..., seed=seeds[i])`. Arguments as
+    `generate_left_to_right_batch`."""
+    return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor="ancestral",
+                      steps=steps, **_sampling(greedy, temperature, top_p))

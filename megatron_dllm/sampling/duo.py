@@ -10,6 +10,10 @@ conditioned); `kv_cache` has no effect here. The greedy tail replaces every gene
 the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
 the paper's code applies top-p to q instead). Left-to-right mode keeps the uniform noise as the
 remainder and fills one position per step, with alpha = the fraction of positions already clean.
+
+Batched conditional generation (`sample_batch`): each row's noise comes from its own generator,
+the canvases are right-padded and the padding is a key-padding mask (bidirectional attention, so
+no real token sees it); the time input is per row (left to right: each row's clean fraction).
 """
 from __future__ import annotations
 
@@ -57,3 +61,35 @@ class DuoSampler(Sampler):
             x[:, p:] = categorical.sample(q, generator)
         x[:, p:] = self.probs(self.logits(x, self.alpha(ts[-1]))[:, p:]).argmax(-1)  # greedy tail
         return x
+
+    def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor, alphas: list[float]):
+        """Logits [n, w, V] of the batch rows `rows` at their alphas, cut to their longest canvas w."""
+        width = int(real[rows].sum(1).max())
+        sigma = torch.tensor([-math.log(a) for a in alphas], device=x.device)
+        return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width]).logits
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        plen, lengths = batch.prompt_lengths().tolist(), batch.lengths
+        noise = [self.uniform_ids(1, n - p, g, batch.device)[0] for p, n, g in zip(plen, lengths, batch.generators)]
+        x, real = batch.canvas(noise)
+        if self.cfg.predictor == "left-to-right":
+            floor = self.alpha(1.0)
+
+            def next_logits(rows, pos, last):
+                if last is not None:
+                    x[rows, pos - 1] = last
+                alphas = [max(q / lengths[r], floor) for r, q in zip(rows.tolist(), pos.tolist())]
+                return self.batch_logits(x, real, rows, alphas)[torch.arange(len(rows), device=x.device), pos]
+
+            return self.fill_batch_left_to_right(batch, next_logits)
+        rows = torch.arange(batch.size, device=batch.device)
+        ts = self.timesteps()
+        for t, s in zip(ts[:-1], ts[1:]):
+            a_t, a_s = self.alpha(t), self.alpha(s)
+            logits = self.batch_logits(x, real, rows, [a_t] * batch.size)
+            for r, (p, n) in enumerate(zip(plen, lengths)):
+                x_theta = self.probs(logits[r:r + 1, p:n])
+                q = posterior(x_theta, x[r:r + 1, p:n], a_t, a_s, self.family.num_real, self.mask_id)
+                x[r, p:n] = batch.draw(q, r)[0]
+        logits = self.batch_logits(x, real, rows, [self.alpha(ts[-1])] * batch.size)
+        return [self.probs(logits[r, p:n]).argmax(-1).tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

@@ -13,6 +13,13 @@ the model attending causally over it, rotary at the original positions, exactly 
 Decoding with the KV cache runs each step on the tokens decoded in the previous step (now clean)
 plus the masks to decode now, and keeps only the clean tokens' K/V, so every K/V is computed once.
 Without the cache each step runs the whole permuted sequence; both give the same tokens.
+
+Batched conditional generation (`sample_batch`): each row plans with its own generator and canvas
+length, so rows decode different counts per step. Each step feeds, per row, [its tokens decoded
+last step (now clean) | the masks it decodes now], each part right-padded to the batch's widest,
+through a `PaddedKVCache`: padding is masked out of attention and its K/V marked invalid, so
+every row sees exactly what its batch-1 run sees. A row with nothing to decode in a step feeds
+only padding; a row leaves the batch once decoded (or, left to right, at EOS).
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.sampling import categorical
 from megatron_dllm.sampling.base import EosStop, Sampler
+from megatron_dllm.sampling.padded_kv_cache import PaddedKVCache
 
 
 class EsoLMSampler(Sampler):
@@ -34,14 +42,16 @@ class EsoLMSampler(Sampler):
 
     # ------------------------------------------------------------------ plans
 
-    def plan(self, b: int, p: int, generator, device) -> tuple[torch.Tensor, list[int]]:
-        """(order [b, L]: prompt positions first, then positions in decoding order; counts per step)."""
+    def plan(self, b: int, p: int, generator, device, length: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """(order [b, L]: prompt positions first, then positions in decoding order; counts per step);
+        L = `length` (default: the sampler's sequence length)."""
         def rand(*shape):
             return torch.rand(*shape, generator=generator, dtype=torch.float64, device=device)
 
-        n = self.length - p
+        length = length or self.length
+        n = length - p
         if self.cfg.predictor == "left-to-right":
-            return torch.arange(self.length, device=device).expand(b, -1), [1] * n
+            return torch.arange(length, device=device).expand(b, -1), [1] * n
         prompt_order = rand(b, p).argsort(-1)  # clean tokens in a random order, as in training
         if self.cfg.predictor == "block":
             T = self.cfg.steps
@@ -49,7 +59,7 @@ class EsoLMSampler(Sampler):
                 raise ValueError(f"--predictor block with a prompt needs the prompt length ({p} tokens) to "
                                  f"be a multiple of --steps {T}")
             offsets = rand(b, T).argsort(-1)
-            rows = torch.arange(p // T, self.length // T, device=device)
+            rows = torch.arange(p // T, length // T, device=device)
             gen_order = (offsets[:, :, None] + T * rows).reshape(b, -1)
             return torch.cat([prompt_order, gen_order], 1), [n // T] * T
         gen_order = p + rand(b, n).argsort(-1)
@@ -92,3 +102,40 @@ class EsoLMSampler(Sampler):
                 x.scatter_(1, order[:, done:], self.eos_id)
                 break
         return x
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        plen, lengths = batch.prompt_lengths().tolist(), batch.lengths
+        x, _ = batch.canvas(self.mask_id)
+        plans = [self.plan(1, p, g, batch.device, length=n) for p, n, g in zip(plen, lengths, batch.generators)]
+        orders, counts = [order[0] for order, _ in plans], [c for _, c in plans]
+        stop_at_eos = self.cfg.predictor == "left-to-right" and self.cfg.stop_at_eos and self.eos_id is not None
+        start, done = [0] * batch.size, list(plen)  # per row, as in `sample`: [start, done) clean, not cached
+        rows = list(range(batch.size))  # rows still decoding, in the cache's row order
+        cache = PaddedKVCache(self.model, batch.size, batch.device)
+        for step in range(max(len(c) for c in counts)):
+            ks = [counts[r][step] if step < len(counts[r]) else 0 for r in rows]
+            if not any(ks):
+                continue
+            clean = [done[r] - start[r] if k else 0 for r, k in zip(rows, ks)]  # k = 0: the row waits
+            cw, kw = max(clean), max(ks)
+            slots = torch.zeros(len(rows), cw + kw, dtype=torch.long, device=x.device)
+            real = torch.zeros(len(rows), cw + kw, dtype=torch.bool, device=x.device)
+            for j, (r, c, k) in enumerate(zip(rows, clean, ks)):
+                slots[j, :c], slots[j, cw:cw + k] = orders[r][start[r]:start[r] + c], orders[r][done[r]:done[r] + k]
+                real[j, :c], real[j, cw:cw + k] = True, True
+            ids = torch.where(real, x[rows].gather(1, slots), batch.pad_id)
+            logits = cache.forward(ids, slots, real, keep=cw)
+            going = []
+            for j, (r, k) in enumerate(zip(rows, ks)):
+                if k:
+                    new = batch.draw(self.probs(logits[j:j + 1, cw:cw + k]), r)[0]
+                    x[r, orders[r][done[r]:done[r] + k]] = new
+                    start[r], done[r] = done[r], done[r] + k
+                    if done[r] == lengths[r] or (stop_at_eos and int(new[0]) == self.eos_id):
+                        continue
+                going.append(r)
+            cache.keep_rows(torch.tensor([r in going for r in rows], device=x.device))
+            rows = going
+            if not rows:
+                break
+        return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

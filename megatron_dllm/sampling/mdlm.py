@@ -6,6 +6,10 @@ and unmasked tokens are carried over (copy flag), so q is only formed at masked 
 model is not time-conditioned: when a step changes nothing, the next step reuses p_x0 instead of
 calling the model again (`kv_cache=True`, the reference's `ancestral_cache`). After T steps the
 remaining masks take the denoiser's argmax (greedy final step). Top-p and temperature act on p_x0.
+
+Batched conditional generation (`sample_batch`): the canvases (prompt_i + masks up to L_i) are
+right-padded and the padding is a key-padding mask, so with bidirectional attention no real token
+sees it and positions stay 0..L_i-1; each row keeps its own p_x0, draws and stopping.
 """
 from __future__ import annotations
 
@@ -44,3 +48,50 @@ class MDLMSampler(Sampler):
         if masked.any():  # greedy final step at t = 1e-5
             x[masked] = (p_x0 if p_x0 is not None else self.denoise(x, masked)).argmax(-1)
         return x
+
+    def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [n, w, V] of the batch rows `rows`, cut to their longest canvas w, padding unseen."""
+        width = int(real[rows].sum(1).max())
+        return self.model(input_ids=x[rows, :width], attention_mask=real[rows, :width]).logits
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        x, real = batch.canvas(self.mask_id)
+        plen = batch.prompt_lengths()
+        if self.cfg.predictor == "left-to-right":
+            def next_logits(rows, pos, last):
+                if last is not None:
+                    x[rows, pos - 1] = last
+                return self.batch_logits(x, real, rows)[torch.arange(len(rows), device=x.device), pos]
+
+            return self.fill_batch_left_to_right(batch, next_logits)
+        ts = self.timesteps()
+        p_x0: list[torch.Tensor | None] = [None] * batch.size  # per row, as `sample` keeps it
+        for t, s in zip(ts[:-1], ts[1:]):
+            masked = (x == self.mask_id) & real
+            live = masked.any(1).nonzero()[:, 0]
+            if not len(live):
+                break
+            self.denoise_rows(x, real, masked, [int(r) for r in live if p_x0[int(r)] is None], p_x0)
+            a_t, a_s = self.alpha(t), self.alpha(s)
+            for r in live.tolist():
+                q = p_x0[r] * (a_s - a_t)
+                q[:, self.mask_id] = 1 - a_s
+                new = batch.draw(q, r)
+                x[r, masked[r]] = new
+                if not self.cfg.kv_cache or bool((new != self.mask_id).any()):
+                    p_x0[r] = None
+        masked = (x == self.mask_id) & real
+        left = masked.any(1).nonzero()[:, 0].tolist()
+        self.denoise_rows(x, real, masked, [r for r in left if p_x0[r] is None], p_x0)
+        for r in left:  # greedy final step at t = 1e-5
+            x[r, masked[r]] = p_x0[r].argmax(-1)
+        return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
+
+    def denoise_rows(self, x, real, masked, rows: list[int], p_x0: list) -> None:
+        """p_x0[r] = p_x0 at row r's masked positions, for the batch rows `rows` (one model call)."""
+        if not rows:
+            return
+        index = torch.tensor(rows, device=x.device)
+        logits = self.batch_logits(x, real, index)
+        for j, r in enumerate(rows):
+            p_x0[r] = self.probs(logits[j][masked[r, :logits.shape[1]]])

@@ -1,0 +1,108 @@
+"""Batched vs batch-1 conditional generation per family: one batch of prompts of different lengths
+against a loop of batch-1 calls over the same prompts and seeds.
+
+A fixed random model per family (cpu-small dims: hidden 128, 4 layers, 4 heads; the demo
+vocabulary of 4097 ids; context `--seq-length`) answers `--batch` prompts of lengths spread over
+[`--min-prompt`, `--max-prompt`] with `--new-tokens` tokens each; EOS is an id the run never
+stops at, so every row generates exactly that many. Protocols: left to right (the GSM8K / lm-eval
+protocol, one token per model call) and native (MDLM/Duo ancestral, Eso-LM ancestral with its KV
+cache, `--steps` steps; AR's native sampler is left to right, so only its left-to-right row is
+run). For each family and protocol the batch-1 loop and the batched call alternate over
+`--repeats` rounds; medians are reported and the speed-up is the ratio within one run. Wall and
+process CPU time are both given (CPU time is the steadier figure on a shared machine). The
+`same` column says whether the batched rows equal the batch-1 outputs token for token (float32
+model here; the tests check it in float64).
+
+    python benchmarks/bench_batched_generation.py [--batch 8] [--seq-length 128] [--new-tokens 32] \\
+        [--steps 16] [--repeats 3] [--threads 1] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from bench_samplers import FAMILIES, build
+
+from megatron_dllm.sampling.conditional import (
+    generate_left_to_right,
+    generate_left_to_right_batch,
+    generate_native,
+    generate_native_batch,
+)
+
+NO_EOS = -1  # never generated: every row produces exactly --new-tokens tokens
+
+
+def timed(fn) -> tuple[float, float, list]:
+    """(wall s, CPU s of this process, result)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
+def compare(inf, one, batched, kw, prompts, seeds, args) -> tuple[dict, dict, bool]:
+    """Alternating rounds of the batch-1 loop and the batched call: (wall s, CPU s per round, same outputs)."""
+    walls, cpus, same = {"one": [], "batch": []}, {"one": [], "batch": []}, True
+    for _ in range(args.repeats):
+        outs = {}
+        for key in ("one", "batch"):
+            if key == "one":
+                w, c, outs[key] = timed(lambda: [one(inf, p, args.new_tokens, NO_EOS, seed=s, **kw)
+                                                 for p, s in zip(prompts, seeds)])
+            else:
+                w, c, outs[key] = timed(lambda: batched(inf, prompts, args.new_tokens, NO_EOS, seeds=seeds, **kw))
+            assert all(len(r) == args.new_tokens for r in outs[key])
+            walls[key].append(w)
+            cpus[key].append(c)
+        same &= outs["one"] == outs["batch"]
+    return walls, cpus, same
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--min-prompt", type=int, default=8)
+    ap.add_argument("--max-prompt", type=int, default=48)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(args.min_prompt, args.max_prompt, args.batch).round().long().tolist()
+    prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in lengths]
+    seeds = list(range(args.batch))
+    tokens = args.batch * args.new_tokens
+    print(f"## batch {args.batch} (prompts {args.min_prompt}-{args.max_prompt} tokens) vs {args.batch} batch-1 calls, "
+          f"context {args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
+          f"torch threads {args.threads}")
+    print("| family | protocol | batch-1 tok/s (wall) | batched tok/s (wall) | speed-up (wall) | "
+          "batch-1 tok/s (CPU) | batched tok/s (CPU) | speed-up (CPU) | same |\n|---|---|---|---|---|---|---|---|---|")
+    results = {}
+    for family in FAMILIES:
+        inf = build(family, args.seq_length)
+        generate_left_to_right_batch(inf, prompts[:2], 2, NO_EOS)  # warm-up
+        protocols = [("left-to-right", generate_left_to_right, generate_left_to_right_batch, {"greedy": False})]
+        if family != "ar":
+            protocols.append(("native", generate_native, generate_native_batch, {"steps": args.steps}))
+        for name, one, batched, kw in protocols:
+            walls, cpus, same = compare(inf, one, batched, kw, prompts, seeds, args)
+            rate = {f"{k}_{m}": tokens / statistics.median(v[k])
+                    for m, v in (("wall", walls), ("cpu", cpus)) for k in ("one", "batch")}
+            results[f"{family}/{name}"] = {**rate, "walls": walls, "cpus": cpus, "same": same}
+            print(f"| {family} | {name} | {rate['one_wall']:.1f} | {rate['batch_wall']:.1f} | "
+                  f"{rate['batch_wall'] / rate['one_wall']:.2f}x | {rate['one_cpu']:.1f} | {rate['batch_cpu']:.1f} | "
+                  f"{rate['batch_cpu'] / rate['one_cpu']:.2f}x | {'yes' if same else 'NO'} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "prompt_lengths": lengths, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
