@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from megatron_dllm.errors import InputError
+
 HAS_CUDA = torch.cuda.is_available()
 
 try:  # TransformerEngine is optional: used on GPU when present, never needed on CPU.
@@ -48,7 +50,7 @@ def tool_device(requested: str | None = None) -> str:
     if requested is None:
         return "cuda" if HAS_CUDA else "cpu"
     if requested.startswith("cuda") and not HAS_CUDA:
-        raise ValueError(f"--device {requested}: CUDA is not available on this machine")
+        raise InputError(f"--device {requested}: CUDA is not available on this machine")
     return requested
 
 
@@ -283,7 +285,7 @@ def init_distributed(
         if HAS_CUDA:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             if local_rank >= torch.cuda.device_count():  # NCCL needs a GPU of its own per rank
-                raise ValueError(f"--nproc-per-node: local rank {local_rank} has no GPU of its own "
+                raise InputError(f"--nproc-per-node: local rank {local_rank} has no GPU of its own "
                                  f"({torch.cuda.device_count()} visible); start at most one rank per GPU")
             torch.cuda.set_device(local_rank)
         timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -295,7 +297,7 @@ def init_distributed(
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:
-        raise ValueError(
+        raise InputError(
             f"--tensor-model-parallel-size {tensor_model_parallel_size} x "
             f"--pipeline-model-parallel-size {pipeline_model_parallel_size} = {model_parallel} "
             f"does not divide the world size {world}"

@@ -32,7 +32,6 @@ import sys
 import time
 
 from megatron_dllm.cli import reports_bad_input
-from megatron_dllm.output_lock import OutputLockedError
 
 
 def _cache_files(path):
@@ -91,7 +90,7 @@ def build(argv=None) -> dict:
     return {"cache": cache, "written": new, "seconds": elapsed}
 
 
-@reports_bad_input(ValueError, OutputLockedError)
+@reports_bad_input()
 def main(argv=None) -> int:
     """`build` with bad input (a flag, a dataset, a refused index cache) as one `error:` line, exit 2."""
     build(argv)

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
@@ -64,7 +64,7 @@ def _export(args, out: str) -> int:
             if tokenizer is not None:
                 export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
                                         identity.vocab_size, identity.mask_id, tokenizer.options())
-    except (ValueError, OSError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     print(f"wrote {args.out} ({identity.family}, {len(hf_state)} tensors"
           f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")

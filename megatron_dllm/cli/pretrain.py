@@ -29,7 +29,7 @@ def main(argv=None) -> int:
         platform.destroy_distributed()
 
 
-@reports_bad_input(ValueError)
+@reports_bad_input()
 def _train(cfg) -> int:
     from megatron_dllm.training.nan_guard import NonFiniteStop
     from megatron_dllm.training.trainer import Trainer

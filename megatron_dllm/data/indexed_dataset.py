@@ -26,6 +26,7 @@ from typing import Iterable, Optional, Tuple
 import numpy as np
 
 from megatron_dllm.data.output import publish_pair, staging_tag
+from megatron_dllm.errors import InputError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -48,7 +49,7 @@ _CHUNK = 1 << 22  # elements per chunk for scans and index writes (bounded memor
 _SPILL = 1 << 20  # document lengths kept in memory by the writer before spilling to disk
 
 
-class DatasetFormatError(ValueError):
+class DatasetFormatError(InputError):
     """A `.bin/.idx` pair that megatron-core would misread or crash on."""
 
 
@@ -115,10 +116,10 @@ def check_tokenizer_options(prefix: str, made_with: Optional[dict], tokenizer, f
         if made_with is None or key not in made_with:
             continue
         if key not in given:
-            raise ValueError(f"{flag}: {meta_path(prefix)} records {option} {_shown(made_with[key])}, but this "
+            raise InputError(f"{flag}: {meta_path(prefix)} records {option} {_shown(made_with[key])}, but this "
                              f"run's tokenizer ({getattr(tokenizer, 'name', '?')}) has no such option")
         if made_with[key] != given[key]:
-            raise ValueError(f"{flag}: {option} {_shown(given[key])} but {meta_path(prefix)} records "
+            raise InputError(f"{flag}: {option} {_shown(given[key])} but {meta_path(prefix)} records "
                              f"{_shown(made_with[key])} (preprocess with, or pass, the same tokenizer flags)")
 
 
@@ -146,7 +147,7 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
-            raise ValueError(f"dtype {self.dtype} has no Megatron .idx code")
+            raise InputError(f"dtype {self.dtype} has no Megatron .idx code")
         if os.path.dirname(prefix):
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
         tag = tag or staging_tag()
@@ -171,7 +172,7 @@ class IndexedDatasetWriter:
         for path, size in sizes.items():
             have = os.path.getsize(path) if os.path.exists(path) else -1
             if have < size:
-                raise ValueError(f"{path}: cannot resume, holds {max(have, 0)} bytes, expected >= {size}")
+                raise InputError(f"{path}: cannot resume, holds {max(have, 0)} bytes, expected >= {size}")
         self._bin = open(self._tmp_bin, "r+b")
         self._bin.truncate(sizes[self._tmp_bin])
         self._bin.seek(0, os.SEEK_END)
@@ -185,7 +186,7 @@ class IndexedDatasetWriter:
         """Make everything added so far durable in the temporaries; returns `(tokens, documents)`
         for `resume_at`. Every token added must belong to a finished document."""
         if self._ended_tokens != self.num_tokens:
-            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
+            raise InputError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
         self._spill()
         for f in (self._bin, self._lengths_file):
             f.flush()
@@ -210,7 +211,7 @@ class IndexedDatasetWriter:
         arr = np.asarray(tokens)
         lengths = np.asarray(lengths, dtype=np.int64)
         if arr.ndim != 1 or int(lengths.sum()) != arr.size or (lengths.size and lengths.min() < 0):
-            raise ValueError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
+            raise InputError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
         self.write_tokens(arr)
         self.end_documents(lengths)
 
@@ -219,11 +220,11 @@ class IndexedDatasetWriter:
         arrive in pieces (streaming a file whose documents cross read blocks)."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
-            raise ValueError(f"{self.prefix}: tokens must be 1-D, got shape {arr.shape}")
+            raise InputError(f"{self.prefix}: tokens must be 1-D, got shape {arr.shape}")
         if arr.dtype != self.dtype:
             if self._info is not None and arr.size and (int(arr.min()) < self._info.min
                                                         or int(arr.max()) > self._info.max):
-                raise ValueError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
+                raise InputError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
                                  f"fit dtype {self.dtype}")
             arr = arr.astype(self.dtype)
         self._bin.write(np.ascontiguousarray(arr).data)  # no copy of a contiguous block
@@ -236,10 +237,10 @@ class IndexedDatasetWriter:
             return
         total = int(lengths.sum())
         if lengths.min() < 0 or self._ended_tokens + total > self.num_tokens:
-            raise ValueError(f"{self.prefix}: document lengths {total} exceed the "
+            raise InputError(f"{self.prefix}: document lengths {total} exceed the "
                              f"{self.num_tokens - self._ended_tokens} tokens written for them")
         if lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
+            raise InputError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._ended_tokens += total
         if len(self._lengths) >= _SPILL:
@@ -263,15 +264,15 @@ class IndexedDatasetWriter:
         """Append one document as one sequence."""
         arr = np.asarray(ids)
         if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+            raise InputError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
         if self._info is not None and arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._info.min or hi > self._info.max:
-                raise ValueError(
+                raise InputError(
                     f"{self.prefix}: token id range [{lo}, {hi}] does not fit dtype {self.dtype}"
                 )
         if arr.size > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.prefix}: document of {arr.size} tokens exceeds int32 lengths")
+            raise InputError(f"{self.prefix}: document of {arr.size} tokens exceeds int32 lengths")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
@@ -289,7 +290,7 @@ class IndexedDatasetWriter:
         if self._prepared:
             return
         if self._ended_tokens != self.num_tokens:
-            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
+            raise InputError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()

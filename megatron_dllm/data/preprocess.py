@@ -61,6 +61,7 @@ from megatron_dllm.data.indexed_dataset import (
 from megatron_dllm.data.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 from megatron_dllm.data.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
+from megatron_dllm.errors import InputError
 
 __all__ = ["preprocess", "expand_inputs", "shard_prefix", "PreprocessStats", "REJECT_REASONS"]
 
@@ -397,14 +398,14 @@ def preprocess(
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     json_keys = list(json_keys)
     if not json_keys:
-        raise ValueError("--json-keys: at least one key is required")
+        raise InputError("--json-keys: at least one key is required")
     if len(set(json_keys)) != len(json_keys):
-        raise ValueError(f"--json-keys: duplicate keys in {json_keys}")
+        raise InputError(f"--json-keys: duplicate keys in {json_keys}")
     if workers < 1:
-        raise ValueError(f"--workers {workers}: expected >= 1")
+        raise InputError(f"--workers {workers}: expected >= 1")
     all_files = expand_inputs(inputs)
     if any(file_format(f) == "text" for f in all_files) and len(json_keys) > 1:
-        raise ValueError("--json-keys: plain-text inputs fill a single key, got several")
+        raise InputError("--json-keys: plain-text inputs fill a single key, got several")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, **(tokenizer_options or {}))  # fail early
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
 
@@ -505,7 +506,7 @@ def _write(files, prefixes, rejections_path, marker, label, sharded, fingerprint
             assert stats.read == ks.written + sum(ks.rejected.values()), key
             if stats.read and ks.rejected["missing_key"] == stats.read:
                 inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
-                raise ValueError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
+                raise InputError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
                                  f"has this key (or a non-null value for it); their keys are {sorted(seen_keys)}")
         # Everything is written in full before anything is renamed into place (a full disk
         # fails here, publishing nothing). Then: rejections report, datasets (.bin then .idx
@@ -541,7 +542,7 @@ def _write(files, prefixes, rejections_path, marker, label, sharded, fingerprint
             if os.path.exists(tmp):
                 os.remove(tmp)
         if isinstance(err, OSError):  # disk full, read-only or vanished output directory
-            raise ValueError(f"--output-prefix {output_prefix}: cannot write {err.filename or out_dir} "
+            raise InputError(f"--output-prefix {output_prefix}: cannot write {err.filename or out_dir} "
                              f"({err.strerror or err})") from None
         raise
     return stats

@@ -40,6 +40,7 @@ from megatron_dllm.data.indexed_dataset import (
     validate_indexed_dataset,
 )
 from megatron_dllm.data.output import claim_outputs, release_all
+from megatron_dllm.errors import InputError
 
 MASK_SUFFIX = "_prompt_mask"
 
@@ -54,7 +55,7 @@ def mask_prefix(prefix: str) -> str:
 def render_deng(line: str) -> tuple[str, str]:
     """`question||reasoning #### answer` -> ("Question: q\\n", "Answer: reasoning\\n#### answer")."""
     if "||" not in line or "####" not in line:
-        raise ValueError("expected 'question||reasoning #### answer'")
+        raise InputError("expected 'question||reasoning #### answer'")
     question, rest = line.split("||", 1)
     reasoning, answer = rest.rsplit("####", 1)
     return f"Question: {question.strip()}\n", f"Answer: {reasoning.strip()}\n#### {answer.strip()}"
@@ -63,14 +64,14 @@ def render_deng(line: str) -> tuple[str, str]:
 def render_messages(messages) -> tuple[str, str]:
     """Chat messages -> (prompt, response): the last assistant message is the response."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
+        raise InputError("'messages' must be a non-empty list")
     last = messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
-        raise ValueError("the last message must be {'role': 'assistant', 'content': str}")
+        raise InputError("the last message must be {'role': 'assistant', 'content': str}")
     lines = []
     for m in messages[:-1]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError("every message must be {'role': str, 'content': str}")
+            raise InputError("every message must be {'role': str, 'content': str}")
         lines.append(f"{m['role'].capitalize()}: {m['content']}\n")
     return "".join(lines) + "Assistant: ", last["content"]
 
@@ -88,7 +89,7 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
             try:  # decoded per line, so that bad bytes are reported with their line
                 line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
+                raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -97,15 +98,15 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
                     continue
                 record = json.loads(line)
                 if not isinstance(record, dict):
-                    raise ValueError("expected a JSON object")
+                    raise InputError("expected a JSON object")
                 if "messages" in record:
                     yield render_messages(record["messages"])
                 elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
                     yield record[prompt_key], record[response_key]
                 else:
-                    raise ValueError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
+                    raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
             except (ValueError, json.JSONDecodeError) as err:
-                raise ValueError(f"{path}:{lineno}: {err}") from None
+                raise InputError(f"{path}:{lineno}: {err}") from None
 
 
 # --------------------------------------------------------------------------- rows
@@ -164,10 +165,10 @@ def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, p
     writer at a time; an existing dataset is replaced only with `overwrite`, once the new one is
     complete."""
     if seq_length < 2:
-        raise ValueError(f"--seq-length {seq_length}: must be >= 2")
+        raise InputError(f"--seq-length {seq_length}: must be >= 2")
     for path in inputs:
         if not os.path.isfile(path):
-            raise ValueError(f"--input {path}: no such file")
+            raise InputError(f"--input {path}: no such file")
     locks = claim_outputs([prefix, mask_prefix(prefix)], f"--output-prefix {prefix}", overwrite)
     try:
         return _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key)
@@ -190,7 +191,7 @@ def _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_
             token_writer.add_document(row)
             mask_writer.add_document(mask)
         if stats.rows == 0:
-            raise ValueError(f"--input: no example fits --seq-length {seq_length} ({stats.examples} read, "
+            raise InputError(f"--input: no example fits --seq-length {seq_length} ({stats.examples} read, "
                              f"{stats.dropped_too_long} too long)")
         token_writer.prepare()
         mask_writer.prepare()
@@ -220,25 +221,25 @@ def validate_sft_dataset(prefix: str) -> dict:
     the sidecar's `sft` entry; the first problem is a ValueError naming the file."""
     meta = sft_metadata(prefix)
     if meta is None:
-        raise ValueError(f"{meta_path(prefix)}: no 'sft' entry; expected a dataset written by "
+        raise InputError(f"{meta_path(prefix)}: no 'sft' entry; expected a dataset written by "
                          f"tools/preprocess_sft_data.py")
     tokens = validate_indexed_dataset(prefix)
     masks = validate_indexed_dataset(mask_prefix(prefix))
     if np.dtype(masks.dtype) != np.uint8:
-        raise ValueError(f"{mask_prefix(prefix)}.idx: prompt mask dtype {masks.dtype}, expected uint8")
+        raise InputError(f"{mask_prefix(prefix)}.idx: prompt mask dtype {masks.dtype}, expected uint8")
     if tokens.sequence_count != masks.sequence_count or tokens.num_tokens != masks.num_tokens:
-        raise ValueError(f"{mask_prefix(prefix)}.idx: {masks.sequence_count} rows / {masks.num_tokens} tokens, "
+        raise InputError(f"{mask_prefix(prefix)}.idx: {masks.sequence_count} rows / {masks.num_tokens} tokens, "
                          f"but {prefix}.idx has {tokens.sequence_count} / {tokens.num_tokens}")
     length = meta["seq_length"]
     if tokens.num_tokens != tokens.sequence_count * length:
-        raise ValueError(f"{prefix}.idx: {tokens.num_tokens} tokens in {tokens.sequence_count} rows, "
+        raise InputError(f"{prefix}.idx: {tokens.num_tokens} tokens in {tokens.sequence_count} rows, "
                          f"expected rows of exactly {length} tokens")
     mask = np.memmap(mask_prefix(prefix) + ".bin", dtype=np.uint8, mode="r").reshape(-1, length)
     if mask.size and int(mask.max()) > 1:
-        raise ValueError(f"{mask_prefix(prefix)}.bin: values other than 0/1")
+        raise InputError(f"{mask_prefix(prefix)}.bin: values other than 0/1")
     no_response = np.flatnonzero(mask.sum(1) == length)
     if no_response.size:
-        raise ValueError(f"{mask_prefix(prefix)}.bin: row {int(no_response[0])} has no response token")
+        raise InputError(f"{mask_prefix(prefix)}.bin: row {int(no_response[0])} has no response token")
     return meta
 
 
@@ -273,7 +274,7 @@ class SFTSamples:
 
     def __init__(self, rows: SFTRows, lo: int, hi: int, seed: int, extra_token: bool, shuffle: bool = True):
         if hi <= lo:
-            raise ValueError(f"{rows.prefix}: the row range [{lo}, {hi}) is empty")
+            raise InputError(f"{rows.prefix}: the row range [{lo}, {hi}) is empty")
         self.rows, self.lo, self.n, self.seed = rows, lo, hi - lo, seed
         self.extra_token, self.shuffle = extra_token, shuffle
         self._perm = {}
@@ -318,7 +319,7 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
                        extra_token: bool, seed: int, tokenizer, with_valid: bool):
     """(train, valid or None) SFTSamples from one SFT prefix (+ an optional held-out prefix)."""
     if len(data_path) != 1 or (valid_data_path and len(valid_data_path) != 1):
-        raise ValueError("--sft reads one SFT dataset prefix per split (no blends)")
+        raise InputError("--sft reads one SFT dataset prefix per split (no blends)")
     rows = SFTRows(data_path[0])
     _check(rows, seq_length, tokenizer, "--data-path")
     if valid_data_path:
@@ -330,7 +331,7 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
         (tlo, thi), (vlo, vhi) = split_rows(len(rows), split)
         train = SFTSamples(rows, tlo, thi, seed, extra_token)
         if with_valid and vhi <= vlo:
-            raise ValueError(f"--split {split} leaves no held-out rows of {data_path[0]} ({len(rows)} rows): "
+            raise InputError(f"--split {split} leaves no held-out rows of {data_path[0]} ({len(rows)} rows): "
                              f"change --split or give --valid-data-path")
         valid = SFTSamples(rows, vlo, vhi, seed, extra_token, shuffle=False) if with_valid else None
     return train, valid
@@ -338,10 +339,10 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
 
 def _check(rows: SFTRows, seq_length: int, tokenizer, flag: str) -> None:
     if rows.length != seq_length:
-        raise ValueError(f"{flag}: {rows.prefix} holds rows of {rows.length} tokens, but --seq-length is "
+        raise InputError(f"{flag}: {rows.prefix} holds rows of {rows.length} tokens, but --seq-length is "
                          f"{seq_length} (preprocess with the run's --seq-length)")
     made = read_metadata(rows.prefix) or {}
     check_tokenizer_options(rows.prefix, made, tokenizer, flag)
     if made.get("tokenizer_sha256") and made["tokenizer_sha256"] != tokenizer_metadata(tokenizer)["tokenizer_sha256"]:
-        raise ValueError(f"{flag}: {rows.prefix} was preprocessed with another tokenizer "
+        raise InputError(f"{flag}: {rows.prefix} was preprocessed with another tokenizer "
                          f"({made.get('tokenizer_model')}); give the tokenizer the data was made with")

@@ -30,6 +30,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.base import seed_for
 from megatron_dllm.sampling.config import SamplingConfig
 from megatron_dllm.sampling.esolm import EsoLMSampler
@@ -40,13 +41,13 @@ GREEDY_TOP_P = 1e-12  # the nucleus keeps at least one id: a vanishing top-p kee
 
 def _canvas_length(inf, prompt_len: int, max_new_tokens: int | None) -> int:
     if prompt_len < 1:
-        raise ValueError("conditional generation needs a prompt of at least one token")
+        raise InputError("conditional generation needs a prompt of at least one token")
     room = inf.seq_length - prompt_len
     if room < 1:
-        raise ValueError(f"the prompt is {prompt_len} tokens; the model's context is {inf.seq_length}, "
+        raise InputError(f"the prompt is {prompt_len} tokens; the model's context is {inf.seq_length}, "
                          f"which leaves no room to generate")
     if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens}: must be >= 1")
+        raise InputError(f"max_new_tokens {max_new_tokens}: must be >= 1")
     return prompt_len + min(room, max_new_tokens or room)
 
 
@@ -69,12 +70,12 @@ def _run(inf, prompt_ids: Sequence[int], cfg: SamplingConfig, seed: int) -> list
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=inf.device)[None, :]
     if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
                            or bool((prompt == inf.mask_id).any())):
-        raise ValueError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
+        raise InputError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
     sampler = get_sampler(inf, cfg)
     if isinstance(sampler, EsoLMSampler):
         sampler = _PromptInOrderEsoLM(sampler.family, inf, cfg)
     if sampler.eos_id is None and cfg.predictor == "left-to-right":
-        raise ValueError("no EOS id: give eos_id or load the model with its tokenizer")
+        raise InputError("no EOS id: give eos_id or load the model with its tokenizer")
     generator = torch.Generator(device=inf.device).manual_seed(seed_for("conditional", seed))
     with torch.inference_mode():
         out = sampler.sample(prompt, generator)[0].tolist()
