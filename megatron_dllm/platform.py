@@ -21,6 +21,7 @@ import datetime
 import functools
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
@@ -37,6 +38,24 @@ try:  # TransformerEngine is optional: used on GPU when present, never needed on
     HAS_TE = HAS_CUDA
 except ImportError:
     HAS_TE = False
+
+
+# megatron-core warns, once per process, about each fused CUDA path it falls back from when Apex or
+# TransformerEngine is missing. On a CPU none of them could run: the run says so in one line
+# (`cpu_fallback_note`) instead. On a GPU the warnings stay, since there a missing kernel costs speed.
+CPU_FALLBACK_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex are not installed")
+if not HAS_CUDA:
+    for _message in CPU_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=_message)
+
+
+def cpu_fallback_note() -> str | None:
+    """The one line a CPU run prints in place of megatron-core's fallback warnings; None on GPU."""
+    if HAS_CUDA:
+        return None
+    return ("CPU run: megatron-core's fused CUDA paths (TransformerEngine layers and attention, Apex fused "
+            "LayerNorm, fused Adam and multi-tensor kernels) are unavailable; their PyTorch fallbacks compute "
+            "the same results, and the fused kernels only make GPUs faster")
 
 
 def device() -> torch.device:
