@@ -86,7 +86,8 @@ class OneLineParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         global _debug_flag
         namespace, rest = super().parse_known_args(args, namespace)
-        _debug_flag = getattr(namespace, "debug", False)
+        # sticky: a pre-parser (--yaml-cfg's) may consume --debug before the command's own parser runs
+        _debug_flag = _debug_flag or getattr(namespace, "debug", False)
         return namespace, rest
 
     def error(self, message):
