@@ -31,6 +31,7 @@ import os
 import sys
 import time
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import reports_bad_input
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.errors import InputError
@@ -80,7 +81,6 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
     import torch
     from megatron.core import parallel_state
 
-    from megatron_dllm import platform
     from megatron_dllm.checkpoint import layout
     from megatron_dllm.hf import export
     from megatron_dllm.model.builder import build_model, transformer_config

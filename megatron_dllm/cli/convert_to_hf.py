@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
@@ -46,7 +47,6 @@ def main(argv=None):
 
 
 def _export(args, out: str) -> int:
-    from megatron_dllm import platform
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 

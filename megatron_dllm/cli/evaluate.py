@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
 from megatron_dllm.errors import InputError
@@ -49,7 +50,6 @@ def _load_model(args, device):
 def run_nelbo(args) -> dict:
     import math
 
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
     from megatron_dllm.families import get_family
 
@@ -96,7 +96,6 @@ def run_nelbo(args) -> dict:
 
 
 def run_gen_ppl(args) -> dict:
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.entropy import mean_entropy
     from megatron_dllm.evaluation.gen_ppl import generative_perplexity
     from megatron_dllm.evaluation.judge import load_judge
@@ -129,7 +128,6 @@ def run_gen_ppl(args) -> dict:
 def run_throughput(args) -> dict:
     import dataclasses
 
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.throughput import auto_batch_size, measure_throughput
 
     _check_load(args.load)

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.fields import positive_int
 from megatron_dllm.errors import InputError

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig
@@ -56,7 +57,6 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()  # stderr keeps only our own messages
     transformers.logging.disable_progress_bar()
 
-    from megatron_dllm import platform
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
     cfg = sampling_config(args, stop_at_eos=args.stop_at_eos)

@@ -42,8 +42,8 @@ DEFAULT_TIKTOKEN_PATTERN = "llama3"
 DEFAULT_TIKTOKEN_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
 
 
-def _bad_model(tokenizer_type: str, path, expected: str) -> ValueError:
-    return ValueError(f"--tokenizer-model {path!r}: {expected} (for --tokenizer-type {tokenizer_type})")
+def _bad_model(tokenizer_type: str, path, expected: str) -> InputError:
+    return InputError(f"--tokenizer-model {path!r}: {expected} (for --tokenizer-type {tokenizer_type})")
 
 
 class _Tokenizer:
