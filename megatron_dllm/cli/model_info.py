@@ -5,6 +5,7 @@ megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, a
 """
 import json
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser
 from megatron_dllm.errors import InputError
 
