@@ -21,11 +21,14 @@ import datetime
 import functools
 import os
 import random
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from megatron_dllm.errors import InputError
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -35,6 +38,24 @@ try:  # TransformerEngine is optional: used on GPU when present, never needed on
     HAS_TE = HAS_CUDA
 except ImportError:
     HAS_TE = False
+
+
+# megatron-core warns, once per process, about each fused CUDA path it falls back from when Apex or
+# TransformerEngine is missing. On a CPU none of them could run: the run says so in one line
+# (`cpu_fallback_note`) instead. On a GPU the warnings stay, since there a missing kernel costs speed.
+CPU_FALLBACK_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex are not installed")
+if not HAS_CUDA:
+    for _message in CPU_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=_message)
+
+
+def cpu_fallback_note() -> str | None:
+    """The one line a CPU run prints in place of megatron-core's fallback warnings; None on GPU."""
+    if HAS_CUDA:
+        return None
+    return ("CPU run: megatron-core's fused CUDA paths (TransformerEngine layers and attention, Apex fused "
+            "LayerNorm, fused Adam and multi-tensor kernels) are unavailable; their PyTorch fallbacks compute "
+            "the same results, and the fused kernels only make GPUs faster")
 
 
 def device() -> torch.device:
@@ -48,7 +69,7 @@ def tool_device(requested: str | None = None) -> str:
     if requested is None:
         return "cuda" if HAS_CUDA else "cpu"
     if requested.startswith("cuda") and not HAS_CUDA:
-        raise ValueError(f"--device {requested}: CUDA is not available on this machine")
+        raise InputError(f"--device {requested}: CUDA is not available on this machine")
     return requested
 
 
@@ -296,7 +317,7 @@ def init_distributed(
         if HAS_CUDA:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             if local_rank >= torch.cuda.device_count():  # NCCL needs a GPU of its own per rank
-                raise ValueError(f"--nproc-per-node: local rank {local_rank} has no GPU of its own "
+                raise InputError(f"--nproc-per-node: local rank {local_rank} has no GPU of its own "
                                  f"({torch.cuda.device_count()} visible); start at most one rank per GPU")
             torch.cuda.set_device(local_rank)
         timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -308,7 +329,7 @@ def init_distributed(
     world = dist.get_world_size()
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % model_parallel:
-        raise ValueError(
+        raise InputError(
             f"--tensor-model-parallel-size {tensor_model_parallel_size} x "
             f"--pipeline-model-parallel-size {pipeline_model_parallel_size} = {model_parallel} "
             f"does not divide the world size {world}"

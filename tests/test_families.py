@@ -127,8 +127,9 @@ def test_noise_is_the_same_after_a_restart():
 
 # The megatron_dllm modules each package may import: families and the model sit below sampling,
 # evaluation, the HF export, training, scaling and data.
-LAYERS = {"families": {"families", "model", "platform", "_esolm_shuffle", "_esolm_shuffle_cuda"},
-          "model": {"model", "platform"}}
+# errors (the bad-input exception type) and platform sit below every layer
+LAYERS = {"families": {"families", "model", "platform", "errors", "_esolm_shuffle", "_esolm_shuffle_cuda"},
+          "model": {"model", "platform", "errors"}}
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_dllm"
 
 

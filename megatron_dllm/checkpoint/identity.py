@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron_dllm.checkpoint.manifest import CheckpointError
+from megatron_dllm.errors import InputError
 
 # HF config.json field -> identity field (the HF config says num_heads and mask_token_id)
 _HF_FIELDS = {"family": "family", "hidden_size": "hidden_size", "num_layers": "num_layers",
@@ -62,9 +63,9 @@ class ModelIdentity:
 
         missing = [k for k in _HF_FIELDS if k not in config]
         if missing:
-            raise ValueError(f"{source}: missing {', '.join(missing)}")
+            raise InputError(f"{source}: missing {', '.join(missing)}")
         if config["family"] not in FAMILIES:
-            raise ValueError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
+            raise InputError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
         return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()})
 
     def hf_config_fields(self) -> dict:

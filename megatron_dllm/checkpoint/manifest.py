@@ -17,12 +17,14 @@ import hashlib
 import json
 import os
 
+from megatron_dllm.errors import InputError
+
 MANIFEST = "manifest.json"
 FORMAT = "megatron_dllm checkpoint manifest"
 _CHUNK = 8 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be used as asked: one message naming the file."""
 
 
@@ -81,7 +83,7 @@ def read_manifest(directory: str) -> dict:
         with open(path) as f:
             manifest = json.load(f)
         if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-            raise ValueError("not a checkpoint manifest")
+            raise InputError("not a checkpoint manifest")
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err})") from None
     return manifest

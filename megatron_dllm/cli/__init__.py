@@ -21,27 +21,46 @@ and `tools/*.py`, so Megatron users' habits and every documented command keep wo
     dllm-plan-isoflop    tools/plan_isoflop.py         the IsoFLOP run grid
     dllm-scaling-laws    tools/scaling_laws.py         fits, Pareto frontier, figures
 
-Bad input is reported the same way everywhere: one `error: ...` line and exit code 2.
+Bad input is reported the same way everywhere: one `error: ...` line and exit code 2. Bad input is
+an `InputError` (a flag, a file, a dataset or a checkpoint the user can fix) or an OSError (a missing,
+unreadable, locked or full path). Any other exception is a bug: it propagates with its traceback
+(exit code 1). `--debug` (every command) or MEGATRON_DLLM_DEBUG=1 adds the traceback to bad input too.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
+import traceback
+
+from megatron_dllm.errors import InputError
 
 BAD_INPUT_EXIT = 2
+BAD_INPUT = (InputError, OSError)
+DEBUG_ENV = "MEGATRON_DLLM_DEBUG"
+
+_debug_flag = False  # set by any OneLineParser that parsed --debug
+
+
+def debugging() -> bool:
+    """Whether errors show their traceback: `--debug` was given or MEGATRON_DLLM_DEBUG is set (not 0)."""
+    return _debug_flag or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
 
 def fail(message: str) -> int:
-    """Report bad input: one line on stderr; returns the exit code."""
+    """Report bad input: one line on stderr (under --debug, after the traceback of the exception
+    being handled); returns the exit code."""
+    if debugging() and sys.exc_info()[0] is not None:
+        traceback.print_exc()
     print(f"error: {message}", file=sys.stderr, flush=True)
     return BAD_INPUT_EXIT
 
 
 def reports_bad_input(*errors: type[BaseException]):
-    """Decorate a command's `main`: the given exceptions (default ValueError, OSError) become
+    """Decorate a command's `main`: bad input (InputError, OSError and any `errors` given) becomes
     `fail(str(err))`; anything else is a bug and keeps its traceback."""
-    caught = errors or (ValueError, OSError)
+    caught = BAD_INPUT + errors
 
     def wrap(main):
         @functools.wraps(main)
@@ -56,7 +75,20 @@ def reports_bad_input(*errors: type[BaseException]):
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors (subcommands' too) are one `error: ...` line, exit code 2,
-    without the usage block."""
+    without the usage block; every one accepts `--debug`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a subcommand's parser leaves a --debug given before the subcommand alone
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help=f"show the traceback of any error, bad input included (or set {DEBUG_ENV}=1)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        global _debug_flag
+        namespace, rest = super().parse_known_args(args, namespace)
+        # sticky: a pre-parser (--yaml-cfg's) may consume --debug before the command's own parser runs
+        _debug_flag = _debug_flag or getattr(namespace, "debug", False)
+        return namespace, rest
 
     def error(self, message):
         subcommand = self.prog.split()[-1] + ": " if " " in self.prog else ""

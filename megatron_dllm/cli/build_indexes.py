@@ -31,8 +31,8 @@ import os
 import sys
 import time
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import reports_bad_input
-from megatron_dllm.output_lock import OutputLockedError
 
 
 def _cache_files(path):
@@ -91,7 +91,7 @@ def build(argv=None) -> dict:
     return {"cache": cache, "written": new, "seconds": elapsed}
 
 
-@reports_bad_input(ValueError, OutputLockedError)
+@reports_bad_input()
 def main(argv=None) -> int:
     """`build` with bad input (a flag, a dataset, a refused index cache) as one `error:` line, exit 2."""
     build(argv)

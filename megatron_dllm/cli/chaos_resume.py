@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,6 +26,7 @@ import sys
 
 from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.errors import InputError
 
 
 def get_args(argv=None):
@@ -83,11 +84,11 @@ def main(argv=None) -> int:
     if args.tokenizer_type:
         tokenizer = TokenizerConfig.from_args(args).build()
         if eos_id is not None and eos_id != tokenizer.eod:
-            raise ValueError(f"--eos-id {eos_id} differs from the EOS {tokenizer.eod} of --tokenizer-model "
+            raise InputError(f"--eos-id {eos_id} differs from the EOS {tokenizer.eod} of --tokenizer-model "
                              f"{args.tokenizer_model}")
         eos_id, vocab_size, metadata = tokenizer.eod, tokenizer.vocab_size, tokenizer_metadata(tokenizer)
     if eos_id is None:
-        raise ValueError("--eos-id is required (or --tokenizer-type and --tokenizer-model, whose EOS is taken): "
+        raise InputError("--eos-id is required (or --tokenizer-type and --tokenizer-model, whose EOS is taken): "
                          "LITPKDS files do not record their separator")
     stats = convert_litpkds(args.inputs, args.output_prefix, eos_id, pad_id=args.pad_id, vocab_size=vocab_size,
                             metadata=metadata, progress=False if args.no_progress else None,

@@ -14,8 +14,10 @@ import os
 import shutil
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.checkpoint.identity import ModelIdentity
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf import config_check
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
@@ -32,7 +34,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return convert(args)
-    except (ValueError, KeyError, OSError) as err:  # CheckpointError is a ValueError
+    except BAD_INPUT as err:
         return fail(str(err))
 
 
@@ -46,14 +48,14 @@ def _read_hf(hf: str):
     config_path, weights_path = os.path.join(hf, "config.json"), os.path.join(hf, "model.safetensors")
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
-            raise ValueError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
+            raise InputError(f"--hf {hf}: {os.path.basename(path)} not found (expected an exported directory)")
     cfg = read_config_json(config_path, "--hf")
     identity = ModelIdentity.from_hf_config(cfg, f"--hf {config_path}")
     config_check.check_config(cfg, identity, f"--hf {config_path}")
     try:
         weights = load_file(weights_path)
     except SafetensorError as err:
-        raise ValueError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
+        raise InputError(f"--hf {weights_path}: unreadable safetensors file ({err})") from None
     config_check.check_shapes(weights, identity, cfg.get("max_position_embeddings", 2048), f"--hf {weights_path}")
     return identity, cfg, weights
 
@@ -79,13 +81,12 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
     import torch
     from megatron.core import parallel_state
 
-    from megatron_dllm import platform
     from megatron_dllm.checkpoint import layout
     from megatron_dllm.hf import export
     from megatron_dllm.model.builder import build_model, transformer_config
 
     if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
-        raise ValueError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
+        raise InputError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     arch = identity.architecture(seq_length, args.make_vocab_size_divisible_by)
     platform.init_distributed(tp, pp)
@@ -110,11 +111,11 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
         if live is not None and getattr(live, "tensor_model_parallel", False) and tp > 1:
             value = value.chunk(tp, dim=live.partition_dim)[tp_rank]
         if value.shape != param.shape:
-            raise ValueError(f"{name}: shape {tuple(value.shape)} from {source} vs model {tuple(param.shape)}")
+            raise InputError(f"{name}: shape {tuple(value.shape)} from {source} vs model {tuple(param.shape)}")
         new_state[name] = value.to(param.dtype)
     model.load_state_dict(new_state)
     if pp == 1 and set(hf_state) != used:
-        raise ValueError(f"{source}: unused weights {sorted(set(hf_state) - used)[:5]}")
+        raise InputError(f"{source}: unused weights {sorted(set(hf_state) - used)[:5]}")
     path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, {"seq_length": arch.seq_length})
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go

@@ -18,9 +18,11 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
+from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
@@ -54,7 +56,7 @@ def main(argv=None):
         parser.error("--tensor/--pipeline-model-parallel-size shape a --save checkpoint, not --hf-out")
     try:
         return convert(args)
-    except (ValueError, KeyError, OSError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
 
 
@@ -67,7 +69,7 @@ def load_reference(args):
     if args.num_attention_heads is not None:
         model = ref.section("model")
         if model.setdefault("n_heads", args.num_attention_heads) != args.num_attention_heads:
-            raise ValueError(f"--num-attention-heads {args.num_attention_heads} but {args.ref} says "
+            raise InputError(f"--num-attention-heads {args.num_attention_heads} but {args.ref} says "
                              f"model.n_heads {model['n_heads']}")
     family = ref.family(args.family)
     hf_state = ref.hf_state()
@@ -78,10 +80,10 @@ def load_reference(args):
         tokenizer = TokenizerConfig.from_args(args).build()
         mask_id = tokenizer.mask_id if args.mask_id is None else args.mask_id
         if (tokenizer.vocab_size, tokenizer.mask_id) != (vocab, mask_id):
-            raise ValueError(f"--tokenizer-model {args.tokenizer_model}: vocabulary {tokenizer.vocab_size} with "
+            raise InputError(f"--tokenizer-model {args.tokenizer_model}: vocabulary {tokenizer.vocab_size} with "
                              f"[MASK] {tokenizer.mask_id}, but {args.ref} has {vocab} rows and [MASK] {mask_id}")
     if not 0 <= mask_id < vocab:
-        raise ValueError(f"--mask-id {mask_id}: outside the checkpoint's vocabulary of {vocab}")
+        raise InputError(f"--mask-id {mask_id}: outside the checkpoint's vocabulary of {vocab}")
     identity = ModelIdentity(family, sizes["hidden_size"], sizes["num_layers"], sizes["num_heads"], vocab, mask_id)
     max_length = args.seq_length or reference.default_max_length(ref, export.DEFAULT_SEQ_LENGTH)
     return identity, hf_state, max_length
@@ -106,7 +108,7 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
 
     out = os.path.normpath(args.hf_out)
     if os.path.exists(out) and not args.overwrite:
-        raise ValueError(f"--hf-out {args.hf_out} already exists; pass --overwrite to replace it")
+        raise InputError(f"--hf-out {args.hf_out} already exists; pass --overwrite to replace it")
     with export.staged_export(out) as staging:
         export.write_hf_dir(staging, hf_state,
                             export.hf_config_dict(identity, FAMILIES[identity.family].attention, max_length))

@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
@@ -46,7 +47,6 @@ def main(argv=None):
 
 
 def _export(args, out: str) -> int:
-    from megatron_dllm import platform
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 
@@ -64,7 +64,7 @@ def _export(args, out: str) -> int:
             if tokenizer is not None:
                 export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
                                         identity.vocab_size, identity.mask_id, tokenizer.options())
-    except (ValueError, OSError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     print(f"wrote {args.out} ({identity.family}, {len(hf_state)} tensors"
           f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")

@@ -15,8 +15,10 @@ import json
 import os
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
+from megatron_dllm.errors import InputError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,7 +50,6 @@ def _load_model(args, device):
 def run_nelbo(args) -> dict:
     import math
 
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
     from megatron_dllm.families import get_family
 
@@ -65,7 +66,7 @@ def run_nelbo(args) -> dict:
                                       eval_iters=args.eval_iters, seed=args.seed)
     tok = inputs.tokenizer
     if (tok.vocab_size, tok.mask_id) != (inf.vocab_size, inf.mask_id):
-        raise ValueError(f"--load {args.load}: the model's vocabulary ({inf.vocab_size}, [MASK] {inf.mask_id}) "
+        raise InputError(f"--load {args.load}: the model's vocabulary ({inf.vocab_size}, [MASK] {inf.mask_id}) "
                          f"does not match the data's tokenizer ({tok.vocab_size}, [MASK] {tok.mask_id}); "
                          f"give the --tokenizer-model the model was trained with")
     t, data = resolved.training, resolved.data
@@ -95,7 +96,6 @@ def run_nelbo(args) -> dict:
 
 
 def run_gen_ppl(args) -> dict:
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.entropy import mean_entropy
     from megatron_dllm.evaluation.gen_ppl import generative_perplexity
     from megatron_dllm.evaluation.judge import load_judge
@@ -128,15 +128,14 @@ def run_gen_ppl(args) -> dict:
 def run_throughput(args) -> dict:
     import dataclasses
 
-    from megatron_dllm import platform
     from megatron_dllm.evaluation.throughput import auto_batch_size, measure_throughput
 
     _check_load(args.load)
     auto = args.batch_size == "auto"
     if not auto and not (args.batch_size.isdigit() and int(args.batch_size) > 0):
-        raise ValueError(f"--batch-size {args.batch_size}: expected a positive integer or 'auto'")
+        raise InputError(f"--batch-size {args.batch_size}: expected a positive integer or 'auto'")
     if auto and args.max_batch_size is None and platform.device().type == "cpu":
-        raise ValueError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
+        raise InputError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
                          "kills the process instead of raising an error)")
     # stop_at_eos off: every call generates the full length, so tokens/s counts real work
     cfg = sampling_config(args, stop_at_eos=False)
@@ -161,7 +160,7 @@ def run_downstream(args) -> dict:
     import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
-        raise ValueError("downstream needs lm-evaluation-harness: pip install lm-eval==0.4.13")
+        raise InputError("downstream needs lm-evaluation-harness: pip install lm-eval==0.4.13")
     from megatron_dllm.evaluation.downstream import run_downstream as evaluate_downstream
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
     from megatron_dllm.evaluation.offline_tasks import task_names
@@ -295,7 +294,7 @@ def main(argv=None) -> int:
 
             platform.init_distributed(1, 1)
         results = args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     finally:
         if owns_world and dist.is_initialized():

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
 from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             sft = validate_sft_dataset(args.prefix) if args.verify else sft
     except DatasetFormatError as err:
         return fail(f"INVALID: {err}")
-    except (ValueError, OSError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     if args.json:
         print(json.dumps({**report.__dict__, "sft": sft}, indent=1, default=str))

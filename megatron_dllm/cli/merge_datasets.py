@@ -21,8 +21,7 @@ without copying).
 import argparse
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
-from megatron_dllm.data.indexed_dataset import DatasetFormatError
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
 
 
@@ -53,7 +52,7 @@ def main(argv=None) -> int:
         else:
             stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)
             print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
-    except (ValueError, DatasetFormatError, OSError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     return 0
 

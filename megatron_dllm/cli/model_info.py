@@ -5,7 +5,9 @@ megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, a
 """
 import json
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser
+from megatron_dllm.errors import InputError
 
 
 def main(argv=None):
@@ -28,7 +30,7 @@ def main(argv=None):
         parser.error(f"--family {args.family!r} is not a known family; expected one of: {', '.join(FAMILIES)}")
     try:
         preset = get_preset(args.preset)
-    except ValueError as err:
+    except InputError as err:
         parser.error(str(err))
     info = {"preset": args.preset, "family": args.family, "hidden_size": preset.hidden_size,
             "num_layers": preset.num_layers, "num_attention_heads": preset.num_attention_heads,

@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.prep.preprocess import preprocess
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
             progress=False if args.no_progress else None, log_interval=args.log_interval,
         )
-    except (ValueError, OSError) as err:  # bad input, unwritable output: one line, nothing published
+    except BAD_INPUT as err:  # bad input, unwritable output: one line, nothing published
         return fail(str(err))
     print(stats.summary())
     return 0

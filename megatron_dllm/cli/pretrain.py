@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from megatron_dllm import platform  # before megatron-core: on CPU it quiets megatron-core's fallback warnings
 from megatron_dllm.cli import reports_bad_input
 from megatron_dllm.config import parse_args
 
@@ -21,15 +22,16 @@ def main(argv=None) -> int:
         from megatron_dllm.parent_watch import exit_when_parent_dies
 
         exit_when_parent_dies("training rank")
-    from megatron_dllm import platform
-
+    note = platform.cpu_fallback_note()
+    if note and os.environ.get("RANK", "0") == "0":  # once per run, not per rank
+        print(note, flush=True)
     try:
         return _train(cfg)
     finally:
         platform.destroy_distributed()
 
 
-@reports_bad_input(ValueError)
+@reports_bad_input()
 def _train(cfg) -> int:
     from megatron_dllm.training.nan_guard import NonFiniteStop
     from megatron_dllm.training.trainer import Trainer

@@ -14,8 +14,10 @@ import os
 import subprocess
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.fields import positive_int
+from megatron_dllm.errors import InputError
 
 PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "pretrain_dllm.py")
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
 
     try:
         launch = YamlFile(args.config, what=None).launch()
-    except ValueError as err:
+    except InputError as err:
         return fail(str(err))
     nproc = args.nproc_per_node or launch.get("world-size")
     if not nproc:

@@ -18,9 +18,11 @@ import os
 import sys
 import time
 
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.errors import InputError
 
 
 def parse_args(argv=None):
@@ -55,7 +57,6 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()  # stderr keeps only our own messages
     transformers.logging.disable_progress_bar()
 
-    from megatron_dllm import platform
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
     cfg = sampling_config(args, stop_at_eos=args.stop_at_eos)
@@ -70,13 +71,13 @@ def main(argv=None):
         prompt_ids = None
         if args.prompt is not None:
             if inf.tokenizer is None:
-                raise ValueError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
+                raise InputError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
             prompt_ids = inf.tokenizer.tokenize(args.prompt)
         start = time.perf_counter()
         tokens = generate(inf, cfg, num_samples=args.num_samples, batch_size=args.batch_size, seed=args.seed,
                           prompt_ids=prompt_ids)
         wall = time.perf_counter() - start
-    except (ValueError, FileNotFoundError) as err:
+    except BAD_INPUT as err:
         return fail(str(err))
     texts = decode(inf, tokens, cut_at_eod=args.cut_at_eod) if inf.tokenizer is not None else None
     record = {

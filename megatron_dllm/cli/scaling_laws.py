@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict
 
 from megatron_dllm.cli import OneLineParser
+from megatron_dllm.errors import InputError
 from megatron_dllm.scaling import pareto, plots
 from megatron_dllm.scaling.fits import analyze_isoflop
 from megatron_dllm.scaling.plan import final_validation, read_manifest
@@ -110,7 +111,7 @@ def main(argv=None):
     analysis["skipped"] = skipped + analysis["skipped"]
     try:
         models = pareto.fit_models(pareto.load_records(args.gen_ppl), pareto.load_records(args.throughput))
-    except ValueError as err:
+    except InputError as err:
         parser.error(str(err))
     frontier = pareto.pareto_frontier(models, args.targets)
     if models and not frontier:

@@ -11,6 +11,7 @@ checkpoint), gives `error: ...` naming the files and exit code 2.
 import argparse
 import sys
 
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail
 
 

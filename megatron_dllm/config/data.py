@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, split_spec
 from megatron_dllm.data.tokenizers import TOKENIZER_TYPES
+from megatron_dllm.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,10 @@ class TokenizerConfig(FlagGroup):
         if self.tokenizer_type != "TikTokenizer":
             given = [k for k, v in flags.items() if v is not None]
             if given:
-                raise ValueError(f"--{given[0]} applies to --tokenizer-type TikTokenizer only")
+                raise InputError(f"--{given[0]} applies to --tokenizer-type TikTokenizer only")
             return {}
         if self.tiktoken_special_tokens is not None and self.tokenizer_special_tokens is not None:
-            raise ValueError("--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them")
+            raise InputError("--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them")
         specials = self.tokenizer_special_tokens if self.tokenizer_special_tokens is not None \
             else self.tiktoken_special_tokens
         return {"pattern": self.tiktoken_pattern, "special_tokens": specials,

@@ -5,6 +5,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, positive_int
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
 
@@ -60,10 +61,10 @@ class ModelConfig(FlagGroup):
         granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
         if granularity != "full":
             if self.recompute_method or self.recompute_num_layers:
-                raise ValueError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
+                raise InputError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
             return {"recompute_granularity": granularity}
         if self.recompute_method is None:
-            raise ValueError("--recompute-granularity full needs --recompute-method uniform|block")
+            raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
                 "recompute_num_layers": self.recompute_num_layers or 1}
 

@@ -23,6 +23,7 @@ from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
 from megatron_dllm.config.training import TrainingConfig
 from megatron_dllm.config.yaml_config import add_yaml_flag, expand_yaml
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import Preset, get_preset
 
 
@@ -78,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     parser = build_parser()
     try:
         argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser)
-    except ValueError as err:
+    except InputError as err:
         parser.error(str(err))
     ns = parser.parse_args(argv)
     if ns.train_data_path is not None:
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         if getattr(ns, name):
             try:
                 parse_data_path(getattr(ns, name), "--" + name.replace("_", "-"))
-            except ValueError as err:
+            except InputError as err:
                 parser.error(str(err))
     tp = ns.tensor_model_parallel_size
     if ns.sequence_parallel and ns.seq_length and ns.seq_length % tp:
@@ -111,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     cfg = RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
     try:
         cfg.model.recompute()
-    except ValueError as err:
+    except InputError as err:
         parser.error(str(err))
     log = cfg.logging
     if log.profile and (log.profile_step_end <= log.profile_step_start or not log.tensorboard_dir and not cfg.demo):
@@ -149,10 +150,10 @@ def resolve_defaults(cfg: RunConfig, demo_corpus: dict | None = None) -> RunConf
     `data.prep.demo.prepare_demo_corpus`) and its small defaults, else the paper's. Flags always win."""
     if cfg.demo:
         if cfg.tokenizer.tokenizer_type or cfg.tokenizer.tokenizer_model:
-            raise ValueError("--tokenizer-type/--tokenizer-model need --data-path (the embedded demo "
+            raise InputError("--tokenizer-type/--tokenizer-model need --data-path (the embedded demo "
                              "brings its own tokenizer)")
         if demo_corpus is None:
-            raise ValueError("resolving the embedded demo needs its prepared corpus")
+            raise InputError("resolving the embedded demo needs its prepared corpus")
         defaults = dict(DEMO_DEFAULTS)
         if cfg.checkpoint.save is None and cfg.checkpoint.load is None:  # the demo command resumes its own run
             defaults["checkpoint"] = {**defaults["checkpoint"], "load": defaults["checkpoint"]["save"]}
@@ -165,7 +166,7 @@ def resolve_defaults(cfg: RunConfig, demo_corpus: dict | None = None) -> RunConf
         cfg = _fill(cfg, defaults)
     else:
         if not (cfg.tokenizer.tokenizer_type and cfg.tokenizer.tokenizer_model):
-            raise ValueError("--data-path needs --tokenizer-type and --tokenizer-model (the tokenizer "
+            raise InputError("--data-path needs --tokenizer-type and --tokenizer-model (the tokenizer "
                              "the data was preprocessed with)")
         cfg = _fill(cfg, DEFAULTS)
     if cfg.optimizer.min_lr is None:
@@ -184,12 +185,12 @@ def resolve_iterations(cfg: RunConfig, vocab_size: int) -> RunConfig:
         per_sequence = train_flops_per_sequence(cfg.preset(), vocab_size, cfg.model.seq_length, t.flops_convention)
         iters = iterations_for_budget(t.train_flops, per_sequence, t.global_batch_size)
         if iters < 1:
-            raise ValueError(f"--train-flops {t.train_flops:g} pays for no iteration: one costs "
+            raise InputError(f"--train-flops {t.train_flops:g} pays for no iteration: one costs "
                              f"{per_sequence * t.global_batch_size:.4g} FLOPs ({t.flops_convention}) "
                              f"at --global-batch-size {t.global_batch_size}")
         return cfg.replace(training={"train_iters": iters})
     if t.train_iters is None:
         if t.train_samples is None:
-            raise ValueError("give --train-iters, --train-samples or --train-flops")
+            raise InputError("give --train-iters, --train-samples or --train-flops")
         return cfg.replace(training={"train_iters": math.ceil(t.train_samples / t.global_batch_size)})
     return cfg

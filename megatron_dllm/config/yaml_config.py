@@ -25,6 +25,8 @@ import os
 
 import yaml
 
+from megatron_dllm.errors import InputError
+
 RESOLVED_NAME = "run_config.yaml"
 LAUNCH = "launch"  # the resolved file's record of how the run was launched: not flags
 # resolved into --train-iters (and --data-path) by the run: writing both would be contradictory
@@ -48,21 +50,21 @@ class YamlFile:
             with open(path, "rb") as f:
                 raw = f.read()
         except OSError as err:
-            raise ValueError(f"{self.at(None)}: cannot read it ({err.strerror or err})") from None
+            raise InputError(f"{self.at(None)}: cannot read it ({err.strerror or err})") from None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as err:  # a binary file: yaml would report it without its name
             line = raw[:err.start].count(b"\n") + 1
-            raise ValueError(f"{self.at(line)}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x})") from None
+            raise InputError(f"{self.at(line)}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x})") from None
         self._loader = yaml.SafeLoader(text)
         try:
             self.root = self._loader.get_single_node()
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ValueError(f"{self.at(mark.line + 1 if mark else None)}: not valid YAML ({problem})") from None
+            raise InputError(f"{self.at(mark.line + 1 if mark else None)}: not valid YAML ({problem})") from None
         if self.root is not None and not isinstance(self.root, yaml.MappingNode):
-            raise ValueError(f"{self.at(None)}: expected a mapping of flag names to values, found "
+            raise InputError(f"{self.at(None)}: expected a mapping of flag names to values, found "
                              f"{type(self.value(self.root)).__name__}")
 
     def at(self, line: int | None) -> str:
@@ -72,7 +74,7 @@ class YamlFile:
         try:
             return self._loader.construct_object(node, deep=True)
         except yaml.YAMLError as err:
-            raise ValueError(f"{self.at(node.start_mark.line + 1)}: {str(err).splitlines()[0]}") from None
+            raise InputError(f"{self.at(node.start_mark.line + 1)}: {str(err).splitlines()[0]}") from None
 
     def items(self, node=None):
         """(key, key line, value node) of a mapping node (default: the top level)."""
@@ -85,13 +87,13 @@ class YamlFile:
         for key, line, node in self.items():
             if key == LAUNCH:
                 if not isinstance(node, yaml.MappingNode):
-                    raise ValueError(f"{self.at(line)}: {LAUNCH}: expected a mapping such as `{LAUNCH}: "
+                    raise InputError(f"{self.at(line)}: {LAUNCH}: expected a mapping such as `{LAUNCH}: "
                                      f"{{world-size: 2}}`, got {type(self.value(node)).__name__}")
                 out = {}
                 for name, name_line, value in self.items(node):
                     out[name] = self.value(value)
                     if name == "world-size" and not (type(out[name]) is int and out[name] > 0):
-                        raise ValueError(f"{self.at(name_line)}: {LAUNCH}: world-size must be a positive "
+                        raise InputError(f"{self.at(name_line)}: {LAUNCH}: world-size must be a positive "
                                          f"integer, got {out[name]!r}")
                 return out
         return {}
@@ -111,7 +113,7 @@ class YamlFile:
                 dest = key.replace("-", "_")
                 place = f"in section {section} (line {line})" if section else f"at the top level (line {line})"
                 if dest in places:
-                    raise ValueError(f"{self.at(line)}: {key!r} is given twice: {places[dest]} and {place}")
+                    raise InputError(f"{self.at(line)}: {key!r} is given twice: {places[dest]} and {place}")
                 places[dest], out[dest] = place, (self.value(value), line)
 
         places = {}
@@ -129,21 +131,21 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
         where = source.at(line)
         action = actions.get(key)
         if action is None or key == "yaml_cfg":
-            raise ValueError(f"{where}: {key!r} is not a flag of this command")
+            raise InputError(f"{where}: {key!r} is not a flag of this command")
         option = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
-                raise ValueError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
+                raise InputError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [option] if value else []
         elif isinstance(action, argparse.BooleanOptionalAction) and value is not None:  # --x / --no-x
             if not isinstance(value, bool):
-                raise ValueError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
+                raise InputError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [action.option_strings[0 if value else 1]]
         elif value is None:
             continue
         elif isinstance(value, (list, tuple)):
             if action.nargs not in ("*", "+"):
-                raise ValueError(f"{where}: {key} takes one value, got a list")
+                raise InputError(f"{where}: {key} takes one value, got a list")
             tokens += [option, *map(str, value)]
         else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces
             tokens += [option, str(value)]
@@ -158,7 +160,7 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     pre.add_argument("--yaml-cfg", dest="yaml_cfg", action="append", default=[])
     known, rest = pre.parse_known_args(argv)
     if len(known.yaml_cfg) > 1:  # which would win is not obvious: one file, flags override it
-        raise ValueError(f"--yaml-cfg given {len(known.yaml_cfg)} times ({', '.join(known.yaml_cfg)}); give one "
+        raise InputError(f"--yaml-cfg given {len(known.yaml_cfg)} times ({', '.join(known.yaml_cfg)}); give one "
                          f"file, and override its values with flags")
     if not known.yaml_cfg:
         return list(argv)

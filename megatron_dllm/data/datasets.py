@@ -48,6 +48,7 @@ from megatron_dllm.data.indexed_dataset import (
     validate_indexed_dataset,
 )
 from megatron_dllm.data.tokenizers import tokenizer_fingerprint
+from megatron_dllm.errors import InputError
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -56,7 +57,7 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blen
     """Megatron's `prefix` | `p1 p2 ...` | `w1 p1 w2 p2 ...` -> (prefixes, weights or None)."""
     items = [str(x) for x in data_path]
     if not items:
-        raise ValueError(f"{flag}: no dataset prefix given")
+        raise InputError(f"{flag}: no dataset prefix given")
     if len(items) % 2 == 0:
         try:
             weights = [float(w) for w in items[0::2]]
@@ -64,7 +65,7 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blen
             weights = None
         if weights is not None:
             if not all(math.isfinite(w) and w > 0 for w in weights):
-                raise ValueError(f"{flag}: weights must be positive finite numbers, got {weights}")
+                raise InputError(f"{flag}: weights must be positive finite numbers, got {weights}")
             return items[1::2], weights
     return items, None
 
@@ -79,7 +80,7 @@ def load_index_cache(file, mmap_mode=None, allow_pickle=False, **kwargs):
         why = str(err)
         if "pickle" in why or "Python objects" in why:  # numpy's advice here would be to unpickle it
             why = "it holds pickled Python objects, which are never loaded"
-        raise ValueError(f"index cache {file}: {why}; expected a numeric .npy as megatron-core writes "
+        raise InputError(f"index cache {file}: {why}; expected a numeric .npy as megatron-core writes "
                          f"it (delete the file to have it rebuilt)") from None
 
 
@@ -179,12 +180,12 @@ class TokenSamples:
 def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) -> int:
     """Validate the files and the token range against the tokenizer; return the token count."""
     if not (os.path.isfile(prefix + ".idx") or os.path.isfile(prefix + ".bin")):
-        raise ValueError(f"{flag}: no dataset at prefix {prefix!r} "
+        raise InputError(f"{flag}: no dataset at prefix {prefix!r} "
                          f"(expected {prefix}.bin and {prefix}.idx)")
     header = validate_indexed_dataset(prefix)
     made_with = read_metadata(prefix)
     if made_with is not None and made_with.get("vocab_size") != tokenizer.vocab_size:
-        raise ValueError(
+        raise InputError(
             f"{flag}: {prefix} was preprocessed with {made_with.get('tokenizer')} "
             f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
             f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
@@ -194,18 +195,18 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
     if recorded is not None:
         given = tokenizer_fingerprint(tokenizer)
         if given != recorded:
-            raise ValueError(
+            raise InputError(
                 f"{flag}: {prefix} was preprocessed with another tokenizer: {meta_path(prefix)} records "
                 f"{made_with.get('tokenizer_model')} with sha256 {recorded[:16]}..., but --tokenizer-model "
                 f"{tokenizer.model_path} has sha256 {given[:16]}... (same vocabulary size or not, the "
                 f"token ids would mean other pieces); give the tokenizer the data was made with")
     if header.num_tokens == 0:
-        raise ValueError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
+        raise InputError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
     lo, hi = token_id_range(prefix, cache_dir)
     # An appended [MASK] id lies past the model's own vocabulary: data must never contain it.
     limit = tokenizer.mask_id if getattr(tokenizer, "mask_appended", False) else tokenizer.vocab_size
     if hi >= limit or lo < 0:
-        raise ValueError(
+        raise InputError(
             f"{flag}: {prefix}.bin holds token ids in [{lo}, {hi}] but the tokenizer "
             f"({getattr(tokenizer, 'name', '?')}, vocab_size={tokenizer.vocab_size} incl. [MASK] id "
             f"{tokenizer.mask_id}) accepts ids 0..{limit - 1}: was it preprocessed with another tokenizer?"
@@ -222,7 +223,7 @@ def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
             continue
         beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
         if end <= beg or not lengths[beg:end].any():
-            raise ValueError(f"{flag}: the {name} split {bounds} of {prefix} ({n} documents) is empty; "
+            raise InputError(f"{flag}: the {name} split {bounds} of {prefix} ({n} documents) is empty; "
                              f"change --split or give --valid-data-path")
 
 
@@ -269,7 +270,7 @@ def build_datasets(
     for name, blend, size in (("train", train_blend, num_train_samples),
                               ("valid", valid_blend or train_blend, num_valid_samples)):
         if blend[1] is not None and size is None:
-            raise ValueError(f"a weighted {name} blend needs a sample count (megatron cannot size it)")
+            raise InputError(f"a weighted {name} blend needs a sample count (megatron cannot size it)")
 
     sizes = [num_train_samples, num_valid_samples, 0]
     common = dict(
@@ -287,7 +288,7 @@ def build_datasets(
     )
     if valid_blend is None:
         if not split:
-            raise ValueError("--split is required when --valid-data-path is not given")
+            raise InputError("--split is required when --valid-data-path is not given")
         config = GPTDatasetConfig(blend=train_blend, split=split, **common)
         # Drop the test part (and an unused valid part) without moving Megatron's split bounds.
         config.split_matrix = [config.split_matrix[0],

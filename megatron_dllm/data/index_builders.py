@@ -30,6 +30,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_dllm.errors import InputError
+
 try:
     from megatron_dllm import _index_builders as _cpp
 except ImportError:  # extension not built: the numpy references serve
@@ -42,7 +44,7 @@ BACKENDS = ("auto", "cpp", "numpy", "megatron")
 def _backend(backend: Optional[str]) -> str:
     backend = backend or os.environ.get("MEGATRON_DLLM_INDEX_BACKEND", "auto")
     if backend not in BACKENDS:
-        raise ValueError(f"index builder backend {backend!r}: expected one of {BACKENDS}")
+        raise InputError(f"index builder backend {backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
         return "cpp" if HAVE_CPP else "numpy"
     if backend == "cpp" and not HAVE_CPP:

@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from megatron_dllm.errors import InputError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # magic 9 + version 8 + dtype 1 + sequence_count 8 + document_count 8
@@ -99,10 +101,10 @@ def check_tokenizer_options(prefix: str, made_with: Optional[dict], tokenizer, f
         if made_with is None or key not in made_with:
             continue
         if key not in given:
-            raise ValueError(f"{flag}: {meta_path(prefix)} records {option} {_shown(made_with[key])}, but this "
+            raise InputError(f"{flag}: {meta_path(prefix)} records {option} {_shown(made_with[key])}, but this "
                              f"run's tokenizer ({getattr(tokenizer, 'name', '?')}) has no such option")
         if made_with[key] != given[key]:
-            raise ValueError(f"{flag}: {option} {_shown(given[key])} but {meta_path(prefix)} records "
+            raise InputError(f"{flag}: {option} {_shown(given[key])} but {meta_path(prefix)} records "
                              f"{_shown(made_with[key])} (preprocess with, or pass, the same tokenizer flags)")
 
 

@@ -21,6 +21,7 @@ import os
 from typing import Iterable, List, Optional
 
 from megatron_dllm.data.tokenizers import _bad_model, _Tokenizer
+from megatron_dllm.errors import InputError
 
 PATTERNS = ("v1", "v2")
 DEFAULT_PATTERN = "v2"
@@ -47,7 +48,7 @@ class MegatronTikTokenizer(_Tokenizer):
             import tiktoken  # noqa: F401  (megatron-core imports it silently)
             from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer as core
         except ImportError:
-            raise ValueError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
+            raise InputError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
                              "(pip install tiktoken)") from None
         self.pattern = pattern or DEFAULT_PATTERN
         self.special_tokens = list(special_tokens) if special_tokens is not None else None
@@ -112,15 +113,15 @@ def _restore(state: dict) -> MegatronTikTokenizer:
 
 def _check_flags(pattern, specials, n_special, vocab_size, required) -> None:
     if pattern not in PATTERNS:
-        raise ValueError(f"--tiktoken-pattern {pattern!r}: Megatron-LM's JSON vocabulary takes v1 or v2")
+        raise InputError(f"--tiktoken-pattern {pattern!r}: Megatron-LM's JSON vocabulary takes v1 or v2")
     if len(set(specials)) != len(specials):
-        raise ValueError(f"--tokenizer-special-tokens: duplicates in {specials}")
+        raise InputError(f"--tokenizer-special-tokens: duplicates in {specials}")
     missing = [t for t in required if t not in specials]
     if missing:
-        raise ValueError(f"--tokenizer-special-tokens: missing {missing}; megatron-core's TikTokenizer needs "
+        raise InputError(f"--tokenizer-special-tokens: missing {missing}; megatron-core's TikTokenizer needs "
                          f"all of {list(required)}")
     if not len(specials) <= n_special < vocab_size:
-        raise ValueError(f"--tiktoken-num-special-tokens {n_special}: expected at least the {len(specials)} "
+        raise InputError(f"--tiktoken-num-special-tokens {n_special}: expected at least the {len(specials)} "
                          f"special tokens and less than --vocab-size {vocab_size}")
 
 

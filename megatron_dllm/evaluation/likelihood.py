@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.families.base import Noise, seed_for
 
@@ -52,9 +53,9 @@ class LikelihoodEstimator:
     def __init__(self, inf, num_mc_samples: int = 64, mode: str = "conditional", batch_size: int = 64,
                  seed: int = 1234):
         if mode not in MODES:
-            raise ValueError(f"likelihood_mode {mode!r}: expected one of {', '.join(MODES)}")
+            raise InputError(f"likelihood_mode {mode!r}: expected one of {', '.join(MODES)}")
         if num_mc_samples < 1 or batch_size < 1:
-            raise ValueError(f"num_mc_samples {num_mc_samples} / batch_size {batch_size}: must be >= 1")
+            raise InputError(f"num_mc_samples {num_mc_samples} / batch_size {batch_size}: must be >= 1")
         self.inf, self.mode, self.seed = inf, mode, seed
         self.num_mc_samples, self.batch_size = num_mc_samples, batch_size
         self.family = get_family(inf.family, inf.mask_id, inf.vocab_size)
@@ -66,9 +67,9 @@ class LikelihoodEstimator:
         """One Score per (context ids, continuation ids); the continuation must be non-empty."""
         for _, cont in requests:
             if not cont:
-                raise ValueError("loglikelihood: an empty continuation has nothing to score")
+                raise InputError("loglikelihood: an empty continuation has nothing to score")
             if len(cont) > self.max_length:
-                raise ValueError(f"loglikelihood: a continuation of {len(cont)} tokens exceeds the model's "
+                raise InputError(f"loglikelihood: a continuation of {len(cont)} tokens exceeds the model's "
                                  f"context {self.max_length}")
         if self.family.next_token:
             return self._score_ar(requests)

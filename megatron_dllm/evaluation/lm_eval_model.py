@@ -28,6 +28,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
 
 
@@ -38,7 +39,7 @@ def _flag(value, name: str) -> bool:
         return True
     if str(value).lower() in ("false", "0", "no"):
         return False
-    raise ValueError(f"--model_args {name}={value}: expected true or false")
+    raise InputError(f"--model_args {name}={value}: expected true or false")
 
 
 @register_model("megatron_dllm")
@@ -59,12 +60,12 @@ class MegatronDLLM(TemplateLM):
             platform.init_distributed(1, 1)  # the family bounds run on megatron's vocab-parallel layout
         if inference_model is None:
             if dtype not in ("float32", "bfloat16", "float16", "float64"):
-                raise ValueError(f"--model_args dtype={dtype}: expected float32, bfloat16, float16 or float64")
+                raise InputError(f"--model_args dtype={dtype}: expected float32, bfloat16, float16 or float64")
             inference_model = load_inference_model(load, platform.tool_device(device), getattr(torch, dtype),
                                                    _flag(use_ema, "use_ema"), tokenizer_type, tokenizer_model)
         self.inf = inference_model
         if self.inf.tokenizer is None:
-            raise ValueError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
+            raise InputError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
         self.tok = self.inf.tokenizer
         batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
         self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dllm.config.data import DataConfig, TokenizerConfig
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.base import Family, seed_for
 
 
@@ -77,7 +78,7 @@ def evaluate_nelbo(model: torch.nn.Module, family: Family, dataset, seed: int, g
     from megatron_dllm.training.batches import BatchSchedule
 
     if global_batch_size % micro_batch_size:
-        raise ValueError(f"--global-batch-size {global_batch_size} is not a multiple of "
+        raise InputError(f"--global-batch-size {global_batch_size} is not a multiple of "
                          f"--micro-batch-size {micro_batch_size}")
     total_nll = total_tokens = 0.0
     per_draw, samples = [], 0

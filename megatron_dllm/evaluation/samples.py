@@ -13,6 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from megatron_dllm.errors import InputError
+
 
 @dataclass
 class Samples:
@@ -21,8 +23,8 @@ class Samples:
     meta: dict = field(default_factory=dict)  # scalar fields of a sample.py file (family, steps, ...)
 
 
-def _bad(path: str, why: str) -> ValueError:
-    return ValueError(f"--samples {path}: {why}")
+def _bad(path: str, why: str) -> InputError:
+    return InputError(f"--samples {path}: {why}")
 
 
 def _tokens_or_none(rows: list, path: str) -> list[list[int]] | None:

@@ -15,6 +15,7 @@ import time
 import torch
 
 from megatron_dllm import platform
+from megatron_dllm.errors import InputError
 
 
 def _generate_once(inf, cfg, batch_size: int, seed: int) -> tuple[torch.Tensor, float]:
@@ -34,7 +35,7 @@ def _out_of_memory(err: BaseException) -> bool:
 def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
     """The largest power of two <= max_batch_size for which one generate call fits in memory."""
     if max_batch_size is None and inf.device.type == "cpu":
-        raise ValueError("--batch-size auto on CPU needs --max-batch-size (host OOM kills the process "
+        raise InputError("--batch-size auto on CPU needs --max-batch-size (host OOM kills the process "
                          "instead of raising an error)")
     best, b = None, 1
     while max_batch_size is None or b <= max_batch_size:
@@ -47,14 +48,14 @@ def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
             break
         best, b = b, b * 2
     if best is None:
-        raise ValueError("--batch-size auto: even a batch of 1 runs out of memory")
+        raise InputError("--batch-size auto: even a batch of 1 runs out of memory")
     return best
 
 
 def measure_throughput(inf, cfg, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:
     """Generated tokens/s and samples/s over `repeats` timed calls after one warm-up call."""
     if repeats < 1:
-        raise ValueError(f"--repeats {repeats}: expected at least 1")
+        raise InputError(f"--repeats {repeats}: expected at least 1")
     tokens, _ = _generate_once(inf, cfg, batch_size, seed)  # warm-up, not timed
     length = tokens.shape[1]
     times = [_generate_once(inf, cfg, batch_size, seed + 1 + r)[1] for r in range(repeats)]

@@ -1,4 +1,5 @@
 """Family registry: `--family NAME` -> class."""
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.ar import AR
 from megatron_dllm.families.base import Family, ModelInput, Noise
 from megatron_dllm.families.duo import Duo
@@ -10,7 +11,7 @@ FAMILIES = {cls.name: cls for cls in (AR, MDLM, Duo, EsoLM)}
 
 def get_family(name: str, mask_id: int, vocab_size: int, loss: str | None = None) -> Family:
     if name not in FAMILIES:
-        raise ValueError(f"--family {name!r} is not a known family; expected one of: "
+        raise InputError(f"--family {name!r} is not a known family; expected one of: "
                          f"{', '.join(FAMILIES)}")
     return FAMILIES[name](mask_id=mask_id, vocab_size=vocab_size, loss=loss)
 

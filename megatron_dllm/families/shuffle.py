@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from megatron_dllm.errors import InputError
+
 try:
     from megatron_dllm import _esolm_shuffle as _cpp
 except ImportError:  # extension not built: the torch reference serves
@@ -69,7 +71,7 @@ def unpermute_torch(x: torch.Tensor, sort_idx: torch.Tensor) -> torch.Tensor:
 def _backend(backend: str | None, device: torch.device, length: int, grad: bool = False) -> str:
     backend = backend or os.environ.get("MEGATRON_DLLM_SHUFFLE_BACKEND", "auto")
     if backend not in BACKENDS:
-        raise ValueError(f"shuffle backend {backend!r}: expected one of {BACKENDS}")
+        raise InputError(f"shuffle backend {backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
         if grad:
             return "torch"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 
 
@@ -18,17 +19,17 @@ def check_config(config: dict, identity: ModelIdentity, source: str) -> None:
     """The fields of config.json (at `source`) that follow from its family and sizes."""
     family = FAMILIES[identity.family]
     if config.get("attention", family.attention) != family.attention:
-        raise ValueError(f"{source}: attention {config['attention']!r} contradicts family {identity.family!r}, "
+        raise InputError(f"{source}: attention {config['attention']!r} contradicts family {identity.family!r}, "
                          f"whose attention is {family.attention!r}")
     expected = ["DLLMForCausalLM" if family.next_token else "DLLMForMaskedLM"]
     if config.get("architectures", expected) != expected:
-        raise ValueError(f"{source}: architectures {config['architectures']!r} contradicts family "
+        raise InputError(f"{source}: architectures {config['architectures']!r} contradicts family "
                          f"{identity.family!r}, expected {expected!r}")
     if identity.hidden_size % identity.num_attention_heads:
-        raise ValueError(f"{source}: hidden_size {identity.hidden_size} is not a multiple of num_heads "
+        raise InputError(f"{source}: hidden_size {identity.hidden_size} is not a multiple of num_heads "
                          f"{identity.num_attention_heads}")
     if not 0 <= identity.mask_id < identity.vocab_size:
-        raise ValueError(f"{source}: mask_token_id {identity.mask_id} lies outside vocab_size {identity.vocab_size}")
+        raise InputError(f"{source}: mask_token_id {identity.mask_id} lies outside vocab_size {identity.vocab_size}")
 
 
 def check_shapes(weights: dict, identity: ModelIdentity, max_length: int, source: str) -> None:
@@ -44,5 +45,5 @@ def check_shapes(weights: dict, identity: ModelIdentity, max_length: int, source
         expected = export.model_class(identity.family)(DLLMConfig(**config)).state_dict()
     for name, tensor in sorted(weights.items()):
         if name in expected and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
+            raise InputError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected "
                              f"{tuple(expected[name].shape)} for the model its config.json describes")

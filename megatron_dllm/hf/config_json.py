@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+from megatron_dllm.errors import InputError
+
 
 def read_config_json(path: str, flag: str) -> dict:
     """The settings in `path` (a config.json of a dllm export); ValueError `{flag} PATH[:LINE]: ...`
@@ -11,18 +13,18 @@ def read_config_json(path: str, flag: str) -> dict:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
+        raise InputError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
     try:
         config = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
         line = raw[:err.start].count(b"\n") + 1
-        raise ValueError(f"{flag} {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}, "
+        raise InputError(f"{flag} {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}, "
                          f"line {line})") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, "
+        raise InputError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, "
                          f"column {err.colno})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{flag} {path}: expected a JSON object of settings, found {type(config).__name__}")
+        raise InputError(f"{flag} {path}: expected a JSON object of settings, found {type(config).__name__}")
     if config.get("model_type") != "dllm":
-        raise ValueError(f"{flag} {path}: model_type {config.get('model_type')!r}, expected 'dllm'")
+        raise InputError(f"{flag} {path}: model_type {config.get('model_type')!r}, expected 'dllm'")
     return config

@@ -19,6 +19,7 @@ import torch
 
 from megatron_dllm.checkpoint import layout
 from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.families.schedules import LogLinear
 from megatron_dllm.model import constants
@@ -105,13 +106,13 @@ def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
             if pattern.fullmatch(".".join(parts[:i])):
                 by_suffix.setdefault(".".join(parts[i:]), []).append(saved)
     if use_ema and not by_suffix:
-        raise ValueError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
+        raise InputError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
                          f"train with EMA enabled or export without --use-ema")
     mapping = {}
     for key in model_keys:
         found = by_suffix.get(key, [])
         if len(found) != 1:
-            raise ValueError(f"{path}: model tensor {key!r} found {len(found)} times in the checkpoint "
+            raise InputError(f"{path}: model tensor {key!r} found {len(found)} times in the checkpoint "
                              f"({found[:4]}); is it a megatron_dllm checkpoint of this architecture?")
         mapping[key] = found[0]
     return mapping
@@ -140,9 +141,9 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
            and k.startswith("ema") == use_ema]
     if not emb:
         if use_ema:
-            raise ValueError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
+            raise InputError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
                              f"train with EMA enabled or export without --use-ema")
-        raise ValueError(f"{path}: no embedding tensor in the checkpoint")
+        raise InputError(f"{path}: no embedding tensor in the checkpoint")
     padded = int(meta[emb[0]].global_shape[0])
     seq = seq_length or common.get("seq_length") or DEFAULT_SEQ_LENGTH
     arch = identity.architecture(seq, make_vocab_size_divisible_by=padded)
@@ -156,7 +157,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     state = {k: loaded[k] for k in sharded}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any("_extra_state" not in k for k in missing):
-        raise ValueError(f"{path}: missing {missing}, unexpected {unexpected}")
+        raise InputError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.eval()
     return model, identity, common, arch
 
@@ -255,7 +256,7 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
 
     ours = build_tokenizer(tokenizer_type, tokenizer_model, **(options or {}))
     if (ours.vocab_size, ours.mask_id) != (vocab_size, mask_id):
-        raise ValueError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
+        raise InputError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
                          f"{ours.mask_id} do not match the checkpoint's {vocab_size} / {mask_id}")
     import tempfile
 
@@ -288,5 +289,5 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
             mask_piece = tok.convert_ids_to_tokens(mask_id)
         tok.add_special_tokens({"mask_token": mask_piece})
         if tok.mask_token_id != mask_id:
-            raise ValueError(f"exported tokenizer maps {mask_piece} to {tok.mask_token_id}, expected {mask_id}")
+            raise InputError(f"exported tokenizer maps {mask_piece} to {tok.mask_token_id}, expected {mask_id}")
         tok.save_pretrained(out)

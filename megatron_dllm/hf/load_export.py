@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_dllm.errors import InputError
+
 
 def load_config(path: str):
     from megatron_dllm.hf.configuration_dllm import DLLMConfig
@@ -26,7 +28,7 @@ def load_model(path: str, **kwargs):
 
     config = load_config(path)
     if config.family not in FAMILIES:
-        raise ValueError(f"{path}/config.json: family {config.family!r} is not one of {', '.join(FAMILIES)}")
+        raise InputError(f"{path}/config.json: family {config.family!r} is not one of {', '.join(FAMILIES)}")
     return export.model_class(config.family).from_pretrained(path, config=config, **kwargs)
 
 
@@ -39,9 +41,9 @@ def load_tokenizer(path: str):
         with open(config_path) as f:
             name = json.load(f).get("tokenizer_class")
     except (OSError, ValueError, AttributeError) as err:
-        raise ValueError(f"{config_path}: not a readable tokenizer config ({err})") from None
+        raise InputError(f"{config_path}: not a readable tokenizer config ({err})") from None
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
-        raise ValueError(f"{config_path}: tokenizer_class {name!r} is not a tokenizer class of transformers "
+        raise InputError(f"{config_path}: tokenizer_class {name!r} is not a tokenizer class of transformers "
                          f"(tokenizers shipped as code in an export are never run)")
     return cls.from_pretrained(path)

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf import safe_load
 from megatron_dllm.model import constants
 
@@ -52,14 +53,14 @@ class RefCheckpoint:
 
     def __init__(self, weights: dict, config: dict, source: str):
         if not isinstance(config, dict):
-            raise ValueError(f"{source}: the run config is {type(config).__name__} {config!r:.60}, not a mapping")
+            raise InputError(f"{source}: the run config is {type(config).__name__} {config!r:.60}, not a mapping")
         self.weights, self.config, self.source = weights, config, source
 
     def section(self, name: str) -> dict:
         """The config's `model` or `algo` section ({} where absent, kept); anything but a mapping is refused."""
         value = self.config.setdefault(name, {})
         if not isinstance(value, dict):
-            raise ValueError(f"{self.source}: config {name} is {type(value).__name__} {value!r:.60}, not a "
+            raise InputError(f"{self.source}: config {name} is {type(value).__name__} {value!r:.60}, not a "
                              f"mapping of settings")
         return value
 
@@ -70,28 +71,28 @@ class RefCheckpoint:
         the rotary buffer's length = head_dim / 2, else the config), checked against the config."""
         w, src = self.weights, self.source
         if "vocab_embed.embedding" not in w:
-            raise ValueError(f"{src}: no vocab_embed.embedding tensor; is it a checkpoint of the paper's DiT?")
+            raise InputError(f"{src}: no vocab_embed.embedding tensor; is it a checkpoint of the paper's DiT?")
         vocab, hidden = w["vocab_embed.embedding"].shape
         layers = len({k.split(".")[1] for k in w if k.startswith("blocks.")})
         model = self.section("model")
         heads = model.get("n_heads")
         if _INV_FREQ in w:
             if not 0 < 2 * w[_INV_FREQ].numel() <= hidden:
-                raise ValueError(f"{src}: rotary_emb.inv_freq has {w[_INV_FREQ].numel()} values; a head of "
+                raise InputError(f"{src}: rotary_emb.inv_freq has {w[_INV_FREQ].numel()} values; a head of "
                                  f"hidden size {hidden} or less has 1 to {hidden // 2}")
             from_buffer = hidden // (2 * w[_INV_FREQ].numel())
             if heads is not None and heads != from_buffer:
-                raise ValueError(f"{src}: config model.n_heads {heads} but the rotary buffer has head_dim "
+                raise InputError(f"{src}: config model.n_heads {heads} but the rotary buffer has head_dim "
                                  f"{2 * w[_INV_FREQ].numel()} (= {from_buffer} heads)")
             heads = from_buffer
         if heads is None:
-            raise ValueError(f"{src}: the number of heads is neither in a config (model.n_heads) nor in a "
+            raise InputError(f"{src}: the number of heads is neither in a config (model.n_heads) nor in a "
                              f"rotary_emb.inv_freq buffer; pass --num-attention-heads")
         for key, value in (("hidden_size", hidden), ("n_blocks", layers)):
             if key in model and model[key] != value:
-                raise ValueError(f"{src}: config model.{key} {model[key]} but the weights have {value}")
+                raise InputError(f"{src}: config model.{key} {model[key]} but the weights have {value}")
         if self.config.get("vocab_size") not in (None, vocab):
-            raise ValueError(f"{src}: config vocab_size {self.config['vocab_size']} but the embedding has {vocab} rows")
+            raise InputError(f"{src}: config vocab_size {self.config['vocab_size']} but the embedding has {vocab} rows")
         cond = w["sigma_map.mlp.0.weight"].shape[0] if "sigma_map.mlp.0.weight" in w else None
         return {"hidden_size": int(hidden), "num_layers": layers, "num_heads": int(heads),
                 "vocab_size": int(vocab), "cond_dim": cond}
@@ -104,17 +105,17 @@ class RefCheckpoint:
         if given is None and inferred is None:
             why = f"algo.name {algo['name']!r} is not one of {', '.join(ALGO_FAMILIES)}" if "name" in algo else \
                 "it holds no config with an algo section"
-            raise ValueError(f"{self.source}: cannot infer the family ({why}); pass --family ar|mdlm|duo|esolm")
+            raise InputError(f"{self.source}: cannot infer the family ({why}); pass --family ar|mdlm|duo|esolm")
         family = given or inferred
         if given and inferred and given != inferred:
-            raise ValueError(f"--family {given} but {self.source} was trained as algo {algo['name']!r} ({inferred})")
+            raise InputError(f"--family {given} but {self.source} was trained as algo {algo['name']!r} ({inferred})")
         if "causal_attention" in algo and bool(algo["causal_attention"]) != (family == "ar"):
-            raise ValueError(f"{self.source}: algo.causal_attention {algo['causal_attention']} does not fit "
+            raise InputError(f"{self.source}: algo.causal_attention {algo['causal_attention']} does not fit "
                              f"family {family} (causal attention is the ar family's)")
         if family == "esolm":
             for key in ("diffusion_attn_mode", "sequential_attn_mode"):
                 if algo.get(key, "causal") != "causal":
-                    raise ValueError(f"{self.source}: algo.{key} {algo[key]!r}; the esolm family implements "
+                    raise InputError(f"{self.source}: algo.{key} {algo[key]!r}; the esolm family implements "
                                      f"'causal' only")
         return family
 
@@ -129,24 +130,24 @@ class RefCheckpoint:
         w, src = self.weights, self.source
         sizes = self.sizes()
         if self.section("algo").get("adaLN") is False or sizes["cond_dim"] is None:
-            raise ValueError(f"{src}: a DiT without adaLN time conditioning (algo.adaLN false) is not "
+            raise InputError(f"{src}: a DiT without adaLN time conditioning (algo.adaLN false) is not "
                              f"supported; every configuration of the paper's code uses adaLN")
         expected = parameter_names(sizes["num_layers"])
         missing = [k for k in expected if k not in w]
         extra = sorted(set(w) - set(expected) - {_INV_FREQ})
         if missing or extra:
-            raise ValueError(f"{src}: not the paper's DiT layout: missing {missing[:4]}, unexpected {extra[:4]}")
+            raise InputError(f"{src}: not the paper's DiT layout: missing {missing[:4]}, unexpected {extra[:4]}")
         self._check_fixed_sizes(sizes)
         shapes = _dense_shapes(sizes)
         out = {}
         for name in expected:
             ours = "backbone." + ("vocab_embed.weight" if name == "vocab_embed.embedding" else name)
             if not torch.isfinite(w[name]).all():
-                raise ValueError(f"{src}: {name} holds NaN or infinite values; a model with them computes "
+                raise InputError(f"{src}: {name} holds NaN or infinite values; a model with them computes "
                                  f"NaN logits, so it is not converted")
             value = w[name].float().contiguous()
             if tuple(value.shape) != shapes[ours]:
-                raise ValueError(f"{src}: {name} has shape {tuple(value.shape)}, expected {shapes[ours]} for "
+                raise InputError(f"{src}: {name} has shape {tuple(value.shape)}, expected {shapes[ours]} for "
                                  f"hidden {sizes['hidden_size']}, {sizes['num_heads']} heads, vocabulary "
                                  f"{sizes['vocab_size']}")
             out[ours] = value
@@ -158,11 +159,11 @@ class RefCheckpoint:
                  "blocks.0.mlp.0.weight": (4 * d, d)}
         for name, shape in fixed.items():
             if name in w and tuple(w[name].shape) != shape:
-                raise ValueError(f"{src}: {name} has shape {tuple(w[name].shape)}; this project's DiT has "
+                raise InputError(f"{src}: {name} has shape {tuple(w[name].shape)}; this project's DiT has "
                                  f"{shape} (time embedding {constants.TIME_FREQ_DIM} -> {constants.COND_DIM}, "
                                  f"MLP width 4h)")
         if d % sizes["num_heads"]:
-            raise ValueError(f"{src}: hidden size {d} is not a multiple of {sizes['num_heads']} heads")
+            raise InputError(f"{src}: hidden size {d} is not a multiple of {sizes['num_heads']} heads")
         if _INV_FREQ in w:
             head_dim = d // sizes["num_heads"]
             want = 1.0 / constants.ROTARY_BASE ** (torch.arange(0, head_dim, 2).float() / head_dim)
@@ -170,7 +171,7 @@ class RefCheckpoint:
             # A checkpoint saved in bf16/fp16 holds the buffer rounded to that precision.
             rtol = max(1e-5, torch.finfo(buffer.dtype).eps) if buffer.is_floating_point() else 0
             if not buffer.is_floating_point() or not torch.allclose(buffer.float(), want, rtol=rtol, atol=0):
-                raise ValueError(f"{src}: rotary_emb.inv_freq is not base {constants.ROTARY_BASE:g} over "
+                raise InputError(f"{src}: rotary_emb.inv_freq is not base {constants.ROTARY_BASE:g} over "
                                  f"head_dim {head_dim}")
 
 
@@ -193,14 +194,14 @@ def _dense_shapes(sizes: dict) -> dict:
 def read(path: str, weights: str = "raw") -> RefCheckpoint:
     """A Lightning `.ckpt` file or a hub-mixin directory; `weights` 'raw' or 'ema' (Lightning only)."""
     if weights not in ("raw", "ema"):
-        raise ValueError(f"--weights {weights!r}: expected raw or ema")
+        raise InputError(f"--weights {weights!r}: expected raw or ema")
     if os.path.isdir(path):
         if weights == "ema":
-            raise ValueError(f"--weights ema: {path} is a hub-mixin directory, which holds one set of "
+            raise InputError(f"--weights ema: {path} is a hub-mixin directory, which holds one set of "
                              f"weights; EMA is chosen in a Lightning checkpoint")
         return read_hub_dir(path)
     if not os.path.isfile(path):
-        raise ValueError(f"--ref {path}: no such file or directory (expected a Lightning .ckpt or a "
+        raise InputError(f"--ref {path}: no such file or directory (expected a Lightning .ckpt or a "
                          f"directory with config.json and model.safetensors)")
     return read_lightning(path, weights == "ema")
 
@@ -211,20 +212,20 @@ def read_hub_dir(path: str) -> RefCheckpoint:
 
     weights_path, config_path = os.path.join(path, "model.safetensors"), os.path.join(path, "config.json")
     if not os.path.isfile(weights_path):
-        raise ValueError(f"--ref {path}: model.safetensors not found (expected a hub-mixin directory)")
+        raise InputError(f"--ref {path}: model.safetensors not found (expected a hub-mixin directory)")
     config = {}
     if os.path.isfile(config_path):
         try:
             with open(config_path) as f:
                 config = json.load(f)
         except json.JSONDecodeError as err:
-            raise ValueError(f"--ref {config_path}: not valid JSON ({err})") from None
+            raise InputError(f"--ref {config_path}: not valid JSON ({err})") from None
         if not isinstance(config, dict):
-            raise ValueError(f"--ref {config_path}: expected a JSON object")
+            raise InputError(f"--ref {config_path}: expected a JSON object")
     try:
         state = load_file(weights_path)
     except SafetensorError as err:
-        raise ValueError(f"--ref {weights_path}: unreadable safetensors file ({err})") from None
+        raise InputError(f"--ref {weights_path}: unreadable safetensors file ({err})") from None
     return RefCheckpoint(state, config.get("config", config), weights_path)
 
 
@@ -253,21 +254,21 @@ def plain(value):
 def read_lightning(path: str, use_ema: bool) -> RefCheckpoint:
     ckpt = safe_load.torch_load(path, f"--ref {path}")  # runs no code from the file
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise ValueError(f"--ref {path}: no state_dict (expected a PyTorch Lightning checkpoint)")
+        raise InputError(f"--ref {path}: no state_dict (expected a PyTorch Lightning checkpoint)")
     prefix = "backbone."
     raw = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     if not raw:
-        raise ValueError(f"--ref {path}: no backbone.* tensors in state_dict (expected the paper's trainer)")
+        raise InputError(f"--ref {path}: no backbone.* tensors in state_dict (expected the paper's trainer)")
     not_tensors = [k for k, v in raw.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
-        raise ValueError(f"--ref {path}: state_dict entry backbone.{not_tensors[0]} is not a tensor")
+        raise InputError(f"--ref {path}: state_dict entry backbone.{not_tensors[0]} is not a tensor")
     hparams = ckpt.get("hyper_parameters") or {}
     try:
         if isinstance(hparams, safe_load.Placeholder):  # an omegaconf DictConfig, as Lightning saves one
             hparams = plain(hparams)
         config = plain(hparams.get("config", {})) if isinstance(hparams, dict) else {}
     except RecursionError:
-        raise ValueError(f"--ref {path}: hyper_parameters nest too deep (or hold a cycle)") from None
+        raise InputError(f"--ref {path}: hyper_parameters nest too deep (or hold a cycle)") from None
     if not isinstance(config, dict):
         config = {}
     if use_ema:
@@ -279,22 +280,22 @@ def _ema_weights(ema, raw: dict, path: str) -> dict:
     """The backbone with its parameters replaced by EMA's shadow parameters, matched by position in
     `parameters()` order and checked by shape; buffers stay."""
     if not isinstance(ema, dict) or "shadow_params" not in ema:
-        raise ValueError(f"--weights ema: {path} holds no EMA (no ema.shadow_params; trained with "
+        raise InputError(f"--weights ema: {path} holds no EMA (no ema.shadow_params; trained with "
                          f"training.ema <= 0?); use --weights raw")
     shadow = ema["shadow_params"]
     if not isinstance(shadow, (list, tuple)):
-        raise ValueError(f"--weights ema: {path}: ema.shadow_params is {type(shadow).__name__}, not a list")
+        raise InputError(f"--weights ema: {path}: ema.shadow_params is {type(shadow).__name__}, not a list")
     layers = len({k.split(".")[1] for k in raw if k.startswith("blocks.")})
     names = parameter_names(layers)
     if len(shadow) != len(names) or any(n not in raw for n in names):
-        raise ValueError(f"--weights ema: {path} has {len(shadow)} EMA tensors for a backbone of "
+        raise InputError(f"--weights ema: {path} has {len(shadow)} EMA tensors for a backbone of "
                          f"{len(names)} parameters; cannot match them")
     out = dict(raw)
     for name, value in zip(names, shadow):
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"--weights ema: {path}: the EMA entry for {name} is not a tensor")
+            raise InputError(f"--weights ema: {path}: the EMA entry for {name} is not a tensor")
         if tuple(value.shape) != tuple(raw[name].shape):
-            raise ValueError(f"--weights ema: {path}: EMA tensor for {name} has shape {tuple(value.shape)}, "
+            raise InputError(f"--weights ema: {path}: EMA tensor for {name} has shape {tuple(value.shape)}, "
                              f"the parameter {tuple(raw[name].shape)}")
         out[name] = value
     return out

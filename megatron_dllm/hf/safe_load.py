@@ -26,6 +26,8 @@ import zipfile
 
 import torch
 
+from megatron_dllm.errors import InputError
+
 
 class RefusedGlobal(pickle.UnpicklingError):
     def __init__(self, module: str, name: str):
@@ -129,17 +131,17 @@ def torch_load(path: str, label: str):
     if is_zip:
         with zipfile.ZipFile(path) as archive:
             if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in archive.namelist()):
-                raise ValueError(f"{label}: a TorchScript archive, which is never loaded (torch.load would run "
+                raise InputError(f"{label}: a TorchScript archive, which is never loaded (torch.load would run "
                                  f"its code through torch.jit.load); expected a torch.save checkpoint")
     elif tarfile.is_tarfile(path):
-        raise ValueError(f"{label}: a tar archive (torch's pre-1.0 format), which is not read")
+        raise InputError(f"{label}: a tar archive (torch's pre-1.0 format), which is not read")
     try:
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=restricted_pickle,
                           mmap=is_zip)
     except RefusedGlobal as err:
-        raise ValueError(f"{label}: refuses to load global '{err.module}.{err.name}' (only tensors, containers "
+        raise InputError(f"{label}: refuses to load global '{err.module}.{err.name}' (only tensors, containers "
                          f"and the paper's config and tokenizer classes, as inert data, are unpickled)") from None
     except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError,
             IndexError, KeyError, zipfile.BadZipFile) as err:
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"{label}: not a readable PyTorch checkpoint ({why})") from None
+        raise InputError(f"{label}: not a readable PyTorch checkpoint ({why})") from None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+from megatron_dllm.errors import InputError
+
 
 def _byte_chars() -> Dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (ByteLevel's alphabet)."""
@@ -45,7 +47,7 @@ def hf_tokenizer_from_tiktoken(encoding):
     vocab, merges = vocab_and_merges(ranks)
     clash = [t for t in specials if t in vocab]
     if clash:
-        raise ValueError(f"special token {clash[0]!r} is also an ordinary token; a Hugging Face vocabulary "
+        raise InputError(f"special token {clash[0]!r} is also an ordinary token; a Hugging Face vocabulary "
                          f"cannot hold both")
     vocab.update(specials)  # added tokens below keep these ids
     tok = Tokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))

@@ -29,6 +29,7 @@ from megatron.core.utils import divide
 from torch.nn.attention import sdpa_kernel
 
 from megatron_dllm import platform
+from megatron_dllm.errors import InputError
 
 TE_BACKENDS = ("unfused", "fused", "flash", "auto")
 ATTENTION_BACKENDS = ("local", "sdpa", *TE_BACKENDS)
@@ -43,9 +44,9 @@ def resolve_backend(requested: str | None, use_te: bool) -> str:
     """The backend a run uses: the one asked for, else TE's own choice with TE layers, else local."""
     backend = requested or ("auto" if use_te else "local")
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend {backend}: choose one of {', '.join(ATTENTION_BACKENDS)}")
+        raise InputError(f"--attention-backend {backend}: choose one of {', '.join(ATTENTION_BACKENDS)}")
     if backend in TE_BACKENDS and not platform.HAS_TE:
-        raise ValueError(f"--attention-backend {backend} needs TransformerEngine on a CUDA GPU (not found); "
+        raise InputError(f"--attention-backend {backend} needs TransformerEngine on a CUDA GPU (not found); "
                          f"use --attention-backend sdpa (PyTorch's fused kernels) or local")
     return backend
 
@@ -60,7 +61,7 @@ def core_attention_module(backend: str) -> type:
 
     for name, value in zip(_TE_ENV_NAMES, _TE_ENV.get(backend, ())):
         if os.environ.get(name, str(value)) != str(value):  # as Megatron-LM: a contradiction is an error
-            raise ValueError(f"--attention-backend {backend} needs {name}={value}, the environment has "
+            raise InputError(f"--attention-backend {backend} needs {name}={value}, the environment has "
                              f"{name}={os.environ[name]}")
         os.environ[name] = str(value)
     return TEDotProductAttention
@@ -87,7 +88,7 @@ class SDPAttention(MegatronModule):
              is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)),
         ) if bad]
         if unsupported:
-            raise ValueError(f"--attention-backend sdpa does not support {', '.join(unsupported)}; "
+            raise InputError(f"--attention-backend sdpa does not support {', '.join(unsupported)}; "
                              f"use a TransformerEngine backend")
         self.attn_mask_type = attn_mask_type
         if pg_collection is None:
@@ -105,7 +106,7 @@ class SDPAttention(MegatronModule):
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("--attention-backend sdpa does not support packed sequences or an attention bias; "
+            raise InputError("--attention-backend sdpa does not support packed sequences or an attention bias; "
                              "use a TransformerEngine backend")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
@@ -116,11 +117,11 @@ class SDPAttention(MegatronModule):
             # one query (a decode step) sees every key, as DotProductAttention; SDPA's is_causal
             # aligns top-left, which is only right for square attention
             if sq > 1 and sq != sk:
-                raise ValueError(f"--attention-backend sdpa: causal attention needs as many queries as keys "
+                raise InputError(f"--attention-backend sdpa: causal attention needs as many queries as keys "
                                  f"({sq} vs {sk}) without an explicit mask")
             causal = sq > 1
         elif mask_type != AttnMaskType.no_mask:
-            raise ValueError(f"--attention-backend sdpa: attention mask type {mask_type.name} needs an "
+            raise InputError(f"--attention-backend sdpa: attention mask type {mask_type.name} needs an "
                              f"explicit attention_mask")
         # [s, b, n, d] -> [b, n, s, d]: a view, SDPA takes the strides as they are
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

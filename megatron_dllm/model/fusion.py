@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dllm import platform
+from megatron_dllm.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bia
                    compile_elementwise: bool | None = None) -> Fusion:
     """The run's fusions: the flags given (True/False), the platform's defaults for the rest (None)."""
     if rope:
-        raise ValueError("--rope-fusion: TransformerEngine's fused RoPE takes one position table for the whole "
+        raise InputError("--rope-fusion: TransformerEngine's fused RoPE takes one position table for the whole "
                          "batch, the DiT's positions are per sample (Eso-LM permutes them); drop the flag "
                          "(rotary runs megatron-core's unfused code)")
     defaults = platform.fusion_defaults()
@@ -57,7 +58,7 @@ def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bia
     # softmax inside their attention kernels whatever it says.
     local = attention_backend == "local"
     if masked_softmax and local and not defaults["masked_softmax"]:
-        raise ValueError("--masked-softmax-fusion with --attention-backend local needs apex's fused softmax "
+        raise InputError("--masked-softmax-fusion with --attention-backend local needs apex's fused softmax "
                          "kernels (scaled_masked_softmax_cuda) on a CUDA GPU (not found); use --attention-backend "
                          "sdpa, whose kernels fuse the softmax, or drop the flag")
     given = {"bias_gelu": bias_gelu, "bias_dropout": bias_dropout, "masked_softmax": masked_softmax,

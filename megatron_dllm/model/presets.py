@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_dllm.errors import InputError
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -61,7 +63,7 @@ PRESETS = {**PAPER_PRESETS, **CPU_PRESETS}
 def get_preset(name: str) -> Preset:
     name = ALIASES.get(name, name)
     if name not in PRESETS:
-        raise ValueError(f"--preset {name!r} is not a known preset; expected one of: "
+        raise InputError(f"--preset {name!r} is not a known preset; expected one of: "
                          f"{', '.join(PRESETS)} (aliases: 1.7B and the paper code's names "
                          f"{', '.join(PAPER_CODE_NAMES)})")
     return PRESETS[name]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.sampling.base import Sampler
 from megatron_dllm.sampling.padded_kv_cache import PaddedKVCache
@@ -27,7 +28,7 @@ class ARSampler(Sampler):
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if prompt.shape[1] == 0:
             if self.eos_id is None:
-                raise ValueError("AR generation without a prompt starts after an EOS token, and there is "
+                raise InputError("AR generation without a prompt starts after an EOS token, and there is "
                                  "no tokenizer to name it: give --tokenizer-type/--tokenizer-model, a "
                                  "--prompt, or SamplingConfig.eos_id")
             prompt = torch.full((prompt.shape[0], 1), self.eos_id, dtype=torch.long, device=prompt.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.sampling import categorical
 from megatron_dllm.sampling.config import SamplingConfig
 
@@ -42,7 +43,7 @@ class Sampler:
     def __init__(self, family, inf, cfg: SamplingConfig):
         cfg.check()
         if cfg.predictor not in self.predictors:
-            raise ValueError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
+            raise InputError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
                              f"valid: {', '.join(self.predictors)}")
         self.family, self.inf, self.cfg = family, inf, cfg
         self.model = inf.model
@@ -50,7 +51,7 @@ class Sampler:
         self.dtype = categorical.precision(cfg.float64)
         self.length = cfg.seq_length or inf.seq_length
         if self.length > inf.seq_length:
-            raise ValueError(f"--seq-length {self.length} exceeds the model's context {inf.seq_length}")
+            raise InputError(f"--seq-length {self.length} exceeds the model's context {inf.seq_length}")
         tokenizer_eos = getattr(inf.tokenizer, "eod", None)
         self.eos_id = cfg.eos_id if cfg.eos_id is not None else tokenizer_eos
 

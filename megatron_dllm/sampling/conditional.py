@@ -35,6 +35,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.base import seed_for
 from megatron_dllm.sampling.config import SamplingConfig
 from megatron_dllm.sampling.esolm import EsoLMSampler
@@ -46,13 +47,13 @@ GREEDY_TOP_P = 1e-12  # the nucleus keeps at least one id: a vanishing top-p kee
 
 def _canvas_length(inf, prompt_len: int, max_new_tokens: int | None) -> int:
     if prompt_len < 1:
-        raise ValueError("conditional generation needs a prompt of at least one token")
+        raise InputError("conditional generation needs a prompt of at least one token")
     room = inf.seq_length - prompt_len
     if room < 1:
-        raise ValueError(f"the prompt is {prompt_len} tokens; the model's context is {inf.seq_length}, "
+        raise InputError(f"the prompt is {prompt_len} tokens; the model's context is {inf.seq_length}, "
                          f"which leaves no room to generate")
     if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens}: must be >= 1")
+        raise InputError(f"max_new_tokens {max_new_tokens}: must be >= 1")
     return prompt_len + min(room, max_new_tokens or room)
 
 
@@ -74,7 +75,7 @@ class _PromptInOrderEsoLM(EsoLMSampler):
 def _check_prompt(inf, prompt: torch.Tensor) -> None:
     if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
                            or bool((prompt == inf.mask_id).any())):
-        raise ValueError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
+        raise InputError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
 
 
 def _sampler(inf, cfg: SamplingConfig):
@@ -82,7 +83,7 @@ def _sampler(inf, cfg: SamplingConfig):
     if isinstance(sampler, EsoLMSampler):
         sampler = _PromptInOrderEsoLM(sampler.family, inf, cfg)
     if sampler.eos_id is None and cfg.predictor == "left-to-right":
-        raise ValueError("no EOS id: give eos_id or load the model with its tokenizer")
+        raise InputError("no EOS id: give eos_id or load the model with its tokenizer")
     return sampler
 
 
@@ -140,7 +141,7 @@ def _run_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None
         return []
     seeds = [seeds] * len(prompts) if isinstance(seeds, int) else list(seeds)
     if len(seeds) != len(prompts):
-        raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+        raise InputError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
     lengths = [_canvas_length(inf, len(p), max_new_tokens) for p in prompts]
     for p in prompts:
         _check_prompt(inf, torch.as_tensor(p, dtype=torch.long))

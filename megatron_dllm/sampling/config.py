@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_dllm.errors import InputError
+
 PREDICTORS = ("ancestral", "block", "left-to-right")
 
 
@@ -24,12 +26,12 @@ class SamplingConfig:
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
         if self.predictor not in PREDICTORS:
-            raise ValueError(f"--predictor {self.predictor!r} is unknown; valid: {', '.join(PREDICTORS)}")
+            raise InputError(f"--predictor {self.predictor!r} is unknown; valid: {', '.join(PREDICTORS)}")
         if self.steps < 1:
-            raise ValueError(f"--steps {self.steps}: must be >= 1")
+            raise InputError(f"--steps {self.steps}: must be >= 1")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1]")
+            raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.temperature <= 0:
-            raise ValueError(f"--temperature {self.temperature}: must be > 0")
+            raise InputError(f"--temperature {self.temperature}: must be > 0")
         if self.seq_length is not None and self.seq_length < 2:
-            raise ValueError(f"--seq-length {self.seq_length}: must be >= 2")
+            raise InputError(f"--seq-length {self.seq_length}: must be >= 2")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.sampling import categorical
 from megatron_dllm.sampling.base import EosStop, Sampler
@@ -37,7 +38,7 @@ class EsoLMSampler(Sampler):
     def __init__(self, family, inf, cfg):
         super().__init__(family, inf, cfg)
         if cfg.predictor == "block" and (cfg.steps > self.length or self.length % cfg.steps):
-            raise ValueError(f"--predictor block needs --steps to divide the sequence length {self.length} "
+            raise InputError(f"--predictor block needs --steps to divide the sequence length {self.length} "
                              f"(so steps <= {self.length}); got --steps {cfg.steps}")
 
     # ------------------------------------------------------------------ plans
@@ -56,7 +57,7 @@ class EsoLMSampler(Sampler):
         if self.cfg.predictor == "block":
             T = self.cfg.steps
             if p % T:
-                raise ValueError(f"--predictor block with a prompt needs the prompt length ({p} tokens) to "
+                raise InputError(f"--predictor block with a prompt needs the prompt length ({p} tokens) to "
                                  f"be a multiple of --steps {T}")
             offsets = rand(b, T).argsort(-1)
             rows = torch.arange(p // T, length // T, device=device)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.base import seed_for
 from megatron_dllm.sampling.config import SamplingConfig
 from megatron_dllm.sampling.registry import get_sampler
@@ -22,10 +23,10 @@ def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
     if prompt.dim() == 1:
         prompt = prompt.expand(num_samples, -1)
     if prompt.dim() != 2 or prompt.shape[0] != num_samples:
-        raise ValueError(f"prompt_ids: expected a list of ids or an [{num_samples}, P] tensor, "
+        raise InputError(f"prompt_ids: expected a list of ids or an [{num_samples}, P] tensor, "
                          f"got shape {tuple(prompt.shape)}")
     if prompt.shape[1] >= length:
-        raise ValueError(f"--prompt is {prompt.shape[1]} tokens; it must be shorter than the sequence "
+        raise InputError(f"--prompt is {prompt.shape[1]} tokens; it must be shorter than the sequence "
                          f"length {length} (--seq-length)")
     return prompt
 
@@ -34,11 +35,11 @@ def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | N
              prompt_ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
     """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row."""
     if num_samples < 1 or (batch_size is not None and batch_size < 1):
-        raise ValueError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
+        raise InputError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
     sampler = get_sampler(inf, cfg)
     prompts = _prompts(prompt_ids, num_samples, sampler.length, inf.device)
     if prompts.numel() and int(prompts.max()) >= inf.vocab_size:
-        raise ValueError(f"prompt_ids: ids must be < vocab size {inf.vocab_size}")
+        raise InputError(f"prompt_ids: ids must be < vocab size {inf.vocab_size}")
     batch_size = batch_size or num_samples
     out = []
     with torch.inference_mode():
@@ -56,7 +57,7 @@ def decode(inf, tokens: torch.Tensor, cut_at_eod: bool = False) -> list[str]:
     text cut at the next EOD, so only the sample's first document remains."""
     tok = inf.tokenizer
     if tok is None:
-        raise ValueError("decode needs a tokenizer: load the model with --tokenizer-type/--tokenizer-model")
+        raise InputError("decode needs a tokenizer: load the model with --tokenizer-type/--tokenizer-model")
     texts = []
     for row in torch.as_tensor(tokens).tolist():
         if cut_at_eod:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dllm.errors import InputError
+
 
 @dataclass
 class InferenceModel:
@@ -92,7 +94,7 @@ def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: t
     else the checkpoint's recorded one (with its options), else the HF directory's."""
     if os.path.isfile(os.path.join(path, "config.json")):
         if use_ema:
-            raise ValueError(f"--use-ema applies to megatron checkpoints; {path} is an HF directory "
+            raise InputError(f"--use-ema applies to megatron checkpoints; {path} is an HF directory "
                              f"(export it with tools/convert_to_hf.py --use-ema)")
         model, config = _from_hf(path, tokenizer_type, tokenizer_model, tokenizer_options)
         source = "hf"

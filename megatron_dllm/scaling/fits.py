@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import curve_fit
 
+from megatron_dllm.errors import InputError
+
 
 @dataclass(frozen=True)
 class IsoFLOPFit:
@@ -37,11 +39,11 @@ def fit_isoflop(budget: float, params, losses) -> IsoFLOPFit:
     """Parabola in log N through one budget's (N, loss) points; needs 3 sizes and a minimum."""
     x, y = np.log(np.asarray(params, dtype=float)), np.log(np.asarray(losses, dtype=float))
     if len(np.unique(x)) < 3:
-        raise ValueError(f"budget {budget:g}: an IsoFLOP parabola needs at least 3 model sizes, "
+        raise InputError(f"budget {budget:g}: an IsoFLOP parabola needs at least 3 model sizes, "
                          f"got {len(np.unique(x))}")
     a, b, c = np.polyfit(x, y, 2)
     if a <= 0:
-        raise ValueError(f"budget {budget:g}: the losses have no minimum over log N (curvature {a:.3g} <= 0)")
+        raise InputError(f"budget {budget:g}: the losses have no minimum over log N (curvature {a:.3g} <= 0)")
     x_opt = -b / (2 * a)
     return IsoFLOPFit(budget, a, b, c, math.exp(x_opt), math.exp(c - b * b / (4 * a)),
                       not x.min() <= x_opt <= x.max())
@@ -64,7 +66,7 @@ class PowerLaw:
 def fit_power_law(compute, values) -> PowerLaw:
     compute, values = np.asarray(compute, dtype=float), np.asarray(values, dtype=float)
     if len(np.unique(compute)) < 2:
-        raise ValueError("a power law in compute needs at least 2 budgets")
+        raise InputError("a power law in compute needs at least 2 budgets")
     exponent, intercept = np.polyfit(np.log(compute), np.log(values), 1)
     return PowerLaw(float(exponent), float(intercept))
 
@@ -104,7 +106,7 @@ def fit_step_curve(steps, values) -> StepCurve:
     and increasing or decreasing (throughput) curves converge alike."""
     t, v = np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
     if len(np.unique(t)) < 3:
-        raise ValueError(f"alpha + beta T^gamma needs at least 3 distinct step counts, got {len(np.unique(t))}")
+        raise InputError(f"alpha + beta T^gamma needs at least 3 distinct step counts, got {len(np.unique(t))}")
     order = np.argsort(t)
     t, v = t[order], v[order]
     # asymptote guess: a little past the value at the largest T, in the direction the curve moves

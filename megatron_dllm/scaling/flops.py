@@ -41,6 +41,7 @@ are counted at full length.
 """
 from __future__ import annotations
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import COND_DIM, TIME_FREQ_DIM
 from megatron_dllm.model.presets import Preset
 
@@ -49,7 +50,7 @@ CONVENTIONS = ("calflops", "full")
 
 def _check(convention: str) -> None:
     if convention not in CONVENTIONS:
-        raise ValueError(f"--flops-convention {convention!r} is not a known convention; expected one of: "
+        raise InputError(f"--flops-convention {convention!r} is not a known convention; expected one of: "
                          f"{', '.join(CONVENTIONS)}")
 
 

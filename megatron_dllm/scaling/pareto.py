@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.scaling.fits import StepCurve, fit_step_curve
 
 
@@ -38,7 +39,7 @@ def load_records(paths) -> list[dict]:
         default_model = os.path.basename(os.path.dirname(os.path.abspath(path)))
         for item in items:
             if item.get("steps") is None:
-                raise ValueError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
+                raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
             records.append({**item, "model": str(item.get("model", item.get("preset", default_model)))})
     return records

@@ -20,6 +20,8 @@ import os
 import random
 import sys
 
+from megatron_dllm.errors import InputError
+
 REASONING = ("columns", "direct")
 
 
@@ -43,10 +45,10 @@ def problem(a: int, b: int, reasoning: str = "columns") -> tuple[str, str, str]:
 def write_task(out_dir: str, max_operand: int = 100, max_second: int = 10, test_size: int = 100,
                seed: int = 0, reasoning: str = "columns") -> dict:
     if reasoning not in REASONING:
-        raise ValueError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING)}")
+        raise InputError(f"--reasoning {reasoning}: expected one of {', '.join(REASONING)}")
     pairs = [(a, b) for a in range(max_operand) for b in range(max_second)]
     if not 0 < test_size < len(pairs):
-        raise ValueError(f"--test-size {test_size}: expected 1..{len(pairs) - 1} ({len(pairs)} problems)")
+        raise InputError(f"--test-size {test_size}: expected 1..{len(pairs) - 1} ({len(pairs)} problems)")
     random.Random(seed).shuffle(pairs)
     test, train = pairs[:test_size], pairs[test_size:]
     os.makedirs(out_dir, exist_ok=True)

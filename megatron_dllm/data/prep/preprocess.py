@@ -60,6 +60,7 @@ from megatron_dllm.data.prep.progress import Progress
 from megatron_dllm.data.prep.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.prep.tokenize_workers import encoded_chunks
 from megatron_dllm.data.tokenizers import build_tokenizer
+from megatron_dllm.errors import InputError
 
 __all__ = ["preprocess", "run_preprocess", "PreprocessOptions", "PreprocessStats", "shard_prefix"]
 
@@ -81,7 +82,7 @@ def run_preprocess(options: PreprocessOptions, log: Optional[Callable[[str], Non
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     all_files = expand_inputs(options.inputs)
     if any(file_format(f) == "text" for f in all_files) and len(options.json_keys) > 1:
-        raise ValueError("--json-keys: plain-text inputs fill a single key, got several")
+        raise InputError("--json-keys: plain-text inputs fill a single key, got several")
     tokenizer = build_tokenizer(options.tokenizer_type, options.tokenizer_model,
                                 **options.tokenizer_options)  # fail early
     files = shard_files(all_files, options.num_shards, options.shard_index) if options.sharded else all_files
@@ -144,7 +145,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
             writer.abort()
         if isinstance(err, OSError):  # disk full, read-only or vanished output directory
             out_dir = os.path.dirname(os.path.abspath(options.base))
-            raise ValueError(f"--output-prefix {options.output_prefix}: cannot write {err.filename or out_dir} "
+            raise InputError(f"--output-prefix {options.output_prefix}: cannot write {err.filename or out_dir} "
                              f"({err.strerror or err})") from None
         raise
     return stats

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from megatron_dllm.errors import InputError
+
 
 def shard_prefix(output_prefix: str, shard_index: int, num_shards: int) -> str:
     return f"{output_prefix}_shard{shard_index:05d}of{num_shards:05d}"
@@ -40,22 +42,22 @@ class PreprocessOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
-            raise ValueError(f"--input {self.inputs!r}: expected a list of files or globs, got one string")
+            raise InputError(f"--input {self.inputs!r}: expected a list of files or globs, got one string")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("inputs", tuple(self.inputs))
         set_("json_keys", tuple(self.json_keys))
         set_("tokenizer_options", dict(self.tokenizer_options or {}))
         if not self.json_keys:
-            raise ValueError("--json-keys: at least one key is required")
+            raise InputError("--json-keys: at least one key is required")
         if len(set(self.json_keys)) != len(self.json_keys):
-            raise ValueError(f"--json-keys: duplicate keys in {list(self.json_keys)}")
+            raise InputError(f"--json-keys: duplicate keys in {list(self.json_keys)}")
         if self.workers < 1:
-            raise ValueError(f"--workers {self.workers}: expected >= 1")
+            raise InputError(f"--workers {self.workers}: expected >= 1")
         if self.sharded:
             if self.shard_index is None:
                 set_("shard_index", 0)
             if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
-                raise ValueError(f"--shard-index {self.shard_index} / --num-shards {self.num_shards}: expected "
+                raise InputError(f"--shard-index {self.shard_index} / --num-shards {self.num_shards}: expected "
                                  f"0 <= shard index < number of shards")
 
     @property

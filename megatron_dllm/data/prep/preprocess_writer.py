@@ -25,6 +25,7 @@ from megatron_dllm.data.prep.preprocess_stats import (
 )
 from megatron_dllm.data.prep.sources import file_format
 from megatron_dllm.data.prep.tokenize_workers import MAX_SEEN_KEYS
+from megatron_dllm.errors import InputError
 
 
 def remove_stale_temporaries(paths: Sequence[str], log: Callable[[str], None]) -> None:
@@ -105,7 +106,7 @@ class PreprocessWriter:
             assert stats.read == ks.written + sum(ks.rejected.values()), key
             if stats.read and ks.rejected["missing_key"] == stats.read:
                 inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
-                raise ValueError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
+                raise InputError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
                                  f"has this key (or a non-null value for it); their keys are "
                                  f"{sorted(self._seen_keys)}")
 

@@ -33,6 +33,7 @@ from megatron_dllm.data.indexed_dataset import optimal_dtype, tokenizer_metadata
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all
 from megatron_dllm.data.sft import mask_prefix
+from megatron_dllm.errors import InputError
 
 # --------------------------------------------------------------------------- reading examples
 
@@ -40,7 +41,7 @@ from megatron_dllm.data.sft import mask_prefix
 def render_deng(line: str) -> tuple[str, str]:
     """`question||reasoning #### answer` -> ("Question: q\\n", "Answer: reasoning\\n#### answer")."""
     if "||" not in line or "####" not in line:
-        raise ValueError("expected 'question||reasoning #### answer'")
+        raise InputError("expected 'question||reasoning #### answer'")
     question, rest = line.split("||", 1)
     reasoning, answer = rest.rsplit("####", 1)
     return f"Question: {question.strip()}\n", f"Answer: {reasoning.strip()}\n#### {answer.strip()}"
@@ -49,14 +50,14 @@ def render_deng(line: str) -> tuple[str, str]:
 def render_messages(messages) -> tuple[str, str]:
     """Chat messages -> (prompt, response): the last assistant message is the response."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
+        raise InputError("'messages' must be a non-empty list")
     last = messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
-        raise ValueError("the last message must be {'role': 'assistant', 'content': str}")
+        raise InputError("the last message must be {'role': 'assistant', 'content': str}")
     lines = []
     for m in messages[:-1]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError("every message must be {'role': str, 'content': str}")
+            raise InputError("every message must be {'role': str, 'content': str}")
         lines.append(f"{m['role'].capitalize()}: {m['content']}\n")
     return "".join(lines) + "Assistant: ", last["content"]
 
@@ -74,7 +75,7 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
             try:  # decoded per line, so that bad bytes are reported with their line
                 line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
+                raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -83,15 +84,15 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
                     continue
                 record = json.loads(line)
                 if not isinstance(record, dict):
-                    raise ValueError("expected a JSON object")
+                    raise InputError("expected a JSON object")
                 if "messages" in record:
                     yield render_messages(record["messages"])
                 elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
                     yield record[prompt_key], record[response_key]
                 else:
-                    raise ValueError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
+                    raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
             except (ValueError, json.JSONDecodeError) as err:
-                raise ValueError(f"{path}:{lineno}: {err}") from None
+                raise InputError(f"{path}:{lineno}: {err}") from None
 
 
 # --------------------------------------------------------------------------- rows
@@ -150,10 +151,10 @@ def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, p
     writer at a time; an existing dataset is replaced only with `overwrite`, once the new one is
     complete."""
     if seq_length < 2:
-        raise ValueError(f"--seq-length {seq_length}: must be >= 2")
+        raise InputError(f"--seq-length {seq_length}: must be >= 2")
     for path in inputs:
         if not os.path.isfile(path):
-            raise ValueError(f"--input {path}: no such file")
+            raise InputError(f"--input {path}: no such file")
     locks = claim_outputs([prefix, mask_prefix(prefix)], f"--output-prefix {prefix}", overwrite)
     try:
         return _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key)
@@ -176,7 +177,7 @@ def _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_
             token_writer.add_document(row)
             mask_writer.add_document(mask)
         if stats.rows == 0:
-            raise ValueError(f"--input: no example fits --seq-length {seq_length} ({stats.examples} read, "
+            raise InputError(f"--input: no example fits --seq-length {seq_length} ({stats.examples} read, "
                              f"{stats.dropped_too_long} too long)")
         token_writer.prepare()
         mask_writer.prepare()

@@ -31,6 +31,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, List, Sequence, Tuple
 
+from megatron_dllm.errors import InputError
+
 COMPRESSIONS = (".gz", ".zst")
 
 
@@ -47,7 +49,7 @@ def file_format(path: str) -> str:
     base = base_name(path)
     if base.endswith(".parquet") or base.endswith(".pq"):
         if base != path:
-            raise ValueError(f"--input {path!r}: compressed Parquet files are not supported "
+            raise InputError(f"--input {path!r}: compressed Parquet files are not supported "
                              f"(Parquet compresses its pages itself)")
         return "parquet"
     if base.endswith(".txt"):
@@ -64,7 +66,7 @@ def expand_inputs(patterns: Sequence[str]) -> List[str]:
         matches = glob.glob(pattern) if glob.has_magic(pattern) else [pattern]
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
-            raise ValueError(f"--input {pattern!r}: no such file")
+            raise InputError(f"--input {pattern!r}: no such file")
         files.update(os.path.normpath(m) for m in matches)
     return sorted(files)
 
@@ -80,7 +82,7 @@ def shard_files(files: Sequence[str], num_shards: int, shard_index: int) -> List
     shards than files): it then writes valid empty datasets.
     """
     if num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise ValueError(f"--shard-index {shard_index} / --num-shards {num_shards}: expected "
+        raise InputError(f"--shard-index {shard_index} / --num-shards {num_shards}: expected "
                          f"0 <= shard index < number of shards")
     sizes = [os.path.getsize(f) for f in files]
     total = sum(sizes)
@@ -150,7 +152,7 @@ def _open_binary(path: str):
             import zstandard
         except ImportError:
             raw.close()
-            raise ValueError(f"--input {path!r}: reading .zst needs the `zstandard` package "
+            raise InputError(f"--input {path!r}: reading .zst needs the `zstandard` package "
                              f"(pip install zstandard)") from None
         return raw, io.BufferedReader(_ZstdFrames(raw, zstandard), 1 << 20), (EOFError, OSError,
                                                                                  zstandard.ZstdError)
@@ -168,7 +170,7 @@ def _lines(path: str):
                 line = stream.readline()
             except errors as err:
                 size = os.path.getsize(path)
-                raise ValueError(
+                raise InputError(
                     f"--input {path!r}: truncated or corrupt, reading stopped after line {lineno} "
                     f"(at byte {min(raw.tell(), size)} of the {size}-byte file): {err}") from None
             if not line:
@@ -213,12 +215,12 @@ def _open_parquet(path: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"--input {path!r}: reading Parquet needs the `pyarrow` package "
+        raise InputError(f"--input {path!r}: reading Parquet needs the `pyarrow` package "
                          f"(pip install pyarrow)") from None
     try:
         return pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises ArrowInvalid, OSError etc.
-        raise ValueError(f"--input {path!r}: not a readable Parquet file, nothing read from it "
+        raise InputError(f"--input {path!r}: not a readable Parquet file, nothing read from it "
                          f"({os.path.getsize(path)} bytes; {_one_line(err)})") from None
 
 
@@ -226,7 +228,7 @@ def _check_columns(path: str, pf, keys: Sequence[str]) -> None:
     names = pf.schema_arrow.names
     missing = [k for k in keys if k not in names]
     if missing:
-        raise ValueError(f"--json-keys {' '.join(missing)}: {path} has no column {missing[0]!r}; "
+        raise InputError(f"--json-keys {' '.join(missing)}: {path} has no column {missing[0]!r}; "
                          f"its columns are {names}")
 
 
@@ -274,7 +276,7 @@ def _parquet_records(fi: int, path: str, base_bytes: int, keys: Sequence[str], b
                     return
                 values = {k: _cells(batch.column(k)) for k in keys}
             except Exception as err:  # a page that does not decode (OSError, ArrowInvalid, ...)
-                raise ValueError(f"--input {path!r}: corrupt Parquet data, reading stopped after row "
+                raise InputError(f"--input {path!r}: corrupt Parquet data, reading stopped after row "
                                  f"{row} of {pf.metadata.num_rows} ({_one_line(err)})") from None
             for r in range(batch.num_rows):
                 row += 1
