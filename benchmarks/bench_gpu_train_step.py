@@ -3,10 +3,12 @@
     python benchmarks/bench_gpu_train_step.py [--presets 413M 1.7B] [--families mdlm duo esolm ar]
                                               [--seq 2048] [--vocab 32001] [--max-micro-batch 64]
                                               [--steps 5] [--warmup 2] [--peak-tflops 989.4]
+                                              [--recompute-granularity off selective full]
 
-For every preset, recompute setting (off, full) and family: the step of `bench_train_step.py`'s
-`MegatronStep` (the trainer's path at TP=1: megatron DDP, `get_megatron_optimizer` AdamW, the
-schedule, the family loss) in bf16 with the local layer spec, at the largest power-of-two
+For every preset, recompute setting (`--recompute-granularity`: off, selective = core attention,
+full = every layer; default off and full) and family: `bench_train_step.py`'s `MegatronStep`,
+i.e. the trainer's own step (`training.step.train_step` on the model and optimizer that
+`training.build` makes at TP=1) in bf16 with the local layer spec, at the largest power-of-two
 micro-batch that fits: tried from `--max-micro-batch` (for later families of the same preset and
 recompute setting: from the previous family's) down, an out-of-memory step moving to the next
 smaller one. The batch is drawn once, on the CPU, and moved to the GPU before timing.
@@ -40,12 +42,8 @@ from megatron_dllm.families import get_family  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
-# megatron-core's full recompute of every layer (ModelConfig.recompute() for --recompute-granularity full
-# --recompute-method uniform --recompute-num-layers 1)
-FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
-
-def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int,
+def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | None, steps: int, warmup: int,
              attention_backend: str):
     """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
@@ -53,7 +51,7 @@ def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, 
     try:
         torch.cuda.reset_peak_memory_stats()
         step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
-                            keep_initial=False, bf16=True, recompute=FULL_RECOMPUTE if recompute else None,
+                            keep_initial=False, bf16=True, recompute=recompute,
                             attention_backend=attention_backend)
         first = step()
         for _ in range(warmup - 1):
@@ -75,7 +73,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=["413M", "1.7B"])
     p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"])
-    p.add_argument("--recompute", nargs="+", default=["off", "full"], choices=["off", "full"])
+    p.add_argument("--recompute-granularity", "--recompute", nargs="+", default=["off", "full"],
+                   choices=["off", "selective", "full"],
+                   help="settings to measure: off | selective (core attention) | full (every layer, uniform)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32001, help="real vocabulary including [MASK] (the paper's)")
     p.add_argument("--max-micro-batch", type=int, default=64)
@@ -97,14 +97,15 @@ def main(argv=None) -> None:
     try:
         for name in args.presets:
             preset = get_preset(name)
-            for recompute in args.recompute:
+            for recompute in args.recompute_granularity:
                 batch = args.max_micro_batch
                 for fam_name in args.families:
                     family = get_family(fam_name, args.vocab - 1, args.vocab)
                     while batch >= 1:
                         try:
                             sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
-                                                       recompute == "full", args.steps, args.warmup,
+                                                       None if recompute == "off" else recompute,
+                                                       args.steps, args.warmup,
                                                        args.attention_backend)
                             break
                         except torch.OutOfMemoryError:
