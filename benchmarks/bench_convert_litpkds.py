@@ -33,7 +33,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_dllm.data import litpkds  # noqa: E402
+from megatron_dllm.data.prep import litpkds  # noqa: E402
 
 CHUNK = 2049 * 1024
 EOS = 2

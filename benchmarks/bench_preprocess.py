@@ -27,8 +27,8 @@ import psutil
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files  # noqa: E402
-from megatron_dllm.data.tokenizers import write_tiktoken_from_bytelevel  # noqa: E402
+from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files  # noqa: E402
+from megatron_dllm.data.prep.tiktoken_files import write_tiktoken_from_bytelevel  # noqa: E402
 
 TARGET_TOKENS = 2.1e12
 

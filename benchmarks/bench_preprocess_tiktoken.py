@@ -39,7 +39,7 @@ sys.path.insert(0, REPO)
 RUNNER = os.path.join(REPO, "tests", "data", "megatron_tiktoken", "record_megatron.py")
 FLAGS = ["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2", "--append-eod"]
 
-from megatron_dllm.data.demo import shakespeare_files  # noqa: E402
+from megatron_dllm.data.prep.demo import shakespeare_files  # noqa: E402
 
 
 def _corpus(path: str, copies: int) -> int:

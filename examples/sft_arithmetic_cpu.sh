@@ -16,7 +16,7 @@ families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(ar mdlm)
 mkdir -p "$OUT"
 stamp() { date +%s; }
-[ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.arithmetic "$OUT/task"   # 900 train / 100 test, column steps
+[ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.prep.arithmetic "$OUT/task"   # 900 train / 100 test, column steps
 for family in "${families[@]}"; do
   run="$OUT/$family"
   t0=$(stamp)

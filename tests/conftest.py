@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory) -> str:
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     path = str(tmp_path_factory.mktemp("demo"))
     prepare_demo_corpus(path)

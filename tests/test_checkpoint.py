@@ -41,7 +41,7 @@ def test_checkpoint_of_another_family_is_refused(pretrain, tmp_path):
 
 def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):
     """Phase 1 -> phase 2: resuming with another --data-path reads the new mix from its start."""
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     demo = prepare_demo_corpus(demo_cache)
     data = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", demo["tokenizer_model"],

@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from megatron_dllm.data.datasets import build_datasets, parse_data_path
-from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
     DatasetFormatError,
-    IndexedDatasetWriter,
     max_token_id,
     open_indexed_dataset,
     optimal_dtype,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.preprocess import preprocess
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
+from megatron_dllm.data.prep.preprocess import preprocess
 from megatron_dllm.data.tokenizers import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -282,7 +282,7 @@ def test_demo_corpus(demo, sp_tok):
 
 
 def _prepare_in_subprocess(cache_dir):
-    code = (f"import json; from megatron_dllm.data.demo import prepare_demo_corpus; "
+    code = (f"import json; from megatron_dllm.data.prep.demo import prepare_demo_corpus; "
             f"print(json.dumps(prepare_demo_corpus({cache_dir!r})))")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -402,7 +402,7 @@ def test_a_different_tokenizer_is_refused_naming_both(tmp_path, jsonl_corpus, de
 
     from megatron_dllm.data.datasets import check_prefix
     from megatron_dllm.data.indexed_dataset import read_metadata
-    from megatron_dllm.data.merge import merge_datasets
+    from megatron_dllm.data.prep.merge import merge_datasets
 
     prefix = preprocess([jsonl_corpus], str(tmp_path / "a"), demo["tokenizer_type"],
                         demo["tokenizer_model"], append_eod=True).output_prefixes["text"]

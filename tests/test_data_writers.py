@@ -17,15 +17,10 @@ import numpy as np
 import pytest
 from conftest import tmpfs
 
-from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
-from megatron_dllm.data.indexed_dataset import (
-    IndexedDatasetWriter,
-    meta_path,
-    open_indexed_dataset,
-    read_metadata,
-    validate_indexed_dataset,
-)
-from megatron_dllm.data.preprocess import preprocess
+from megatron_dllm.data.indexed_dataset import meta_path, open_indexed_dataset, read_metadata, validate_indexed_dataset
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
+from megatron_dllm.data.prep.preprocess import preprocess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP = "SentencePieceTokenizer"
@@ -371,7 +366,8 @@ def vocab(tmp_path_factory):
 
 def test_tiktoken_options_are_recorded_and_enforced(tmp_path, vocab, paragraphs):
     from megatron_dllm.data.datasets import check_prefix
-    from megatron_dllm.data.sft import build_sft_datasets, preprocess_sft
+    from megatron_dllm.data.prep.sft_preprocess import preprocess_sft
+    from megatron_dllm.data.sft import build_sft_datasets
     from megatron_dllm.data.tokenizers import build_tokenizer
 
     src = tmp_path / "in.jsonl"

@@ -43,7 +43,7 @@ def trained(demo_cache, tmp_path_factory):
     with ThreadPoolExecutor(len(FAMILIES)) as pool:  # separate processes: train concurrently
         out = dict(pool.map(train, FAMILIES))
     from megatron_dllm import platform
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     convert = importlib.import_module("megatron_dllm.cli.convert_to_hf")

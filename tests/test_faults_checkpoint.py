@@ -312,7 +312,7 @@ def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
     from megatron.core import dist_checkpointing
 
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     path = layout.iteration_dir(str(trained), 4)
     recorded = dist_checkpointing.load_common_state_dict(path)["tokenizer"]

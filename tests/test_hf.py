@@ -47,7 +47,7 @@ def _run(cmd, timeout=300, nproc=1):
 
 
 def test_export_matches_megatron_for_every_family(checkpoints, demo_cache, tmp_path):
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     args = [f"{f}={checkpoints[f]}" for f in FAMILIES]

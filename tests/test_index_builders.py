@@ -248,7 +248,7 @@ def _write_corpus(tmp_path):
     """Two small prefixes and a tiny word-level HuggingFace tokenizer (ids 0..63, EOS 0)."""
     import tokenizers  # a declared dependency
 
-    from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter
+    from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 
     vocab = {"</s>": 0, **{f"w{i}": i for i in range(1, 64)}}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w1"))

@@ -1,7 +1,7 @@
 """LITPKDS (lit-gpt/TinyLlama packed) import: `tools/convert_dataset.py --from litpkds`.
 
 The fixtures are written by a packer in this file that follows lit-gpt's builder independently of
-`megatron_dllm.data.litpkds`: documents packed back to back across fixed-size chunks, one chunk
+`megatron_dllm.data.prep.litpkds`: documents packed back to back across fixed-size chunks, one chunk
 per file, an unfilled last chunk padded with a separator id. Outputs are read back with
 megatron-core's own `IndexedDataset`.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from megatron_dllm.cli.convert_dataset import main as convert_main
-from megatron_dllm.data import litpkds
+from megatron_dllm.data.prep import litpkds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS, BOS = 2, 1
@@ -275,7 +275,7 @@ def test_failed_run_resumes_without_redoing_finished_files(tmp_path, monkeypatch
 
 KILLER = """
 import os, signal, sys
-from megatron_dllm.data import litpkds
+from megatron_dllm.data.prep import litpkds
 original, seen = litpkds._convert_file, []
 def killed_in_file_2(header, *args):
     seen.append(header.path)

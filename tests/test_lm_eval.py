@@ -45,7 +45,7 @@ def _export(family, out, tokenizer_model):
 
 @pytest.fixture(scope="module")
 def exports(demo_cache, tmp_path_factory):
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     root = tmp_path_factory.mktemp("lm_eval")

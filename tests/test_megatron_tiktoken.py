@@ -15,7 +15,7 @@ import pytest
 from megatron_dllm.checkpoint.tokenizer_record import recorded_tokenizer_config, tokenizer_record
 from megatron_dllm.cli.preprocess_data import main as preprocess_main
 from megatron_dllm.config.data import TokenizerConfig
-from megatron_dllm.data.demo import shakespeare_files
+from megatron_dllm.data.prep.demo import shakespeare_files
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -15,20 +15,22 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dllm.data import indexed_dataset as idxmod
-from megatron_dllm.data.demo import shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
     DatasetFormatError,
-    IndexedDatasetWriter,
     open_indexed_dataset,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.inspect import describe_dataset, verify_dataset
-from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
-from megatron_dllm.data.preprocess import Progress, preprocess, shard_prefix
-from megatron_dllm.data.sources import expand_inputs, shard_files
-from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_from_bytelevel
+from megatron_dllm.data.prep import dataset_writer as idxmod
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.demo import shakespeare_files
+from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
+from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
+from megatron_dllm.data.prep.preprocess import preprocess, shard_prefix
+from megatron_dllm.data.prep.progress import Progress
+from megatron_dllm.data.prep.sources import expand_inputs, shard_files
+from megatron_dllm.data.prep.tiktoken_files import write_tiktoken_from_bytelevel
+from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_dllm.data.demo import prepare_demo_corpus
-from megatron_dllm.data.indexed_dataset import IndexedDatasetWriter
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
 pytestmark = pytest.mark.slow
 

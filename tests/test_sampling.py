@@ -271,7 +271,7 @@ def test_sample_tool_on_megatron_checkpoint(esolm_checkpoint, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_dir(demo_cache, tmp_path_factory):
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
     from megatron_dllm.hf import export
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]

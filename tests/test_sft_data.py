@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_dllm.data import sft
+from megatron_dllm.data.prep import sft_preprocess as prep_sft
 
 
 @pytest.fixture(scope="module")
@@ -23,29 +24,29 @@ def _write(path, lines):
 
 
 def test_renderings():
-    assert sft.render_deng("How many?||3 + 4 = 7 #### 7") == ("Question: How many?\n", "Answer: 3 + 4 = 7\n#### 7")
-    prompt, response = sft.render_messages([{"role": "system", "content": "be brief"},
+    assert prep_sft.render_deng("How many?||3 + 4 = 7 #### 7") == ("Question: How many?\n", "Answer: 3 + 4 = 7\n#### 7")
+    prompt, response = prep_sft.render_messages([{"role": "system", "content": "be brief"},
                                             {"role": "user", "content": "hi"},
                                             {"role": "assistant", "content": "hello"}])
     assert prompt == "System: be brief\nUser: hi\nAssistant: " and response == "hello"
     with pytest.raises(ValueError, match="assistant"):
-        sft.render_messages([{"role": "user", "content": "hi"}])
+        prep_sft.render_messages([{"role": "user", "content": "hi"}])
 
 
 def test_rows_pad_with_eos_and_drop_long_examples():
-    stats = sft.SFTStats()
-    rows = list(sft.build_rows([([1, 2], [3]), ([1] * 5, [2] * 5), ([7], [8, 9])], 6, eos_id=0,
+    stats = prep_sft.SFTStats()
+    rows = list(prep_sft.build_rows([([1, 2], [3]), ([1] * 5, [2] * 5), ([7], [8, 9])], 6, eos_id=0,
                                packing=False, stats=stats))
     assert [r.tolist() for r, _ in rows] == [[1, 2, 3, 0, 0, 0], [7, 8, 9, 0, 0, 0]]
     assert [m.tolist() for _, m in rows] == [[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
     assert (stats.examples, stats.dropped_too_long, stats.rows, stats.padding_tokens) == (3, 1, 2, 4)
     # an example of exactly seq_length tokens (its EOS included) fits
-    assert len(list(sft.build_rows([([1, 2], [3, 4, 5])], 6, 0, False, sft.SFTStats()))) == 1
+    assert len(list(prep_sft.build_rows([([1, 2], [3, 4, 5])], 6, 0, False, prep_sft.SFTStats()))) == 1
 
 
 def test_packing_keeps_examples_whole():
-    stats = sft.SFTStats()
-    rows = list(sft.build_rows([([1], [2]), ([3], [4]), ([5, 5], [6, 6])], 7, eos_id=0, packing=True, stats=stats))
+    stats = prep_sft.SFTStats()
+    rows = list(prep_sft.build_rows([([1], [2]), ([3], [4]), ([5, 5], [6, 6])], 7, eos_id=0, packing=True, stats=stats))
     assert [r.tolist() for r, _ in rows] == [[1, 2, 0, 3, 4, 0, 0], [5, 5, 6, 6, 0, 0, 0]]
     assert [m.tolist() for _, m in rows] == [[1, 0, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0]]
 
@@ -57,7 +58,7 @@ def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
                                       json.dumps({"prompt": "x", "response": "word " * 100})])
     d = _write(tmp_path / "d.txt", ["A has 3||3 + 4 = 7 #### 7"])
     prefix = str(tmp_path / "sft")
-    stats = sft.preprocess_sft([a, d], prefix, tokenizer, 48)
+    stats = prep_sft.preprocess_sft([a, d], prefix, tokenizer, 48)
     assert (stats.examples, stats.dropped_too_long, stats.rows) == (4, 1, 3)
     meta = sft.validate_sft_dataset(prefix)
     assert meta["seq_length"] == 48 and meta["rows"] == 3
@@ -74,7 +75,7 @@ def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
 def test_validation_catches_a_bad_mask(tmp_path, tokenizer, capsys):
     a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"})] * 3)
     prefix = str(tmp_path / "sft")
-    sft.preprocess_sft([a], prefix, tokenizer, 16)
+    prep_sft.preprocess_sft([a], prefix, tokenizer, 16)
     with open(sft.mask_prefix(prefix) + ".bin", "r+b") as f:  # a row that is all prompt
         f.write(bytes([1] * 16))
     with pytest.raises(ValueError, match="row 0 has no response token"):
@@ -101,7 +102,7 @@ def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo
 def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer):
     a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) for i in range(10)])
     prefix = str(tmp_path / "sft")
-    sft.preprocess_sft([a], prefix, tokenizer, 16)
+    prep_sft.preprocess_sft([a], prefix, tokenizer, 16)
     rows = sft.SFTRows(prefix)
     train = sft.SFTSamples(rows, 0, 8, seed=5, extra_token=True)
     epoch = lambda e: sorted(tuple(train.sample(e * 8 + j)[0][:-1]) for j in range(8))  # noqa: E731
@@ -115,7 +116,7 @@ def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer)
 
 
 def test_arithmetic_task_steps_are_right_and_test_pairs_held_out(tmp_path):
-    from megatron_dllm.data.arithmetic import column_steps, write_task
+    from megatron_dllm.data.prep.arithmetic import column_steps, write_task
 
     assert column_steps(47, 8) == "7+8=15, 4+1=5" and column_steps(97, 5) == "7+5=12, 9+1=10"
     assert column_steps(3, 4) == "3+4=7, 0+0=0" and column_steps(999, 1) == "9+1=10, 9+1=10, 9+1=10"

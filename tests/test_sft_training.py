@@ -22,8 +22,8 @@ def task_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sft_data(demo_cache, task_dir):
     """80 arithmetic problems for training -> 72 train rows and 8 held-out rows (--split 90,10,0)."""
-    from megatron_dllm.data.arithmetic import write_task
-    from megatron_dllm.data.sft import preprocess_sft
+    from megatron_dllm.data.prep.arithmetic import write_task
+    from megatron_dllm.data.prep.sft_preprocess import preprocess_sft
     from megatron_dllm.data.tokenizers import build_tokenizer
 
     work = task_dir

@@ -46,7 +46,7 @@ def build(argv=None) -> dict:
     from megatron_dllm.config import parse_args
     from megatron_dllm.data import index_builders
     from megatron_dllm.data.datasets import parse_data_path
-    from megatron_dllm.data.output import check_writable
+    from megatron_dllm.data.prep.output import check_writable
     from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
     from megatron_dllm.training.inputs import prepare_inputs
 

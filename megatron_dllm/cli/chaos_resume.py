@@ -546,7 +546,7 @@ def main(argv=None) -> int:
     if os.path.exists(args.work) and os.listdir(args.work):
         return fail(f"--work {args.work}: not empty (give a new directory)")
 
-    from megatron_dllm.data.demo import prepare_demo_corpus
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     soak, start = Soak(args), time.time()
     os.makedirs(soak.work, exist_ok=True)

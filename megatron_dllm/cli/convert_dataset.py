@@ -57,7 +57,7 @@ def get_args(argv=None):
 
 
 def _validate(inputs) -> int:
-    from megatron_dllm.data.litpkds import expand_inputs, validate_files
+    from megatron_dllm.data.prep.litpkds import expand_inputs, validate_files
 
     files = expand_inputs(inputs)
     headers, errors = validate_files(files)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     if args.validate:
         return _validate(args.inputs)
     from megatron_dllm.data.indexed_dataset import tokenizer_metadata
-    from megatron_dllm.data.litpkds import convert_litpkds
+    from megatron_dllm.data.prep.litpkds import convert_litpkds
 
     eos_id, vocab_size, metadata = args.eos_id, None, None
     if args.tokenizer_type:

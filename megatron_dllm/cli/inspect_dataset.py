@@ -18,7 +18,7 @@ import sys
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
-from megatron_dllm.data.inspect import describe_dataset, verify_dataset
+from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
 
 

@@ -23,7 +23,7 @@ import sys
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.data.indexed_dataset import DatasetFormatError
-from megatron_dllm.data.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
+from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
 
 
 def get_args(argv=None):

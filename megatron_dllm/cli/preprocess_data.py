@@ -16,7 +16,7 @@ SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN in a Slurm array job) processes a con
 byte-balanced run of the sorted file list into
 `{prefix}_shard{I:05d}of{N:05d}_{key}_document.bin/.idx`; re-running skips finished shards
 and redoes interrupted ones. Then `tools/merge_datasets.py` joins them. See
-megatron_dllm/data/preprocess.py and examples/preprocess_slurm_array.sbatch.
+megatron_dllm/data/prep/preprocess.py and examples/preprocess_slurm_array.sbatch.
 
 A truncated or corrupt input, a key no record has, a read-only or full output disk: one
 `error: ...` line naming the file, exit code 2, and no output of this run published (earlier
@@ -29,7 +29,7 @@ import sys
 
 from megatron_dllm.cli import OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
-from megatron_dllm.data.preprocess import preprocess
+from megatron_dllm.data.prep.preprocess import preprocess
 
 
 def _slurm_default(name: str):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Tokenize prompt/response examples into the SFT format: fixed-length Megatron `.bin/.idx` rows
-plus a prompt mask (see megatron_dllm/data/sft.py).
+plus a prompt mask (see megatron_dllm/data/prep/sft_preprocess.py).
 
     python tools/preprocess_sft_data.py --input train.jsonl --output-prefix data/gsm8k_sft \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --seq-length 256 [--packing]
@@ -40,7 +40,7 @@ def get_args(argv=None):
 @reports_bad_input()
 def main(argv=None) -> int:
     args = get_args(argv)
-    from megatron_dllm.data.sft import preprocess_sft
+    from megatron_dllm.data.prep.sft_preprocess import preprocess_sft
 
     tokenizer = TokenizerConfig.from_args(args).build()
     stats = preprocess_sft(args.input, args.output_prefix, tokenizer, args.seq_length, args.packing,

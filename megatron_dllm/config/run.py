@@ -146,7 +146,7 @@ def _fill(cfg: RunConfig, defaults: dict) -> RunConfig:
 
 def resolve_defaults(cfg: RunConfig, demo_corpus: dict | None = None) -> RunConfig:
     """Fill the defaults: with no --data-path the embedded demo (`demo_corpus`, as returned by
-    `data.demo.prepare_demo_corpus`) and its small defaults, else the paper's. Flags always win."""
+    `data.prep.demo.prepare_demo_corpus`) and its small defaults, else the paper's. Flags always win."""
     if cfg.demo:
         if cfg.tokenizer.tokenizer_type or cfg.tokenizer.tokenizer_model:
             raise ValueError("--tokenizer-type/--tokenizer-model need --data-path (the embedded demo "

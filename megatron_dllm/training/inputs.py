@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_dllm.config import RunConfig, resolve_defaults, resolve_iterations
 from megatron_dllm.data.datasets import build_datasets
-from megatron_dllm.data.demo import prepare_demo_corpus
+from megatron_dllm.data.prep.demo import prepare_demo_corpus
 from megatron_dllm.families import FAMILIES
 
 

@@ -39,9 +39,9 @@ from megatron_dllm.data.indexed_dataset import (
     meta_path,
     read_metadata,
     validate_indexed_dataset,
-    write_metadata,
 )
-from megatron_dllm.data.output import claim_outputs, publish_pair, release_all, staging_tag
+from megatron_dllm.data.prep.dataset_writer import write_metadata
+from megatron_dllm.data.prep.output import claim_outputs, publish_pair, release_all, staging_tag
 
 SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")
 

@@ -98,7 +98,7 @@ def _train_tokenizer(train_files: List[str], model_path: str) -> None:
 
 
 def _prepare(cache_dir: str, marker: str) -> Dict:
-    from megatron_dllm.data.preprocess import preprocess
+    from megatron_dllm.data.prep.preprocess import preprocess
 
     t0 = time.time()
     files = shakespeare_files()

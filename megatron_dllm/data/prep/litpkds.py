@@ -48,12 +48,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_dllm.data.indexed_dataset import (
-    IndexedDatasetWriter,
-    optimal_dtype,
-    validate_indexed_dataset,
-)
-from megatron_dllm.data.output import claim_outputs, release_all, staging_owner_alive, staging_tag
+from megatron_dllm.data.indexed_dataset import optimal_dtype, validate_indexed_dataset
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
 
 MAGIC = b"LITPKDS"
 VERSION = 1
@@ -370,7 +367,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
     `metadata` is written as the dataset's `.meta.json` sidecar. Raises ValueError, naming the
     file and byte offset, for invalid inputs (all headers are checked before anything is read).
     """
-    from megatron_dllm.data.preprocess import Progress
+    from megatron_dllm.data.prep.progress import Progress
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t0 = time.time()

@@ -5,11 +5,11 @@ pair appears once, and a seeded `test_size` of them is held out (never in the tr
 The reasoning (`--reasoning`) is either `columns`, the default: column by column from the units,
 with the carry, e.g. 47 + 8 -> "7+8=15, 4+1=5" then "#### 55", each step a one-digit addition
 next to the digits it reads; or `direct`: "47 + 8 = 55" then "#### 55". The training split is written in
-Deng et al.'s GSM8K text format (`question||reasoning #### answer`, rendered by `data/sft.py` as "Question: ..." /
-"Answer: ... #### N"), the test split in the standard GSM8K JSONL format (`question`, `answer`
+Deng et al.'s GSM8K text format (`question||reasoning #### answer`, rendered by `sft_preprocess.py` as
+"Question: ..." / "Answer: ... #### N"), the test split in the standard GSM8K JSONL format (`question`, `answer`
 ending in `#### N`), so fine-tuning and scoring run exactly the GSM8K commands.
 
-    python -m megatron_dllm.data.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
+    python -m megatron_dllm.data.prep.arithmetic OUT_DIR [--max-operand 100] [--max-second 10] [--test-size 100]
         [--reasoning columns|direct]
 """
 from __future__ import annotations

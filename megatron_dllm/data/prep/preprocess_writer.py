@@ -1,0 +1,137 @@
+"""Preprocessing stage 3: the tokenized chunks (`tokenize_workers`) -> one `.bin/.idx` per key and
+the rejections report `{base}_rejected.tsv`, counted into `PreprocessStats`.
+
+Everything is written under temporaries first (`prepare` writes them in full, so a full disk fails
+before anything is renamed); `publish` then renames the report and the datasets into place, each
+`.idx` last. `abort` drops the temporaries and leaves earlier outputs as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+from typing import Callable, Dict, Sequence
+
+import numpy as np
+
+from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.output import staging_owner_alive, staging_tag
+from megatron_dllm.data.prep.preprocess_stats import (
+    MAX_KEPT_REJECTIONS,
+    MAX_PRINTED_REJECTIONS,
+    KeyStats,
+    PreprocessStats,
+)
+from megatron_dllm.data.prep.sources import file_format
+from megatron_dllm.data.prep.tokenize_workers import MAX_SEEN_KEYS
+
+
+def remove_stale_temporaries(paths: Sequence[str], log: Callable[[str], None]) -> None:
+    """Temporaries `{path}.tmp-*` of an interrupted run; never finished files, nor the
+    temporaries of a writer still running here (one that bypassed the lock)."""
+    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")
+             if not staging_owner_alive(p)]
+    for p in sorted(set(stale)):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    if stale:
+        log(f"removed {len(set(stale))} temporary files of an interrupted run: {sorted(set(stale))[:4]}")
+
+
+class PreprocessWriter:
+    """Writes the datasets of one run (`prefixes`: key -> dataset prefix) from `files`' records."""
+
+    def __init__(self, files: Sequence[str], prefixes: Dict[str, str], rejections_path: str, dtype: np.dtype,
+                 stats: PreprocessStats, log: Callable[[str], None], label: str = "") -> None:
+        self.files, self.prefixes, self.rejections_path = files, prefixes, rejections_path
+        self.stats, self.log, self.label = stats, log, label
+        for key, prefix in prefixes.items():
+            stats.output_prefixes[key] = prefix
+            stats.keys[key] = KeyStats()
+        self._rejections_tmp = rejections_path + staging_tag()
+        self._rejections_out = None  # opened at the first rejection
+        self._rejected = 0
+        self._seen_keys = set()
+        self._writers = {}
+        try:
+            for key, prefix in prefixes.items():
+                self._writers[key] = IndexedDatasetWriter(prefix, dtype)
+        except BaseException:
+            self.abort()  # the writers opened so far
+            raise
+
+    def add(self, encoded: dict, records: int, seen: set, blank_lines: int) -> int:
+        """Write one tokenized chunk; returns its tokens (all keys)."""
+        stats = self.stats
+        stats.read += records
+        stats.blank_lines += blank_lines
+        if len(self._seen_keys) < MAX_SEEN_KEYS:
+            self._seen_keys.update(seen)
+        chunk_tokens = 0
+        for key, (tokens, lengths, rejects) in encoded.items():
+            if lengths.size:
+                self._writers[key].add_documents(tokens, lengths)
+            ks = stats.keys[key]
+            ks.written += int(lengths.size)
+            ks.tokens += int(tokens.size)
+            chunk_tokens += int(tokens.size)
+            for fi, pos, reason in rejects:
+                ks.rejected[reason] += 1
+                self._reject((self.files[fi], pos, key, reason))
+        return chunk_tokens
+
+    def _reject(self, entry: tuple) -> None:
+        """Count, keep, report (`_rejected.tsv`) and, for the first few, log one rejected record."""
+        stats = self.stats
+        if len(stats.rejections) < MAX_KEPT_REJECTIONS:
+            stats.rejections.append(entry)
+        if self._rejections_out is None:
+            self._rejections_out = open(self._rejections_tmp, "w", encoding="utf-8")
+            self._rejections_out.write("file\tline_or_row\tkey\treason\n")
+        self._rejections_out.write("\t".join(map(str, entry)) + "\n")
+        self._rejected += 1
+        if self._rejected <= MAX_PRINTED_REJECTIONS:
+            path, pos, key, reason = entry
+            where = f"{path} row {pos}" if file_format(path) == "parquet" else f"{path}:{pos}"
+            self.log(f"{self.label}rejected {where} [{key}]: {reason}")
+
+    def check_counts(self) -> None:
+        """Every record read is written or rejected, per key; a key that no record has is an error."""
+        stats, files = self.stats, self.files
+        for key, ks in stats.keys.items():
+            assert stats.read == ks.written + sum(ks.rejected.values()), key
+            if stats.read and ks.rejected["missing_key"] == stats.read:
+                inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+                raise ValueError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
+                                 f"has this key (or a non-null value for it); their keys are "
+                                 f"{sorted(self._seen_keys)}")
+
+    def prepare(self) -> None:
+        """Write every temporary in full: what can run out of space fails here, publishing nothing."""
+        if self._rejections_out is not None:
+            self._rejections_out.close()
+        for w in self._writers.values():
+            w.prepare()
+
+    def publish(self, metadata: dict) -> None:
+        """Rename into place: the rejections report (or remove a stale one), then the datasets
+        (`.bin` then `.idx` each) with `metadata` as their sidecar."""
+        if self._rejections_out is not None:
+            os.replace(self._rejections_tmp, self.rejections_path)
+            self.stats.rejections_file = self.rejections_path
+        elif os.path.exists(self.rejections_path):
+            os.remove(self.rejections_path)  # stale report from an earlier run of the same prefix
+        for w in self._writers.values():
+            w.publish(metadata)
+
+    def abort(self) -> None:
+        for w in self._writers.values():
+            w.abort()
+        if self._rejections_out is not None:
+            with contextlib.suppress(OSError):  # a full disk fails the flush again
+                self._rejections_out.close()
+        if os.path.exists(self._rejections_tmp):
+            os.remove(self._rejections_tmp)

@@ -1,0 +1,215 @@
+"""Where a training step's time goes: torch.profiler over real `trainer.train_step()` calls,
+each microsecond of each step put in exactly one category, so the shares sum to 100%.
+
+Categories: matmul (GEMMs outside the regions below), attention (the core-attention module:
+scores, softmax and the weighted sum, or the fused SDPA/flash/cuDNN kernel), elementwise/
+normalisation (every other ATen op: norms, activations, adaLN modulation, residual adds,
+rotary, copies), loss head (the final layer: its norm, adaLN and projection to the vocabulary,
+plus the family loss), optimizer (megatron-core's optimizer.step incl. gradient clipping),
+communication (collectives: c10d/gloo/NCCL), input wait (fetching the next micro-batch from the
+batch iterator: reading, corrupting and moving it to the device), other (everything else:
+Python, the autograd engine, megatron's schedule, the profiler's own overhead; on GPU also the
+time the device sits idle).
+
+The rule (the same on CPU and GPU):
+* a collective op, and everything under it, is communication, wherever it runs;
+* else the innermost region of `profile_regions` around the op decides. A backward op belongs to
+  the region its forward op ran in, found as torch.profiler itself links them (the backward
+  function's sequence number and forward thread), also where the autograd engine runs backward
+  on a thread of its own (on GPU); a region opened inside a backward function (activation
+  recompute) is innermost there;
+* else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear) is matmul, any other
+  ATen op is elementwise/normalisation, and the rest is other.
+
+What is measured:
+* CPU: the host's main thread. Each profiled event contributes its self time (its duration less
+  its children's), so the categories partition the wall time of the steps exactly.
+* GPU: the device timeline over the wall time of each step (synchronised at its end). Each
+  instant goes to the category of the kernel running then (that of the op that launched it; a
+  GEMM kernel launched outside any region is matmul, an NCCL kernel communication; where
+  kernels overlap: compute first, then communication); an instant with no kernel running is
+  input wait while the host fetches a batch, else other (reported separately as device idle).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, record_function
+
+from megatron_dllm import platform
+from megatron_dllm.training import profile_regions as regions
+
+CATEGORIES = ("matmul", "attention", "elementwise/normalisation", "loss head", "optimizer", "communication",
+              "input wait", "other")
+REGION_CATEGORY = {regions.ATTENTION: "attention", regions.LOSS_HEAD: "loss head",
+                   regions.OPTIMIZER: "optimizer", regions.INPUT_WAIT: "input wait"}
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+            "aten::addbmm", "aten::_scaled_mm", "aten::mv", "aten::addmv"}
+GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet")
+# Where device kernels overlap (several streams), the first of these running wins.
+DEVICE_ORDER = ("attention", "loss head", "optimizer", "matmul", "elementwise/normalisation", "other",
+                "communication", "input wait")
+BACKWARD_FUNCTION_SCOPE = 1  # at::RecordScope::BACKWARD_FUNCTION
+
+
+@dataclass
+class Breakdown:
+    steps: int
+    total_us: float  # the wall time of all profiled steps
+    us: dict  # category -> microseconds over all steps (sums to total_us)
+    clock: str  # what the times measure
+    top_ops: dict = field(default_factory=dict)  # category -> Counter(op name -> microseconds)
+    device_idle_us: float | None = None  # GPU: the part of `other` with no kernel running
+
+    def ms_per_step(self, category: str) -> float:
+        return self.us[category] / self.steps / 1000
+
+    def share(self, category: str) -> float:
+        return 100 * self.us[category] / self.total_us
+
+    def table(self) -> str:
+        rows = ["| category | ms per step | share (%) | largest ops |", "|---|---:|---:|---|"]
+        for c in CATEGORIES:
+            ops = ", ".join(name for name, _ in self.top_ops.get(c, Counter()).most_common(3))
+            rows.append(f"| {c} | {self.ms_per_step(c):.2f} | {self.share(c):.1f} | {ops} |")
+        rows.append(f"| **step** | **{self.total_us / self.steps / 1000:.2f}** | **100.0** | |")
+        return "\n".join(rows)
+
+
+def profile_steps(trainer, steps: int, trace: str | None = None) -> Breakdown:
+    """Run `steps` real training steps under torch.profiler (CUDA too where present) with the
+    regions installed; optionally write the Chrome trace to `trace`."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
+    remove = regions.install_regions(trainer)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function(regions.STEP):
+                    trainer.train_step()
+                    platform.synchronize()  # the step's kernels end inside its window
+    finally:
+        remove()
+    if trace:
+        prof.export_chrome_trace(trace)
+    return breakdown(prof.events(), device=platform.HAS_CUDA)
+
+
+def breakdown(events, device: bool = False) -> Breakdown:
+    """The exclusive breakdown of the profiled steps (events named `profile_regions.STEP`)."""
+    step_events = [e for e in events if e.name == regions.STEP and e.device_type == DeviceType.CPU]
+    if not step_events:
+        raise ValueError(f"no {regions.STEP} region in the profile: nothing to break down")
+    total = sum(e.time_range.elapsed_us() for e in step_events)
+    # On GPU the autograd engine runs backward on a thread of its own: its ops are no children of
+    # the step region, but their kernels need their category.
+    windows = [(e.time_range.start, e.time_range.end) for e in step_events]
+    other_threads = [e for e in events if e.device_type == DeviceType.CPU and e.cpu_parent is None
+                     and e.thread != step_events[0].thread and not e.is_async
+                     and any(w0 <= e.time_range.start and e.time_range.end <= w1 for w0, w1 in windows)]
+    forward_region = {}  # (sequence number, thread) of a forward op -> its region's category
+    for e, ctx in _walk(step_events + other_threads, {}):
+        if e.sequence_nr >= 0 and not _is_backward(e):
+            forward_region.setdefault((e.sequence_nr, e.thread), ctx.region)
+    us, top = dict.fromkeys(CATEGORIES, 0.0), {c: Counter() for c in CATEGORIES}
+    op_category, fetches = {}, []
+    for roots, main_thread in ((step_events, True), (other_threads, False)):
+        for e, ctx in _walk(roots, forward_region):
+            category = _category(e, ctx)
+            if e.linked_correlation_id == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
+                op_category[e.id] = category  # its kernels name it by this id
+            if main_thread:  # the host's time: the step's own thread only
+                us[category] += e.self_cpu_time_total
+                top[category][_short(e.name)] += e.self_cpu_time_total
+                if e.name == regions.INPUT_WAIT:
+                    fetches.append((e.time_range.start, e.time_range.end, "input wait"))
+    if not device:
+        return Breakdown(len(step_events), total, us, "host wall time, main thread (self time per op)", top)
+    return _device_breakdown(events, step_events, op_category, fetches, total)
+
+
+@dataclass(frozen=True)
+class _Context:
+    region: str | None = None  # category of the innermost region around the op
+    gemm: bool = False  # under a GEMM op
+    collective: bool = False  # under a collective op
+
+
+def _walk(roots, forward_region: dict):
+    """(event, context) for every CPU event under `roots`, parents before children."""
+    stack = [(e, _Context()) for e in roots]
+    while stack:
+        e, ctx = stack.pop()
+        region = REGION_CATEGORY.get(e.name, ctx.region)
+        if _is_backward(e):  # the region of the forward op, not the one the engine runs in
+            region = forward_region.get((e.sequence_nr, e.fwd_thread))
+        ctx = _Context(region, ctx.gemm or e.name in GEMM_OPS, ctx.collective or _is_collective(e.name))
+        yield e, ctx
+        stack.extend((child, ctx) for child in e.cpu_children)
+
+
+def _category(e, ctx: _Context) -> str:
+    if ctx.collective:
+        return "communication"
+    if ctx.region:
+        return ctx.region
+    if ctx.gemm:
+        return "matmul"
+    return "elementwise/normalisation" if e.name.startswith("aten::") else "other"
+
+
+def _is_backward(e) -> bool:
+    """A backward function or the autograd engine's record around it."""
+    return e.scope == BACKWARD_FUNCTION_SCOPE or e.name.startswith("autograd::engine::evaluate_function")
+
+
+def _is_collective(name: str) -> bool:
+    return name.startswith(("c10d::", "gloo:", "nccl:", "record_param_comms")) or name.lower().startswith("nccl")
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 48 else name[:45] + "..."
+
+
+def _device_breakdown(events, step_events, op_category: dict, fetches: list, total: float) -> Breakdown:
+    kernels, top = [], {c: Counter() for c in CATEGORIES}
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        category = op_category.get(e.linked_correlation_id, "other")
+        lowered = e.name.lower()
+        if lowered.startswith("nccl"):
+            category = "communication"
+        elif category in ("elementwise/normalisation", "other") and any(m in lowered for m in GEMM_KERNEL_MARKS):
+            category = "matmul"
+        kernels.append((e.time_range.start, e.time_range.end, category))
+        top[category][_short(e.name)] += e.time_range.elapsed_us()
+    windows = [(e.time_range.start, e.time_range.end) for e in step_events]
+    us = exclusive_timeline(windows, kernels + fetches, DEVICE_ORDER, idle="device idle")
+    idle = us.pop("device idle")
+    us["other"] += idle
+    return Breakdown(len(step_events), total, us, "device timeline over each step's wall time", top, idle)
+
+
+def exclusive_timeline(windows, intervals, order, idle: str) -> dict:
+    """Time per category over `windows` [(start, end)]: each instant goes to the first category
+    of `order` with an interval (start, end, category) covering it, else to `idle`."""
+    out = dict.fromkeys((*order, idle), 0.0)
+    rank = {c: i for i, c in enumerate(order)}
+    for w0, w1 in windows:
+        points = [(w0, None, 0), (w1, None, 0)]
+        for s, e, c in intervals:
+            s, e = max(s, w0), min(e, w1)
+            if s < e:
+                points += [(s, rank[c], 1), (e, rank[c], -1)]
+        points.sort(key=lambda p: p[0])
+        active, t = [0] * len(order), w0
+        for time, r, delta in points:
+            if time > t:
+                out[next((order[i] for i, n in enumerate(active) if n), idle)] += time - t
+                t = time
+            if r is not None:
+                active[r] += delta
+    return out

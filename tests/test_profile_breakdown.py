@@ -1,0 +1,128 @@
+"""The profiler breakdown (`training/profile_breakdown.py`, `benchmarks/bench_profile_breakdown.py`)
+against real training steps: the categories partition the steps' wall time; known delays put
+into the batch iterator, the family loss and the optimizer step show up in input wait, loss
+head and optimizer, each by its own amount; backward ops follow their forward op's region; the
+device-timeline rule on hand-made intervals; the script end to end and its bad input."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_dllm import platform
+from megatron_dllm.config import parse_args
+from megatron_dllm.training.profile_breakdown import CATEGORIES, exclusive_timeline, profile_steps
+from megatron_dllm.training.profile_regions import INPUT_WAIT, LOSS_HEAD, OPTIMIZER
+from megatron_dllm.training.trainer import Trainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks", "bench_profile_breakdown.py")
+MICRO = ["--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def trainer(demo_cache, tmp_path_factory):
+    """A real cpu-micro run over the demo corpus, one micro-batch per step, past its first step."""
+    work = tmp_path_factory.mktemp("breakdown")
+    cfg = parse_args(["--demo-cache-dir", demo_cache, *MICRO, "--global-batch-size", "2", "--train-iters", "30",
+                      "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")])
+    try:
+        run = Trainer(cfg)
+        run.train_step()
+        yield run
+    finally:
+        platform.destroy_distributed()
+
+
+@pytest.mark.slow
+def test_categories_partition_the_steps_and_backward_follows_the_forward_region(trainer):
+    result = profile_steps(trainer, 2)
+    assert sum(result.us.values()) == pytest.approx(result.total_us, rel=1e-9)
+    assert sum(result.share(c) for c in CATEGORIES) == pytest.approx(100.0)
+    assert all(result.us[c] > 0 for c in ("matmul", "attention", "elementwise/normalisation", "loss head",
+                                          "optimizer", "input wait", "other"))
+    ops = result.top_ops
+    # local core attention: its score GEMM and softmax, forward and backward, are attention
+    for name in ("aten::baddbmm", "aten::_softmax", "BaddbmmBackward0", "SoftmaxBackward0"):
+        assert name in ops["attention"], name
+        assert not any(name in ops[c] for c in CATEGORIES if c != "attention"), name
+    # the family loss (vocab-parallel cross entropy) and its backward are loss head
+    assert "_VocabParallelCrossEntropy" in ops["loss head"]
+    assert "_VocabParallelCrossEntropyBackward" in ops["loss head"]
+    assert "aten::mm" in ops["matmul"] and "aten::addcdiv_" in ops["optimizer"]  # Adam's update
+    assert trainer.family.loss.__func__ is type(trainer.family).loss  # the regions came off again
+
+
+@pytest.mark.slow
+def test_known_delays_land_in_their_own_categories(trainer, monkeypatch):
+    """Sleeps of different lengths in the batch iterator, the family loss and the optimizer step
+    (one micro-batch per step) land, each once, in input wait, loss head and optimizer: in the
+    region's own time (the sleep is Python inside the region), and input wait grows by the delay."""
+    delays = {"input wait": 0.1, "loss head": 0.25, "optimizer": 0.4}
+    region = {"input wait": INPUT_WAIT, "loss head": LOSS_HEAD, "optimizer": OPTIMIZER}
+    base = profile_steps(trainer, 2)
+    iteration, loss, step = trainer.train_batches.iteration, trainer.family.loss, trainer.optimizer.step
+
+    def slow_iteration(*args, **kwargs):
+        for batch in iteration(*args, **kwargs):
+            time.sleep(delays["input wait"])
+            yield batch
+
+    def slow(function, seconds):
+        def call(*args, **kwargs):
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(trainer.train_batches, "iteration", slow_iteration)
+    monkeypatch.setattr(trainer.family, "loss", slow(loss, delays["loss head"]))
+    monkeypatch.setattr(trainer.optimizer, "step", slow(step, delays["optimizer"]))
+    slowed = profile_steps(trainer, 2)
+    for category, seconds in delays.items():
+        own_ms = slowed.top_ops[category][region[category]] / slowed.steps / 1e3
+        # at least the sleep; the rest is the region's Python (a loaded machine may deschedule it)
+        assert seconds * 1e3 <= own_ms <= seconds * 1e3 + 60, (category, own_ms)
+    grown = slowed.ms_per_step("input wait") - base.ms_per_step("input wait")
+    assert grown == pytest.approx(delays["input wait"] * 1e3, abs=40)
+
+
+def test_device_timeline_gives_each_instant_to_one_category():
+    order = ("attention", "matmul", "communication", "input wait")
+    intervals = [(10, 30, "matmul"), (20, 50, "communication"), (40, 60, "input wait"), (70, 80, "attention"),
+                 (75, 90, "matmul"), (95, 130, "attention"), (150, 160, "matmul")]
+    out = exclusive_timeline([(0, 100), (140, 145)], intervals, order, idle="idle")
+    assert out == {"attention": 15, "matmul": 30, "communication": 20, "input wait": 10, "idle": 30}
+
+
+@pytest.mark.slow
+def test_the_script_prints_the_table_and_writes_the_trace(demo_cache, tmp_path):
+    trace = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, BENCH, "--demo-cache-dir", demo_cache, *MICRO, "--global-batch-size", "4",
+                           "--steps", "1", "--warmup", "1", "--attention-backend", "sdpa", "--trace", str(trace)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    shares = {r[1].strip(): float(r[3]) for r in rows[1:] if r[1].strip() in CATEGORIES}
+    assert set(shares) == set(CATEGORIES) and sum(shares.values()) == pytest.approx(100, abs=0.5)
+    assert "micro-batch 2 x 2 per step" in proc.stdout and "attention sdpa" in proc.stdout
+    assert "aten::_scaled_dot_product" in next(r[4] for r in rows if r[1].strip() == "attention")
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"dllm::step", "dllm::attention", "dllm::input_wait"} <= names
+    assert sorted(os.listdir(tmp_path)) == ["trace.json"]  # the checkpoint and log directories were temporary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "error: argument --steps: expected a positive integer, got 0"),
+    (["--train-iters", "3"], "error: --train-iters 3 is fewer than --warmup + 2 x --steps = 13, the steps run here"),
+])
+def test_bad_input_is_one_line_naming_the_flag(demo_cache, tmp_path, flags, message):
+    proc = subprocess.run([sys.executable, BENCH, "--demo-cache-dir", demo_cache, *MICRO, *flags],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == message, proc.stderr[-2000:]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}
