@@ -80,14 +80,16 @@ class FixedBatch:
 
 
 def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend: str | None = None,
-               bf16: bool = False, recompute: str | None = None):
-    """The RunConfig of the step: `preset`'s sizes, local layers, the benchmark's AdamW and LR."""
+               bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
+               fp8_recipe: str = "delayed"):
+    """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, local layers
+    (TransformerEngine's with `fp8`)."""
     from megatron_dllm.config import parse_args
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
              "--num-attention-heads", preset.num_attention_heads, "--seq-length", seq,
              "--micro-batch-size", batch, "--global-batch-size", batch, "--train-iters", train_iters,
-             "--seed", 0, "--transformer-impl", "local", "--lr-warmup-iters", 0,
+             "--seed", 0, "--transformer-impl", "transformer_engine" if fp8 else "local", "--lr-warmup-iters", 0,
              "--lr", OPT["lr"], "--min-lr", OPT["min_lr"], "--weight-decay", OPT["weight_decay"],
              "--adam-beta1", OPT["adam_beta1"], "--adam-beta2", OPT["adam_beta2"], "--adam-eps", OPT["adam_eps"],
              "--clip-grad", OPT["clip_grad"]]
@@ -95,6 +97,8 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
         flags += ["--attention-backend", attention_backend]
     if bf16:
         flags.append("--bf16")
+    if fp8:
+        flags += ["--fp8-format", fp8, "--fp8-recipe", fp8_recipe]
     if recompute == "full":  # megatron-core's full recompute of every layer
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif recompute:
@@ -107,11 +111,11 @@ class MegatronStep:
 
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
                  keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
-                 recompute: str | None = None):
+                 recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed"):
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
-        self.cfg = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute)
+        self.cfg = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8, fp8_recipe)
         self.timers = observability.make_timers(self.cfg.logging.timing_log_level)  # as the trainer's
         built = build_training_model(self.cfg, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \

@@ -51,8 +51,7 @@ from megatron_dllm.model.constants import COND_DIM  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
-RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-             "selective": {"recompute_granularity": "selective"}}
+RECOMPUTE = ("full", "selective")  # MegatronStep's recompute: every layer (uniform, 1 per group) | core attention
 
 
 def load_paper_dit(path: str):
@@ -111,7 +110,7 @@ def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int,
     fp8 = "fp8" in extras
     if fp8 and not platform.HAS_TE:
         raise SystemExit(f"error: --ours {variant} needs TransformerEngine (not importable here)")
-    recompute = next((RECOMPUTE[e] for e in extras if e in RECOMPUTE), None)
+    recompute = next((e for e in extras if e in RECOMPUTE), None)
     kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
     return MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=10 * steps, keep_initial=False,
                         attention_backend=backend, bf16=True, recompute=recompute, **kwargs)
