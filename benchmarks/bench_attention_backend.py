@@ -10,8 +10,9 @@ On a GPU (`--bf16`) the same comparison runs on the device, e.g. the 1.7B preset
 For every (preset, seq, family) both backends are built with the same weights (adaLN gates drawn,
 not zero) and batch (`tokens / seq` sequences; MDLM bidirectional, AR causal) and timed in
 alternating rounds (local, sdpa, then sdpa, local, ...) after warm-up rounds, in one process.
-One step is megatron's `forward_backward_func` (forward, family loss, backward into DDP's grad buffers) exactly as the
-trainer calls it at TP=1, without the optimizer step (the same in both). Both backends' first
+One step is the trainer's own `training.step.forward_backward` (megatron's `forward_backward_func`:
+forward, family loss, backward into DDP's grad buffers) at TP=1, without the optimizer step (the
+same in both). Both backends' first
 losses are printed to show they compute the same step. Prints a markdown table: median wall time
 and process CPU time (all threads; less sensitive to other processes on a shared machine) per
 step of each backend, the medians of the per-round ratios sdpa/local, and the load average.
@@ -41,16 +42,13 @@ BACKENDS = ("local", "sdpa")
 
 
 def forward_backward(step: MegatronStep) -> float:
-    """One micro-batch through megatron's schedule (forward, loss, backward); returns the loss."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    """One micro-batch through the trainer's schedule (`training.step.forward_backward`: forward,
+    family loss, backward into DDP's grad buffers); returns the loss."""
+    from megatron_dllm.training import step as training_step
 
     step.model[0].zero_grad_buffer()
-    losses = get_forward_backward_func()(
-        forward_step_func=step._forward_step, data_iterator=iter([step.inp]), model=step.model[0],
-        num_microbatches=1, seq_length=step.seq, micro_batch_size=step.batch, forward_only=False,
-    )
-    total, count = losses[0]["loss"]
-    loss = (total / count).item()
+    loss = training_step.forward_backward(step.model, step.family, step.batches, 0, step.cfg, step.timers,
+                                          training=True)
     platform.synchronize()  # a GPU step ends when its kernels have
     return loss
 

@@ -36,7 +36,6 @@ from bench_train_step import MegatronStep, make_batch, timed  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
-from megatron_dllm.model.fusion import Fusion, resolve_fusion  # noqa: E402
 from megatron_dllm.model.init import initialize_weights  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 
@@ -47,9 +46,7 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
     preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
     family = get_family(family_name, args.vocab - 1, args.vocab)
     inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
-    fusions = {"eager": Fusion(),
-               "fused": resolve_fusion(args.attention_backend, bias_gelu=True, bias_dropout=True,
-                                       compile_elementwise=True)}
+    fusions = {"eager": "none", "fused": "all"}
     steps = {v: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
                              attention_backend=args.attention_backend, bf16=args.bf16, fusion=fusions[v])
              for v in VARIANTS}
@@ -72,7 +69,8 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
             seconds, used, _ = timed(lambda s=steps[v]: forward_backward(s), contextlib.nullcontext)
             wall[v].append(seconds)
             cpu[v].append(used)
-    row = {"batch": batch, "compile_s": first_s["fused"] - first_s["eager"], "fusion": fusions["fused"]}
+    row = {"batch": batch, "compile_s": first_s["fused"] - first_s["eager"],
+           "fusion": steps["fused"].cfg.model.fusion(use_te=False)}
     for what, t in (("wall", wall), ("cpu", cpu)):
         ratios = [f / e for e, f in zip(t["eager"], t["fused"])]
         row[what] = (statistics.median(t["eager"]), statistics.median(t["fused"]), statistics.median(ratios),

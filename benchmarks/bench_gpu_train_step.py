@@ -3,10 +3,12 @@
     python benchmarks/bench_gpu_train_step.py [--presets 413M 1.7B] [--families mdlm duo esolm ar]
                                               [--seq 2048] [--vocab 32001] [--max-micro-batch 64]
                                               [--steps 5] [--warmup 2] [--peak-tflops 989.4]
+                                              [--recompute-granularity off selective full]
 
-For every preset, recompute setting (off, full) and family: the step of `bench_train_step.py`'s
-`MegatronStep` (the trainer's path at TP=1: megatron DDP, `get_megatron_optimizer` AdamW, the
-schedule, the family loss) in bf16 with the local layer spec, at the largest power-of-two
+For every preset, recompute setting (`--recompute-granularity`: off, selective = core attention,
+full = every layer; default off and full) and family: `bench_train_step.py`'s `MegatronStep`,
+i.e. the trainer's own step (`training.step.train_step` on the model and optimizer that
+`training.build` makes at TP=1) in bf16 with the local layer spec, at the largest power-of-two
 micro-batch that fits: tried from `--max-micro-batch` (for later families of the same preset and
 recompute setting: from the previous family's) down, an out-of-memory step moving to the next
 smaller one. The batch is drawn once, on the CPU, and moved to the GPU before timing.
@@ -37,24 +39,19 @@ from bench_train_step import MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
-from megatron_dllm.model.fusion import Fusion, resolve_fusion  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
-# megatron-core's full recompute of every layer (ModelConfig.recompute() for --recompute-granularity full
-# --recompute-method uniform --recompute-num-layers 1)
-FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
-
-def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: bool, steps: int, warmup: int,
-             attention_backend: str, fusion: Fusion):
+def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | None, steps: int, warmup: int,
+             attention_backend: str, fusion: str):
     """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     step = None
     try:
         torch.cuda.reset_peak_memory_stats()
         step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
-                            keep_initial=False, bf16=True, recompute=FULL_RECOMPUTE if recompute else None,
+                            keep_initial=False, bf16=True, recompute=recompute,
                             attention_backend=attention_backend, fusion=fusion)
         first = step()
         for _ in range(warmup - 1):
@@ -76,7 +73,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=["413M", "1.7B"])
     p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"])
-    p.add_argument("--recompute", nargs="+", default=["off", "full"], choices=["off", "full"])
+    p.add_argument("--recompute-granularity", "--recompute", nargs="+", default=["off", "full"],
+                   choices=["off", "selective", "full"],
+                   help="settings to measure: off | selective (core attention) | full (every layer, uniform)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32001, help="real vocabulary including [MASK] (the paper's)")
     p.add_argument("--max-micro-batch", type=int, default=64)
@@ -84,32 +83,33 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak of the GPU")
     p.add_argument("--attention-backend", default="local", choices=["local", "sdpa"], help="core attention")
-    p.add_argument("--fusion", default="default", choices=["default", "none"],
-                   help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager")
+    p.add_argument("--fusion", default="default", choices=["default", "none", "all"],
+                   help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager; "
+                        "all: compiled regions and bias fusions forced on")
     args = p.parse_args(argv)
     if not platform.HAS_CUDA:
         sys.exit("error: bench_gpu_train_step.py needs a CUDA GPU")
 
     platform.init_distributed(1, 1, seed=0)
-    fusion = resolve_fusion(args.attention_backend) if args.fusion == "default" else Fusion()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, "
-          f"bf16, local spec, {args.attention_backend} core attention, {fusion.describe()}, {args.warmup} warm-up + "
-          f"{args.steps} timed steps (median)\n")
+          f"bf16, local spec, {args.attention_backend} core attention, fusion {args.fusion}, "
+          f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for name in args.presets:
             preset = get_preset(name)
-            for recompute in args.recompute:
+            for recompute in args.recompute_granularity:
                 batch = args.max_micro_batch
                 for fam_name in args.families:
                     family = get_family(fam_name, args.vocab - 1, args.vocab)
                     while batch >= 1:
                         try:
                             sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
-                                                       recompute == "full", args.steps, args.warmup,
-                                                       args.attention_backend, fusion)
+                                                       None if recompute == "off" else recompute,
+                                                       args.steps, args.warmup,
+                                                       args.attention_backend, args.fusion)
                             break
                         except torch.OutOfMemoryError:
                             batch //= 2

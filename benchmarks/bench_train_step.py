@@ -5,10 +5,11 @@
 
 Variants, run interleaved (A B C, A B C, ...) after warm-up rounds, in one process:
 
-* megatron      — the training path exactly as `training/trainer.py` runs it at TP=1: `DiTModel`
-                  wrapped by megatron's DDP (`training.optim.wrap_ddp`), `get_megatron_optimizer`
-                  + scheduler (`training.optim.build_optimizer`), `get_forward_backward_func` with
-                  the MDLM family loss, `optimizer.step()`, `scheduler.step()`. On CPU this runs
+* megatron      — the trainer's own step at TP=1: the model, DDP, optimizer and LR schedule built
+                  by `training.build.build_training_model` from a RunConfig (local layers, the
+                  optimizer settings below), and `training.step.train_step`, the function
+                  `Trainer.train_step` calls (megatron's schedule with the MDLM family loss,
+                  `optimizer.step()`, `scheduler.step()`, the trainer's timers). On CPU this runs
                   under the `TorchFunctionMode` that `platform.install_cpu_compat` leaves active.
 * plain         — the dense `DiT` of `hf/modeling_dllm.py` (same weights, real vocabulary), the MDLM loss
                   written densely with `F.cross_entropy`, `clip_grad_norm_` and `torch.optim.AdamW`
@@ -37,13 +38,11 @@ import statistics
 import sys
 import time
 import warnings
-from functools import partial
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
@@ -70,54 +69,75 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 # ------------------------------------------------------------------------------- megatron path
 
+class FixedBatch:
+    """One global batch of one micro-batch, drawn once (the step's `batches` interface)."""
+
+    def __init__(self, inp, batch: int):
+        self.inp, self.mbs, self.num_microbatches = inp, batch, 1
+
+    def iteration(self, consumed: int):
+        return iter([self.inp])
+
+
+def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend: str | None = None,
+               bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
+               fp8_recipe: str = "delayed", fusion: str = "default"):
+    """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, local layers
+    (TransformerEngine's with `fp8`). `fusion`: "default" takes the platform's fusion defaults (as
+    the trainer does), "none" runs every elementwise operation eager, "all" forces the compiled
+    regions and the bias fusions on (masked-softmax fusion stays at its default)."""
+    from megatron_dllm.config import parse_args
+
+    flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
+             "--num-attention-heads", preset.num_attention_heads, "--seq-length", seq,
+             "--micro-batch-size", batch, "--global-batch-size", batch, "--train-iters", train_iters,
+             "--seed", 0, "--transformer-impl", "transformer_engine" if fp8 else "local", "--lr-warmup-iters", 0,
+             "--lr", OPT["lr"], "--min-lr", OPT["min_lr"], "--weight-decay", OPT["weight_decay"],
+             "--adam-beta1", OPT["adam_beta1"], "--adam-beta2", OPT["adam_beta2"], "--adam-eps", OPT["adam_eps"],
+             "--clip-grad", OPT["clip_grad"]]
+    if attention_backend:
+        flags += ["--attention-backend", attention_backend]
+    if bf16:
+        flags.append("--bf16")
+    if fp8:
+        flags += ["--fp8-format", fp8, "--fp8-recipe", fp8_recipe]
+    if recompute == "full":  # megatron-core's full recompute of every layer
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    elif recompute:
+        flags += ["--recompute-granularity", recompute]
+    if fusion == "none":
+        flags += ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+                  "--no-compile-elementwise"]
+    elif fusion == "all":
+        flags += ["--bias-gelu-fusion", "--bias-dropout-fusion", "--compile-elementwise"]
+    return parse_args([str(f) for f in flags])
+
+
 class MegatronStep:
+    """The trainer's step: built by `training.build`, run by `training.step.train_step`."""
+
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
-                 keep_initial: bool = True, attention_backend: str | None = None, **config_kwargs):
-        from megatron_dllm.config.optimizer import OptimizerConfig
-        from megatron_dllm.config.parallel import ParallelConfig
-        from megatron_dllm.model.builder import Architecture, build_model, transformer_config
-        from megatron_dllm.training.optim import build_optimizer, wrap_ddp
+                 keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
+                 recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed",
+                 fusion: str = "default"):
+        from megatron_dllm.training import observability
+        from megatron_dllm.training.build import build_training_model
 
-        self.arch = Architecture(preset, vocab, seq, family.attention)
-        self.config, mlp_config = transformer_config(self.arch, **config_kwargs)  # bf16, recompute (GPU)
-        chunks = build_model(self.arch, self.config, mlp_config, seed=0, attention_backend=attention_backend)
-        self.initial_state = ({k: v.clone() for k, v in chunks[0].state_dict().items() if torch.is_tensor(v)}
-                              if keep_initial else None)  # the plain step's weights
-        parallel = ParallelConfig()
-        self.model = wrap_ddp(chunks, self.config, parallel)
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, self.config, OptimizerConfig(lr_warmup_iters=0, **OPT), parallel, train_iters)
-        self.family, self.inp, self.batch, self.seq = family, inp, batch, seq
-
-    # The next three mirror Trainer._forward_step / _loss_func / train_step + _run_schedule.
-    def _forward_step(self, data_iterator, model):
-        inp = next(data_iterator)
-        logits = model(inp.input_ids, inp.position_ids, inp.sigma)
-        return logits, partial(self._loss_func, inp)
-
-    def _loss_func(self, inp, logits):
-        per_token = self.family.loss(logits, inp)
-        total, count = per_token.sum(), inp.valid.sum()
-        return total, count.to(torch.int), {"loss": torch.stack([total.detach().double(), count.double()])}
+        self.cfg = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8, fp8_recipe,
+                              fusion)
+        self.timers = observability.make_timers(self.cfg.logging.timing_log_level)  # as the trainer's
+        built = build_training_model(self.cfg, family, vocab, self.timers)
+        self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \
+            built.scheduler
+        self.initial_state = ({k: v.clone() for k, v in self.model[0].module.state_dict().items()
+                               if torch.is_tensor(v)} if keep_initial else None)  # the plain step's weights
+        self.family, self.inp, self.batches = family, inp, FixedBatch(inp, batch)
 
     def __call__(self) -> float:
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron_dllm.training.step import train_step
 
-        for chunk in self.model:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=self._forward_step, data_iterator=iter([self.inp]), model=self.model[0],
-            num_microbatches=1, seq_length=self.seq, micro_batch_size=self.batch, forward_only=False,
-        )
-        summed = torch.stack([d["loss"] for d in losses]).sum(0)
-        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-        loss = (summed[0] / summed[1]).item()
-        ok, _, _ = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
+        loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.cfg,
+                             self.timers)
         return loss
 
 

@@ -49,12 +49,10 @@ from bench_train_step import OPT, MegatronStep, make_batch  # noqa: E402
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
 from megatron_dllm.model.constants import COND_DIM  # noqa: E402
-from megatron_dllm.model.fusion import resolve_fusion  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
-RECOMPUTE = {"full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-             "selective": {"recompute_granularity": "selective"}}
+RECOMPUTE = ("full", "selective")  # MegatronStep's recompute: every layer (uniform, 1 per group) | core attention
 
 
 def load_paper_dit(path: str):
@@ -113,11 +111,10 @@ def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int,
     fp8 = "fp8" in extras
     if fp8 and not platform.HAS_TE:
         raise SystemExit(f"error: --ours {variant} needs TransformerEngine (not importable here)")
-    recompute = next((RECOMPUTE[e] for e in extras if e in RECOMPUTE), None)
+    recompute = next((e for e in extras if e in RECOMPUTE), None)
     kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
     return MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=10 * steps, keep_initial=False,
-                        attention_backend=backend, bf16=True, recompute=recompute,
-                        fusion=resolve_fusion(backend), **kwargs)  # the trainer's fusion defaults
+                        attention_backend=backend, bf16=True, recompute=recompute, **kwargs)
 
 
 def measure(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int, warmup: int):

@@ -7,6 +7,7 @@ import torch
 
 from megatron_dllm import platform
 from megatron_dllm.config import parse_args
+from megatron_dllm.training import step
 from megatron_dllm.training.trainer import Trainer
 
 POISON = {"nan": float("nan"), "inf": float("inf"), "overflow": 1e25}  # 1e25 squared overflows float32
@@ -48,13 +49,13 @@ def _bitwise_equal(a, b) -> bool:
 def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_leaves_the_optimizer_untouched(
         trainer, monkeypatch, kind):
     trainer.train_step()  # a good step first: Adam's moments and step counts exist
-    loss_func = Trainer._loss_func
+    loss_func = step.loss_func
 
-    def poisoned(self, training, inp, logits):  # every gradient of this step poisoned, the loss finite
+    def poisoned(family, training, inp, logits):  # every gradient of this step poisoned, the loss finite
         logits.register_hook(lambda grad: torch.full_like(grad, POISON[kind]))
-        return loss_func(self, training, inp, logits)
+        return loss_func(family, training, inp, logits)
 
-    monkeypatch.setattr(Trainer, "_loss_func", poisoned)
+    monkeypatch.setattr(step, "loss_func", poisoned)
     before, skipped, iteration = _state(trainer), trainer.nonfinite.skipped, trainer.iteration
     loss, grad_norm = trainer.train_step()
     if kind == "overflow":  # the elements were finite: only their norm is not
@@ -62,7 +63,7 @@ def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_leaves_the_optimi
     assert _bitwise_equal(_state(trainer), before)  # weights, Adam's moments and steps, the LR
     assert trainer.nonfinite.skipped == skipped + 1 and trainer.iteration == iteration + 1
     assert grad_norm is None
-    monkeypatch.setattr(Trainer, "_loss_func", loss_func)
+    monkeypatch.setattr(step, "loss_func", loss_func)
     _, grad_norm = trainer.train_step()  # and the next good step steps again
     assert grad_norm is not None and grad_norm == grad_norm and trainer.nonfinite.consecutive == 0
     assert not _bitwise_equal(_state(trainer), before)

@@ -13,13 +13,15 @@ import dataclasses
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from megatron_dllm.errors import InputError
+
 PREFIX = "ema."
 
 
 class EMA:
     def __init__(self, model, decay: float):
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"--ema-decay must be in (0, 1), got {decay}")
+            raise InputError(f"--ema-decay must be in (0, 1), got {decay}")
         self.decay = decay
         self.modules = [chunk.module for chunk in model]  # DDP-wrapped chunks
         self.shadow: list[dict[int, torch.Tensor]] = []

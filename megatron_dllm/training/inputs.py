@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from megatron_dllm.config import RunConfig, resolve_defaults, resolve_iterations
 from megatron_dllm.data.datasets import build_datasets
 from megatron_dllm.data.prep.demo import prepare_demo_corpus
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 
 
@@ -27,7 +28,7 @@ def prepare_inputs(cfg: RunConfig) -> tuple[RunConfig, Inputs]:
 
         return prepare_sft_inputs(cfg)
     if cfg.training.train_epochs is not None:
-        raise ValueError("--train-epochs applies to --sft runs (epochs over the SFT rows); pretraining "
+        raise InputError("--train-epochs applies to --sft runs (epochs over the SFT rows); pretraining "
                          "uses --train-iters, --train-samples or --train-flops")
     cfg = resolve_defaults(cfg, prepare_demo_corpus(cfg.data.demo_cache_dir) if cfg.demo else None)
     tokenizer = cfg.tokenizer.build()

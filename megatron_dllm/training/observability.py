@@ -12,6 +12,7 @@ from megatron.core.timers import Timers
 
 from megatron_dllm import platform
 from megatron_dllm.config.logs import LoggingConfig
+from megatron_dllm.errors import InputError
 
 # Dense peak FLOP/s per device from the vendors' datasheets: (bf16, fp8). Sparse figures (twice
 # these) are never the denominator of MFU. The first name contained in the device's name wins.
@@ -80,7 +81,7 @@ class WandbWriter:
         try:
             import wandb
         except ImportError:
-            raise ValueError("--wandb-project needs the wandb package (pip install -e '.[wandb]')") from None
+            raise InputError("--wandb-project needs the wandb package (pip install -e '.[wandb]')") from None
         directory = log.wandb_save_dir or default_dir
         os.makedirs(directory, exist_ok=True)
         self.wandb = wandb

@@ -15,6 +15,7 @@ import math
 
 from megatron_dllm.config import RunConfig, resolve_defaults, resolve_iterations
 from megatron_dllm.data.sft import build_sft_datasets
+from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 
 
@@ -24,9 +25,9 @@ def prepare_sft_inputs(cfg: RunConfig):
 
     t = cfg.training
     if cfg.demo:
-        raise ValueError("--sft needs --data-path: an SFT dataset written by tools/preprocess_sft_data.py")
+        raise InputError("--sft needs --data-path: an SFT dataset written by tools/preprocess_sft_data.py")
     if t.train_epochs is not None and (t.train_iters or t.train_samples or t.train_flops):
-        raise ValueError("--train-epochs sets the run length; give it without --train-iters/--train-samples/"
+        raise InputError("--train-epochs sets the run length; give it without --train-iters/--train-samples/"
                          "--train-flops")
     cfg = resolve_defaults(cfg)
     tokenizer = cfg.tokenizer.build()

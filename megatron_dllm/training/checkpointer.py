@@ -1,0 +1,189 @@
+"""A run's checkpoints: claiming --save, loading --load, saving every --save-interval iterations
+and at the end (in the background under --async-save), retention, the resolved configuration
+beside the checkpoints, and the start-of-run disk estimate. The checkpointer decides when to save.
+
+    claim_save_dir(cfg.checkpoint)                      # before the model is built
+    checkpointer = Checkpointer(cfg, model, ..., logger)
+    iteration, consumed = checkpointer.load(...)
+    checkpointer.poll()                                 # each iteration: finish background saves
+    saved = checkpointer.after_iteration(iteration, consumed)
+    checkpointer.finish(iteration, consumed)            # final save, wait, release --save
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+
+import torch.distributed as dist
+
+from megatron_dllm import checkpoint
+from megatron_dllm.checkpoint import retention, training_state
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, tokenizer_record
+from megatron_dllm.config import RunConfig
+from megatron_dllm.config.checkpoint import CheckpointConfig
+from megatron_dllm.config.yaml_config import write_resolved
+
+
+def claim_save_dir(ckpt: CheckpointConfig) -> None:
+    """A run that cannot save fails now, not after its first save interval."""
+    if not ckpt.save:
+        return
+    checkpoint.check_writable(ckpt.save)
+    checkpoint.store.lock_save(ckpt.save)  # held until this process exits or finish()
+    if not ckpt.load or ckpt.finetune:  # iteration 0 again: its saves would replace what is there
+        checkpoint.store.refuse_existing(ckpt.save, ckpt.finetune)
+
+
+def write_resolved_config(cfg: RunConfig, directory: str | None, logger) -> None:
+    if directory and logger.active:
+        for path in write_resolved(cfg, [directory], dist.get_world_size()):
+            logger.info(f"wrote the resolved configuration {path}")
+
+
+class Checkpointer:
+    def __init__(self, cfg: RunConfig, model: list, optimizer, scheduler, ema, identity: ModelIdentity,
+                 train_batches, logger):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.cfg, self.ckpt = cfg, cfg.checkpoint
+        self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
+        self.identity, self.train_batches, self.logger = identity, train_batches, logger
+        self.tokenizer_record = tokenizer_record(cfg.tokenizer)
+        self.async_queue = AsyncCallsQueue() if self.ckpt.async_save else None
+        # Beside the checkpoints with the first save, so a run that only loads, evaluates or
+        # fails leaves --save as it found it (the run that saved there keeps its record).
+        self.config_written = False
+        self.saved_at: int | None = None
+        if self.ckpt.save:
+            checkpoint.remove_incomplete(self.ckpt.save, log=logger.info)
+            checkpoint.store.remove_leftover_removals(self.ckpt.save, log=logger.info)
+
+    # ------------------------------------------------------------------ load
+
+    def load(self) -> tuple[int, int]:
+        """(iteration, consumed samples) to continue from: (0, 0) without --load, with --finetune,
+        or when --load is --save and holds nothing yet (the resume idiom)."""
+        ckpt = self.ckpt
+        if not ckpt.load:
+            return 0, 0
+        found = checkpoint.locate(ckpt.load, ckpt.ckpt_step, log=self.logger.info)
+        if found is None:
+            if ckpt.save and os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save):
+                self.logger.info(f"no checkpoint in {ckpt.load}: starting from iteration 0")
+                return 0, 0
+            what = "holds no checkpoint" if os.path.isdir(ckpt.load) else "does not exist"
+            raise checkpoint.CheckpointError(
+                f"--load {ckpt.load} {what} (expected {checkpoint.TRACKER} or iter_XXXXXXX directories, "
+                f"or a checkpoint directory itself)")
+        self.logger.info(f"loading {found.path} ({found.how})")
+        common = training_state.load_checkpoint(
+            found.path, self.model, self.optimizer, self.scheduler, self.identity,
+            load_optim=not ckpt.no_load_optim, load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
+            ema=self.ema, log=self.logger.info)
+        check_tokenizer(common.get("tokenizer"), self.cfg.tokenizer.tokenizer_model, found.path)
+        if ckpt.finetune:
+            return 0, 0
+        iteration, consumed = common["iteration"], common["consumed_samples"]
+        self.train_batches.data_offset = self._data_mix_start(common, iteration, consumed)
+        return iteration, consumed
+
+    def _data_mix_start(self, common: dict, iteration: int, consumed: int) -> int:
+        """Where the current training mix started. Resuming with another --data-path (e.g. the
+        phase-2 mix from a phase-1 checkpoint) starts the new mix at its first sample now."""
+        start, mix = common.get("data_mix_start", 0), self.cfg.data.data_path
+        if common.get("data_mix", mix) != mix:
+            self.logger.info(f"data mix changed at iteration {iteration}: {common['data_mix']} -> "
+                             f"{mix}; reading the new mix from its first sample")
+            start = consumed
+        return start
+
+    # ------------------------------------------------------------------ cadence
+
+    def poll(self) -> None:
+        """Finish the background saves that are done (cheap when none is)."""
+        if self.async_queue is not None:
+            checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=False)
+
+    def after_iteration(self, iteration: int, consumed: int) -> bool:
+        """Save when `iteration` is a multiple of --save-interval; whether it saved."""
+        if self.ckpt.save and self.ckpt.save_interval and iteration % self.ckpt.save_interval == 0:
+            self.save(iteration, consumed)
+            return True
+        return False
+
+    def finish(self, iteration: int, consumed: int) -> None:
+        """The end of training: save the last iteration unless it just was, wait for every
+        background save, release --save."""
+        if self.ckpt.save and self.saved_at != iteration:
+            self.save(iteration, consumed)
+        self.wait()
+        checkpoint.store.release_save_lock()  # every save, background ones too, is complete
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, iteration: int, consumed: int) -> None:
+        if self.async_queue is not None:  # one save in flight at a time: bounded host memory
+            checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=True)
+        start = time.perf_counter()
+        path = training_state.save_checkpoint(
+            self.ckpt.save, iteration, self.model, self.optimizer, self.scheduler,
+            {"consumed_samples": consumed, "identity": self.identity.as_dict(),
+             "data_mix": self.cfg.data.data_path, "data_mix_start": self.train_batches.data_offset,
+             # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
+             "seq_length": self.cfg.model.seq_length,
+             "tokenizer": self.tokenizer_record},
+            ema=self.ema, async_queue=self.async_queue, on_complete=self._saved,
+        )
+        self.saved_at = iteration
+        if self.async_queue is not None:
+            self.logger.info(f"writing checkpoint {path} in the background (training paused "
+                             f"{time.perf_counter() - start:.2f} s)")
+
+    def _saved(self, path: str) -> None:
+        """After a save is complete (renamed into place and tracked): log it, apply retention."""
+        self.logger.info(f"saved checkpoint {path}")
+        ckpt = self.ckpt
+        if not self.config_written:
+            self.config_written = True
+            write_resolved_config(self.cfg, ckpt.save, self.logger)
+        if ckpt.keep_last_n_checkpoints:
+            checkpoint.store.apply_retention(ckpt.save, ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
+                                             log=self.logger.info)
+
+    def wait(self) -> None:
+        if self.async_queue is not None:
+            checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=True)
+
+    # ------------------------------------------------------------------ disk
+
+    def check_disk(self, iteration: int, bf16: bool) -> None:
+        """Log checkpoint size and the disk this run's checkpoints need; fail now when --save
+        cannot hold one more (collective)."""
+        if not self.ckpt.save:
+            return
+        ckpt = self.ckpt
+        params = self._checkpointed_parameters()
+        each = retention.bytes_per_checkpoint(params, bf16, self.ema is not None)
+        count = retention.checkpoints_on_disk(self.cfg.training.train_iters, iteration, ckpt.save_interval,
+                                              ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval)
+        free = shutil.disk_usage(ckpt.save).free
+        line = (f"checkpoints: about {each / 2**30:.3g} GiB each ({params:,} parameters); up to {count} in "
+                f"{ckpt.save} at once -> about {count * each / 2**30:.3g} GiB ({free / 2**30:.4g} GiB free)")
+        if count * each > free:
+            line += "; NOT ENOUGH DISK for all of them: set --keep-last-n-checkpoints"
+        self.logger.info(line)
+        checkpoint.store.check_free_space(ckpt.save, each)
+
+    def _checkpointed_parameters(self) -> int:
+        """Elements of every tensor a checkpoint holds for the model, whatever the layout: the
+        global shapes of the sharded state, gathered over all ranks (collective)."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        local = {sh.key: math.prod(sh.global_shape) for chunk in self.model
+                 for sh in chunk.module.sharded_state_dict().values() if isinstance(sh, ShardedTensor)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sum({k: v for part in gathered for k, v in part.items()}.values())

@@ -1,0 +1,80 @@
+"""The training step, one function shared by the trainer and the benchmarks (so every figure
+measures the real step): megatron-core's schedule over one global batch with the family loss,
+then the optimizer and LR-schedule step.
+
+    loss, grad_norm = train_step(model, optimizer, scheduler, family, batches, consumed, cfg, timers)
+
+`batches` is anything with `num_microbatches`, `mbs` and `iteration(consumed)` yielding that many
+ModelInputs (training.batches.BatchSchedule, or a benchmark's fixed batch).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dllm.config import RunConfig
+from megatron_dllm.training import nan_guard
+
+
+def loss_func(family, training: bool, inp, logits):
+    """(summed loss, token count, reported [sum, count]): megatron-core divides by the global token
+    count, so the gradient is the token-weighted mean over the whole global batch."""
+    per_token = family.loss(logits, inp) if training else family.nelbo(logits, inp)
+    total, count = per_token.sum(), inp.valid.sum()
+    return total, count.to(torch.int), {"loss": torch.stack([total.detach().double(), count.double()])}
+
+
+def forward_step(family, training: bool, timers, data_iterator, model):
+    timers("batch-generator", log_level=1).start()
+    inp = next(data_iterator)
+    timers("batch-generator").stop()
+    logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+    return logits, partial(loss_func, family, training, inp)  # looked up per call: tests patch loss_func
+
+
+def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig, timers,
+                     training: bool) -> float | None:
+    """Forward (and, training, backward) over one global batch; returns the token-weighted mean
+    loss on the last pipeline stage (None elsewhere)."""
+    chunks = len(model)
+    iterators = [batches.iteration(consumed) for _ in range(chunks)]
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, family, training, timers),
+        data_iterator=iterators if chunks > 1 else iterators[0],
+        model=model if chunks > 1 else model[0],
+        num_microbatches=batches.num_microbatches, seq_length=cfg.model.seq_length,
+        micro_batch_size=batches.mbs, forward_only=not training,
+    )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    summed = torch.stack([d["loss"] for d in losses]).sum(0)
+    dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    return (summed[0] / summed[1]).item()
+
+
+def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, cfg: RunConfig, timers,
+               ema=None) -> tuple[float | None, float | None]:
+    """One iteration: (loss on the last stage, total gradient norm). A None norm means the weights
+    did not move: under --check-for-nan-in-loss-and-grad the loss or norm was not finite."""
+    for chunk in model:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = forward_backward(model, family, batches, consumed, cfg, timers, training=True)
+    timers("optimizer", log_level=1).start()
+    if cfg.training.check_for_nan_in_loss_and_grad:
+        # megatron-core's step in two halves, so a non-finite norm never reaches Adam
+        grad_norm = nan_guard.finite_grad_norm(optimizer, loss)
+        ok = grad_norm is not None and nan_guard.step_with_norm(optimizer, grad_norm)
+    else:
+        ok, grad_norm, _ = optimizer.step()
+    timers("optimizer").stop()
+    if ok:
+        scheduler.step(increment=1)
+        if ema is not None:
+            ema.update()
+    return loss, grad_norm

@@ -1,0 +1,67 @@
+"""The ThroughputMeter's arithmetic against hand-computed values: tokens/s, TFLOP/s per device,
+MFU against a given peak (and none without one), ETA and the cumulative FLOPs."""
+import pytest
+
+from megatron_dllm.config import parse_args
+from megatron_dllm.training import observability, throughput
+from megatron_dllm.training.throughput import ThroughputMeter, rates
+
+# cpu-micro (h 32, L 2) at s 16, V 100, conditioning c 128, sinusoid f 256 (scaling/flops.py):
+#   full     forward L (24 s h^2 + 4 s^2 h + 12 c h) + 2 s h V + 4 c h + 2 (f c + c^2)
+#                    = 2 (393216 + 32768 + 49152) + 102400 + 16384 + 98304 = 1,167,360
+#   calflops forward L (24 s h^2 + 12 s h + 12 c h) + 4 s h + 2 s h V + 4 c h + 2 (f c + c^2) + 2 c
+#                    = 2 (393216 + 6144 + 49152) + 2048 + 102400 + 16384 + 98304 + 256 = 1,116,416
+# training = 3 x forward
+FULL_PER_SEQUENCE, CALFLOPS_PER_SEQUENCE = 3 * 1_167_360, 3 * 1_116_416
+
+
+def test_rates_are_tokens_and_flops_per_second_per_device_and_their_share_of_the_peak():
+    r = rates(iterations=4, seconds=2.0, tokens_per_iteration=512, flops_per_iteration=3e12, world_size=2,
+              peak_flops=10e12)
+    assert r.tokens_per_s == 1024.0  # 4 x 512 / 2
+    assert r.tflops == pytest.approx(3.0)  # 4 x 3e12 / 2 s / 2 devices = 3e12 FLOP/s
+    assert r.mfu == pytest.approx(0.3)  # 3e12 / 10e12
+    assert rates(4, 2.0, 512, 3e12, 2, peak_flops=None).mfu is None
+
+
+class Clock:
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+def _meter(monkeypatch, flags, clock):
+    monkeypatch.setattr(observability.platform, "device_name", lambda: None)  # a CPU: no known peak
+    monkeypatch.setattr(throughput.platform, "peak_memory", lambda: (2**30, "test peak"))
+    cfg = parse_args(["--preset", "cpu-micro", "--seq-length", "16", "--micro-batch-size", "2",
+                      "--global-batch-size", "4", "--train-iters", "10", *flags])
+    return ThroughputMeter(cfg, vocab_size=100, world_size=1, clock=clock)
+
+
+def test_the_meter_reports_rates_eta_and_mfu_against_the_given_peak(monkeypatch):
+    meter = _meter(monkeypatch, ["--peak-flops", "1e9"], Clock(0.0, 100.0, 102.0, 102.5))
+    assert meter.flops_per_iteration == 4 * FULL_PER_SEQUENCE
+    meter.start(0)  # at 100 s
+    report = meter.measure(4)  # at 102 s: 4 iterations of 4 x 16 tokens in 2 s
+    assert report.rates.tokens_per_s == 4 * 4 * 16 / 2.0
+    assert report.rates.tflops == pytest.approx(4 * 4 * FULL_PER_SEQUENCE / 2.0 / 1e12)
+    assert report.rates.mfu == pytest.approx(4 * 4 * FULL_PER_SEQUENCE / 2.0 / 1e9)  # 2.8%
+    # ETA: 2 s for 4 iterations, 6 to go
+    assert report.text == " | MFU 2.8% | peak memory 1.00 GiB (test peak) | ETA 00:00:03"
+    assert report.extra == {"mfu": report.rates.mfu, "peak_memory_bytes": 2**30, "eta_seconds": 3.0}
+    assert report.scalars["mfu"] == report.rates.mfu and report.scalars["iteration-time"] == 0.5
+    assert meter.cumulative_flops(consumed_samples=40) == 40 * CALFLOPS_PER_SEQUENCE
+
+
+def test_the_meter_leaves_mfu_out_without_a_known_peak(monkeypatch):
+    meter = _meter(monkeypatch, [], Clock(0.0, 10.0, 11.0, 11.0, 13.0, 13.0))
+    assert meter.peak_flops is None
+    meter.start(2)  # a resumed run: its rates and ETA count from iteration 2
+    first = meter.measure(3)
+    assert first.rates.mfu is None and "MFU" not in first.text
+    assert "mfu" not in first.extra and "mfu" not in first.scalars
+    second = meter.measure(5)  # 2 iterations in 2 s since the last measure
+    assert second.rates.tokens_per_s == 2 * 4 * 16 / 2.0
+    assert second.extra["eta_seconds"] == pytest.approx(3.0 / 3 * 5)  # 3 s for 3 iterations, 5 to go
