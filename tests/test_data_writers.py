@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tmpfs
+from conftest import REPO, tmpfs
 
 from megatron_dllm.data.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.indexed_dataset import (
@@ -27,7 +27,6 @@ from megatron_dllm.data.indexed_dataset import (
 )
 from megatron_dllm.data.preprocess import preprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP = "SentencePieceTokenizer"
 QUIET = dict(log=lambda m: None)
 

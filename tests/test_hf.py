@@ -8,9 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import launch_env, run_pretrain  # noqa: E402
+from conftest import REPO, launch_env, run_pretrain
 
 pytestmark = pytest.mark.slow
 

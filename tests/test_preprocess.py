@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from megatron_dllm.data import indexed_dataset as idxmod
 from megatron_dllm.data.demo import shakespeare_files
@@ -30,7 +31,6 @@ from megatron_dllm.data.preprocess import Progress, preprocess, shard_prefix
 from megatron_dllm.data.sources import expand_inputs, shard_files
 from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer, write_tiktoken_from_bytelevel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
 SP = "SentencePieceTokenizer"
 

@@ -11,15 +11,14 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, launch_env, run_pretrain
+from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
 from megatron_dllm.cli.chaos_resume import children as _children
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-BASE = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
-        "--train-iters", "8", "--save-interval", "2", "--ema-decay", "0.9"]
+BASE = [*TINY_RUN, "--eval-interval", "4", "--eval-iters", "1", "--train-iters", "8", "--save-interval", "2",
+        "--ema-decay", "0.9"]
 # the padded vocabularies differ (4352 at TP=2, 4224 at TP=1): resharding loads the common rows
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
