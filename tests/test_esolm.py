@@ -240,11 +240,11 @@ def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(world_of_on
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_real_text_training_nelbo_falls(pretrain):
-    iters = 20  # 40 until 2026-11-24: validation falls by more than a nat between 10 and 20
+    iters = 40
     proc, records = pretrain(2, "--family", "esolm", "--preset", "cpu-tiny", "--train-iters", str(iters),
-                             "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "2")
+                             "--log-interval", "10", "--eval-interval", "20", "--eval-iters", "2")
     train = [r["loss"] for r in records if "loss" in r]
     valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
-    assert len(train) == iters // 5 and len(valid) == 2, records
+    assert len(train) == iters // 10 and len(valid) == 2, records
     assert train[-1] < train[0] and valid[-1] < valid[0], (train, valid)
     assert valid[-1] < math.log(4097), valid  # below the uniform bound log V
