@@ -1,5 +1,6 @@
-"""Shared fixtures: the demo corpus prepared once per session, a torchrun launcher, and small
-file systems of their own (read-only, full) for fault injection."""
+"""Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
+megatron's world of one, the flags of a tiny training run, a torchrun launcher, and small file
+systems of their own (read-only, full) for fault injection."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +11,11 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+# A tiny training run on the demo corpus: the tests that train add their iterations, intervals and
+# whatever they check.
+TINY_RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr-warmup-iters", "0", "--log-interval", "1"]
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +26,17 @@ def demo_cache(tmp_path_factory) -> str:
     prepare_demo_corpus(path)
     return path
 
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """torch.distributed and megatron's parallel state as one process (TP = PP = DP = 1), seeded:
+    for the in-process tests of code that runs on megatron's layout (vocab-parallel losses, model
+    building, RNG tracker); set up and torn down once per test module."""
+    from megatron_dllm import platform
+
+    platform.init_distributed(1, 1, seed=0)
+    yield
+    platform.destroy_distributed()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,19 @@
-"""torchrun worker: a few training iterations from fully random weights, metrics to a JSON file.
+"""torchrun worker: several runs of a few training iterations from fully random weights, one after
+another in the same processes, each run's metrics to a JSON file of its own.
 
-Builds the run exactly as pretrain_dllm.py does (Trainer), then re-draws every weight — adaLN
-and output layer included — from the layout-independent initialiser, so the gradients of every
-parameter are non-trivial from the first step.
+    parallel_worker.py OUT_DIR CASES_JSON
+
+CASES_JSON maps a case name to its pretrain_dllm.py flags. Each case builds the run exactly as
+pretrain_dllm.py does (Trainer: it re-initialises megatron's model-parallel state for its own
+layout), then re-draws every weight — adaLN and output layer included — from the
+layout-independent initialiser, so the gradients of every parameter are non-trivial from the
+first step. One launch for many layouts saves a process start, the torch and megatron imports and
+torchrun's rendezvous per layout. A case that fails ends the launch with its traceback; the cases
+before it have written their results.
 """
+import gc
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -26,8 +35,7 @@ def noise_fingerprints(trainer) -> list:
     return gathered
 
 
-def main():
-    out, argv = sys.argv[1], sys.argv[2:]
+def run_case(argv: list[str]) -> dict:
     trainer = Trainer(parse_args(argv))
     prints = noise_fingerprints(trainer)
     same_noise = all(a[1] == b[1] for a in prints for b in prints if a[0] == b[0])
@@ -35,10 +43,22 @@ def main():
         initialize_weights(chunk.module, seed=7, adaln_zero=False)
     records = [trainer.train_step() for _ in range(trainer.cfg.training.train_iters)]
     valid = trainer.evaluate()
-    if dist.get_rank() == dist.get_world_size() - 1:
-        with open(out, "w") as f:
-            json.dump({"loss": [r[0] for r in records], "grad_norm": [r[1] for r in records],
-                       "valid": valid, "same_noise_in_dp_group": same_noise}, f)
+    trainer.logger.close()
+    return {"loss": [r[0] for r in records], "grad_norm": [r[1] for r in records], "valid": valid,
+            "same_noise_in_dp_group": same_noise}
+
+
+def main():
+    out_dir, cases_file = sys.argv[1], sys.argv[2]
+    with open(cases_file) as f:
+        cases = json.load(f)
+    for name, argv in cases.items():
+        result = run_case(argv)
+        if dist.get_rank() == dist.get_world_size() - 1:  # the last pipeline stage holds the losses
+            with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+                json.dump(result, f)
+        gc.collect()
+        dist.barrier()
     platform.destroy_distributed()
 
 

@@ -27,11 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REL = 1e-6  # relative (Frobenius) difference allowed between the backends in fp32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def distributed():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest
 
 
 def core_config(**overrides) -> TransformerConfig:

@@ -5,8 +5,8 @@ import os
 import runpy
 
 import pytest
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD = "--no-such-flag"
 
 # each command's shim, with just the arguments it requires, so the unknown flag is the only fault

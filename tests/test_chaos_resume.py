@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch_env
+from conftest import REPO, TINY_RUN, launch_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -46,9 +46,8 @@ def test_sigterm_forwarded_by_torchrun_after_an_async_save_still_saves(demo_cach
     rank with it (BrokenPipeError) instead of saving: the run lost the iterations since its last
     checkpoint and left an `.incomplete`."""
     ckpt, log_path = tmp_path / "ckpt", tmp_path / "run.log"
-    flags = ["--demo-cache-dir", demo_cache, "--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2",
-             "--global-batch-size", "8", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100",
-             "--train-iters", "60", "--save-interval", "2", "--async-save", "--exit-signal-handler",
+    flags = ["--demo-cache-dir", demo_cache, *TINY_RUN, "--eval-interval", "100", "--train-iters", "60",
+             "--save-interval", "2", "--async-save", "--exit-signal-handler",
              "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", str(tmp_path / "tb")]
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -3,11 +3,11 @@ checkpoint of another family is refused with both sides named."""
 import shutil
 
 import pytest
+from conftest import TINY_RUN
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-       "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100", "--train-iters", "4"]
+RUN = [*TINY_RUN, "--eval-interval", "100", "--train-iters", "4"]
 
 
 def _losses(records):

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch_env, run_pretrain, tmpfs
+from conftest import REPO, TINY_RUN, launch_env, run_pretrain, tmpfs
 
 from megatron_dllm.checkpoint import layout, manifest
 from megatron_dllm.cli.chaos_resume import children as _kids
@@ -22,8 +22,7 @@ from megatron_dllm.output_lock import OutputLock, lock_path_for_dir, lock_path_f
 
 pytestmark = pytest.mark.slow
 
-RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-       "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1"]
+RUN = [*TINY_RUN, "--eval-interval", "1000", "--eval-iters", "1"]
 TRACKER = layout.TRACKER
 LOCK = ".dllm-writer.lock"
 

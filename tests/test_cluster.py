@@ -24,13 +24,11 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, run_pretrain
+from conftest import REPO, TINY_RUN, run_pretrain
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
-        "--train-iters", "8"]
+BASE = [*TINY_RUN, "--eval-interval", "4", "--eval-iters", "1", "--train-iters", "8"]
 TRACKER = "latest_checkpointed_iteration.txt"
 PRETRAIN = os.path.join(REPO, "pretrain_dllm.py")
 

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+from conftest import REPO
 
 from megatron_dllm.checkpoint import retention
 from megatron_dllm.config import parse_args, resolve_defaults, resolve_iterations
@@ -205,8 +206,7 @@ def test_exit_interval_stops_at_its_multiples():
 
 
 def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_run():
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                           "pretrain_1.7b.yaml")
+    example = os.path.join(REPO, "examples", "pretrain_1.7b.yaml")
     cfg = parse_args(["--yaml-cfg", example, "--family", "mdlm", "--data-path", "/data/x_text_document",
                       "--tokenizer-model", "tokenizer.json", "--save", "ckpt", "--load", "ckpt"])
     t, ckpt = cfg.training, cfg.checkpoint

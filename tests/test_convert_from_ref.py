@@ -24,11 +24,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import REPO
 
 from megatron_dllm.cli import convert_from_ref
 from megatron_dllm.hf import export, reference
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, LAYERS, HEADS, VOCAB, SEQ, BATCH = 64, 2, 4, 300, 16, 3
 
 

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from megatron_dllm.data.datasets import build_datasets, parse_data_path
 from megatron_dllm.data.indexed_dataset import (
@@ -23,15 +24,12 @@ from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 from megatron_dllm.data.tokenizers import build_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 # ---------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(scope="session")
-def demo(tmp_path_factory):
-    return prepare_demo_corpus(str(tmp_path_factory.mktemp("demo")))
+def demo(demo_cache):
+    return prepare_demo_corpus(demo_cache)  # prepared once per run (conftest): here its description
 
 
 @pytest.fixture(scope="session")

@@ -15,14 +15,13 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tmpfs
+from conftest import REPO, tmpfs
 
 from megatron_dllm.data.indexed_dataset import meta_path, open_indexed_dataset, read_metadata, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP = "SentencePieceTokenizer"
 QUIET = dict(log=lambda m: None)
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import launch_env
 
-from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -66,13 +65,6 @@ def dense_loss_and_grad(inp, logits):
     loss = dense_duo_nelbo(leaf, inp.input_ids, inp.targets, inp.t.double())
     loss.sum().backward()
     return loss.detach(), leaf.grad
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
 
 
 @pytest.mark.parametrize("t_value", [EPS, 0.5, 1.0])

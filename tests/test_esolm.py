@@ -117,13 +117,6 @@ def test_cuda_matches_torch_bit_for_bit(B, L, pattern, dtype):
 
 # ----------------------------------------------------------------------------- the family
 
-@pytest.fixture(scope="module")
-def distributed():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
-
-
 def _noise(sample_ids, strata=None, n=None, seed=0):
     sample_ids = torch.as_tensor(sample_ids)
     strata = torch.arange(len(sample_ids)) if strata is None else torch.as_tensor(strata)
@@ -193,7 +186,7 @@ def _megatron_dit(attention="causal"):
     return model.eval()
 
 
-def test_masked_predictions_ignore_later_masked_tokens(distributed):
+def test_masked_predictions_ignore_later_masked_tokens(world_of_one):
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
     inp = fam.corrupt(_tokens(), _noise([1, 2, 3])).to(platform.device())
     with torch.no_grad():
@@ -212,7 +205,7 @@ def test_masked_predictions_ignore_later_masked_tokens(distributed):
             assert (out[row, int(later[0])] - base[row, int(later[0])]).abs().max() > 1e-4
 
 
-def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(distributed):
+def test_causal_over_shuffled_equals_explicit_mask_in_sequence_order(world_of_one):
     model, fam = _megatron_dit(), EsoLM(MASK_ID, VOCAB)
     tokens = _tokens(seed=1)
     inp = fam.corrupt(tokens, _noise([4, 8, 15])).to(platform.device())

@@ -12,9 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import run_pretrain  # noqa: E402
+from conftest import REPO, run_pretrain
 
 FAMILIES = ["ar", "mdlm", "duo"]
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO
 
 from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family
@@ -16,11 +17,7 @@ from megatron_dllm.model.constants import T_EPS
 VOCAB, PADDED, MASK = 50, 64, 49  # real vocabulary incl. [MASK], TP-padded size, mask id
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron_world_of_one():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest
 
 
 def _noise(ids, n=None, seed=3):
@@ -130,7 +127,7 @@ def test_noise_is_the_same_after_a_restart():
 # errors (the bad-input exception type) and platform sit below every layer
 LAYERS = {"families": {"families", "model", "platform", "errors", "_esolm_shuffle", "_esolm_shuffle_cuda"},
           "model": {"model", "platform", "errors"}}
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_dllm"
+PACKAGE_ROOT = pathlib.Path(REPO) / "megatron_dllm"
 
 
 def _internal_imports(path: pathlib.Path) -> set[str]:

@@ -12,13 +12,12 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch_env, run_pretrain
+from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
 from megatron_dllm.config import parse_args
 
-RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-       "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1"]
+RUN = [*TINY_RUN, "--eval-interval", "100", "--eval-iters", "1"]
 TRACKER = layout.TRACKER
 
 

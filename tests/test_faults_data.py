@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tmpfs
+from conftest import REPO, tmpfs
 
 from megatron_dllm.data.datasets import build_datasets, check_prefix
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
@@ -28,7 +28,6 @@ from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess, shard_prefix
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP = "SentencePieceTokenizer"
 QUIET = dict(log=lambda m: None)
 

@@ -6,11 +6,10 @@ checkpoint is trained at TP=2 (sharded), the AR one at PP=2 with 2 virtual stage
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import launch_env, run_pretrain  # noqa: E402
+from conftest import REPO, launch_env, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +23,20 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB
 @pytest.fixture(scope="module")
 def checkpoints(demo_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_ckpts")
-    out = {}
     layouts = {"esolm": ["--tensor-model-parallel-size", "2"],  # sharded over TP
                "ar": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
                       "--num-layers", "4"]}  # interleaved pipeline chunks
-    for family in FAMILIES:
+
+    def train(family):
         layout = layouts.get(family, [])
-        nproc = 2 if layout else 1
         work = root / family
         work.mkdir()
-        run_pretrain(nproc, ["--demo-cache-dir", demo_cache, "--family", family, *RUN, *layout,
-                             "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")], work)
-        out[family] = str(work / "ckpt")
-    return out
+        run_pretrain(2 if layout else 1, ["--demo-cache-dir", demo_cache, "--family", family, *RUN, *layout,
+                                          "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")], work)
+        return family, str(work / "ckpt")
+
+    with ThreadPoolExecutor(len(FAMILIES)) as pool:  # separate processes: train concurrently (the
+        return dict(pool.map(train, FAMILIES))  # one-process runs leave a core idle, as do start-ups)
 
 
 def _run(cmd, timeout=300, nproc=1):

@@ -7,11 +7,10 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import REPO
 from megatron.core.datasets import helpers_cpp  # shipped prebuilt with megatron-core
 
 from megatron_dllm.data import index_builders as ib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_extension_is_built():

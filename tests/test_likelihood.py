@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_dllm import platform
 from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
 from megatron_dllm.families import get_family
 from megatron_dllm.families.base import ModelInput
@@ -40,11 +39,7 @@ def tiny(family, vocab=V, length=8, seed=0):
     return InferenceModel(model.double().eval(), family, vocab - 1, vocab, length, None, "hf")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world():
-    platform.init_distributed(1, 1)  # the family losses run on megatron's vocab-parallel layout
-    yield
-    platform.destroy_distributed()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest
 
 
 def noised_sequences(family, x, free, t):

@@ -13,11 +13,11 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from megatron_dllm.cli.convert_dataset import main as convert_main
 from megatron_dllm.data.prep import litpkds
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS, BOS = 2, 1
 CODES = {np.dtype(np.uint16): 8, np.dtype(np.int32): 4, np.dtype(np.int64): 5, np.dtype(np.float32): 6}
 

@@ -52,15 +52,6 @@ def exports(demo_cache, tmp_path_factory):
     return {f: _export(f, str(root / f), tok) for f in ("ar", "mdlm")}
 
 
-@pytest.fixture(scope="module")
-def world():
-    from megatron_dllm import platform
-
-    platform.init_distributed(1, 1)
-    yield
-    platform.destroy_distributed()
-
-
 def _loglikelihoods(lm, limit=6):
     import lm_eval
 
@@ -73,7 +64,7 @@ def _loglikelihoods(lm, limit=6):
 
 
 @pytest.mark.slow
-def test_ar_loglikelihood_equals_lm_eval_hf_backend(exports, world):
+def test_ar_loglikelihood_equals_lm_eval_hf_backend(exports, world_of_one):
     from lm_eval.models.huggingface import HFLM
 
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
@@ -164,7 +155,7 @@ def _dense_logp(model, ids):
     return torch.log_softmax(logits, -1)
 
 
-def test_loglikelihood_rolling(world):
+def test_loglikelihood_rolling(world_of_one):
     lm = _tiny_lm("ar")
     text = [5, 3, 9, 9, 2, 7, 4]
     ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, text)),)]))
@@ -183,7 +174,7 @@ def test_loglikelihood_rolling(world):
     assert ll < 0 and lm.stderrs[-1] > 0 and lm.estimator.mode == "conditional"
 
 
-def test_generate_until_is_greedy_left_to_right_and_stops(world):
+def test_generate_until_is_greedy_left_to_right_and_stops(world_of_one):
     lm = _tiny_lm("ar")
     prompt = [4, 6, 2]
     ids, greedy = list(prompt), []

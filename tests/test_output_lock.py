@@ -9,10 +9,9 @@ import sys
 import time
 
 import pytest
+from conftest import REPO
 
 from megatron_dllm.output_lock import OutputLock, OutputLockedError, lock_path_for_prefix
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A holder in a process of its own: takes the lock, says so, and keeps it until stdin closes.
 HOLDER = """

@@ -5,7 +5,6 @@ the default keeps Megatron's exemption of biases and 1-D parameters, and `--lr-w
 """
 import pytest
 
-from megatron_dllm import platform
 from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
 from megatron_dllm.config.run import parse_args
@@ -44,13 +43,6 @@ def test_paper_code_name_selects_the_preset_from_the_command_line():
     assert cfg.preset() == get_preset("1708M")
 
 
-@pytest.fixture(scope="module")
-def distributed():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
-
-
 def decay_by_name(apply_to_all: bool) -> tuple[dict, dict]:
     """(name -> the weight decay megatron-core's optimizer applies to it, name -> its dim)."""
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
@@ -72,7 +64,7 @@ def decay_by_name(apply_to_all: bool) -> tuple[dict, dict]:
     return decay, {n: p.dim() for chunk in model for n, p in chunk.named_parameters()}
 
 
-def test_weight_decay_groups(distributed):
+def test_weight_decay_groups(world_of_one):
     default, dims = decay_by_name(False)
     exempt = {n for n in dims if n.endswith(".bias") or dims[n] == 1}
     assert exempt and any("norm" in n for n in exempt) and any(n.endswith(".bias") for n in exempt)
@@ -90,7 +82,7 @@ def test_paper_warmup_length(train_iters):
     assert OptimizerConfig(lr_warmup_fraction=0.01).warmup_iters(train_iters) == int(0.01 * train_iters)
 
 
-def test_paper_warmup_in_the_scheduler(distributed):
+def test_paper_warmup_in_the_scheduler(world_of_one):
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
     from megatron_dllm.model.presets import Preset
     from megatron_dllm.training.optim import build_optimizer, wrap_ddp

@@ -4,14 +4,8 @@ import torch
 
 from megatron_dllm import platform
 
-pytestmark = pytest.mark.skipif(platform.HAS_CUDA, reason="the compatibility layer is installed only without CUDA")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    platform.init_distributed(1, 1, seed=5)
-    yield
-    platform.destroy_distributed()
+pytestmark = [pytest.mark.skipif(platform.HAS_CUDA, reason="the compatibility layer is installed only without CUDA"),
+              pytest.mark.usefixtures("world_of_one")]  # conftest
 
 
 def test_cuda_requests_land_on_the_cpu():

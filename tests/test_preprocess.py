@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
@@ -32,7 +33,6 @@ from megatron_dllm.data.prep.sources import expand_inputs, shard_files
 from megatron_dllm.data.prep.tiktoken_files import write_tiktoken_from_bytelevel
 from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(REPO, "tools")
 SP = "SentencePieceTokenizer"
 

@@ -5,12 +5,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from megatron_dllm.model.builder import Architecture, check_layout
 from megatron_dllm.model.params import count_parameters
 from megatron_dllm.model.presets import PAPER_PRESETS, get_preset
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name", list(PAPER_PRESETS))

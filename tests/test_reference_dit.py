@@ -22,11 +22,7 @@ PRESET = Preset(64, 2, 4)
 DEVICE = platform.device()  # where build_model puts the model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def distributed():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest
 
 
 def build_megatron(attention: str, randomise: bool = True, attention_backend: str = "local"):

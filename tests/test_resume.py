@@ -11,15 +11,14 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, launch_env, run_pretrain
+from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
 from megatron_dllm.cli.chaos_resume import children as _children
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
-BASE = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
-        "--train-iters", "8", "--save-interval", "2", "--ema-decay", "0.9"]
+BASE = [*TINY_RUN, "--eval-interval", "4", "--eval-iters", "1", "--train-iters", "8", "--save-interval", "2",
+        "--ema-decay", "0.9"]
 # the padded vocabularies differ (4352 at TP=2, 4224 at TP=1): resharding loads the common rows
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -165,28 +164,31 @@ def test_checkpoints_reshard_between_tp2_and_pp2(full, demo_cache, tmp_path):
     assert _valid(back, 8) == pytest.approx(_valid(records, 8), rel=1e-5)
 
 
-@pytest.mark.parametrize("family", ["duo", "esolm"])
-def test_sigkill_mid_training_at_tp2_pp2_resumes_exactly(family, demo_cache, tmp_path):
-    """TP=2 x PP=2 (4 ranks): SIGKILL between checkpoints, restart the same command, and the
-    iterations the killed run had already done come out bit-identical (same data order, noise and
-    optimizer state). Duo (uniform noise, RNG states not restored: --no-load-rng, since the noise
-    is a function of (seed, sample), not of the generators' state) and Eso-LM (a shuffled order
-    per sample); MDLM's resume is covered by the kill during a save and by the chaos soak, and AR
-    draws no noise."""
+@pytest.mark.parametrize("family,nproc,layout", [pytest.param("esolm", 4, [*TP2, *PP2], id="esolm-tp2-pp2"),
+                                                 pytest.param("duo", 2, TP2, id="duo-tp2")])
+def test_sigkill_mid_training_resumes_exactly(family, nproc, layout, demo_cache, tmp_path):
+    """SIGKILL between checkpoints, restart the same command, and the iterations the killed run had
+    already done come out bit-identical (same data order, noise and optimizer state). Eso-LM (a
+    shuffled order per sample) at TP=2 x PP=2 (4 ranks: every model-parallel dimension at once);
+    Duo (uniform noise, RNG states not restored: --no-load-rng, since the noise is a function of
+    (seed, sample), not of the generators' state) at TP=2, where its vocab-parallel loss is
+    sharded: a second 4-rank kill proved nothing the Eso-LM one and Duo's PP=2 equivalence
+    (test_parallel_equivalence) do not. MDLM's resume is covered by the kill during a save and by
+    the chaos soak, and AR draws no noise."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     no_rng = ["--no-load-rng"] if family == "duo" else []
-    flags = ["--demo-cache-dir", demo_cache, "--family", family, *BASE, *TP2, *PP2, "--train-iters", "6",
+    flags = ["--demo-cache-dir", demo_cache, "--family", family, *BASE, *layout, "--train-iters", "6",
              "--save-interval", "3", "--eval-interval", "100", "--save", str(ckpt), "--load", str(ckpt), *no_rng]
 
     def past_checkpoint():  # iteration 3 saved and at least one more iteration logged
         done = (ckpt / TRACKER).exists() and (ckpt / TRACKER).read_text() == "3"
         return done and any(r.get("iteration", 0) > 3 and "loss" in r for r in _records(metrics))
 
-    assert _run_until(4, flags, tmp_path, metrics, past_checkpoint), "never caught between checkpoints"
+    assert _run_until(nproc, flags, tmp_path, metrics, past_checkpoint), "never caught between checkpoints"
     killed = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in _records(metrics) if "loss" in r}
     assert (ckpt / TRACKER).read_text() == "3" and max(killed) < 6
 
-    proc, records = run_pretrain(4, flags, tmp_path)
+    proc, records = run_pretrain(nproc, flags, tmp_path)
     resumed = {r["iteration"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
     assert sorted(resumed) == [4, 5, 6]
     overlap = [i for i in resumed if i in killed]

@@ -12,9 +12,7 @@ import sys
 
 import pytest
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from conftest import run_pretrain  # noqa: E402
+from conftest import REPO, run_pretrain
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
 from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402

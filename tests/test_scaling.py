@@ -16,8 +16,6 @@ from megatron_dllm.scaling.fits import analyze_isoflop, fit_step_curve
 from megatron_dllm.scaling.flops import forward_flops_per_sequence, non_embedding_params, train_flops_per_sequence
 from megatron_dllm.scaling.plan import PlannedRun, budget_label, plan_isoflop, write_manifest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _tool(name: str):
     """The command `name` (tools/<name>.py is its shim)."""

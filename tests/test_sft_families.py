@@ -10,17 +10,11 @@ import pytest
 import torch
 from sft_cases import MASK, PROMPT_LENGTHS, dense_sft_loss, make_case
 
-from megatron_dllm import platform
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("ar", "mdlm", "duo", "esolm")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    platform.init_distributed(1, 1, seed=0)
-    yield
-    platform.destroy_distributed()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest
 
 
 @pytest.mark.parametrize("name", FAMILIES)
