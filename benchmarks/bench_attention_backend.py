@@ -20,9 +20,7 @@ step of each backend, the medians of the per-round ratios sdpa/local, and the lo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
 import warnings
 
@@ -31,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from bench_train_step import MegatronStep, make_batch, timed  # noqa: E402
+from ab_rounds import alternating_rounds, forward_backward, ratio_cells  # noqa: E402
+from bench_train_step import MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
@@ -39,18 +38,6 @@ from megatron_dllm.model.init import initialize_weights  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 
 BACKENDS = ("local", "sdpa")
-
-
-def forward_backward(step: MegatronStep) -> float:
-    """One micro-batch through the trainer's schedule (`training.step.forward_backward`: forward,
-    family loss, backward into DDP's grad buffers); returns the loss."""
-    from megatron_dllm.training import step as training_step
-
-    step.model[0].zero_grad_buffer()
-    loss = training_step.forward_backward(step.model, step.family, step.batches, 0, step.cfg, step.timers,
-                                          training=True)
-    platform.synchronize()  # a GPU step ends when its kernels have
-    return loss
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
@@ -64,21 +51,8 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
     first = {b: forward_backward(s) for b, s in steps.items()}
     print(f"{preset_name} seq {seq} {family_name}: first loss " +
           "  ".join(f"{b} {v:.6f}" for b, v in first.items()), file=sys.stderr)
-    for _ in range(args.warmup):
-        for s in steps.values():
-            forward_backward(s)
-    wall, cpu = {b: [] for b in BACKENDS}, {b: [] for b in BACKENDS}
-    for r in range(args.rounds):
-        order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]  # alternate who goes first
-        for b in order:
-            seconds, used, _ = timed(lambda s=steps[b]: forward_backward(s), contextlib.nullcontext)
-            wall[b].append(seconds)
-            cpu[b].append(used)
     row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name}
-    for what, t in (("wall", wall), ("cpu", cpu)):
-        ratios = [s / lo for lo, s in zip(t["local"], t["sdpa"])]
-        row[what] = (statistics.median(t["local"]), statistics.median(t["sdpa"]), statistics.median(ratios),
-                     min(ratios), max(ratios))
+    row.update(alternating_rounds(steps, args.rounds, args.warmup))
     return row
 
 
@@ -109,9 +83,7 @@ def main(argv=None) -> None:
                 for family in args.families:
                     r = bench(preset, seq, family, args)
                     kind = "causal" if family == "ar" else "bidirectional"
-                    cells = [f"{1e3 * lo:.1f} | {1e3 * sd:.1f} | **{ratio:.3f}** | {rmin:.2f}–{rmax:.2f}"
-                             for lo, sd, ratio, rmin, rmax in (r["wall"], r["cpu"])]
-                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {' | '.join(cells)} | "
+                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {ratio_cells(r)} | "
                           f"{os.getloadavg()[0]:.1f} |", flush=True)
     finally:
         platform.destroy_distributed()

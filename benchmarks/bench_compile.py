@@ -19,9 +19,7 @@ the medians of the per-round ratios fused/eager, and the load average.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -31,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from bench_attention_backend import forward_backward  # noqa: E402
-from bench_train_step import MegatronStep, make_batch, timed  # noqa: E402
+from ab_rounds import alternating_rounds, forward_backward, ratio_cells  # noqa: E402
+from bench_train_step import MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
@@ -59,22 +57,9 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
         first_s[v] = time.perf_counter() - start
     print(f"{preset_name} seq {seq} {family_name}: first loss " +
           "  ".join(f"{v} {first[v]:.6f} ({first_s[v]:.1f} s)" for v in VARIANTS), file=sys.stderr)
-    for _ in range(args.warmup):
-        for s in steps.values():
-            forward_backward(s)
-    wall, cpu = {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
-    for r in range(args.rounds):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]  # alternate who goes first
-        for v in order:
-            seconds, used, _ = timed(lambda s=steps[v]: forward_backward(s), contextlib.nullcontext)
-            wall[v].append(seconds)
-            cpu[v].append(used)
     row = {"batch": batch, "compile_s": first_s["fused"] - first_s["eager"],
            "fusion": steps["fused"].cfg.model.fusion(use_te=False)}
-    for what, t in (("wall", wall), ("cpu", cpu)):
-        ratios = [f / e for e, f in zip(t["eager"], t["fused"])]
-        row[what] = (statistics.median(t["eager"]), statistics.median(t["fused"]), statistics.median(ratios),
-                     min(ratios), max(ratios))
+    row.update(alternating_rounds(steps, args.rounds, args.warmup))
     return row
 
 
@@ -105,9 +90,7 @@ def main(argv=None) -> None:
             for seq in args.seqs:
                 for family in args.families:
                     r = bench(preset, seq, family, args)
-                    cells = [f"{1e3 * e:.1f} | {1e3 * f:.1f} | **{ratio:.3f}** | {rmin:.2f}–{rmax:.2f}"
-                             for e, f, ratio, rmin, rmax in (r["wall"], r["cpu"])]
-                    print(f"| {preset} | {seq} x {r['batch']} | {family} | {' | '.join(cells)} | "
+                    print(f"| {preset} | {seq} x {r['batch']} | {family} | {ratio_cells(r)} | "
                           f"{r['compile_s']:.1f} s | {os.getloadavg()[0]:.1f} |", flush=True)
         print(f"\nfused = {r['fusion'].describe()}")
     finally:
