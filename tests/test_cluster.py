@@ -105,7 +105,7 @@ def test_the_start_of_run_size_estimate_matches_the_checkpoints_on_disk(full):
 
 def test_log_lines_carry_mfu_memory_phase_times_and_eta(full):
     _, proc, records = full
-    assert "MFU against CPU: MFU is not meaningful" in proc.stdout
+    assert "MFU" not in proc.stdout  # a CPU has no peak FLOP/s: nothing about MFU at all
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(" iteration       8/8"))
     assert re.search(r"FLOPs [\d.e+]+ \| peak memory [\d.]+ GiB \(CPU RSS peak\) \| ms per iteration: data "
                      r"[\d.]+, forward-backward [\d.]+, grads-sync [\d.]+, optimizer [\d.]+ \| ETA 00:00:00",

@@ -48,7 +48,8 @@ class Trainer:
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
         self.train_batches, self.valid_batches = build_batches(cfg, self.family, inputs, self.config.sequence_parallel)
         self.logger = Logger(log.tensorboard_dir, log.metrics_file)
-        self.logger.info(f"MFU against {self.meter.peak_source}")
+        if self.meter.peak_flops or platform.HAS_CUDA:  # a CPU has no peak: no MFU line at all
+            self.logger.info(f"MFU against {self.meter.peak_source}")
         self.exits = ExitConditions(t)
         self.nonfinite = nan_guard.NonFiniteCounter(t.max_consecutive_nonfinite_iters)
         self.spikes = nan_guard.LossSpikes(t.loss_spike_factor)
