@@ -194,7 +194,7 @@ def test_generate_until_is_greedy_left_to_right_and_stops(world_of_one):
 
 
 @pytest.mark.parametrize("family", ["ar", "esolm"])
-def test_generate_until_in_batches_equals_batch_1(world, family):
+def test_generate_until_in_batches_equals_batch_1(world_of_one, family):
     """Requests of different lengths and settings (greedy, sampled): batch 3 gives batch 1's texts."""
     lm = _tiny_lm(family)
     greedy, sampled = {"until": ["none"], "max_gen_toks": 5}, {"until": ["none"], "max_gen_toks": 5,
