@@ -162,6 +162,11 @@ def fusion_defaults() -> dict:
             "masked_softmax": HAS_CUDA and all(importlib.util.find_spec(k) is not None for k in kernels)}
 
 
+def profiler_activities() -> list:
+    """What torch.profiler records here: the host always, the device's kernels on a GPU."""
+    return [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if HAS_CUDA else [])
+
+
 def synchronize() -> None:
     if HAS_CUDA:
         torch.cuda.synchronize()

@@ -110,12 +110,9 @@ class Profiler:
         if not self.active:
             return
         if iteration == self.start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if platform.device_name() is not None:
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
             platform.record_memory_history(True)
             self.prof = torch.profiler.profile(
-                activities=activities, record_shapes=True, with_stack=False,
+                activities=platform.profiler_activities(), record_shapes=True, with_stack=False,
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(self.dir, worker_name=f"rank{dist.get_rank()}"))
             self.prof.start()
         elif iteration == self.end:

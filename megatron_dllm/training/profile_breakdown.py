@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, record_function
+from torch.profiler import record_function
 
 from megatron_dllm import platform
 from megatron_dllm.training import profile_regions as regions
@@ -82,10 +82,9 @@ class Breakdown:
 def profile_steps(trainer, steps: int, trace: str | None = None) -> Breakdown:
     """Run `steps` real training steps under torch.profiler (CUDA too where present) with the
     regions installed; optionally write the Chrome trace to `trace`."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if platform.HAS_CUDA else [])
     remove = regions.install_regions(trainer)
     try:
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=platform.profiler_activities()) as prof:
             for _ in range(steps):
                 with record_function(regions.STEP):
                     trainer.train_step()
