@@ -9,10 +9,11 @@ from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.sampling.ar import ARSampler
 from megatron_dllm.sampling.base import Sampler
-from megatron_dllm.sampling.config import SamplingConfig
+from megatron_dllm.sampling.config import REMASKING_PREDICTORS, SamplingConfig
 from megatron_dllm.sampling.duo import DuoSampler
 from megatron_dllm.sampling.esolm import EsoLMSampler
 from megatron_dllm.sampling.mdlm import MDLMSampler
+from megatron_dllm.sampling.remasking import remasking_sampler
 
 SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
                                       "esolm": EsoLMSampler}
@@ -24,4 +25,6 @@ def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
     if inf.family not in SAMPLERS:
         raise InputError(f"--family {inf.family!r} has no sampler; expected one of: {', '.join(SAMPLERS)}")
     family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    if cfg.predictor in REMASKING_PREDICTORS:  # shared by the families it applies to (remasking.py)
+        return remasking_sampler(family, inf, cfg)
     return SAMPLERS[inf.family](family, inf, cfg)
