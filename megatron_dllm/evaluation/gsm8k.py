@@ -8,6 +8,8 @@ Problems come from (first match):
   - `.jsonl[.gz]`: the standard GSM8K records (`question`, `answer` ending in `#### N`), or
     requests with a `doc` holding them;
   - `.txt[.gz]`: Deng et al.'s `question||reasoning #### answer` lines.
+`--protocol native` generates with the family's own sampler or another `--predictor` (MDLM/Duo:
+low-confidence, threshold, entropy-bound; `--block-length`), sampled unless `--greedy`.
 The prompt is "Question: {question}\\n", as SFT renders the training data (zero-shot after SFT,
 the paper's setting). A prompt that leaves no room to generate is cut from the left (counted).
 
