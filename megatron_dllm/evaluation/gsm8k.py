@@ -155,7 +155,12 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
         seconds += time.perf_counter() - start
         return out
 
-    generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+    calls = [0]  # model forward passes (a batched call counts once)
+    hook = inf.model.backbone.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+    finally:
+        hook.remove()
     correct = tokens = 0
     tmp = f"{predictions}.tmp-{os.getpid()}" if predictions else None
     out = open(tmp, "w") if tmp else None
@@ -182,7 +187,8 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     n = len(problems)
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,
-            "throughput_tokens_per_s": tokens / seconds if seconds else None, "batch_size": batch_size}
+            "throughput_tokens_per_s": tokens / seconds if seconds else None, "model_calls": calls[0],
+            "batch_size": batch_size}
 
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:
