@@ -23,9 +23,10 @@ import statistics
 import time
 
 import torch
+from bench_samplers import build as random_model
 
 from megatron_dllm import platform
-from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate, load_inference_model
+from megatron_dllm.sampling import SamplingConfig, generate, load_inference_model
 
 VARIANTS = [  # (label, SamplingConfig fields)
     ("ancestral T=L", {"predictor": "ancestral", "steps": None}),
@@ -39,22 +40,6 @@ VARIANTS = [  # (label, SamplingConfig fields)
     ("entropy-bound 0.1", {"predictor": "entropy-bound", "entropy_bound": 0.1}),
     ("entropy-bound 1.0, blocks of 32", {"predictor": "entropy-bound", "entropy_bound": 1.0, "block_length": 32}),
 ]
-
-
-def random_model(family: str, length: int) -> InferenceModel:
-    from megatron_dllm.hf.configuration_dllm import DLLMConfig
-    from megatron_dllm.hf.modeling_dllm import DLLMForMaskedLM
-
-    vocab = 4097
-    config = DLLMConfig(family=family, hidden_size=128, num_layers=4, num_heads=4, vocab_size=vocab,
-                        mask_token_id=vocab - 1, max_position_embeddings=length, attention="bidirectional")
-    torch.manual_seed(0)
-    model = DLLMForMaskedLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-    return InferenceModel(model.eval(), family, vocab - 1, vocab, length, None, "random")
 
 
 def run(inf, cfg: SamplingConfig, prompt, seed: int) -> dict:

@@ -10,28 +10,22 @@ import math
 
 import pytest
 import torch
+from test_batched_generation import EOS, L, model
 from test_sampling import MASK, V, random_model
 
 from megatron_dllm.cli import sample as sample_cli
+from megatron_dllm.cli.evaluate import build_parser
 from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation import gsm8k
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
 from megatron_dllm.sampling.conditional import generate_native, generate_native_batch
 from megatron_dllm.sampling.remasking import above_threshold, entropy_bounded, most_confident
 
-L, EOS = 20, 0
 PROMPT = [5, 6, 7, 8]
 GEN = L - len(PROMPT)
 FAMILIES = ["mdlm", "duo"]
 RULES = [("low-confidence", {"steps": 6}), ("low-confidence", {"tokens_per_step": 3}),
          ("threshold", {"confidence_threshold": 0.1}), ("entropy-bound", {"entropy_bound": 2.0})]
-
-
-def model(family, eos_bias=0.0):
-    m = random_model(family, length=L).to(torch.float64)
-    with torch.no_grad():
-        m.backbone.output_layer.linear.bias[EOS] += eos_bias
-    return InferenceModel(m, family, MASK, V, L, None, "hf")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -130,7 +124,7 @@ def test_one_block_equals_no_block(inf, predictor, knobs):
 
 @pytest.mark.parametrize("predictor,knobs", RULES)
 def test_blocks_finish_left_to_right_and_commits_never_change(inf, predictor, knobs):
-    B = 5  # blocks [4, 9), [9, 14), [14, 19), [19, 20)
+    B = 5  # blocks [4, 9), [9, 14), ..., [29, 32)
     x, calls = run(inf, 6, predictor=predictor, block_length=B, **knobs)
     seen = calls + [x[0]]
     changes = torch.stack([a != b for a, b in zip(seen[:-1], seen[1:])])  # [calls, L]
@@ -143,7 +137,7 @@ def test_blocks_finish_left_to_right_and_commits_never_change(inf, predictor, kn
             first = min(open_blocks)
             assert all(bool((c[len(PROMPT) + b * B:len(PROMPT) + (b + 1) * B] == MASK).all())
                        for b in open_blocks if b > first)
-    if predictor == "low-confidence" and "steps" in knobs:  # 6 steps over 4 blocks: 2, 2, 1, 1
+    if predictor == "low-confidence" and "steps" in knobs:  # 6 steps over 6 blocks: one each
         assert len(calls) == 6
 
 
@@ -204,7 +198,6 @@ def test_commands_refuse_a_knob_of_another_predictor_in_one_line(capsys):
     assert sample_cli.main(["--load", "nowhere", "--predictor", "threshold", "--tokens-per-step", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --tokens-per-step applies to --predictor low-confidence only, not --predictor threshold"]
-    parser = __import__("megatron_dllm.cli.evaluate", fromlist=["build_parser"]).build_parser()
-    args = parser.parse_args(["gsm8k", "--load", "nowhere", "--predictor", "threshold"])
+    args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--predictor", "threshold"])
     with pytest.raises(InputError, match="apply to --protocol native only"):
         gsm8k.run_gsm8k(args)

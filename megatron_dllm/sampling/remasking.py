@@ -31,7 +31,7 @@ and shapes of its batch-1 run, so a batch gives exactly the batch-1 samples.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -81,7 +81,7 @@ class _Row:
     counts: list[list[int]] | None
     block: int = 0
     step: int = 0
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class RemaskingSampler(Sampler):
