@@ -15,6 +15,9 @@ it is -log alpha_t.
 AR, MDLM and Eso-LM were trained with sigma = 0 (the default). Eso-LM takes the sequence in its
 shuffled order with `position_ids` = the original positions, and attends causally over that order.
 Causal models decode incrementally with `kv_cache=KVCache(num_layers)` (see `KVCache`).
+DLLMForMaskedLM.generate (alias diffusion_generate) samples with megatron_dllm's own samplers,
+which an export ships beside this file (megatron_dllm/sampling/hf_generation.py); the AR family's
+DLLMForCausalLM keeps transformers' generate.
 """
 import math
 from typing import Optional
