@@ -166,6 +166,15 @@ def test_bad_arguments_are_clear_value_errors(tmp_path, kwargs, message):
         model.generate(steps=kwargs.pop("steps", 2), **kwargs)
 
 
+def test_a_schedule_the_samplers_do_not_use_is_refused(tmp_path):
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("duo", tmp_path / "duo"))
+    model.config.noise_eps = 1e-2
+    with pytest.raises(ValueError, match=re.escape("noise_eps 0.01; the samplers' schedule is 'loglinear' with eps")):
+        model.generate(max_new_tokens=4, steps=2)
+
+
 def test_shipped_files_import_only_torch_transformers_and_the_standard_library():
     """What transformers checks (`check_imports`) before it runs remote code from the Hub: every
     shipped file's absolute imports (outside try blocks) are installed where the export is used."""

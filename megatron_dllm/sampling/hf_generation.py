@@ -29,6 +29,7 @@ import torch
 from .categorical import sample as _shipped_with_the_export  # noqa: F401
 from .conditional import generate_left_to_right_batch, generate_native_batch
 from .config import SamplingConfig
+from .deps import get_family
 from .generate import generate
 from .inference_model import InferenceModel
 from .registry import SAMPLERS
@@ -41,8 +42,11 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
     if config.family not in SAMPLERS:
         raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
                          f"{', '.join(SAMPLERS)}")
-    if config.noise_schedule != SCHEDULE:
-        raise ValueError(f"config.json: noise_schedule {config.noise_schedule!r}; the samplers know {SCHEDULE!r}")
+    family = get_family(config.family, config.mask_token_id, config.vocab_size)
+    eps = float(family.schedule.alpha(torch.tensor(1.0, dtype=torch.float64)))  # log-linear: alpha_1 = eps
+    if config.noise_schedule != SCHEDULE or abs(config.noise_eps - eps) > 1e-12:
+        raise ValueError(f"config.json: noise_schedule {config.noise_schedule!r} with noise_eps {config.noise_eps}; "
+                         f"the samplers' schedule is {SCHEDULE!r} with eps {eps}")
     valid = SAMPLERS[config.family].predictors
     if sampler not in valid:
         raise ValueError(f"sampler={sampler!r} is not available for the {config.family} family; valid: "
