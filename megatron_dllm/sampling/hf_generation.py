@@ -17,8 +17,9 @@ The first two return [rows, P + max_new_tokens]: the prompt, then the filled can
 command's samples). With `attention_mask` marking padding (left or right), each row is its prompt
 (the unpadded tokens) answered by conditional generation (`sampling.conditional`'s batched
 protocol: cut after the first EOS); the result is the input as given, then each row's answer,
-filled with `eos_token_id` after it. `generator=` replaces the seeded random stream (unpadded
-input only: padded rows each draw from their own seeded stream, as batch 1 would).
+filled with `eos_token_id` after it (with conditional's settings: stop at EOS, caches on,
+float64). `generator=` replaces the seeded random stream (unpadded input only: padded rows each
+draw from their own seeded stream, as batch 1 would).
 """
 from __future__ import annotations
 
