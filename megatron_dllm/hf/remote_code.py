@@ -21,7 +21,10 @@ SOURCES = {"configuration_dllm": "hf/configuration_dllm.py", "modeling_dllm": "h
 
 
 def source_path(module: str) -> str:
-    return os.path.join(PACKAGE, SOURCES.get(module, f"sampling/{module}.py"))
+    path = os.path.join(PACKAGE, SOURCES.get(module, f"sampling/{module}.py"))
+    if module in SOURCES and module != "deps" and os.path.exists(os.path.join(PACKAGE, "sampling", f"{module}.py")):
+        raise RuntimeError(f"remote code: sampling/{module}.py and {SOURCES[module]} would both be {module}.py")
+    return path
 
 
 def relative_imports(path: str) -> tuple[set[str], set[str]]:
