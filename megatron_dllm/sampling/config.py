@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dllm.errors import InputError
+from .deps import InputError
 
 PREDICTORS = ("ancestral", "block", "left-to-right")
 
