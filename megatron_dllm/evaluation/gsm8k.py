@@ -127,8 +127,10 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
                    **options) -> dict:
     """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
-    temporary name, renamed when complete). `greedy` defaults to True left to right and False
-    native; `predictor` and `options` (`SamplingConfig` fields) choose the native sampler."""
+    temporary name, renamed when complete). The result's `batch_size` is the largest batch that
+    ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument.
+    `greedy` defaults to True left to right and False native; `predictor` and `options`
+    (`SamplingConfig` fields) choose the native sampler."""
     greedy = protocol == "left-to-right" if greedy is None else greedy
     tok = inf.tokenizer
     if tok is None:
@@ -141,10 +143,10 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
                          f"context of {inf.seq_length}")
     full = [tok.tokenize(prompt_text(problem.question)) for problem in problems]
     prompts, truncated = [ids[-keep:] for ids in full], sum(len(ids) > keep for ids in full)
-    seconds = 0.0
+    seconds, largest_batch = 0.0, 0
 
     def run(indices: list[int]) -> list[list[int]]:
-        nonlocal seconds
+        nonlocal seconds, largest_batch
         batch = [prompts[i] for i in indices]
         start = time.perf_counter()
         if protocol == "left-to-right":
@@ -153,6 +155,7 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
             out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy, seeds=seed,
                                         predictor=predictor, **options)
         seconds += time.perf_counter() - start
+        largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
 
     calls = [0]  # model forward passes (a batched call counts once)
@@ -188,7 +191,7 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,
             "throughput_tokens_per_s": tokens / seconds if seconds else None, "model_calls": calls[0],
-            "batch_size": batch_size}
+            "batch_size": largest_batch, "batch_size_requested": batch_size}
 
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:

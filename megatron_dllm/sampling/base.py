@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.config import SamplingConfig
+from . import categorical
+from .config import SamplingConfig
+from .deps import InputError
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
 

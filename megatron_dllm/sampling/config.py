@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dllm.errors import InputError
+from .deps import InputError
 
 # predictors that commit the masked (MDLM) or not yet committed (Duo) positions a rule picks from
 # the model's confidence, block by block (sampling/remasking.py)

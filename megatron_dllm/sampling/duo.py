@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.base import Sampler
+from . import categorical
+from .base import Sampler
 
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,

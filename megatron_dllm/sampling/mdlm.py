@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.base import Sampler
+from . import categorical
+from .base import Sampler
 
 
 class MDLMSampler(Sampler):

@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.base import Sampler
-from megatron_dllm.sampling.config import REMASKING_PREDICTORS
-from megatron_dllm.sampling.duo import DuoSampler
-from megatron_dllm.sampling.mdlm import MDLMSampler
-from megatron_dllm.sampling.prompt_batch import PromptBatch
+from . import categorical
+from .base import Sampler
+from .config import REMASKING_PREDICTORS
+from .deps import InputError
+from .duo import DuoSampler
+from .mdlm import MDLMSampler
+from .prompt_batch import PromptBatch
 
 # ------------------------------------------------------------------ selection rules (indices into the open positions)
 
