@@ -78,6 +78,7 @@ def test_accuracy_and_throughput_accounting(tmp_path):
     assert result["correct"] == sum(r["correct"] for r in records)
     assert all(r["correct"] == (r["extracted"] == r["gold"]) for r in records)
     assert result["throughput_tokens_per_s"] == pytest.approx(result["generated_tokens"] / result["generation_seconds"])
+    assert result["model_calls"] == result["generated_tokens"]  # left to right at batch 1: one call per token
     assert records[0]["prompt"] == "Question: 0?\n"
     # the model's own greedy generation, decoded, is what was scored
     from megatron_dllm.sampling.conditional import generate_left_to_right
@@ -86,9 +87,10 @@ def test_accuracy_and_throughput_accounting(tmp_path):
     assert records[1]["generation"] == tok.detokenize([i for i in again if i != 0])
 
 
-@pytest.mark.parametrize("family,protocol", [("ar", "left-to-right"), ("mdlm", "left-to-right"), ("duo", "native"),
-                                             ("esolm", "left-to-right"), ("esolm", "native")])
-def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol):
+@pytest.mark.parametrize("family,protocol,sampler", [
+    ("ar", "left-to-right", {}), ("mdlm", "left-to-right", {}), ("duo", "native", {}), ("esolm", "left-to-right", {}),
+    ("esolm", "native", {}), ("mdlm", "native", {"predictor": "threshold", "block_length": 3, "greedy": True})])
+def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol, sampler):
     """--batch-size 2 and auto: every problem's generation, answer and the accuracy equal batch 1's."""
     tok = DigitTokenizer()
     inf = InferenceModel(random_model(family, length=48).double(), family, MASK, V, 48, tok, "hf")
@@ -98,7 +100,7 @@ def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol
     for batch_size in (1, 2, "auto"):
         out = tmp_path / f"pred-{batch_size}.jsonl"
         result = gsm8k.evaluate_gsm8k(inf, problems, protocol, max_new_tokens=8, steps=4, predictions=str(out),
-                                      batch_size=batch_size)
+                                      batch_size=batch_size, **sampler)
         # the batch size that ran (auto: 8 on CPU, capped by the 5 problems), and the one requested
         assert (result["batch_size"], result["batch_size_requested"]) == ({1: 1, 2: 2, "auto": 5}[batch_size],
                                                                           batch_size)

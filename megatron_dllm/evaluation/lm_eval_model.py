@@ -18,7 +18,9 @@ training data start right after an EOD and never with a BOS.
   scored as (continuation | clean context) and summed (AR: the exact log-likelihood; diffusion:
   a sum of conditional bounds, whatever `likelihood_mode`, since a joint per-token mean does not add up).
 - `generate_until`: batched left-to-right generation, `batch_size` requests per call ('auto': 8 on
-  CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`.
+  CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`. Another sampler:
+  `generation_predictor=low-confidence,generation_steps=64,block_length=32` (any `--predictor`
+  with its knobs `block_length`, `tokens_per_step`, `confidence_threshold`, `entropy_bound`).
 """
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ class MegatronDLLM(TemplateLM):
     def __init__(self, load: str, num_mc_samples: int = 64, likelihood_mode: str = "conditional",
                  batch_size: int | str = 64, seed: int = 1234, dtype: str = "float32", device: str | None = None,
                  use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
-                 max_gen_toks: int = 256, inference_model=None, **kwargs):
+                 max_gen_toks: int = 256, inference_model=None, generation_predictor: str = "left-to-right",
+                 generation_steps: int = 64, block_length: int | None = None, tokens_per_step: int | None = None,
+                 confidence_threshold: float | None = None, entropy_bound: float | None = None, **kwargs):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -72,8 +76,25 @@ class MegatronDLLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.generation_batch_size = "auto" if str(batch_size).startswith("auto") else batch  # generate_until
         self.seed = int(seed)
+        self.generation = self._generation(generation_predictor, generation_steps, block_length, tokens_per_step,
+                                           confidence_threshold, entropy_bound)
         self.stderrs: list[float] = []  # one per scored request, in order
         self.stderrs_by_task: dict[str, list[float]] = {}
+
+    @staticmethod
+    def _generation(predictor, steps, block_length, tokens_per_step, confidence_threshold, entropy_bound) -> dict:
+        """generate_until's sampler: left to right, or native with `SamplingConfig` fields (checked here)."""
+        from megatron_dllm.sampling.config import SamplingConfig
+
+        def number(cast, value):
+            return None if value is None else cast(value)
+
+        options = {"predictor": str(predictor), "steps": int(steps), "block_length": number(int, block_length),
+                   "tokens_per_step": number(int, tokens_per_step),
+                   "confidence_threshold": number(float, confidence_threshold),
+                   "entropy_bound": number(float, entropy_bound)}
+        SamplingConfig(**options).check()
+        return options
 
     # ------------------------------------------------------------------ TemplateLM surface
 

@@ -17,8 +17,9 @@ EOS included; nothing after it), so `len(ids)` is what batch-1 throughput counts
     prompt first, in order, exactly as SFT trains it). Generation stops at EOS or after
     `max_new_tokens`.
   - `generate_native`: the family's own sampler (MDLM/Duo ancestral over `steps` steps, Eso-LM
-    ancestral with its KV cache, AR = left to right) on a canvas of `max_new_tokens` positions
-    after the prompt, which is held fixed; the result is cut at its first EOS.
+    ancestral with its KV cache, AR = left to right; or another `predictor`, such as MDLM/Duo's
+    low-confidence remasking) on a canvas of `max_new_tokens` positions after the prompt, which
+    is held fixed; the result is cut at its first EOS.
 The canvas of the diffusion families is prompt + `max_new_tokens` (default: up to the model's
 training context, as SFT rows are EOS-padded to it). `greedy=True` (default) takes the most
 likely token (the top-p nucleus of one id); otherwise `temperature`/`top_p` sampling seeded by
@@ -124,12 +125,13 @@ def generate_left_to_right(inf, prompt_ids: Sequence[int], max_new_tokens: int |
 
 def generate_native(inf, prompt_ids: Sequence[int], max_new_tokens: int | None = None, eos_id: int | None = None,
                     *, steps: int = 64, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                    seed: int = 0) -> list[int]:
+                    seed: int = 0, predictor: str = "ancestral", **options) -> list[int]:
     """The response to `prompt_ids` from the family's own sampler (`steps` denoising steps; AR is
     left to right), the prompt held fixed; cut after the first EOS. Arguments as
-    `generate_left_to_right`."""
-    cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor="ancestral",
-                  steps=steps)
+    `generate_left_to_right`; `predictor` and `options` (`SamplingConfig` fields such as
+    `block_length`) pick another of the family's predictors (e.g. "low-confidence")."""
+    cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor=predictor,
+                  steps=steps, **options)
     return _run(inf, prompt_ids, cfg, seed)
 
 
@@ -169,9 +171,9 @@ def generate_left_to_right_batch(inf, prompts: Sequence[Sequence[int]], max_new_
 def generate_native_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
                           eos_id: int | None = None, *, steps: int = 64, greedy: bool = False,
                           temperature: float = 1.0, top_p: float = 1.0, seeds: int | Sequence[int] = 0,
-                          pad_id: int = 0) -> list[list[int]]:
+                          pad_id: int = 0, predictor: str = "ancestral", **options) -> list[list[int]]:
     """`generate_native` for many prompts in one batch; element i is exactly
     `generate_native(inf, prompts[i], ..., seed=seeds[i])`. Arguments as
-    `generate_left_to_right_batch`."""
-    return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor="ancestral",
-                      steps=steps, **_sampling(greedy, temperature, top_p))
+    `generate_left_to_right_batch` and `generate_native`."""
+    return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor=predictor,
+                      steps=steps, **_sampling(greedy, temperature, top_p), **options)

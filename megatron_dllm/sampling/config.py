@@ -6,7 +6,12 @@ from typing import Optional
 
 from .deps import InputError
 
-PREDICTORS = ("ancestral", "block", "left-to-right")
+# predictors that commit the masked (MDLM) or not yet committed (Duo) positions a rule picks from
+# the model's confidence, block by block (sampling/remasking.py)
+REMASKING_PREDICTORS = ("low-confidence", "threshold", "entropy-bound")
+PREDICTORS = ("ancestral", "block", "left-to-right") + REMASKING_PREDICTORS
+DEFAULT_CONFIDENCE_THRESHOLD = 0.9  # Fast-dLLM's default
+DEFAULT_ENTROPY_BOUND = 0.1         # gamma of the entropy-bounded sampler (diffusers' default)
 
 
 @dataclass
@@ -22,6 +27,11 @@ class SamplingConfig:
     # default: the paper's samples always run the full length, and stopping lowers AR's entropy
     stop_at_eos: bool = False
     eos_id: Optional[int] = None   # default: the tokenizer's EOD
+    # remasking predictors (None: not given; each applies to its predictor only)
+    block_length: Optional[int] = None     # generated positions per block, decoded left to right (None: one)
+    tokens_per_step: Optional[int] = None  # low-confidence: commit k per step (default: from --steps)
+    confidence_threshold: Optional[float] = None  # threshold: commit every p(x0) > tau (at least one)
+    entropy_bound: Optional[float] = None  # entropy-bound: gamma (at least one per step)
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -35,3 +45,30 @@ class SamplingConfig:
             raise InputError(f"--temperature {self.temperature}: must be > 0")
         if self.seq_length is not None and self.seq_length < 2:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")
+        self.check_remasking()
+
+    def check_remasking(self) -> None:
+        """Each remasking knob is valid and given only with the predictor it belongs to."""
+        remasking = "--predictor " + "|".join(REMASKING_PREDICTORS)
+        knobs = (("--block-length", self.block_length, REMASKING_PREDICTORS, remasking),
+                 ("--tokens-per-step", self.tokens_per_step, ("low-confidence",), "--predictor low-confidence"),
+                 ("--confidence-threshold", self.confidence_threshold, ("threshold",), "--predictor threshold"),
+                 ("--entropy-bound", self.entropy_bound, ("entropy-bound",), "--predictor entropy-bound"))
+        for flag, value, owners, spelled in knobs:
+            if value is not None and self.predictor not in owners:
+                raise InputError(f"{flag} applies to {spelled} only, not --predictor {self.predictor}")
+        for flag, value in (("--block-length", self.block_length), ("--tokens-per-step", self.tokens_per_step)):
+            if value is not None and value < 1:
+                raise InputError(f"{flag} {value}: must be >= 1")
+        if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
+            raise InputError(f"--confidence-threshold {self.confidence_threshold}: must be in [0, 1]")
+        if self.entropy_bound is not None and not 0.0 <= self.entropy_bound < float("inf"):
+            raise InputError(f"--entropy-bound {self.entropy_bound}: must be a finite number >= 0")
+
+    @property
+    def threshold(self) -> float:
+        return DEFAULT_CONFIDENCE_THRESHOLD if self.confidence_threshold is None else self.confidence_threshold
+
+    @property
+    def gamma(self) -> float:
+        return DEFAULT_ENTROPY_BOUND if self.entropy_bound is None else self.entropy_bound

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from .ar import ARSampler
 from .base import Sampler
-from .config import SamplingConfig
+from .config import REMASKING_PREDICTORS, SamplingConfig
 from .deps import InputError, get_family
 from .duo import DuoSampler
 from .esolm import EsoLMSampler
 from .mdlm import MDLMSampler
+from .remasking import remasking_sampler
 
 SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
                                       "esolm": EsoLMSampler}
@@ -23,4 +24,6 @@ def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
     if inf.family not in SAMPLERS:
         raise InputError(f"--family {inf.family!r} has no sampler; expected one of: {', '.join(SAMPLERS)}")
     family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    if cfg.predictor in REMASKING_PREDICTORS:  # shared by the families it applies to (remasking.py)
+        return remasking_sampler(family, inf, cfg)
     return SAMPLERS[inf.family](family, inf, cfg)
