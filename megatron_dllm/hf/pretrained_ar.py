@@ -21,7 +21,7 @@ import os
 import torch
 
 from megatron_dllm.errors import InputError
-from megatron_dllm.model.gpt import GPTShape
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.presets import Preset
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -141,7 +141,8 @@ def _take(weights: dict, name: str, used: set, source: str) -> torch.Tensor:
 def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> dict[str, torch.Tensor]:
     """Whole (TP=1) megatron-core tensors under GPTBackbone's global names; vocabulary-sized
     tensors keep the HF row count (padding is the caller's). Unused HF tensors are an error."""
-    h, heads, d = preset.hidden_size, preset.num_attention_heads, shape.kv_channels or preset.hidden_size // preset.num_attention_heads
+    h, heads = preset.hidden_size, preset.num_attention_heads
+    d = shape.kv_channels or h // heads
     groups = shape.num_query_groups or heads
     used: set = set()
     out = {"embedding.word_embeddings.weight": _take(weights, "model.embed_tokens.weight", used, source),

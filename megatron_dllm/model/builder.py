@@ -14,7 +14,8 @@ from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
 from megatron_dllm.model.fusion import Fusion
-from megatron_dllm.model.gpt import GPTBackbone, GPTShape, check_gpt_layout, gpt_layer_spec
+from megatron_dllm.model.gpt import GPTBackbone, check_gpt_layout, gpt_layer_spec
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
 from megatron_dllm.model.presets import Preset

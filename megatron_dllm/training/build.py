@@ -38,7 +38,7 @@ def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> Tra
     handed to megatron-core's schedules and gradient sync, which time themselves."""
     model_cfg, prec, par, t = cfg.model, cfg.precision, cfg.parallel, cfg.training
     arch = Architecture(cfg.preset(), vocab_size, model_cfg.seq_length, family.attention,
-                        model_cfg.make_vocab_size_divisible_by)
+                        model_cfg.make_vocab_size_divisible_by, gpt=cfg.gpt_shape())
     use_te = (platform.HAS_TE if model_cfg.transformer_impl is None
               else model_cfg.transformer_impl == "transformer_engine")
     if (use_te or prec.fp8_format) and not platform.HAS_TE:
