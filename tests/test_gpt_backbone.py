@@ -1,0 +1,155 @@
+"""The GPT (Llama-style) backbone (`--backbone gpt`) and the import of released AR models.
+
+- Import: tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM built and saved by transformers
+  itself; our model in AR mode (causal, fp32) gives transformers' logits to 1e-5 relative, at TP=1
+  in process and, in one 2-rank launch, for checkpoints written at TP=2 and PP=2 and each loaded
+  at the other layout (megatron-core reshards them).
+- Training: every family trains on the backbone; TP=2 (+SP), PP=2 (tied embeddings split over
+  stages) equal the single-process run (the layout-equivalence harness of
+  test_parallel_equivalence.py, with the GPT flags).
+- Flags and bad input: Megatron-LM's flag semantics, one-line refusals.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import launch_env
+from test_parallel_equivalence import SMALL, run_worker
+
+from megatron_dllm.errors import InputError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+               "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-base", "500",
+               "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"]
+
+
+def tiny_hf(kind: str, directory) -> str:
+    """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied) or Qwen2
+    (GQA, q/k/v biases, untied)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=500.0,
+                                                                       tie_word_embeddings=True))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1000.0,
+                                                                       tie_word_embeddings=False))
+    for p in model.parameters():  # biases and norms too: nothing left at a trivial value
+        torch.nn.init.normal_(p, std=0.5 if p.dim() == 1 else 0.1)
+    path = str(directory / kind)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_imported_model_equals_transformers_tp1(kind, tmp_path, world_of_one):
+    import transformers
+
+    from megatron_dllm.hf import pretrained_ar
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+
+    hf = tiny_hf(kind, tmp_path)
+    preset, shape, rows = pretrained_ar.shape_of(pretrained_ar.read_config(hf), hf)
+    assert shape.add_qkv_bias == (kind == "qwen2") and shape.untie_embeddings_and_output_weights == (kind == "qwen2")
+    arch = Architecture(preset, rows, 16, "causal", make_vocab_size_divisible_by=1, gpt=shape)
+    config, _ = transformer_config(arch)
+    ours = build_model(arch, config, config, seed=0)[0].eval()
+    ours.load_state_dict(pretrained_ar.to_megatron(pretrained_ar.read_weights(hf), preset, shape, hf))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ids = torch.randint(0, rows, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        got = ours(ids, torch.arange(16).expand(2, 16), None).transpose(0, 1)
+    assert ref.abs().max() > 1  # not a degenerate comparison
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_imported_checkpoints_equal_transformers_at_tp2_and_pp2(tmp_path):
+    dirs = [tiny_hf("llama", tmp_path), tiny_hf("qwen2", tmp_path)]
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "pretrained_ar_worker.py"), str(out), *dirs]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=launch_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    for hf in dirs:
+        assert set(results[hf]) == {"tp2->pp2", "pp2->tp2"}
+        for layout, err in results[hf].items():
+            assert err < 1e-5, (hf, layout, err)
+
+
+def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys):
+    from megatron_dllm.cli import convert_from_hf
+
+    cases = {"sliding": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+             "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
+             "yarn": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}
+    expected = {"sliding": "sliding_window not supported", "moe": "Qwen2MoeForCausalLM'] not supported",
+                "yarn": "rope scaling"}
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
+            "vocab_size": 100}
+    for name, fields in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **fields}))
+        assert convert_from_hf.main(["--hf", str(d), "--save", str(tmp_path / f"out-{name}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected[name] in err[0], err
+
+
+def test_gpt_flags_follow_megatron(tmp_path):
+    from megatron_dllm.config import parse_args
+
+    cfg = parse_args(["--preset", "cpu-tiny", "--backbone", "gpt", "--swiglu"])
+    shape = cfg.gpt_shape()
+    # Megatron-LM's defaults around the flags given: LayerNorm, learned positions, biases, tied;
+    # --swiglu sizes the MLP int(8h/3/64)*64
+    assert (shape.normalization, shape.position_embedding_type, shape.add_bias_linear, shape.add_qkv_bias,
+            shape.untie_embeddings_and_output_weights, shape.ffn_hidden_size) == \
+        ("LayerNorm", "learned_absolute", True, True, False, 128)
+    smol = parse_args(["--preset", "smollm2-135m", "--untie-embeddings-and-output-weights"]).gpt_shape()
+    assert (smol.num_query_groups, smol.ffn_hidden_size, smol.rotary_base, smol.untie_embeddings_and_output_weights) \
+        == (3, 1536, 100000, True)
+    assert parse_args(["--preset", "cpu-tiny"]).gpt_shape() is None
+    with pytest.raises(InputError, match="--swiglu applies to --backbone gpt"):
+        parse_args(["--preset", "cpu-tiny", "--num-layers", "2"]).backbone.replace(swiglu=True).gpt_shape(
+            "cpu-tiny", parse_args(["--preset", "cpu-tiny"]).preset())
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(demo_cache, tmp_path_factory):
+    small = [*SMALL, *LLAMA_FLAGS]
+    reference = {family: ["--family", family, *small] for family in ("ar", "mdlm", "duo", "esolm")}
+    layouts = {"ar-TP2": ["--family", "ar", *small, "--tensor-model-parallel-size", "2"],
+               "mdlm-TP2-SP": ["--family", "mdlm", *small, "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"],
+               "mdlm-PP2": ["--family", "mdlm", *small, "--pipeline-model-parallel-size", "2"],
+               "duo-TP2": ["--family", "duo", *small, "--tensor-model-parallel-size", "2"],
+               "esolm-PP2": ["--family", "esolm", *small, "--pipeline-model-parallel-size", "2"]}
+    return (run_worker(1, reference, tmp_path_factory.mktemp("one"), demo_cache),
+            run_worker(2, layouts, tmp_path_factory.mktemp("two"), demo_cache))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["ar-TP2", "mdlm-TP2-SP", "mdlm-PP2", "duo-TP2", "esolm-PP2"])
+def test_every_family_trains_on_the_gpt_backbone_in_every_layout(case, gpt_runs):
+    (ones, one_log), (twos, two_log) = gpt_runs
+    family = case.split("-")[0]
+    assert family in ones, one_log
+    assert case in twos, two_log
+    ref, got = ones[family], twos[case]
+    assert ref["grad_norm"][0] > 0.1 and ref["loss"][-1] < ref["loss"][0]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)
+    assert got["valid"] == pytest.approx(ref["valid"], rel=2e-5)
