@@ -41,8 +41,8 @@ def logits_at(save: str, tp: int, pp: int, ids: torch.Tensor) -> torch.Tensor | 
     config, _ = transformer_config(arch, tp=tp, pp=pp)
     model = build_model(arch, config, config, seed=123)[0]  # other weights than the checkpoint's
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    loaded = dist_checkpointing.load(sharded, path)
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
+    loaded = dist_checkpointing.load(sharded, path)  # also returns the common state
+    missing, unexpected = model.load_state_dict({k: loaded[k] for k in sharded}, strict=False)
     assert not unexpected and all("_extra_state" in k for k in missing), (missing, unexpected)
     model.eval()
     positions = torch.arange(ids.shape[1]).expand_as(ids)

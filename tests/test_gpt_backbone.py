@@ -114,9 +114,9 @@ def test_gpt_flags_follow_megatron(tmp_path):
     shape = cfg.gpt_shape()
     # Megatron-LM's defaults around the flags given: LayerNorm, learned positions, biases, tied;
     # --swiglu sizes the MLP int(8h/3/64)*64
-    assert (shape.normalization, shape.position_embedding_type, shape.add_bias_linear, shape.add_qkv_bias,
-            shape.untie_embeddings_and_output_weights, shape.ffn_hidden_size) == \
-        ("LayerNorm", "learned_absolute", True, True, False, 128)
+    assert (shape.normalization, shape.position_embedding_type, shape.add_bias_linear,
+            shape.config_fields(64, 4)["add_qkv_bias"], shape.untie_embeddings_and_output_weights,
+            shape.ffn_hidden_size) == ("LayerNorm", "learned_absolute", True, True, False, 128)
     smol = parse_args(["--preset", "smollm2-135m", "--untie-embeddings-and-output-weights"]).gpt_shape()
     assert (smol.num_query_groups, smol.ffn_hidden_size, smol.rotary_base, smol.untie_embeddings_and_output_weights) \
         == (3, 1536, 100000, True)

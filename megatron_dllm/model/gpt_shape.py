@@ -30,7 +30,7 @@ class GPTShape:
     rotary_percent: float = 1.0
     rope_scaling_factor: float | None = None  # Llama-3 rope scaling (--use-rope-scaling); None: off
     add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # implied by add_bias_linear, as in Megatron-LM
+    add_qkv_bias: bool = False  # the flag; add_bias_linear implies a qkv bias too, as in Megatron-LM
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
 
@@ -40,8 +40,6 @@ class GPTShape:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise InputError(f"--position-embedding-type {self.position_embedding_type!r}: the gpt backbone "
                              f"supports {', '.join(POSITION_EMBEDDING_TYPES)}")
-        if self.add_bias_linear and not self.add_qkv_bias:  # Megatron-LM keeps the two in sync
-            object.__setattr__(self, "add_qkv_bias", True)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -56,7 +54,7 @@ class GPTShape:
                 "kv_channels": self.kv_channels or hidden_size // num_attention_heads,
                 "normalization": self.normalization, "layernorm_epsilon": self.norm_epsilon,
                 "gated_linear_unit": self.swiglu, "activation_func": F.silu if self.swiglu else F.gelu,
-                "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.add_qkv_bias,
+                "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.add_qkv_bias or self.add_bias_linear,
                 "qk_layernorm": self.qk_layernorm}
 
 
