@@ -28,8 +28,8 @@ LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "-
 
 
 def tiny_hf(kind: str, directory) -> str:
-    """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied) or Qwen2
-    (GQA, q/k/v biases, untied)."""
+    """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied), Qwen2
+    (GQA, q/k/v biases, untied) or Mistral (untied, saved in safetensors shards with an index)."""
     import transformers
 
     torch.manual_seed(0)
@@ -38,17 +38,19 @@ def tiny_hf(kind: str, directory) -> str:
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=500.0,
                                                                        tie_word_embeddings=True))
-    else:
+    elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1000.0,
                                                                        tie_word_embeddings=False))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
     for p in model.parameters():  # biases and norms too: nothing left at a trivial value
         torch.nn.init.normal_(p, std=0.5 if p.dim() == 1 else 0.1)
     path = str(directory / kind)
-    model.save_pretrained(path)
+    model.save_pretrained(path, max_shard_size="40KB" if kind == "mistral" else "1GB")
     return path
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_imported_model_equals_transformers_tp1(kind, tmp_path, world_of_one):
     import transformers
 
@@ -57,7 +59,9 @@ def test_imported_model_equals_transformers_tp1(kind, tmp_path, world_of_one):
 
     hf = tiny_hf(kind, tmp_path)
     preset, shape, rows = pretrained_ar.shape_of(pretrained_ar.read_config(hf), hf)
-    assert shape.add_qkv_bias == (kind == "qwen2") and shape.untie_embeddings_and_output_weights == (kind == "qwen2")
+    assert shape.add_qkv_bias == (kind == "qwen2")
+    assert shape.untie_embeddings_and_output_weights == (kind != "llama")
+    assert os.path.isfile(os.path.join(hf, "model.safetensors.index.json")) == (kind == "mistral")
     arch = Architecture(preset, rows, 16, "causal", make_vocab_size_divisible_by=1, gpt=shape)
     config, _ = transformer_config(arch)
     ours = build_model(arch, config, config, seed=0)[0].eval()
@@ -69,6 +73,37 @@ def test_imported_model_equals_transformers_tp1(kind, tmp_path, world_of_one):
         got = ours(ids, torch.arange(16).expand(2, 16), None).transpose(0, 1)
     assert ref.abs().max() > 1  # not a degenerate comparison
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_import_keeps_the_tokenizer_and_appends_mask(tmp_path, world_of_one, capsys):
+    """The directory's tokenizer.json becomes the checkpoint's tokenizer; [MASK] is appended after
+    its last id, its embedding row at the mean of the model's rows."""
+    from megatron.core import dist_checkpointing
+    from tokenizers import Tokenizer, models
+
+    from megatron_dllm.checkpoint import locate
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.hf import pretrained_ar
+
+    hf = tiny_hf("llama", tmp_path)
+    vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(os.path.join(hf, "tokenizer.json"))
+    save = str(tmp_path / "ckpt")
+    assert convert_from_hf.main(["--hf", hf, "--save", save]) == 0
+    assert "--backbone gpt" in capsys.readouterr().out
+    path = locate(save, None).path
+    common = dist_checkpointing.load_common_state_dict(path)
+    assert (common["identity"]["vocab_size"], common["identity"]["mask_id"]) == (101, 100)
+    assert common["tokenizer"]["model"] == os.path.join(save, "tokenizer", "tokenizer.json")
+    embedding = pretrained_ar.read_weights(hf)["model.embed_tokens.weight"]
+    arch_rows = dist_checkpointing.load_tensors_metadata(path)["embedding.word_embeddings.weight"].global_shape[0]
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    loaded = dist_checkpointing.load({"e": ShardedTensor.from_rank_offsets(
+        "embedding.word_embeddings.weight", torch.empty(arch_rows, 64), replica_id=0)}, path)["e"]
+    assert torch.equal(loaded[:100], embedding)
+    assert torch.allclose(loaded[100], embedding.mean(0))
+    assert not loaded[101:].any()  # megatron's padding rows
 
 
 @pytest.mark.slow
