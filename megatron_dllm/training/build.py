@@ -59,7 +59,8 @@ def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> Tra
     chunks = build_model(arch, config, mlp_config, t.seed, use_te=use_te, attention_backend=attention)
     model = wrap_ddp(chunks, config, par)
     optimizer, scheduler = build_optimizer(model, config, cfg.optimizer, par, t.train_iters)
-    layer_impl = f"{'transformer_engine' if use_te else 'local'}, attention {attention}, {fusion.describe()}"
+    layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
+                  f"attention {attention}, {fusion.describe()}")
     return TrainingModel(arch, config, model, optimizer, scheduler, layer_impl)
 
 
