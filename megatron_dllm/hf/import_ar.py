@@ -112,7 +112,8 @@ def import_checkpoint(args) -> int:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
             for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
                 shutil.rmtree(old)
-        print(f"wrote {path} ({config['architectures'][0]} as --family {args.family}, TP={tp}, PP={pp}, "
+        name = (config.get("architectures") or [config["model_type"]])[0]
+        print(f"wrote {path} ({name} as --family {args.family}, TP={tp}, PP={pp}, "
               f"model weights only; vocabulary {vocab_size}, [MASK] id {mask_id}"
               f"{', tokenizer ' + record['model'] if record else ', no tokenizer.json in --hf'})")
         print("train it with: " + " ".join(gpt_flags(preset, shape)))

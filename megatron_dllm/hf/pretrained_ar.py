@@ -39,7 +39,7 @@ def is_pretrained_ar(directory: str) -> bool:
             config = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("model_type") != "dllm" and "architectures" in config
+    return isinstance(config, dict) and config.get("model_type", "dllm") != "dllm"
 
 
 def read_config(directory: str) -> dict:
@@ -66,11 +66,14 @@ def _rope(config: dict, source: str) -> tuple[float, dict | None]:
 def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
     """(Preset, GPTShape, HF vocabulary rows) of a supported config.json; anything this backbone
     does not implement is one InputError naming the field."""
-    archs = config.get("architectures") or []
-    kind = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
+    archs = config.get("architectures")  # absent from configs transformers derives from a GGUF file
+    if archs:
+        kind = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
+    else:
+        kind = config.get("model_type") if config.get("model_type") in ARCHITECTURES.values() else None
     if kind is None:
-        raise InputError(f"{source}: architectures {archs} not supported; expected one of "
-                         f"{', '.join(ARCHITECTURES)}")
+        raise InputError(f"{source}: architectures {archs} (model_type {config.get('model_type')!r}) not "
+                         f"supported; expected one of {', '.join(ARCHITECTURES)}")
     unsupported = {
         "quantization_config": config.get("quantization_config"),
         "hidden_act (expected silu)": config.get("hidden_act", "silu") != "silu",
@@ -145,11 +148,15 @@ def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> 
     d = shape.kv_channels or h // heads
     groups = shape.num_query_groups or heads
     used: set = set()
+    if not shape.untie_embeddings_and_output_weights and "model.embed_tokens.weight" not in weights \
+            and "lm_head.weight" in weights:  # a tied pair saved once, under the head's name
+        weights = {**weights, "model.embed_tokens.weight": weights["lm_head.weight"]}
+        used.add("lm_head.weight")
     out = {"embedding.word_embeddings.weight": _take(weights, "model.embed_tokens.weight", used, source),
            "decoder.final_layernorm.weight": _take(weights, "model.norm.weight", used, source)}
     if shape.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = _take(weights, "lm_head.weight", used, source)
-    elif "lm_head.weight" in weights:  # some tied checkpoints store the copy too
+    elif "lm_head.weight" in weights and "lm_head.weight" not in used:  # some tied checkpoints store the copy too
         if not torch.equal(weights["lm_head.weight"], out["embedding.word_embeddings.weight"]):
             raise InputError(f"{source}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
         used.add("lm_head.weight")
