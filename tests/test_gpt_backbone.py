@@ -205,6 +205,14 @@ def test_real_smollm2_135m_imports_and_equals_transformers(tmp_path, world_of_on
     hf = cached_gguf_dir(*smollm2_gguf())
     save = str(tmp_path / "smollm2")
     assert convert_from_hf.main(["--hf", hf, "--save", save, "--seq-length", "64"]) == 0
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm.checkpoint import locate
+    from megatron_dllm.config import parse_args
+
+    common = dist_checkpointing.load_common_state_dict(locate(save, None).path)
+    # the preset trains the imported checkpoint (its identity is the preset's, float32 eps included)
+    assert common["identity"]["gpt"] == parse_args(["--preset", "smollm2-135m"]).gpt_shape().as_dict()
     tokenizer = build_tokenizer("HuggingFaceTokenizer", os.path.join(save, "tokenizer"))
     assert (tokenizer.vocab_size, tokenizer.mask_id) == (49153, 49152)  # [MASK] appended
     ids = torch.tensor([tokenizer.tokenize("Shall I compare thee to a summer's day? Thou art more lovely")])

@@ -96,7 +96,9 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
         ffn_hidden_size=int(config["intermediate_size"]),
         num_query_groups=groups if groups != heads else None,
         kv_channels=head_dim if head_dim != h // heads else None,
-        normalization="RMSNorm", norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True,
+        normalization="RMSNorm", swiglu=True,
+        # GGUF stores eps in float32 (1e-5 reads 9.9999997e-06): 6 significant digits, as presets write it
+        norm_epsilon=float(f"{float(config.get('rms_norm_eps', 1e-6)):.6g}"),
         position_embedding_type="rope", rotary_base=int(theta),
         rotary_percent=float(config.get("partial_rotary_factor", 1.0)),
         rope_scaling_factor=float(scaling["factor"]) if scaling else None,
