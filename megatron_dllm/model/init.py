@@ -5,7 +5,9 @@ to this rank's tensor-parallel shard, so TP=1, TP=2, PP=2 and any DP size start 
 weights (and the equality tests compare like with like). The distributions follow the reference
 DiT: PyTorch's nn.Linear default U(+-1/sqrt(fan_in)) for weights and biases, kaiming-uniform
 (a=sqrt 5, i.e. U(+-1/sqrt(h))) for the embedding, ones for norms, zeros for every adaLN
-modulation and for the output layer (adaLN-zero: initial logits are exactly 0).
+modulation and for the output layer (adaLN-zero: initial logits are exactly 0). The GPT backbone
+(`model/gpt.py`) is drawn the same way without adaLN-zero (norm biases zero, a tied output layer
+is the embedding), its SwiGLU `linear_fc1` sharded as megatron does ([gate_i; up_i] per rank).
 """
 from __future__ import annotations
 
