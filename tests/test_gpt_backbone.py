@@ -222,3 +222,35 @@ def test_real_smollm2_135m_imports_and_equals_transformers(tmp_path, world_of_on
     got = logits_at(save, 1, 1, ids)[..., :ref.shape[-1]]
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert torch.equal(got[0, :-1].argmax(-1), ref[0, :-1].argmax(-1))
+
+
+def test_shift_scores_token_i_with_the_logits_at_i_minus_1(world_of_one):
+    """MDLM --shift against a dense formula: masked token i is scored by log_softmax(logits[i-1]),
+    token 0 by its own logits; [MASK] is never predicted."""
+    from megatron_dllm.families import ModelInput, get_family
+
+    vocab, mask_id, b, s = 11, 10, 2, 7
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, mask_id, (b, s), generator=gen)
+    masked = torch.rand(b, s, generator=gen) < 0.6
+    masked[:, 0] = True
+    inp = ModelInput(input_ids=torch.where(masked, mask_id, tokens), position_ids=torch.arange(s).expand(b, s),
+                     sigma=torch.zeros(b), targets=tokens, valid=torch.ones(b, s), t=torch.full((b,), 0.5))
+    logits = torch.randn(s, b, vocab, generator=gen)
+    got = get_family("mdlm", mask_id, vocab, shift=True).loss(logits.clone(), inp)
+    dense = logits.transpose(0, 1).clone()
+    dense[..., mask_id] = float("-inf")
+    source = torch.cat([dense[:, :1], dense[:, :-1]], dim=1)  # position i reads the logits at i - 1
+    expected = -torch.log_softmax(source, -1).gather(-1, tokens[..., None])[..., 0] * masked
+    assert torch.allclose(got, expected, atol=1e-6)
+    unshifted = get_family("mdlm", mask_id, vocab).loss(logits.clone(), inp)
+    assert not torch.allclose(unshifted, expected, atol=1e-3)  # the comparison can fail
+    from types import SimpleNamespace
+
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.build import build_family
+
+    tokenizer = SimpleNamespace(mask_id=mask_id, vocab_size=vocab)
+    assert build_family(parse_args(["--family", "mdlm", "--shift"]), tokenizer).shift
+    with pytest.raises(InputError, match="--shift applies to --family mdlm, not duo"):
+        build_family(parse_args(["--family", "duo", "--shift"]), tokenizer)

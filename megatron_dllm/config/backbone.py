@@ -49,11 +49,13 @@ class BackboneConfig(FlagGroup):
     qk_layernorm: bool = flag(False, action="store_true", help="normalise queries and keys per head")
     untie_embeddings_and_output_weights: bool = flag(False, action="store_true",
                                                      help="a separate output layer (tied by default)")
+    shift: bool = flag(False, action="store_true", help="MDLM adapted from an AR model (as Dream): the logits at "
+                                                       "position i-1 predict token i; any backbone")
 
     def gpt_flags_given(self) -> list[str]:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         return ["--" + name.replace("_", "-") for name, value in dataclasses.asdict(self).items()
-                if name != "backbone" and value != defaults[name]]
+                if name not in ("backbone", "shift") and value != defaults[name]]
 
     def gpt_shape(self, preset_name: str | None, preset: Preset) -> GPTShape | None:
         """The GPT shape of a run (None: the DiT): the preset's, overridden by the flags given."""

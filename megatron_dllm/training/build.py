@@ -30,7 +30,11 @@ class TrainingModel:
 
 
 def build_family(cfg: RunConfig, tokenizer):
-    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss)
+    # cross-flag rule: --shift is MDLM's (Eso-LM's order is shuffled, AR already predicts the next token)
+    if cfg.backbone.shift and cfg.model.family != "mdlm":
+        raise InputError(f"--shift applies to --family mdlm, not {cfg.model.family}")
+    options = {"shift": True} if cfg.backbone.shift else {}
+    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss, **options)
 
 
 def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> TrainingModel:
