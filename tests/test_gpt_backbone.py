@@ -128,9 +128,10 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
     cases = {"sliding": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
              "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
              "yarn": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}
+                      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+             "fields": {"model_type": "llama", "hidden_size": None}}
     expected = {"sliding": "sliding_window not supported", "moe": "model_type 'qwen2_moe') not supported",
-                "yarn": "rope scaling"}
+                "yarn": "rope scaling", "fields": "hidden_size missing or not an integer"}
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
             "vocab_size": 100}
     for name, fields in cases.items():

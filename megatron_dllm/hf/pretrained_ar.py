@@ -39,7 +39,8 @@ def is_pretrained_ar(directory: str) -> bool:
             config = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("model_type", "dllm") != "dllm"
+    return isinstance(config, dict) and config.get("model_type") != "dllm" and (
+        "architectures" in config or config.get("model_type") in ARCHITECTURES.values())
 
 
 def read_config(directory: str) -> dict:
@@ -86,6 +87,10 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise InputError(f"{source}: {', '.join(bad)} not supported by the gpt backbone")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                           "vocab_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise InputError(f"{source}: {', '.join(missing)} missing or not an integer")
     theta, scaling = _rope(config, source)
     if theta != int(theta):
         raise InputError(f"{source}: rope_theta {theta} is not an integer (--rotary-base is)")
