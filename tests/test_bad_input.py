@@ -184,7 +184,7 @@ def test_a_second_yaml_cfg_is_refused_naming_both(tmp_path, capsys):
     (b"\xff\xfe\x00binary", ": not UTF-8 text (byte 0 is 0xff, line 1)"),
     (b"[1, 2]\n", ": expected a JSON object of settings, found list"),
     (b'{"model_type": "dllm",\n "family": }\n', ": not valid JSON (Expecting value at line 2, column 12)"),
-    (b'{"model_type": "llama"}\n', ": model_type 'llama', expected 'dllm'"),
+    (b'{"model_type": "bert"}\n', ": model_type 'bert', expected 'dllm'"),
 ])
 @pytest.mark.parametrize("command", ["tools/convert_from_hf.py", "tools/sample.py"])
 def test_a_bad_config_json_is_one_error_naming_the_file_and_line(tmp_path, capsys, monkeypatch, command, content,

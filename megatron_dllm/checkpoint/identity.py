@@ -25,32 +25,36 @@ class ModelIdentity:
     num_attention_heads: int
     vocab_size: int  # the real vocabulary, [MASK] included; megatron pads it per layout
     mask_id: int
+    gpt: dict | None = None  # the GPT backbone's shape (model.gpt_shape.GPTShape); None: the DiT
 
     @classmethod
     def of(cls, family, arch) -> "ModelIdentity":
         """The identity of a run: its `families.Family` and `model.builder.Architecture`."""
         p = arch.preset
-        return cls(family.name, p.hidden_size, p.num_layers, p.num_attention_heads, arch.vocab_size, family.mask_id)
+        return cls(family.name, p.hidden_size, p.num_layers, p.num_attention_heads, arch.vocab_size, family.mask_id,
+                   arch.gpt.as_dict() if arch.gpt is not None else None)
 
     def architecture(self, seq_length: int, make_vocab_size_divisible_by: int = 128):
         """The `Architecture` to rebuild this model at `seq_length`."""
         from megatron_dllm.families import FAMILIES
         from megatron_dllm.model.builder import Architecture
+        from megatron_dllm.model.gpt_shape import GPTShape
         from megatron_dllm.model.presets import Preset
 
         return Architecture(Preset(self.hidden_size, self.num_layers, self.num_attention_heads), self.vocab_size,
-                            int(seq_length), FAMILIES[self.family].attention, make_vocab_size_divisible_by)
+                            int(seq_length), FAMILIES[self.family].attention, make_vocab_size_divisible_by,
+                            gpt=GPTShape.from_dict(self.gpt) if self.gpt is not None else None)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, saved: dict | None, source: str) -> "ModelIdentity":
-        fields = [f.name for f in dataclasses.fields(cls)]
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "gpt"]  # DiT checkpoints have no gpt
         if not saved or any(k not in saved for k in fields):
             raise CheckpointError(f"{source}: no model identity ({', '.join(fields)}) in its common state; "
                                   f"is it a megatron_dllm checkpoint?")
-        return cls(**{k: saved[k] for k in fields})
+        return cls(**{k: saved[k] for k in fields}, gpt=saved.get("gpt"))
 
     def differences(self, saved: dict) -> list[str]:
         """`key: checkpoint X vs this run Y` for every field where `saved` differs."""

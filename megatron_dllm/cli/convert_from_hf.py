@@ -4,6 +4,11 @@ checkpoint (model weights + identity; no optimizer state) at any TP/PP layout:
     torchrun --nproc-per-node T*P tools/convert_from_hf.py --hf DIR --save CKPT \
         --tensor-model-parallel-size T --pipeline-model-parallel-size P [--overwrite]
 
+--hf may also be a released autoregressive model's directory (Llama, Mistral, Qwen2, SmolLM2:
+config.json + safetensors, sharded or not, optionally its tokenizer.json): it becomes a checkpoint
+of the GPT backbone (`--backbone gpt`) for `--family` (default ar); the command prints the flags to
+train it with (docs/pretrained-ar.md).
+
 A --save directory that already holds a checkpoint is refused unless --overwrite, which removes
 the checkpoints there once the new one is complete (other files are left alone). Bad input: one
 `error: ...` line, exit code 2.
@@ -30,6 +35,9 @@ def main(argv=None):
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--iteration", type=int, default=0)
+    parser.add_argument("--family", default="ar", choices=["ar", "mdlm", "duo", "esolm"],
+                        help="released AR models: the family the checkpoint is for (default ar)")
+    parser.add_argument("--seq-length", type=int, help="released AR models: default max_position_embeddings")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     args = parser.parse_args(argv)
     try:
@@ -61,8 +69,14 @@ def _read_hf(hf: str):
 
 
 def convert(args) -> int:
-    from megatron_dllm.hf import export
+    from megatron_dllm.hf import export, pretrained_ar
 
+    if pretrained_ar.is_pretrained_ar(args.hf):
+        from megatron_dllm.hf.import_ar import import_checkpoint
+
+        first = int(os.environ.get("RANK", "0")) == 0
+        with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
+            return import_checkpoint(args)
     identity, cfg, hf_state = _read_hf(args.hf)
     return write_checkpoint(hf_state, identity, cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH),
                             args, source=args.hf)

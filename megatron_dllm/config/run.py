@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from megatron_dllm.cli import OneLineParser
+from megatron_dllm.config.backbone import BackboneConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.data import DataConfig, TokenizerConfig
 from megatron_dllm.config.logs import LoggingConfig
@@ -24,6 +25,7 @@ from megatron_dllm.config.parallel import ParallelConfig
 from megatron_dllm.config.training import TrainingConfig
 from megatron_dllm.config.yaml_config import add_yaml_flag, expand_yaml
 from megatron_dllm.errors import InputError
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.presets import Preset, get_preset
 
 
@@ -38,6 +40,7 @@ class RunConfig:
     tokenizer: TokenizerConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    backbone: BackboneConfig
 
     def replace(self, **groups) -> "RunConfig":
         """A copy with fields of groups changed: replace(model={"preset": "14M"})."""
@@ -55,10 +58,15 @@ class RunConfig:
                      "num_attention_heads": m.num_attention_heads}
         return dataclasses.replace(get_preset(m.preset), **{k: v for k, v in overrides.items() if v})
 
+    def gpt_shape(self) -> GPTShape | None:
+        """The GPT backbone's shape (model.gpt_shape), or None when the run trains the DiT."""
+        return self.backbone.gpt_shape(self.model.preset, self.preset())
+
 
 _CLASSES = {"model": ModelConfig, "precision": PrecisionConfig, "parallel": ParallelConfig,
             "training": TrainingConfig, "optimizer": OptimizerConfig, "data": DataConfig,
-            "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+            "tokenizer": TokenizerConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+            "backbone": BackboneConfig}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     cfg = RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
     try:
         cfg.model.recompute()
+        if cfg.model.preset is not None:
+            cfg.gpt_shape()
     except InputError as err:
         parser.error(str(err))
     log = cfg.logging

@@ -9,11 +9,11 @@ from megatron_dllm.families.mdlm import MDLM
 FAMILIES = {cls.name: cls for cls in (AR, MDLM, Duo, EsoLM)}
 
 
-def get_family(name: str, mask_id: int, vocab_size: int, loss: str | None = None) -> Family:
+def get_family(name: str, mask_id: int, vocab_size: int, loss: str | None = None, **options) -> Family:
     if name not in FAMILIES:
         raise InputError(f"--family {name!r} is not a known family; expected one of: "
                          f"{', '.join(FAMILIES)}")
-    return FAMILIES[name](mask_id=mask_id, vocab_size=vocab_size, loss=loss)
+    return FAMILIES[name](mask_id=mask_id, vocab_size=vocab_size, loss=loss, **options)
 
 
 __all__ = ["FAMILIES", "Family", "ModelInput", "Noise", "get_family"]

@@ -4,6 +4,8 @@ Each token is replaced by [MASK] with probability 1 - alpha_t; the backbone is b
 gets sigma = 0. Only masked positions are scored; carry-over of unmasked tokens is done by the
 loss mask (as in the paper's code). `--loss low-var` (default, the paper's) weights -log p by 1;
 `--loss nelbo` by dalpha/(1 - alpha) = 1/t. Validation always reports the NELBO.
+`--shift` (for a model adapted from an AR one, as Dream): the logits at position i - 1 predict
+token i, so the AR head keeps its meaning; position 0 keeps its own logits.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ class MDLM(Family):
     bound = "MDLM NELBO"
     losses = ("low-var", "nelbo")
     schedule = LogLinear()
+
+    def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None, shift: bool = False):
+        super().__init__(mask_id, vocab_size, loss)
+        self.shift = shift
 
     def mask(self, tokens: torch.Tensor, noise: Noise,
              prompt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +47,8 @@ class MDLM(Family):
         )
 
     def _masked_nll(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
+        if self.shift:  # logits are sequence-first [s, b, V/tp]
+            logits = torch.cat([logits[:1], logits[:-1]], dim=0)
         logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
         nll = vocab_parallel.cross_entropy(logits, inp.targets)
         return nll * (inp.input_ids == self.mask_id) * inp.valid

@@ -6,9 +6,10 @@ import json
 from megatron_dllm.errors import InputError
 
 
-def read_config_json(path: str, flag: str) -> dict:
-    """The settings in `path` (a config.json of a dllm export); ValueError `{flag} PATH[:LINE]: ...`
-    for a file that cannot be read, is not UTF-8 JSON, not an object, or not a dllm model's."""
+def read_config_json(path: str, flag: str, dllm: bool = True) -> dict:
+    """The settings in `path` (a config.json of a dllm export, or with `dllm=False` any model's);
+    ValueError `{flag} PATH[:LINE]: ...` for a file that cannot be read, is not UTF-8 JSON, not an
+    object, or not a dllm model's."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -25,6 +26,6 @@ def read_config_json(path: str, flag: str) -> dict:
                          f"column {err.colno})") from None
     if not isinstance(config, dict):
         raise InputError(f"{flag} {path}: expected a JSON object of settings, found {type(config).__name__}")
-    if config.get("model_type") != "dllm":
+    if dllm and config.get("model_type") != "dllm":
         raise InputError(f"{flag} {path}: model_type {config.get('model_type')!r}, expected 'dllm'")
     return config

@@ -135,6 +135,9 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     path = found.path
     common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
     identity = ModelIdentity.from_dict(common.get("identity"), path)
+    if identity.gpt is not None:  # the dense model below is the DiT's
+        raise InputError(f"{path}: a --backbone gpt checkpoint; Hugging Face export, sampling and evaluation "
+                         f"support the DiT backbone only so far")
     meta = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
     emb = [k for k in meta if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]

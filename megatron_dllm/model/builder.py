@@ -14,6 +14,8 @@ from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
 from megatron_dllm.model.fusion import Fusion
+from megatron_dllm.model.gpt import GPTBackbone, check_gpt_layout, gpt_layer_spec
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
 from megatron_dllm.model.presets import Preset
@@ -28,6 +30,7 @@ class Architecture:
     seq_length: int
     attention: str  # "bidirectional" | "causal"
     make_vocab_size_divisible_by: int = 128
+    gpt: GPTShape | None = None  # the GPT (Llama-style) backbone's shape; None: the DiT
 
     def padded_vocab_size(self, tp: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tp
@@ -43,6 +46,8 @@ def check_layout(arch: Architecture, tp: int, pp: int, vpp: int | None) -> None:
     if arch.padded_vocab_size(tp) % tp:
         raise InputError(f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
                          f"{arch.padded_vocab_size(tp)}")
+    if arch.gpt is not None:
+        check_gpt_layout(arch.gpt, p.num_attention_heads, tp)
     chunks = pp * (vpp or 1)
     if p.num_layers % chunks:
         raise InputError(f"--pipeline-model-parallel-size {pp} x --virtual-pipeline-model-parallel-size "
@@ -87,6 +92,9 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         **(recompute or {}),  # recompute_granularity/method/num_layers (ModelConfig.recompute())
         **platform.megatron_config_overrides(),
     )
+    if arch.gpt is not None:  # megatron-core's GPT layer: one config, no time embedder
+        config = dataclasses.replace(config, **arch.gpt.config_fields(p.hidden_size, p.num_attention_heads))
+        return config, config
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
     config.compile_elementwise = fusion.compile_elementwise  # read by DiTLayer and FinalLayer
     # megatron's fused bias-GELU is the tanh approximation, this model's GELU; megatron's MLP picks
@@ -97,21 +105,27 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
 
 
 def build_model(arch: Architecture, config: TransformerConfig, mlp_config: TransformerConfig,
-                seed: int, use_te: bool = False, attention_backend: str | None = None) -> list[DiTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), initialised from `seed`."""
+                seed: int, use_te: bool = False, attention_backend: str | None = None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage: DiTModel, or GPTBackbone for
+    `arch.gpt`), initialised from `seed`."""
     vpp = config.virtual_pipeline_model_parallel_size
-    spec = dit_layer_spec(arch.attention, use_te=use_te, attention_backend=attention_backend)
+    padded_vocab = arch.padded_vocab_size(config.tensor_model_parallel_size)
+    if arch.gpt is None:
+        spec = dit_layer_spec(arch.attention, use_te=use_te, attention_backend=attention_backend)
+    else:
+        spec = gpt_layer_spec(arch.gpt, arch.attention, use_te=use_te, attention_backend=attention_backend)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = DiTModel(
-            config, spec, mlp_config, arch.padded_vocab_size(config.tensor_model_parallel_size),
-            arch.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-        )
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        if arch.gpt is None:
+            model = DiTModel(config, spec, mlp_config, padded_vocab, arch.seq_length,
+                             pre_process=first, post_process=last, vp_stage=stage)
+        else:
+            model = GPTBackbone(config, arch.gpt, spec, padded_vocab, arch.seq_length,
+                                pre_process=first, post_process=last, vp_stage=stage, use_te=use_te)
         model.to(platform.device())
-        initialize_weights(model, seed)
+        initialize_weights(model, seed, adaln_zero=arch.gpt is None)
         chunks.append(model)
     return chunks

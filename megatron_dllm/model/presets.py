@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dllm.errors import InputError
+from megatron_dllm.model.gpt_shape import GPTShape
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,38 @@ PAPER_CODE_NAMES = {
 
 ALIASES = {"1.7B": "1708M", **PAPER_CODE_NAMES}
 
-PRESETS = {**PAPER_PRESETS, **CPU_PRESETS}
+
+def _llama(h: int, layers: int, heads: int, groups: int, ffn: int, theta: int, eps: float, *,
+           qkv_bias: bool = False, rope_scaling_factor: float | None = None,
+           head_dim: int | None = None) -> tuple[Preset, GPTShape]:
+    return Preset(h, layers, heads), GPTShape(
+        ffn_hidden_size=ffn, num_query_groups=groups if groups != heads else None,
+        kv_channels=head_dim if head_dim and head_dim != h // heads else None, normalization="RMSNorm",
+        norm_epsilon=eps, swiglu=True, position_embedding_type="rope", rotary_base=theta,
+        rope_scaling_factor=rope_scaling_factor, add_bias_linear=False, add_qkv_bias=qkv_bias)
+
+
+# Released AR models' shapes for the GPT backbone (`--backbone gpt`), from their public config.json
+# files on the Hugging Face hub (HuggingFaceTB/SmolLM2-*, meta-llama/Llama-3.2-*, Qwen/Qwen2.5-*):
+# hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+# rope_theta, rms_norm_eps, rope_scaling (Llama 3.2: llama3, factor 32); all tie their embeddings.
+GPT_PRESETS = {
+    "smollm2-135m": _llama(576, 30, 9, 3, 1536, 100000, 1e-5),
+    "smollm2-360m": _llama(960, 32, 15, 5, 2560, 100000, 1e-5),
+    "smollm2-1.7b": _llama(2048, 24, 32, 32, 8192, 130000, 1e-5),
+    "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, 500000, 1e-5, rope_scaling_factor=32.0),
+    "llama-3.2-3b": _llama(3072, 28, 24, 8, 8192, 500000, 1e-5, rope_scaling_factor=32.0, head_dim=128),
+    "qwen2.5-0.5b": _llama(896, 24, 14, 2, 4864, 1000000, 1e-6, qkv_bias=True),
+    "qwen2.5-1.5b": _llama(1536, 28, 12, 2, 8960, 1000000, 1e-6, qkv_bias=True),
+}
+
+PRESETS = {**PAPER_PRESETS, **CPU_PRESETS, **{name: p for name, (p, _) in GPT_PRESETS.items()}}
+
+
+def gpt_shape_of(name: str | None) -> GPTShape | None:
+    """The GPT backbone shape a preset implies (a released model's), else None (a DiT size)."""
+    entry = GPT_PRESETS.get(ALIASES.get(name, name)) if name else None
+    return entry[1] if entry else None
 
 
 def get_preset(name: str) -> Preset:

@@ -30,7 +30,11 @@ class TrainingModel:
 
 
 def build_family(cfg: RunConfig, tokenizer):
-    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss)
+    # cross-flag rule: --shift is MDLM's (Eso-LM's order is shuffled, AR already predicts the next token)
+    if cfg.backbone.shift and cfg.model.family != "mdlm":
+        raise InputError(f"--shift applies to --family mdlm, not {cfg.model.family}")
+    options = {"shift": True} if cfg.backbone.shift else {}
+    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss, **options)
 
 
 def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> TrainingModel:
@@ -38,7 +42,7 @@ def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> Tra
     handed to megatron-core's schedules and gradient sync, which time themselves."""
     model_cfg, prec, par, t = cfg.model, cfg.precision, cfg.parallel, cfg.training
     arch = Architecture(cfg.preset(), vocab_size, model_cfg.seq_length, family.attention,
-                        model_cfg.make_vocab_size_divisible_by)
+                        model_cfg.make_vocab_size_divisible_by, gpt=cfg.gpt_shape())
     use_te = (platform.HAS_TE if model_cfg.transformer_impl is None
               else model_cfg.transformer_impl == "transformer_engine")
     if (use_te or prec.fp8_format) and not platform.HAS_TE:
@@ -59,7 +63,8 @@ def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> Tra
     chunks = build_model(arch, config, mlp_config, t.seed, use_te=use_te, attention_backend=attention)
     model = wrap_ddp(chunks, config, par)
     optimizer, scheduler = build_optimizer(model, config, cfg.optimizer, par, t.train_iters)
-    layer_impl = f"{'transformer_engine' if use_te else 'local'}, attention {attention}, {fusion.describe()}"
+    layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
+                  f"attention {attention}, {fusion.describe()}")
     return TrainingModel(arch, config, model, optimizer, scheduler, layer_impl)
 
 

@@ -1,0 +1,120 @@
+"""Write a released autoregressive model (`hf.pretrained_ar`) as a megatron_dllm checkpoint of
+the GPT backbone at any TP/PP layout: each rank builds its GPTBackbone chunk, takes its shard of
+every whole tensor, and megatron-core's distributed checkpointing writes the shards (the same
+format training resumes and fine-tunes from, so it reshards on load).
+
+Vocabulary: the checkpoint's tokenizer is the directory's tokenizer.json (copied into
+`SAVE/tokenizer/` and recorded), with this project's [MASK] rule: an existing `<mask>`/`[MASK]`
+token, else the id after the tokenizer's last one. Embedding rows the model lacks (that
+appended [MASK]) start at the mean of its embedding rows; an untied output layer's new rows at
+zero; megatron's padding rows at zero. Without a tokenizer.json the vocabulary is the model's
+rows plus an appended [MASK].
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from megatron_dllm import platform
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.errors import InputError
+from megatron_dllm.hf import pretrained_ar
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tokenizer(hf: str, save: str):
+    """(vocab_size, mask_id, tokenizer record or None); the tokenizer files are copied into SAVE."""
+    if not os.path.isfile(os.path.join(hf, "tokenizer.json")):
+        return None
+    from megatron_dllm.checkpoint.tokenizer_record import tokenizer_record
+    from megatron_dllm.config.data import TokenizerConfig
+    from megatron_dllm.data.tokenizers import build_tokenizer
+
+    target = os.path.join(save, "tokenizer")
+    if int(os.environ.get("RANK", "0")) == 0:
+        os.makedirs(target, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(hf, name)):
+                shutil.copyfile(os.path.join(hf, name), os.path.join(target, name))
+    torch.distributed.barrier()
+    tok = build_tokenizer("HuggingFaceTokenizer", target)
+    record = tokenizer_record(TokenizerConfig.from_options("HuggingFaceTokenizer", tok.model_path, None))
+    return tok.vocab_size, tok.mask_id, record
+
+
+def _vocab_rows(full: torch.Tensor, rows: int, real: int, fill_mean: bool) -> torch.Tensor:
+    """The model's rows, new real rows (up to `real`) at the mean (or zero), padding at zero."""
+    out = torch.zeros(rows, full.shape[1], dtype=full.dtype)
+    kept = min(rows, full.shape[0])
+    out[:kept] = full[:kept]
+    if fill_mean and real > full.shape[0]:
+        out[full.shape[0]:real] = full.mean(0)
+    return out
+
+
+def import_checkpoint(args) -> int:
+    """--hf DIR --save CKPT --family F at --tensor/--pipeline-model-parallel-size; rank 0 reports."""
+    from megatron.core import parallel_state
+
+    from megatron_dllm.checkpoint import layout
+    from megatron_dllm.config.backbone import gpt_flags
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.init import tp_shard
+
+    if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
+        raise InputError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
+    config = pretrained_ar.read_config(args.hf)
+    source = f"--hf {os.path.join(args.hf, 'config.json')}"
+    preset, shape, hf_rows = pretrained_ar.shape_of(config, source)
+    whole = pretrained_ar.to_megatron(pretrained_ar.read_weights(args.hf), preset, shape, f"--hf {args.hf}")
+    if whole["embedding.word_embeddings.weight"].shape[0] != hf_rows:
+        raise InputError(f"{source}: vocab_size {hf_rows} but the embedding has "
+                         f"{whole['embedding.word_embeddings.weight'].shape[0]} rows")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    platform.init_distributed(tp, pp)
+    tokenizer = _tokenizer(args.hf, args.save)
+    vocab_size, mask_id, record = tokenizer or (hf_rows + 1, hf_rows, None)
+    seq_length = args.seq_length or int(config.get("max_position_embeddings", 2048))
+    arch = Architecture(preset, vocab_size, seq_length, FAMILIES[args.family].attention,
+                        args.make_vocab_size_divisible_by, gpt=shape)
+    cfg, _ = transformer_config(arch, tp=tp, pp=pp)
+    model = build_model(arch, cfg, cfg, seed=0)[0]
+    padded = arch.padded_vocab_size(tp)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tied = model.share_embeddings_and_output_weights
+    state = {}
+    for name, param in model.named_parameters():
+        global_name = name
+        if name.startswith("decoder.layers."):
+            i, rest = name[len("decoder.layers."):].split(".", 1)
+            global_name = f"decoder.layers.{model.layer_offset + int(i)}.{rest}"
+        if tied and name == "output_layer.weight":
+            global_name = "embedding.word_embeddings.weight"
+        value = whole[global_name]
+        if global_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            value = _vocab_rows(value, padded, vocab_size, fill_mean=global_name.startswith("embedding"))
+        value = tp_shard(value, param, tp, tp_rank, gated_fc1=shape.swiglu and ".mlp.linear_fc1." in name)
+        if value.shape != param.shape:
+            raise InputError(f"{name}: shape {tuple(value.shape)} from --hf {args.hf} vs model {tuple(param.shape)}")
+        state[name] = value.to(param.dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any("_extra_state" not in k for k in missing):
+        raise InputError(f"--hf {args.hf}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
+    identity = ModelIdentity.of(FAMILIES[args.family](mask_id=mask_id, vocab_size=vocab_size), arch)
+    extra = {"seq_length": seq_length, **({"tokenizer": record} if record else {})}
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, extra)
+    if torch.distributed.get_rank() == 0:
+        if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
+            for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
+                shutil.rmtree(old)
+        name = (config.get("architectures") or [config["model_type"]])[0]
+        print(f"wrote {path} ({name} as --family {args.family}, TP={tp}, PP={pp}, "
+              f"model weights only; vocabulary {vocab_size}, [MASK] id {mask_id}"
+              f"{', tokenizer ' + record['model'] if record else ', no tokenizer.json in --hf'})")
+        print("train it with: " + " ".join(gpt_flags(preset, shape)))
+    return 0

@@ -1,0 +1,192 @@
+"""A released autoregressive model's Hugging Face directory (Llama, Mistral, Qwen2; SmolLM2 is a
+Llama) as the GPT backbone (`model.gpt`): its config.json as a preset and a `GPTShape`, its
+safetensors weights (one file, or shards listed by model.safetensors.index.json) renamed and
+fused to megatron-core's layout. Only tensors are read: no pickle, no code from the directory.
+
+HF -> megatron-core (per layer i under `decoder.layers.i.`):
+    q/k/v_proj (+ bias)            self_attention.linear_qkv: per query group g, its
+                                   heads/groups query heads, then k_g, then v_g
+    o_proj                         self_attention.linear_proj
+    gate_proj, up_proj             mlp.linear_fc1 = [gate; up] (megatron's glu: silu(first) * second)
+    down_proj                      mlp.linear_fc2
+    input/post_attention_layernorm input_layernorm / pre_mlp_layernorm
+    model.norm, embed_tokens, lm_head  decoder.final_layernorm, embedding.word_embeddings, output_layer
+Both use the rotate-half rotary layout, so q and k are not permuted.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megatron_dllm.errors import InputError
+from megatron_dllm.model.gpt_shape import GPTShape
+from megatron_dllm.model.presets import Preset
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+# megatron-core's Llama-3 rope scaling (`rope_utils._apply_scaling`) hard-codes these
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def is_pretrained_ar(directory: str) -> bool:
+    """Whether `directory` holds a transformers causal LM config (rather than this project's export)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") != "dllm" and (
+        "architectures" in config or config.get("model_type") in ARCHITECTURES.values())
+
+
+def read_config(directory: str) -> dict:
+    from megatron_dllm.hf.config_json import read_config_json
+
+    return read_config_json(os.path.join(directory, "config.json"), "--hf", dllm=False)
+
+
+def _rope(config: dict, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope scaling or None): transformers 4 writes rope_theta and rope_scaling,
+    transformers 5 one rope_parameters dict holding both."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return float(theta), None
+    if kind == "llama3" and all(float(scaling.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items()):
+        return float(theta), scaling
+    raise InputError(f"{source}: rope scaling {scaling} is not supported (only none, and llama3 with "
+                     f"{_LLAMA3_ROPE}, as megatron-core implements it)")
+
+
+def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
+    """(Preset, GPTShape, HF vocabulary rows) of a supported config.json; anything this backbone
+    does not implement is one InputError naming the field."""
+    archs = config.get("architectures")  # absent from configs transformers derives from a GGUF file
+    if archs:
+        kind = ARCHITECTURES.get(archs[0]) if len(archs) == 1 else None
+    else:
+        kind = config.get("model_type") if config.get("model_type") in ARCHITECTURES.values() else None
+    if kind is None:
+        raise InputError(f"{source}: architectures {archs} (model_type {config.get('model_type')!r}) not "
+                         f"supported; expected one of {', '.join(ARCHITECTURES)}")
+    unsupported = {
+        "quantization_config": config.get("quantization_config"),
+        "hidden_act (expected silu)": config.get("hidden_act", "silu") != "silu",
+        "attention_bias": config.get("attention_bias") and kind != "qwen2",
+        "mlp_bias": config.get("mlp_bias"),
+        "sliding_window": config.get("sliding_window") is not None and (
+            kind == "mistral" or config.get("use_sliding_window")),
+        "num_experts": config.get("num_experts") or config.get("num_local_experts"),
+    }
+    bad = [name for name, value in unsupported.items() if value]
+    if bad:
+        raise InputError(f"{source}: {', '.join(bad)} not supported by the gpt backbone")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                           "vocab_size") if not isinstance(config.get(k), int)]
+    if missing:
+        raise InputError(f"{source}: {', '.join(missing)} missing or not an integer")
+    theta, scaling = _rope(config, source)
+    if theta != int(theta):
+        raise InputError(f"{source}: rope_theta {theta} is not an integer (--rotary-base is)")
+    h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    groups = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    shape = GPTShape(
+        ffn_hidden_size=int(config["intermediate_size"]),
+        num_query_groups=groups if groups != heads else None,
+        kv_channels=head_dim if head_dim != h // heads else None,
+        normalization="RMSNorm", swiglu=True,
+        # GGUF stores eps in float32 (1e-5 reads 9.9999997e-06): 6 significant digits, as presets write it
+        norm_epsilon=float(f"{float(config.get('rms_norm_eps', 1e-6)):.6g}"),
+        position_embedding_type="rope", rotary_base=int(theta),
+        rotary_percent=float(config.get("partial_rotary_factor", 1.0)),
+        rope_scaling_factor=float(scaling["factor"]) if scaling else None,
+        add_bias_linear=False, add_qkv_bias=kind == "qwen2", qk_layernorm=False,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", kind != "mistral"),
+    )
+    return Preset(h, int(config["num_hidden_layers"]), heads), shape, int(config["vocab_size"])
+
+
+def read_weights(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors (sharded via model.safetensors.index.json, or
+    one model.safetensors), in float32."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise InputError(f"--hf {index}: not a safetensors index ({err})") from None
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise InputError(f"--hf {directory}: no model.safetensors or model.safetensors.index.json "
+                         f"(only safetensors weights are read; .bin pickles are refused)")
+    weights = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        try:
+            weights.update(load_file(path))
+        except (SafetensorError, OSError) as err:
+            raise InputError(f"--hf {path}: unreadable safetensors file ({err})") from None
+    return {k: v.float() for k, v in weights.items()}
+
+
+def _take(weights: dict, name: str, used: set, source: str) -> torch.Tensor:
+    if name not in weights:
+        raise InputError(f"{source}: tensor {name!r} missing")
+    used.add(name)
+    return weights[name]
+
+
+def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> dict[str, torch.Tensor]:
+    """Whole (TP=1) megatron-core tensors under GPTBackbone's global names; vocabulary-sized
+    tensors keep the HF row count (padding is the caller's). Unused HF tensors are an error."""
+    h, heads = preset.hidden_size, preset.num_attention_heads
+    d = shape.kv_channels or h // heads
+    groups = shape.num_query_groups or heads
+    used: set = set()
+    if not shape.untie_embeddings_and_output_weights and "model.embed_tokens.weight" not in weights \
+            and "lm_head.weight" in weights:  # a tied pair saved once, under the head's name
+        weights = {**weights, "model.embed_tokens.weight": weights["lm_head.weight"]}
+        used.add("lm_head.weight")
+    out = {"embedding.word_embeddings.weight": _take(weights, "model.embed_tokens.weight", used, source),
+           "decoder.final_layernorm.weight": _take(weights, "model.norm.weight", used, source)}
+    if shape.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = _take(weights, "lm_head.weight", used, source)
+    elif "lm_head.weight" in weights and "lm_head.weight" not in used:  # some tied checkpoints store the copy too
+        if not torch.equal(weights["lm_head.weight"], out["embedding.word_embeddings.weight"]):
+            raise InputError(f"{source}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
+        used.add("lm_head.weight")
+
+    def qkv(suffix: str, tail: tuple) -> torch.Tensor:
+        q, k, v = (_take(weights, f"{p}.{n}_proj.{suffix}", used, source) for n in "qkv")
+        return torch.cat([q.reshape(groups, heads // groups * d, *tail), k.reshape(groups, d, *tail),
+                          v.reshape(groups, d, *tail)], dim=1).reshape(-1, *tail)
+
+    for i in range(preset.num_layers):
+        p, m = f"model.layers.{i}.self_attn", f"decoder.layers.{i}."
+        out[m + "self_attention.linear_qkv.weight"] = qkv("weight", (h,))
+        if shape.add_qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = qkv("bias", ())
+        out[m + "self_attention.linear_proj.weight"] = _take(weights, f"{p}.o_proj.weight", used, source)
+        mlp = f"model.layers.{i}.mlp"
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([_take(weights, f"{mlp}.gate_proj.weight", used, source),
+                                                      _take(weights, f"{mlp}.up_proj.weight", used, source)])
+        out[m + "mlp.linear_fc2.weight"] = _take(weights, f"{mlp}.down_proj.weight", used, source)
+        out[m + "input_layernorm.weight"] = _take(weights, f"model.layers.{i}.input_layernorm.weight", used, source)
+        out[m + "pre_mlp_layernorm.weight"] = _take(weights, f"model.layers.{i}.post_attention_layernorm.weight",
+                                                    used, source)
+    unused = sorted(k for k in set(weights) - used if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise InputError(f"{source}: tensors this architecture does not use: {unused[:5]}")
+    return out

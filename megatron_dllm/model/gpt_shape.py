@@ -1,0 +1,63 @@
+"""The shape of the GPT (Llama-style) backbone as Megatron-LM's GPT flags describe it: what a
+`GPTModel` needs beyond hidden size, layers and heads. Kept free of megatron imports so that
+presets and flags can name it cheaply."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from megatron_dllm.errors import InputError
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """What Megatron-LM's GPT flags say about a GPTModel beyond hidden size, layers and heads.
+    Defaults are Megatron-LM's (a GPT-2-like model); a Llama is RMSNorm, SwiGLU, rope, no biases."""
+
+    ffn_hidden_size: int
+    num_query_groups: int | None = None  # None: as many as heads (no grouped-query attention)
+    kv_channels: int | None = None  # None: hidden_size / heads
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    rope_scaling_factor: float | None = None  # Llama-3 rope scaling (--use-rope-scaling); None: off
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # the flag; add_bias_linear implies a qkv bias too, as in Megatron-LM
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+
+    def __post_init__(self):
+        if self.normalization not in NORMALIZATIONS:
+            raise InputError(f"--normalization {self.normalization!r}: expected one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise InputError(f"--position-embedding-type {self.position_embedding_type!r}: the gpt backbone "
+                             f"supports {', '.join(POSITION_EMBEDDING_TYPES)}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> "GPTShape":
+        return cls(**saved)
+
+    def config_fields(self, hidden_size: int, num_attention_heads: int) -> dict:
+        """TransformerConfig fields, as Megatron-LM's `core_transformer_config_from_args` sets them."""
+        return {"ffn_hidden_size": self.ffn_hidden_size, "num_query_groups": self.num_query_groups,
+                "kv_channels": self.kv_channels or hidden_size // num_attention_heads,
+                "normalization": self.normalization, "layernorm_epsilon": self.norm_epsilon,
+                "gated_linear_unit": self.swiglu, "activation_func": F.silu if self.swiglu else F.gelu,
+                "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.add_qkv_bias or self.add_bias_linear,
+                "qk_layernorm": self.qk_layernorm}
+
+
+def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default --ffn-hidden-size: 4h, or with --swiglu 2/3 of it rounded down to 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size

