@@ -39,6 +39,9 @@ class Sampler:
     """Base of the family samplers; a subclass implements `sample(prompt, generator)`."""
 
     predictors: tuple[str, ...] = ("ancestral", "left-to-right")
+    # AR/Eso-LM KV caches: preallocated to the run's final length and written in place; False
+    # grows them by concatenation per step (the earlier cache: benchmarks and tests compare them)
+    static_kv_cache: bool = True
 
     def __init__(self, family, inf, cfg: SamplingConfig):
         cfg.check()
@@ -56,6 +59,10 @@ class Sampler:
         self.eos_id = cfg.eos_id if cfg.eos_id is not None else tokenizer_eos
 
     # ------------------------------------------------------------------ pieces for subclasses
+
+    def kv_cache_length(self, tokens: int) -> int | None:
+        """`max_length` of a KV cache that holds at most `tokens` entries (None: a growing cache)."""
+        return tokens if self.static_kv_cache else None
 
     def canvas(self, prompt: torch.Tensor, filler: torch.Tensor | None = None) -> torch.Tensor:
         """[b, L]: the prompt, then `filler` ([b, L - P]; default [MASK])."""
