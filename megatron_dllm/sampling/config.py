@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_dllm.errors import InputError
+from megatron_dllm.sampling.approx_kv_cache import MODES as APPROX_KV_CACHES
 
 PREDICTORS = ("ancestral", "block", "left-to-right")
 
@@ -22,6 +23,11 @@ class SamplingConfig:
     # default: the paper's samples always run the full length, and stopping lowers AR's entropy
     stop_at_eos: bool = False
     eos_id: Optional[int] = None   # default: the tokenizer's EOD
+    # MDLM/Duo block-wise decoding: the generated positions in blocks of this many, one after the
+    # other, `steps` steps each (None: one block, the family's own sampler)
+    block_length: Optional[int] = None
+    # MDLM/Duo approximate KV caches refreshed per block (Fast-dLLM): none (exact) | prefix | dual
+    approx_kv_cache: str = "none"
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -33,5 +39,10 @@ class SamplingConfig:
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.temperature <= 0:
             raise InputError(f"--temperature {self.temperature}: must be > 0")
+        if self.block_length is not None and self.block_length < 1:
+            raise InputError(f"--block-length {self.block_length}: must be >= 1")
+        if self.approx_kv_cache not in APPROX_KV_CACHES:
+            raise InputError(f"--approx-kv-cache {self.approx_kv_cache!r} is unknown; valid: "
+                             f"{', '.join(APPROX_KV_CACHES)}")
         if self.seq_length is not None and self.seq_length < 2:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")
