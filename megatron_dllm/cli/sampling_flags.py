@@ -18,6 +18,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                    help="categorical sampling from float64 probabilities (--no-float64: float32)")
     g.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="AR/Eso-LM KV cache, MDLM no-change cache (--no-kv-cache: recompute)")
+    add_block_arguments(g)
+
+
+def add_block_arguments(g) -> None:
+    """MDLM/Duo block-wise decoding and its approximate caches (also `evaluate.py gsm8k`)."""
+    g.add_argument("--block-length", type=positive_int, default=None,
+                   help="MDLM/Duo: decode the generated positions block by block, --steps steps per block")
+    g.add_argument("--approx-kv-cache", choices=["none", "prefix", "dual"], default="none",
+                   help="MDLM/Duo: Fast-dLLM's approximate KV caches, refreshed at each block (none: exact)")
 
 
 def sampling_config(args, stop_at_eos: bool):
@@ -25,4 +34,5 @@ def sampling_config(args, stop_at_eos: bool):
 
     return SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
                           temperature=args.temperature, float64=args.float64, predictor=args.predictor,
-                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos)
+                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos, block_length=args.block_length,
+                          approx_kv_cache=args.approx_kv_cache)

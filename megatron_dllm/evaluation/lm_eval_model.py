@@ -18,7 +18,9 @@ training data start right after an EOD and never with a BOS.
   scored as (continuation | clean context) and summed (AR: the exact log-likelihood; diffusion:
   a sum of conditional bounds, whatever `likelihood_mode`, since a joint per-token mean does not add up).
 - `generate_until`: batched left-to-right generation, `batch_size` requests per call ('auto': 8 on
-  CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`.
+  CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`. `generation=native`
+  runs the family's own sampler instead (`steps`; MDLM/Duo: `block_length`, and
+  `approx_kv_cache=prefix|dual`, Fast-dLLM's approximate caches).
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ class MegatronDLLM(TemplateLM):
     def __init__(self, load: str, num_mc_samples: int = 64, likelihood_mode: str = "conditional",
                  batch_size: int | str = 64, seed: int = 1234, dtype: str = "float32", device: str | None = None,
                  use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
-                 max_gen_toks: int = 256, inference_model=None, **kwargs):
+                 max_gen_toks: int = 256, generation: str = "left-to-right", steps: int = 64,
+                 block_length: int | str | None = None, approx_kv_cache: str = "none", inference_model=None, **kwargs):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -72,6 +75,14 @@ class MegatronDLLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.generation_batch_size = "auto" if str(batch_size).startswith("auto") else batch  # generate_until
         self.seed = int(seed)
+        if generation not in ("left-to-right", "native"):
+            raise InputError(f"--model_args generation={generation}: expected left-to-right or native")
+        # generate_until: the family's own sampler instead, with MDLM/Duo's block-wise options
+        self.generation, self.steps = generation, int(steps)
+        self.block_length = None if block_length in (None, "", "none") else int(block_length)
+        self.approx_kv_cache = approx_kv_cache
+        if generation == "left-to-right" and (self.block_length is not None or approx_kv_cache != "none"):
+            raise InputError("--model_args block_length / approx_kv_cache: block-wise decoding needs generation=native")
         self.stderrs: list[float] = []  # one per scored request, in order
         self.stderrs_by_task: dict[str, list[float]] = {}
 

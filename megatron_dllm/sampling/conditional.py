@@ -125,12 +125,13 @@ def generate_left_to_right(inf, prompt_ids: Sequence[int], max_new_tokens: int |
 
 def generate_native(inf, prompt_ids: Sequence[int], max_new_tokens: int | None = None, eos_id: int | None = None,
                     *, steps: int = 64, greedy: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                    seed: int = 0) -> list[int]:
+                    seed: int = 0, block_length: int | None = None, approx_kv_cache: str = "none") -> list[int]:
     """The response to `prompt_ids` from the family's own sampler (`steps` denoising steps; AR is
-    left to right), the prompt held fixed; cut after the first EOS. Arguments as
-    `generate_left_to_right`."""
+    left to right), the prompt held fixed; cut after the first EOS. MDLM/Duo: `block_length`
+    decodes block-wise (`steps` per block), `approx_kv_cache` prefix|dual adds Fast-dLLM's
+    approximate caches (`SamplingConfig`). Other arguments as `generate_left_to_right`."""
     cfg = _config(inf, prompt_ids, max_new_tokens, eos_id, greedy, temperature, top_p, predictor="ancestral",
-                  steps=steps)
+                  steps=steps, block_length=block_length, approx_kv_cache=approx_kv_cache)
     return _run(inf, prompt_ids, cfg, seed)
 
 
@@ -170,9 +171,11 @@ def generate_left_to_right_batch(inf, prompts: Sequence[Sequence[int]], max_new_
 def generate_native_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
                           eos_id: int | None = None, *, steps: int = 64, greedy: bool = False,
                           temperature: float = 1.0, top_p: float = 1.0, seeds: int | Sequence[int] = 0,
-                          pad_id: int = 0) -> list[list[int]]:
+                          pad_id: int = 0, block_length: int | None = None, approx_kv_cache: str = "none"
+                          ) -> list[list[int]]:
     """`generate_native` for many prompts in one batch; element i is exactly
     `generate_native(inf, prompts[i], ..., seed=seeds[i])`. Arguments as
-    `generate_left_to_right_batch`."""
+    `generate_left_to_right_batch` and `generate_native`."""
     return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor="ancestral",
-                      steps=steps, **_sampling(greedy, temperature, top_p))
+                      steps=steps, block_length=block_length, approx_kv_cache=approx_kv_cache,
+                      **_sampling(greedy, temperature, top_p))
