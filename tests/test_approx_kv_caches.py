@@ -9,7 +9,7 @@ from test_batched_generation import EOS, PROMPTS, SEEDS, model
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.gsm8k import Problem, evaluate_gsm8k
-from megatron_dllm.sampling import SamplingConfig, get_sampler
+from megatron_dllm.sampling import SamplingConfig, generate, get_sampler
 from megatron_dllm.sampling.approx_kv_cache import BlockDenoiser
 from megatron_dllm.sampling.blocks import block_spans
 from megatron_dllm.sampling.conditional import generate_native, generate_native_batch
@@ -114,3 +114,12 @@ def test_gsm8k_left_to_right_refuses_block_options():
     inf.tokenizer = type("T", (), {"eod": EOS, "tokenize": lambda self, t: [1, 2]})()
     with pytest.raises(InputError, match="needs --protocol native"):
         evaluate_gsm8k(inf, [Problem(0, "q", "1", "#### 1")], "left-to-right", 4, approx_kv_cache="dual")
+
+
+@pytest.mark.parametrize("mode", ["none", "dual"])
+def test_unconditional_block_wise_samples(inf, mode):
+    """generate() without a prompt (tools/sample.py): full rows of valid ids, reproducible."""
+    cfg = SamplingConfig(steps=3, block_length=8, approx_kv_cache=mode, eos_id=EOS)
+    x = generate(inf, cfg, num_samples=3, batch_size=2, seed=1)
+    assert x.shape == (3, inf.seq_length) and not bool((x == inf.mask_id).any()) and int(x.max()) < inf.mask_id
+    assert torch.equal(generate(inf, cfg, num_samples=3, batch_size=2, seed=1), x)
