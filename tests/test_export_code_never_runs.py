@@ -1,9 +1,9 @@
 """The tools load an HF export with this project's own classes: python files shipped in an export
-(`modeling_dllm.py`, `configuration_dllm.py`, a tokenizer module named by an `auto_map`), which
-anyone passing the export on can edit, never run. Each loader (sample, evaluate nelbo and gen-ppl
-with the exported AR judge, convert_from_hf, the lm-eval model class) is run on an export whose
-python files write a marker file when imported: no marker appears, and every result equals the
-one of the untouched export."""
+(`modeling_dllm.py`, `configuration_dllm.py`, the sampler files behind `generate`, a tokenizer
+module named by an `auto_map`), which anyone passing the export on can edit, never run. Each loader
+(sample, evaluate nelbo and gen-ppl with the exported AR judge, convert_from_hf, the lm-eval model
+class, `generate` of the loaded model) is run on an export whose python files write a marker file
+when imported: no marker appears, and every result equals the one of the untouched export."""
 import json
 import os
 import shutil
@@ -23,7 +23,9 @@ def plant_payload(src, dst, marker) -> str:
     maps AutoTokenizer to, create `marker`.<module> when imported."""
     shutil.copytree(src, dst)
     payload = f"\nopen({str(marker)!r} + '.' + __name__.rsplit('.', 1)[-1], 'w').write('ran')\n"
-    for name in ("modeling_dllm.py", "configuration_dllm.py"):
+    shipped = [name for name in os.listdir(dst) if name.endswith(".py")]
+    assert {"modeling_dllm.py", "configuration_dllm.py", "hf_generation.py", "mdlm.py"} <= set(shipped)
+    for name in shipped:
         with open(os.path.join(dst, name), "a") as f:
             f.write(payload)
     with open(os.path.join(dst, "tokenization_dllm.py"), "w") as f:
@@ -114,6 +116,15 @@ def test_evaluate_nelbo_and_gen_ppl_with_the_exported_judge(exports, both, tmp_p
     assert no_payload_ran(tmp_path)
     assert nelbo[0] == nelbo[1] and np.isfinite(nelbo[0])
     assert ppl[0] == ppl[1] and np.isfinite(ppl[0])
+
+
+def test_generate_of_the_loaded_model(both, tmp_path):
+    from megatron_dllm.hf.load_export import load_model
+
+    results = [load_model(which).generate(num_return_sequences=2, max_new_tokens=8, steps=4, seed=1)
+               for which in both["mdlm"]]
+    assert no_payload_ran(tmp_path)
+    assert torch.equal(results[0], results[1])
 
 
 def test_judge_loads_the_export_with_the_project_classes(both, tmp_path):

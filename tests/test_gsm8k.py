@@ -99,7 +99,9 @@ def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol
         out = tmp_path / f"pred-{batch_size}.jsonl"
         result = gsm8k.evaluate_gsm8k(inf, problems, protocol, max_new_tokens=8, steps=4, predictions=str(out),
                                       batch_size=batch_size)
-        assert result["batch_size"] == batch_size
+        # the batch size that ran (auto: 8 on CPU, capped by the 5 problems), and the one requested
+        assert (result["batch_size"], result["batch_size_requested"]) == ({1: 1, 2: 2, "auto": 5}[batch_size],
+                                                                          batch_size)
         runs[batch_size] = (result["accuracy"], result["generated_tokens"], out.read_text())
     assert runs[1] == runs[2] == runs["auto"]
     generations = [json.loads(line)["generation"] for line in runs[1][2].splitlines()]

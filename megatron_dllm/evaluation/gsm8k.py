@@ -124,8 +124,10 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
                    batch_size: int | str = 1, block_length: int | None = None, approx_kv_cache: str = "none") -> dict:
     """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
-    temporary name, renamed when complete). `block_length` / `approx_kv_cache`: MDLM/Duo
-    block-wise decoding and its approximate caches (protocol native)."""
+    temporary name, renamed when complete). The result's `batch_size` is the largest batch that
+    ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument.
+    `block_length` / `approx_kv_cache`: MDLM/Duo block-wise decoding and its approximate caches
+    (protocol native)."""
     tok = inf.tokenizer
     if tok is None:
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
@@ -139,10 +141,10 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
                          f"context of {inf.seq_length}")
     full = [tok.tokenize(prompt_text(problem.question)) for problem in problems]
     prompts, truncated = [ids[-keep:] for ids in full], sum(len(ids) > keep for ids in full)
-    seconds = 0.0
+    seconds, largest_batch = 0.0, 0
 
     def run(indices: list[int]) -> list[list[int]]:
-        nonlocal seconds
+        nonlocal seconds, largest_batch
         batch = [prompts[i] for i in indices]
         start = time.perf_counter()
         if protocol == "left-to-right":
@@ -151,6 +153,7 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
             out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, seeds=seed,
                                         block_length=block_length, approx_kv_cache=approx_kv_cache)
         seconds += time.perf_counter() - start
+        largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
 
     generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
@@ -180,7 +183,8 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     n = len(problems)
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,
-            "throughput_tokens_per_s": tokens / seconds if seconds else None, "batch_size": batch_size}
+            "throughput_tokens_per_s": tokens / seconds if seconds else None,
+            "batch_size": largest_batch, "batch_size_requested": batch_size}
 
 
 def add_gsm8k_parser(sub, add_model, add_common) -> None:

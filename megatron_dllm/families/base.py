@@ -9,13 +9,13 @@ HF export and import nothing from them: adding a family means one file and one r
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import T_EPS
+from megatron_dllm.seeding import seed_for
 
 
 @dataclass
@@ -38,11 +38,6 @@ def response_positions(tokens: torch.Tensor, prompt: torch.Tensor | None) -> tor
     if prompt is None:
         return torch.ones(tokens.shape, dtype=torch.float32)
     return (~prompt.bool()).float()
-
-
-def seed_for(*values) -> int:
-    """A 63-bit seed from values (stable across processes and Python versions)."""
-    return zlib.crc32(b"/".join(str(v).encode() for v in values)) * 2_654_435_761 % 2**63
 
 
 @dataclass

@@ -22,10 +22,9 @@ from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.hf.remote_code import remote_code_files
 from megatron_dllm.model import constants
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL_FILES = ("configuration_dllm.py", "modeling_dllm.py")
 DEFAULT_SEQ_LENGTH = 2048
 
 # megatron (TP=1, PP=1 DiTModel.state_dict()) -> HF suffix after "backbone."
@@ -220,8 +219,8 @@ def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
     save_file({k: v.contiguous() for k, v in sorted(hf_state.items())}, os.path.join(out, "model.safetensors"),
               metadata={"format": "pt"})
-    for name in MODEL_FILES:
-        shutil.copyfile(os.path.join(HERE, name), os.path.join(out, name))
+    for name, source in remote_code_files().items():  # the model and its generation code
+        shutil.copyfile(source, os.path.join(out, name))
     if FAMILIES[config["family"]].next_token:  # generate() defaults
         gen = {"use_cache": False, "do_sample": False}
         with open(os.path.join(out, "generation_config.json"), "w") as f:

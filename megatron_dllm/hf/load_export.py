@@ -1,11 +1,11 @@
 """Load one of this project's Hugging Face exports with this project's own classes.
 
-An export ships `modeling_dllm.py` and `configuration_dllm.py` (for users of transformers' Auto
-classes with `trust_remote_code=True`), and anyone who passes it on can edit them or add python
-files and an `auto_map` to its configs. The tools never import them: the model is
-`megatron_dllm/hf/modeling_dllm.py`'s class of the config's family, and the tokenizer is the
-transformers class that tokenizer_config.json names (one of transformers' own, nothing from the
-directory).
+An export ships `modeling_dllm.py`, `configuration_dllm.py` and the sampler files behind
+`generate` (for users of transformers' Auto classes with `trust_remote_code=True`), and anyone who
+passes it on can edit them or add python files and an `auto_map` to its configs. The tools never
+import them: the model is `megatron_dllm/hf/modeling_dllm.py`'s class of the config's family (its
+`generate` runs megatron_dllm/sampling), and the tokenizer is the transformers class that
+tokenizer_config.json names (one of transformers' own, nothing from the directory).
 """
 from __future__ import annotations
 

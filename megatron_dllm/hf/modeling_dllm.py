@@ -15,6 +15,9 @@ it is -log alpha_t.
 AR, MDLM and Eso-LM were trained with sigma = 0 (the default). Eso-LM takes the sequence in its
 shuffled order with `position_ids` = the original positions, and attends causally over that order.
 Causal models decode incrementally with `kv_cache=KVCache(num_layers, max_length)` (see `KVCache`).
+DLLMForMaskedLM.generate (alias diffusion_generate) samples with megatron_dllm's own samplers,
+which an export ships beside this file (megatron_dllm/sampling/hf_generation.py); the AR family's
+DLLMForCausalLM keeps transformers' generate.
 """
 import math
 from typing import Optional
@@ -199,6 +202,18 @@ class DiT(nn.Module):
         return self.output_layer(x, c)
 
 
+def _diffusion_generate():
+    """The sampling code behind DLLMForMaskedLM.generate: in an export, the sampler files shipped
+    beside this one; when this file is megatron_dllm's own (megatron_dllm/hf/), megatron_dllm/sampling."""
+    try:
+        from .hf_generation import diffusion_generate
+    except ModuleNotFoundError as err:
+        if err.name != f"{__package__}.hf_generation":
+            raise
+        from megatron_dllm.sampling.hf_generation import diffusion_generate
+    return diffusion_generate
+
+
 class DLLMPreTrainedModel(PreTrainedModel):
     config_class = DLLMConfig
     base_model_prefix = "backbone"
@@ -272,7 +287,17 @@ class DLLMPreTrainedModel(PreTrainedModel):
 
 
 class DLLMForMaskedLM(DLLMPreTrainedModel):
-    """Diffusion families (mdlm, duo, esolm): logits for every position."""
+    """Diffusion families (mdlm, duo, esolm): logits for every position, and `generate` with the
+    family's own sampler (megatron_dllm's sampling code, which every export ships beside this file)."""
+
+    def generate(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                 **kwargs) -> torch.LongTensor:
+        """Samples [rows, prompt + max_new_tokens]: `generate(input_ids, max_new_tokens=, steps=,
+        sampler="ancestral", seed=0 | generator=, temperature=, top_p=, num_return_sequences=, ...)`,
+        exactly megatron_dllm's samples for the same seed (hf_generation.py documents the arguments)."""
+        return _diffusion_generate()(self, input_ids, attention_mask, **kwargs)
+
+    diffusion_generate = generate  # Dream's name
 
 
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,

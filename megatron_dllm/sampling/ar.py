@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.hf.modeling_dllm import KVCache
-from megatron_dllm.sampling.base import Sampler
-from megatron_dllm.sampling.padded_kv_cache import PaddedKVCache
+from .base import Sampler
+from .deps import InputError, KVCache
+from .padded_kv_cache import PaddedKVCache
 
 
 class ARSampler(Sampler):

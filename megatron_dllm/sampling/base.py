@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.config import SamplingConfig
-from megatron_dllm.sampling.prompt_batch import PromptBatch
+from . import categorical
+from .config import SamplingConfig
+from .deps import InputError
+from .prompt_batch import PromptBatch
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
 

@@ -35,12 +35,11 @@ from typing import Sequence
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.families.base import seed_for
-from megatron_dllm.sampling.config import SamplingConfig
-from megatron_dllm.sampling.esolm import EsoLMSampler
-from megatron_dllm.sampling.prompt_batch import PromptBatch
-from megatron_dllm.sampling.registry import get_sampler
+from .config import SamplingConfig
+from .deps import InputError, seed_for
+from .esolm import EsoLMSampler
+from .prompt_batch import PromptBatch
+from .registry import get_sampler
 
 GREEDY_TOP_P = 1e-12  # the nucleus keeps at least one id: a vanishing top-p keeps exactly the argmax
 

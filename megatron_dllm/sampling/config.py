@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.sampling.approx_kv_cache import MODES as APPROX_KV_CACHES
+from .approx_kv_cache import MODES as APPROX_KV_CACHES
+from .deps import InputError
 
 PREDICTORS = ("ancestral", "block", "left-to-right")
 

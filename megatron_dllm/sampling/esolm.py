@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.hf.modeling_dllm import KVCache
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.base import EosStop, Sampler
-from megatron_dllm.sampling.padded_kv_cache import PaddedKVCache
+from . import categorical
+from .base import EosStop, Sampler
+from .deps import InputError, KVCache
+from .padded_kv_cache import PaddedKVCache
 
 
 class EsoLMSampler(Sampler):

@@ -9,10 +9,9 @@ from typing import Sequence
 
 import torch
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.families.base import seed_for
-from megatron_dllm.sampling.config import SamplingConfig
-from megatron_dllm.sampling.registry import get_sampler
+from .config import SamplingConfig
+from .deps import InputError, seed_for
+from .registry import get_sampler
 
 
 def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
@@ -32,8 +31,10 @@ def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
 
 
 def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | None = None, seed: int = 0,
-             prompt_ids: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
-    """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row."""
+             prompt_ids: Sequence[int] | torch.Tensor | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row.
+    `generator`: every batch draws from it, in turn, instead of from its seeded one."""
     if num_samples < 1 or (batch_size is not None and batch_size < 1):
         raise InputError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
     sampler = get_sampler(inf, cfg)
@@ -44,8 +45,8 @@ def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | N
     out = []
     with torch.inference_mode():
         for first in range(0, num_samples, batch_size):
-            generator = torch.Generator(device=inf.device).manual_seed(seed_for("sample", seed, first))
-            out.append(sampler.sample(prompts[first:first + batch_size], generator).cpu())
+            draws = generator or torch.Generator(device=inf.device).manual_seed(seed_for("sample", seed, first))
+            out.append(sampler.sample(prompts[first:first + batch_size], draws).cpu())
     return torch.cat(out)
 
 

@@ -8,27 +8,11 @@ whatever the source.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from megatron_dllm.errors import InputError
-
-
-@dataclass
-class InferenceModel:
-    model: torch.nn.Module  # DLLMForMaskedLM (mdlm, duo, esolm) or DLLMForCausalLM (ar), eval mode
-    family: str
-    mask_id: int
-    vocab_size: int         # real vocabulary including [MASK]
-    seq_length: int         # the training context (max_position_embeddings)
-    tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
-    source: str             # "megatron" | "hf"
-    tokenizer_config: object = None  # the TokenizerConfig that built `tokenizer` (None: an HF directory's)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+from megatron_dllm.sampling.inference_model import InferenceModel
 
 
 def _given_config(tokenizer_type, tokenizer_model, tokenizer_options):

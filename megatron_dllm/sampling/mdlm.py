@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.sampling import categorical
-from megatron_dllm.sampling.approx_kv_cache import BlockDenoiser
-from megatron_dllm.sampling.base import Sampler
-from megatron_dllm.sampling.blocks import block_spans, each_block, end_at_eos
+from . import categorical
+from .approx_kv_cache import BlockDenoiser
+from .base import Sampler
+from .blocks import block_spans, each_block, end_at_eos
 
 
 class MDLMSampler(Sampler):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dllm.hf.modeling_dllm import KVCache
+from .deps import KVCache
 
 
 class PaddedKVCache:

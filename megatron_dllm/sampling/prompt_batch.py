@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dllm.sampling import categorical
+from . import categorical
 
 
 @dataclass

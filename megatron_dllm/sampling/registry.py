@@ -5,14 +5,13 @@ sampling; a family's sampler is one file here and one entry in `SAMPLERS`.
 """
 from __future__ import annotations
 
-from megatron_dllm.errors import InputError
-from megatron_dllm.families import get_family
-from megatron_dllm.sampling.ar import ARSampler
-from megatron_dllm.sampling.base import Sampler
-from megatron_dllm.sampling.config import SamplingConfig
-from megatron_dllm.sampling.duo import DuoSampler
-from megatron_dllm.sampling.esolm import EsoLMSampler
-from megatron_dllm.sampling.mdlm import MDLMSampler
+from .ar import ARSampler
+from .base import Sampler
+from .config import SamplingConfig
+from .deps import InputError, get_family
+from .duo import DuoSampler
+from .esolm import EsoLMSampler
+from .mdlm import MDLMSampler
 
 SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
                                       "esolm": EsoLMSampler}

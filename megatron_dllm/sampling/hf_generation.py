@@ -1,0 +1,133 @@
+"""`generate` (Dream's name: `diffusion_generate`) of the diffusion families' transformers model
+(`DLLMForMaskedLM` in modeling_dllm.py): this project's own samplers behind transformers' calling
+convention. Every HF export ships this file and the sampler files beside its modeling_dllm.py (they
+import each other relatively, see deps.py), so an export loaded with
+`AutoModelForMaskedLM.from_pretrained(dir, trust_remote_code=True)` samples offline without
+megatron_dllm, and exactly as megatron_dllm does:
+
+    model.generate(num_return_sequences=4, max_new_tokens=1024, steps=256, seed=0)
+        == sampling.generate(inf, SamplingConfig(steps=256, seq_length=1024), num_samples=4, seed=0)
+    model.generate(prompt_ids, max_new_tokens=64, steps=64, seed=0)       # one prompt length
+        == sampling.generate(inf, SamplingConfig(steps=64, seq_length=P + 64), num_samples=b, seed=0,
+                             prompt_ids=prompt_ids)
+    model.generate(padded_ids, attention_mask=mask, max_new_tokens=64, steps=64, seed=0)
+        row i == conditional.generate_native(inf, prompt_i, 64, eos_id, steps=64, seed=0)
+
+The first two return [rows, P + max_new_tokens]: the prompt, then the filled canvas (the sample
+command's samples). With `attention_mask` marking padding (left or right), each row is its prompt
+(the unpadded tokens) answered by conditional generation (`sampling.conditional`'s batched
+protocol: cut after the first EOS); the result is the input as given, then each row's answer,
+filled with `eos_token_id` after it (with conditional's settings: stop at EOS, caches on,
+float64). `generator=` replaces the seeded random stream (unpadded input only: padded rows each
+draw from their own seeded stream, as batch 1 would).
+"""
+from __future__ import annotations
+
+import torch
+
+# transformers copies an export's remote-code files by their `from .name import` lines only; the
+# samplers import categorical as a module (`from . import categorical`), so it is named here
+from .categorical import sample as _shipped_with_the_export  # noqa: F401
+from .conditional import generate_left_to_right_batch, generate_native_batch
+from .config import SamplingConfig
+from .deps import get_family
+from .generate import generate
+from .inference_model import InferenceModel
+from .registry import SAMPLERS
+
+SCHEDULE = "loglinear"  # the samplers' noise schedule (config.json's noise_schedule)
+
+
+def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int) -> None:
+    config = model.config
+    if config.family not in SAMPLERS:
+        raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
+                         f"{', '.join(SAMPLERS)}")
+    family = get_family(config.family, config.mask_token_id, config.vocab_size)
+    eps = float(family.schedule.alpha(torch.tensor(1.0, dtype=torch.float64)))  # log-linear: alpha_1 = eps
+    if config.noise_schedule != SCHEDULE or abs(config.noise_eps - eps) > 1e-12:
+        raise ValueError(f"config.json: noise_schedule {config.noise_schedule!r} with noise_eps {config.noise_eps}; "
+                         f"the samplers' schedule is {SCHEDULE!r} with eps {eps}")
+    valid = SAMPLERS[config.family].predictors
+    if sampler not in valid:
+        raise ValueError(f"sampler={sampler!r} is not available for the {config.family} family; valid: "
+                         f"{', '.join(valid)}")
+    for name, value in (("steps", steps), ("max_new_tokens", max_new_tokens),
+                        ("num_return_sequences", num_return_sequences)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+
+def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
+                       max_new_tokens: int | None = None, steps: int = SamplingConfig.steps,
+                       sampler: str = SamplingConfig.predictor, seed: int = 0,
+                       generator: torch.Generator | None = None, temperature: float = SamplingConfig.temperature,
+                       top_p: float = SamplingConfig.top_p, num_return_sequences: int = 1,
+                       eos_token_id: int | None = None, stop_at_eos: bool = SamplingConfig.stop_at_eos,
+                       kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64
+                       ) -> torch.LongTensor:
+    """Samples [rows, P + new] from the family's sampler (see the module docstring).
+
+    input_ids: [b, P] prompts (None or P = 0: unconditional, `num_return_sequences` rows).
+    attention_mask: [b, P], 0 at padding: prompts of different lengths (conditional protocol).
+    max_new_tokens: positions generated after the prompt (default: the rest of the model's context).
+    steps, sampler ("ancestral"; "left-to-right"; Eso-LM also "block"), temperature, top_p,
+    kv_cache, float64, stop_at_eos: as `SamplingConfig` (`--steps`, `--predictor`, ...).
+    seed: the seed of megatron_dllm's sample command; generator: draw from this one instead.
+    num_return_sequences: samples per prompt (rows of a prompt follow each other).
+    eos_token_id: the EOS id (default: config.eos_token_id, if any).
+    """
+    _checked(model, sampler, steps, max_new_tokens, num_return_sequences)
+    config = model.config
+    inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
+                         config.max_position_embeddings, None, "hf")
+    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
+    if input_ids is None:
+        input_ids = torch.zeros(num_return_sequences, 0, dtype=torch.long)
+        num_return_sequences = 1
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long).to(inf.device)
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [batch, prompt length], got shape {tuple(input_ids.shape)}")
+    input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
+    if attention_mask is not None:
+        attention_mask = torch.as_tensor(attention_mask).to(inf.device).repeat_interleave(num_return_sequences, 0)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, input_ids "
+                             f"{tuple(input_ids.shape)}")
+        if not bool(attention_mask.bool().all()):
+            if generator is not None:
+                raise ValueError("generator= applies to unpadded input_ids; padded prompts draw from seed")
+            return _padded(inf, input_ids, attention_mask.bool(), max_new_tokens, eos, sampler, steps, seed,
+                           temperature, top_p)
+    prompt = input_ids.shape[1]
+    room = inf.seq_length - prompt
+    if room < 1 or (max_new_tokens or 0) > room:
+        raise ValueError(f"input_ids: a prompt of {prompt} tokens and max_new_tokens={max_new_tokens} do not fit "
+                         f"the model's context of {inf.seq_length}")
+    cfg = SamplingConfig(steps=steps, seq_length=prompt + (max_new_tokens or room), top_p=top_p,
+                         temperature=temperature, float64=float64, predictor=sampler, kv_cache=kv_cache,
+                         stop_at_eos=stop_at_eos, eos_id=eos)
+    out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
+                   generator=generator)
+    return out.to(inf.device)
+
+
+def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seed, temperature, top_p) -> torch.Tensor:
+    """Conditional generation for prompts given padded (`real` False at padding): the input, then
+    each row's answer (cut after its first EOS), EOS-filled to the longest."""
+    if eos is None:
+        raise ValueError("padded prompts are answered up to EOS: give eos_token_id")
+    prompts = [row[keep].tolist() for row, keep in zip(input_ids, real)]
+    settings = dict(greedy=False, temperature=temperature, top_p=top_p, seeds=seed)
+    if sampler == "ancestral":
+        answers = generate_native_batch(inf, prompts, max_new_tokens, eos, steps=steps, **settings)
+    elif sampler == "left-to-right":
+        answers = generate_left_to_right_batch(inf, prompts, max_new_tokens, eos, **settings)
+    else:
+        raise ValueError(f"sampler={sampler!r}: padded prompts are answered with 'ancestral' or 'left-to-right'")
+    out = torch.full((len(prompts), input_ids.shape[1] + max(map(len, answers))), eos, dtype=torch.long,
+                     device=input_ids.device)
+    out[:, :input_ids.shape[1]] = input_ids
+    for row, answer in zip(out, answers):
+        row[input_ids.shape[1]:input_ids.shape[1] + len(answer)] = torch.tensor(answer, dtype=torch.long)
+    return out

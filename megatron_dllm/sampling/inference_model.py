@@ -1,0 +1,23 @@
+"""InferenceModel: what the samplers and evaluations know of a model (loading.py builds it from a
+checkpoint or an export; an export's `generate` builds it from itself)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class InferenceModel:
+    model: torch.nn.Module  # DLLMForMaskedLM (mdlm, duo, esolm) or DLLMForCausalLM (ar), eval mode
+    family: str
+    mask_id: int
+    vocab_size: int         # real vocabulary including [MASK]
+    seq_length: int         # the training context (max_position_embeddings)
+    tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
+    source: str             # "megatron" | "hf"
+    tokenizer_config: object = None  # the TokenizerConfig that built `tokenizer` (None: an HF directory's)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device

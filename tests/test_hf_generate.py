@@ -1,0 +1,219 @@
+"""`generate` / `diffusion_generate` of HF exports (sampling/hf_generation.py, hf/remote_code.py):
+an export of every diffusion family, loaded with transformers' AutoModelForMaskedLM
+(trust_remote_code, offline) in a process where megatron_dllm cannot be imported, samples exactly
+what megatron_dllm's own samplers give on the same weights and seed (float64, CPU): unconditional,
+one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler. The
+AR export keeps transformers' generate. The shipped files are the ones transformers copies, import
+nothing but torch, transformers and the standard library, and bad arguments are ValueErrors."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_sampling import random_model
+
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.hf import export
+from megatron_dllm.hf.remote_code import remote_code_files
+
+V, MASK, EOS, L = 33, 32, 0, 24
+DIFFUSION = ["mdlm", "duo", "esolm"]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # padded on the left to 5 in the padded case
+# (name, generate's arguments): JSON, so the worker process reads them
+CASES = [("unconditional", {"num_return_sequences": 2, "max_new_tokens": 12, "steps": 4, "seed": 3}),
+         ("prompt", {"input_ids": [PROMPTS[1], PROMPTS[1][::-1]], "max_new_tokens": 8, "steps": 5, "seed": 1}),
+         ("padded", {"input_ids": [[EOS, EOS] + PROMPTS[0], PROMPTS[1]], "attention_mask": [[0, 0, 1, 1, 1], [1] * 5],
+                     "max_new_tokens": 6, "steps": 3, "seed": 2, "eos_token_id": EOS}),
+         ("generator", {"num_return_sequences": 2, "max_new_tokens": 10, "steps": 4, "generator": 7}),
+         ("left-to-right", {"input_ids": [PROMPTS[0]], "max_new_tokens": 6, "sampler": "left-to-right", "seed": 4})]
+BLOCK = ("block", {"num_return_sequences": 2, "max_new_tokens": 12, "steps": 4, "sampler": "block", "seed": 5})
+
+
+def write_export(family: str, out) -> str:
+    """A randomly initialised export of `family`, written as tools/convert_to_hf.py writes one."""
+    identity = ModelIdentity(family, 32, 2, 2, V, MASK)
+    config = export.hf_config_dict(identity, "causal" if family in ("ar", "esolm") else "bidirectional", L)
+    config["cond_dim"] = 16  # random_model's
+    model = random_model(family, seed=len(family))
+    export.write_hf_dir(str(out), model.state_dict(), config)
+    return str(out)
+
+
+def cases(family):
+    return CASES + ([BLOCK] if family == "esolm" else [])
+
+
+def expected(inf, case: dict) -> torch.Tensor:
+    """megatron_dllm's own samples for generate's arguments `case`."""
+    from megatron_dllm.sampling import SamplingConfig, generate
+    from megatron_dllm.sampling.conditional import generate_native_batch
+
+    new, steps = case["max_new_tokens"], case.get("steps", 128)
+    if "attention_mask" in case:
+        prompts = [[t for t, keep in zip(row, mask) if keep] for row, mask in zip(case["input_ids"],
+                                                                                 case["attention_mask"])]
+        answers = generate_native_batch(inf, prompts, new, EOS, steps=steps, seeds=case["seed"])
+        width = len(case["input_ids"][0]) + max(map(len, answers))
+        return torch.tensor([row + answer + [EOS] * (width - len(row) - len(answer))
+                             for row, answer in zip(case["input_ids"], answers)])
+    prompt = case.get("input_ids")
+    cfg = SamplingConfig(steps=steps, seq_length=len(prompt[0]) + new if prompt else new,
+                         predictor=case.get("sampler", "ancestral"))
+    rows = len(prompt) if prompt else case["num_return_sequences"]
+    generator = torch.Generator().manual_seed(case["generator"]) if "generator" in case else None
+    return generate(inf, cfg, num_samples=rows, seed=case.get("seed", 0), prompt_ids=prompt, generator=generator)
+
+
+WORKER = r"""
+import json, os, sys
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+
+
+class NoMegatron:  # megatron_dllm (and megatron) are not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("megatron_dllm", "megatron"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, NoMegatron())
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+out = {}
+for family, path, cases in json.loads(sys.argv[1]):
+    if family == "ar":
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        out["ar"] = {"generate": model.generate(ids, max_new_tokens=4, do_sample=False).tolist(),
+                     "logits": model(input_ids=ids).logits[0, -1].tolist(), "class": type(model).__module__}
+        continue
+    model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float64)
+    got = {"class": type(model).__module__}
+    for name, case in cases:
+        case = dict(case)
+        if "generator" in case:
+            case["generator"] = torch.Generator().manual_seed(case["generator"])
+        call = model.diffusion_generate if name == "prompt" else model.generate
+        got[name] = call(**{k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v
+                            for k, v in case.items()}).tolist()
+    out[family] = got
+out["imported"] = sorted({m.split(".")[0] for m in sys.modules} & {"megatron_dllm", "megatron"})
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_export_generate_equals_the_project_samplers_without_megatron_dllm(tmp_path):
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    paths = {family: write_export(family, tmp_path / family) for family in ["ar", *DIFFUSION]}
+    jobs = [(family, paths[family], cases(family) if family != "ar" else []) for family in paths]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": "", "PYTHONWARNINGS": "ignore"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(export.__file__)))
+    proc = subprocess.run([sys.executable, "-c", f"REPO = {repo!r}\n" + WORKER, json.dumps(jobs)], env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert got["imported"] == []
+    for family in DIFFUSION:
+        assert got[family]["class"].startswith("transformers_modules.")  # the export's code ran
+        inf = load_inference_model(paths[family], dtype=torch.float64)  # megatron_dllm's, on the same weights
+        for name, case in cases(family):
+            want = expected(inf, case)
+            assert torch.equal(torch.tensor(got[family][name]), want), (family, name, got[family][name], want)
+            if name == "unconditional":
+                assert bool((want != MASK).all())
+    # AR: transformers' own generate, greedy = the argmax of the model's next-token logits
+    ar = got["ar"]
+    assert len(ar["generate"][0]) == 8 and ar["generate"][0][4] == max(range(V), key=ar["logits"].__getitem__)
+    # transformers copied exactly the files the export ships
+    copied = {name for _, _, names in os.walk(tmp_path / "modules") for name in names if name.endswith(".py")}
+    assert copied - {"__init__.py"} == set(remote_code_files())
+
+
+def test_the_package_classes_generate_the_same_way(tmp_path):
+    """Loaded with megatron_dllm's own classes (as the tools load an export), `generate` runs
+    megatron_dllm/sampling and gives the same samples."""
+    from megatron_dllm.hf.load_export import load_model
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    path = write_export("mdlm", tmp_path / "mdlm")
+    model = load_model(path).double()
+    inf = load_inference_model(path, dtype=torch.float64)
+    for name, case in CASES[:3]:
+        given = {k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v for k, v in case.items()}
+        assert torch.equal(model.generate(**given), expected(inf, case)), name
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"sampler": "block"}, "sampler='block' is not available for the mdlm family; valid: ancestral, left-to-right"),
+    ({"sampler": "remask"}, "sampler='remask' is not available"),
+    ({"steps": 0}, "steps=0: must be an integer >= 1"),
+    ({"max_new_tokens": 0}, "max_new_tokens=0: must be an integer >= 1"),
+    ({"input_ids": [[1, 2]], "max_new_tokens": L}, "do not fit the model's context of 24"),
+    ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]]}, "give eos_token_id"),
+])
+def test_bad_arguments_are_clear_value_errors(tmp_path, kwargs, message):
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("mdlm", tmp_path / "mdlm"))
+    kwargs = {k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.generate(steps=kwargs.pop("steps", 2), **kwargs)
+
+
+def test_a_schedule_the_samplers_do_not_use_is_refused(tmp_path):
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("duo", tmp_path / "duo"))
+    model.config.noise_eps = 1e-2
+    with pytest.raises(ValueError, match=re.escape("noise_eps 0.01; the samplers' schedule is 'loglinear' with eps")):
+        model.generate(max_new_tokens=4, steps=2)
+
+
+def test_shipped_files_import_only_torch_transformers_and_the_standard_library():
+    """What transformers checks (`check_imports`) before it runs remote code from the Hub: every
+    shipped file's absolute imports (outside try blocks) are installed where the export is used."""
+    from transformers.dynamic_module_utils import get_imports
+
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers"}
+    for name, source in remote_code_files().items():
+        assert set(get_imports(source)) <= allowed, (name, get_imports(source))
+    shipped = set(remote_code_files())
+    assert {"modeling_dllm.py", "hf_generation.py", "mdlm.py", "duo.py", "esolm.py", "categorical.py",
+            "deps.py"} <= shipped
+    assert "loading.py" not in shipped  # megatron checkpoints: megatron_dllm only
+
+
+def test_export_schedule_is_the_families_schedule():
+    """The export's deps.py gives the samplers what megatron_dllm's families give them."""
+    import importlib.util
+    import types
+
+    from megatron_dllm.families import get_family
+
+    # load hf/sampling_deps.py as an export's deps.py, its siblings megatron_dllm's own files
+    pkg = types.ModuleType("export_pkg")
+    pkg.__path__ = []
+    sys.modules["export_pkg"] = pkg
+    try:
+        for module in ("configuration_dllm", "modeling_dllm", "errors", "seeding", "deps"):
+            from megatron_dllm.hf.remote_code import source_path
+
+            spec = importlib.util.spec_from_file_location(f"export_pkg.{module}", source_path(module))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        deps = sys.modules["export_pkg.deps"]
+        t = torch.linspace(0, 1, 11, dtype=torch.float64)
+        for family in DIFFUSION:
+            ours, theirs = get_family(family, MASK, V), deps.get_family(family, MASK, V)
+            assert torch.equal(ours.schedule.alpha(t), theirs.schedule.alpha(t)), family
+        assert deps.get_family("duo", MASK, V).num_real == get_family("duo", MASK, V).num_real == V - 1
+    finally:
+        for name in [m for m in sys.modules if m == "export_pkg" or m.startswith("export_pkg.")]:
+            del sys.modules[name]
