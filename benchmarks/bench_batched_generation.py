@@ -15,10 +15,16 @@ model here; the tests check it in float64).
 
     python benchmarks/bench_batched_generation.py [--batch 8] [--seq-length 128] [--new-tokens 32] \\
         [--steps 16] [--repeats 3] [--threads 1] [--json out.json]
+
+`--caches static`: instead, the AR and Eso-LM KV caches side by side, static (preallocated,
+written in place) vs growing (concatenated per step), each at batch 1 and batched, same rounds.
+`--caches approx`: instead, MDLM and Duo native block-wise decoding (`--block-length`, `--steps`
+per block) without a cache (exact) vs Fast-dLLM's approximate prefix and dual caches, same rounds.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -26,6 +32,7 @@ import time
 import torch
 from bench_samplers import FAMILIES, build
 
+from megatron_dllm.sampling.base import Sampler
 from megatron_dllm.sampling.conditional import (
     generate_left_to_right,
     generate_left_to_right_batch,
@@ -61,6 +68,73 @@ def compare(inf, one, batched, kw, prompts, seeds, args) -> tuple[dict, dict, bo
     return walls, cpus, same
 
 
+def run_calls(inf, fn, calls, kw, prompts, seeds, args) -> list:
+    """The batch-1 loop (calls "one") or the batched call over all prompts."""
+    if calls == "one":
+        return [fn(inf, p, args.new_tokens, NO_EOS, seed=s, **kw) for p, s in zip(prompts, seeds)]
+    return fn(inf, prompts, args.new_tokens, NO_EOS, seeds=seeds, **kw)
+
+
+def compare_static_caches(prompts, seeds, tokens, args) -> dict:
+    """Static vs growing KV cache for AR and Eso-LM, batch-1 loop and batched, alternating rounds."""
+    print("| family | protocol | calls | growing tok/s (CPU) | static tok/s (CPU) | static / growing (CPU) | "
+          "static / growing (wall) | same |\n|---|---|---|---|---|---|---|---|")
+    results = {}
+    for family in ("ar", "esolm"):
+        inf = build(family, args.seq_length)
+        generate_left_to_right_batch(inf, prompts[:2], 2, NO_EOS)  # warm-up
+        protocols = [("left-to-right", generate_left_to_right, generate_left_to_right_batch, {"greedy": False})]
+        if family == "esolm":
+            protocols.append(("native", generate_native, generate_native_batch, {"steps": args.steps}))
+        for name, one, batched, kw in protocols:
+            for calls in ("one", "batch"):
+                walls, cpus, outs = {True: [], False: []}, {True: [], False: []}, {}
+                for _ in range(args.repeats):
+                    for static in (False, True):
+                        Sampler.static_kv_cache = static
+                        w, c, outs[static] = timed(functools.partial(
+                            run_calls, inf, one if calls == "one" else batched, calls, kw, prompts, seeds, args))
+                        walls[static].append(w)
+                        cpus[static].append(c)
+                Sampler.static_kv_cache = True
+                cpu = {k: tokens / statistics.median(v) for k, v in cpus.items()}
+                wall = {k: tokens / statistics.median(v) for k, v in walls.items()}
+                same = outs[True] == outs[False]
+                results[f"{family}/{name}/{calls}"] = {"walls": walls, "cpus": cpus, "same": same}
+                print(f"| {family} | {name} | {'batch-1 loop' if calls == 'one' else 'batched'} | {cpu[False]:.1f} | "
+                      f"{cpu[True]:.1f} | {cpu[True] / cpu[False]:.2f}x | {wall[True] / wall[False]:.2f}x | "
+                      f"{'yes' if same else 'NO'} |", flush=True)
+    return results
+
+
+def compare_approx_caches(prompts, seeds, tokens, args) -> dict:
+    """MDLM/Duo block-wise native decoding: none vs prefix vs dual, batch-1 loop and batched."""
+    modes = ("none", "prefix", "dual")
+    print("| family | calls | none tok/s (CPU) | prefix tok/s (CPU) | dual tok/s (CPU) | prefix / none (CPU) | "
+          "dual / none (CPU) | prefix / none (wall) | dual / none (wall) |\n|---|---|---|---|---|---|---|---|---|")
+    results = {}
+    for family in ("mdlm", "duo"):
+        inf = build(family, args.seq_length)
+        generate_native_batch(inf, prompts[:2], 2, NO_EOS, steps=2)  # warm-up
+        for calls in ("one", "batch"):
+            walls, cpus = {m: [] for m in modes}, {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for mode in modes:
+                    kw = {"steps": args.steps, "block_length": args.block_length, "approx_kv_cache": mode}
+                    w, c, _ = timed(functools.partial(run_calls, inf, generate_native if calls == "one" else
+                                                      generate_native_batch, calls, kw, prompts, seeds, args))
+                    walls[mode].append(w)
+                    cpus[mode].append(c)
+            cpu = {m: tokens / statistics.median(v) for m, v in cpus.items()}
+            wall = {m: tokens / statistics.median(v) for m, v in walls.items()}
+            results[f"{family}/{calls}"] = {"walls": walls, "cpus": cpus}
+            print(f"| {family} | {'batch-1 loop' if calls == 'one' else 'batched'} | {cpu['none']:.1f} | "
+                  f"{cpu['prefix']:.1f} | {cpu['dual']:.1f} | {cpu['prefix'] / cpu['none']:.2f}x | "
+                  f"{cpu['dual'] / cpu['none']:.2f}x | {wall['prefix'] / wall['none']:.2f}x | "
+                  f"{wall['dual'] / wall['none']:.2f}x |", flush=True)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -72,6 +146,10 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--caches", choices=["static", "approx"], default=None,
+                    help="static: the static vs growing KV caches of AR and Eso-LM instead; approx: MDLM/Duo "
+                         "block-wise decoding without a cache vs the prefix and dual caches")
+    ap.add_argument("--block-length", type=int, default=32, help="--caches approx: the block length")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -79,6 +157,18 @@ def main():
     prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in lengths]
     seeds = list(range(args.batch))
     tokens = args.batch * args.new_tokens
+    if args.caches:
+        title = ("static vs growing KV cache" if args.caches == "static" else
+                 f"approximate KV caches, block length {args.block_length}, T = {args.steps} per block")
+        print(f"## {title}: {args.batch} prompts ({args.min_prompt}-{args.max_prompt} tokens), context "
+              f"{args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
+              f"torch threads {args.threads}")
+        compare = compare_static_caches if args.caches == "static" else compare_approx_caches
+        results = compare(prompts, seeds, tokens, args)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "prompt_lengths": lengths, "results": results}, fh, indent=1)
+        return
     print(f"## batch {args.batch} (prompts {args.min_prompt}-{args.max_prompt} tokens) vs {args.batch} batch-1 calls, "
           f"context {args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
           f"torch threads {args.threads}")

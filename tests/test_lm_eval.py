@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf import export
 from megatron_dllm.hf.configuration_dllm import DLLMConfig
 from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
@@ -229,3 +230,18 @@ def test_generate_until_with_a_remasking_predictor(world_of_one):
     assert lm.generate_until(_instances("generate_until", requests)) == one
     with pytest.raises(InputError, match="--tokens-per-step applies to --predictor low-confidence"):
         _tiny_lm("mdlm", generation_predictor="threshold", tokens_per_step=2)
+
+
+def test_generate_until_native_with_an_approximate_cache(world_of_one):
+    """generation=native (MDLM, block-wise, dual cache): the texts of generate_native_batch."""
+    from megatron_dllm.sampling.conditional import generate_native_batch
+
+    lm = _tiny_lm("mdlm", generation_predictor="ancestral", generation_steps=3, block_length=2,
+                  approx_kv_cache="dual")
+    requests = [("4 6 2", {"until": ["none"], "max_gen_toks": 6}), ("3 8", {"until": ["none"], "max_gen_toks": 6})]
+    out = lm.generate_until(_instances("generate_until", requests))
+    ids = generate_native_batch(lm.inf, [[4, 6, 2], [3, 8]], 6, lm.eot_token_id, steps=3, greedy=True,
+                                seeds=[lm.seed, lm.seed + 1], block_length=2, approx_kv_cache="dual")
+    assert out == [lm.tok_decode([i for i in r if i != lm.eot_token_id]) for r in ids]
+    with pytest.raises(InputError, match="--approx-kv-cache applies to --predictor ancestral only"):
+        _tiny_lm("mdlm", approx_kv_cache="prefix")

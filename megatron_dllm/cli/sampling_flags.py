@@ -23,10 +23,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_remasking_arguments(group) -> None:
-    """The knobs of the remasking predictors (sampling/remasking.py); each only with its predictor."""
+    """Block-wise decoding, its approximate caches and the knobs of the remasking predictors
+    (sampling/blocks.py, approx_kv_cache.py, remasking.py); each only with its predictors."""
     group.add_argument("--block-length", type=positive_int, default=None,
-                       help="remasking predictors: generated positions per block, decoded left to right "
-                            "(default: one block)")
+                       help="MDLM/Duo: generated positions per block, decoded left to right (default: one "
+                            "block); --steps per block with ancestral, in total with low-confidence")
+    group.add_argument("--approx-kv-cache", choices=["none", "prefix", "dual"], default="none",
+                       help="MDLM/Duo ancestral with --block-length: Fast-dLLM's approximate KV caches, "
+                            "refreshed at each block (none: exact)")
     group.add_argument("--tokens-per-step", type=positive_int, default=None,
                        help="low-confidence: commit this many per step (default: spread over --steps)")
     group.add_argument("--confidence-threshold", type=fraction, default=None,
@@ -38,7 +42,8 @@ def add_remasking_arguments(group) -> None:
 
 def remasking_options(args) -> dict:
     """The remasking knobs as `SamplingConfig` fields."""
-    return {"block_length": args.block_length, "tokens_per_step": args.tokens_per_step,
+    return {"block_length": args.block_length, "approx_kv_cache": args.approx_kv_cache,
+            "tokens_per_step": args.tokens_per_step,
             "confidence_threshold": args.confidence_threshold, "entropy_bound": args.entropy_bound}
 
 

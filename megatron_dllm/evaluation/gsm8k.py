@@ -121,6 +121,9 @@ def prompt_text(question: str) -> str:
     return f"Question: {question}\n"
 
 
+NATIVE_ONLY = "--predictor and its knobs (--block-length, --approx-kv-cache, ...) apply to --protocol native only"
+
+
 def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
                    steps: int = 64, predictions: str | None = None, seed: int = 0,
                    batch_size: int | str = 1, greedy: bool | None = None, predictor: str = "ancestral",
@@ -137,6 +140,9 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
     if protocol not in ("left-to-right", "native"):
         raise InputError(f"--protocol {protocol}: expected left-to-right or native")
+    chosen = predictor != "ancestral" or any(value not in (None, "none") for value in options.values())
+    if protocol == "left-to-right" and chosen:
+        raise InputError(NATIVE_ONLY)
     keep = inf.seq_length - (max_new_tokens or 1)
     if keep < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
@@ -235,8 +241,9 @@ def run_gsm8k(args) -> dict:
 
     native = args.protocol == "native"
     sampler = {"predictor": args.predictor, **remasking_options(args)}
-    if not native and sampler != {"predictor": "ancestral", **dict.fromkeys(remasking_options(args))}:
-        raise InputError("--predictor and its knobs apply to --protocol native only")
+    defaults = SamplingConfig()
+    if not native and any(value != getattr(defaults, name) for name, value in sampler.items()):
+        raise InputError(NATIVE_ONLY)
     SamplingConfig(**sampler).check()  # before the (slow) load
     sampler = sampler if native else {}
     if not os.path.exists(args.load):

@@ -20,7 +20,8 @@ training data start right after an EOD and never with a BOS.
 - `generate_until`: batched left-to-right generation, `batch_size` requests per call ('auto': 8 on
   CPU, on a GPU the largest that fits), see `evaluation/generate_until.py`. Another sampler:
   `generation_predictor=low-confidence,generation_steps=64,block_length=32` (any `--predictor`
-  with its knobs `block_length`, `tokens_per_step`, `confidence_threshold`, `entropy_bound`).
+  with its knobs `block_length`, `tokens_per_step`, `confidence_threshold`, `entropy_bound`;
+  ancestral MDLM/Duo with `block_length` also `approx_kv_cache=prefix|dual`, Fast-dLLM's approximate caches).
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class MegatronDLLM(TemplateLM):
                  use_ema: bool | str = False, tokenizer_type: str | None = None, tokenizer_model: str | None = None,
                  max_gen_toks: int = 256, inference_model=None, generation_predictor: str = "left-to-right",
                  generation_steps: int = 64, block_length: int | None = None, tokens_per_step: int | None = None,
-                 confidence_threshold: float | None = None, entropy_bound: float | None = None, **kwargs):
+                 confidence_threshold: float | None = None, entropy_bound: float | None = None,
+                 approx_kv_cache: str = "none", **kwargs):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -77,12 +79,13 @@ class MegatronDLLM(TemplateLM):
         self.generation_batch_size = "auto" if str(batch_size).startswith("auto") else batch  # generate_until
         self.seed = int(seed)
         self.generation = self._generation(generation_predictor, generation_steps, block_length, tokens_per_step,
-                                           confidence_threshold, entropy_bound)
+                                           confidence_threshold, entropy_bound, approx_kv_cache)
         self.stderrs: list[float] = []  # one per scored request, in order
         self.stderrs_by_task: dict[str, list[float]] = {}
 
     @staticmethod
-    def _generation(predictor, steps, block_length, tokens_per_step, confidence_threshold, entropy_bound) -> dict:
+    def _generation(predictor, steps, block_length, tokens_per_step, confidence_threshold, entropy_bound,
+                    approx_kv_cache) -> dict:
         """generate_until's sampler: left to right, or native with `SamplingConfig` fields (checked here)."""
         from megatron_dllm.sampling.config import SamplingConfig
 
@@ -92,7 +95,7 @@ class MegatronDLLM(TemplateLM):
         options = {"predictor": str(predictor), "steps": int(steps), "block_length": number(int, block_length),
                    "tokens_per_step": number(int, tokens_per_step),
                    "confidence_threshold": number(float, confidence_threshold),
-                   "entropy_bound": number(float, entropy_bound)}
+                   "entropy_bound": number(float, entropy_bound), "approx_kv_cache": str(approx_kv_cache)}
         SamplingConfig(**options).check()
         return options
 

@@ -14,7 +14,7 @@ it is -log alpha_t.
 `timesteps` t in [0, 1] is converted with the log-linear schedule, sigma = -log(1 - (1 - eps) t).
 AR, MDLM and Eso-LM were trained with sigma = 0 (the default). Eso-LM takes the sequence in its
 shuffled order with `position_ids` = the original positions, and attends causally over that order.
-Causal models decode incrementally with `kv_cache=KVCache(num_layers)` (see `KVCache`).
+Causal models decode incrementally with `kv_cache=KVCache(num_layers, max_length)` (see `KVCache`).
 DLLMForMaskedLM.generate (alias diffusion_generate) samples with megatron_dllm's own samplers,
 which an export ships beside this file (megatron_dllm/sampling/hf_generation.py); the AR family's
 DLLMForCausalLM keeps transformers' generate.
@@ -87,26 +87,47 @@ class KVCache:
     """Keys and values of the tokens already processed, per layer ([b, heads, n, head_dim]).
 
     A causal forward with `kv_cache` runs only the new tokens: their queries see every cached key
-    and, causally, the new slice (rotary at the given positions). Afterwards the K/V of the first
-    `kv_keep` new tokens (default: all) is appended. Eso-LM's sampler keeps only the tokens that are
+    and, causally, the new slice (rotary at the given positions). Afterwards the first `kv_keep`
+    new tokens (default: all) count as cached. Eso-LM's sampler keeps only the tokens that are
     clean now, not the masks it is decoding, so every token's K/V is computed once, as a clean token.
+
+    Static (`max_length` given; what the samplers use): each layer's buffers are allocated once,
+    [b, heads, max_length, head_dim], the new K/V are written in place at the current length and
+    attention reads the filled prefix (a view), so no step copies the cache; the entries past
+    `kv_keep` are overwritten by the next call. Growing (`max_length=None`): each call concatenates,
+    for callers that do not know the final length.
     """
 
-    def __init__(self, num_layers):
+    def __init__(self, num_layers, max_length=None):
         self.keys = [None] * num_layers
         self.values = [None] * num_layers
+        self.max_length = max_length
+        self.length = 0  # cached tokens
 
     def __len__(self):
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self.length
 
-    def extend(self, layer, k, v, keep):
-        """Cached + new keys/values for attention; stores cached + the first `keep` new ones."""
-        cached = 0
-        if self.keys[layer] is not None:
-            cached = self.keys[layer].shape[2]
-            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k[:, :, :cached + keep], v[:, :, :cached + keep]
-        return k, v
+    def extend(self, layer, k, v):
+        """Cached + new keys/values [b, heads, length + s, head_dim] for attention."""
+        n, end = self.length, self.length + k.shape[2]
+        if self.max_length is None:
+            if self.keys[layer] is not None:
+                k = torch.cat([self.keys[layer][:, :, :n], k], dim=2)
+                v = torch.cat([self.values[layer][:, :, :n], v], dim=2)
+            self.keys[layer], self.values[layer] = k, v
+            return k, v
+        if end > self.max_length:
+            raise ValueError(f"KVCache: {end} tokens exceed max_length {self.max_length}")
+        if self.keys[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
+            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        self.keys[layer][:, :, n:end] = k
+        self.values[layer][:, :, n:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, keep):
+        """After a forward: its first `keep` new tokens are now cached."""
+        self.length += keep
 
 
 class DiTBlock(nn.Module):
@@ -121,7 +142,7 @@ class DiTBlock(nn.Module):
         self.attn_out = nn.Linear(d, d, bias=False)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
 
-    def forward(self, x, c, cos, sin, attn_mask, causal, kv_cache=None, layer=0, kv_keep=0):
+    def forward(self, x, c, cos, sin, attn_mask, causal, kv_cache=None, layer=0):
         b, s, d = x.shape
         (shift_msa, scale_msa, gate_msa,
          shift_mlp, scale_mlp, gate_mlp) = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
@@ -130,7 +151,7 @@ class DiTBlock(nn.Module):
         q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
         if kv_cache is not None:
-            k, v = kv_cache.extend(layer, k, v, kv_keep)
+            k, v = kv_cache.extend(layer, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None)
         x = x + gate_msa * self.attn_out(y.transpose(1, 2).reshape(b, s, d))
         return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
@@ -161,22 +182,23 @@ class DiT(nn.Module):
 
     def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None):
         """input_ids, position_ids: [b, s]; sigma: [b]; attn_mask: None (the config's attention
-        layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it ([b, 1, s, n + s]
-        over cached + new keys with `kv_cache`: batched decoding with padding). Logits [b, s, V]."""
+        layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it (with `kv_cache`:
+        over the keys its `extend` returns, [b, 1, s, n + s] for cached + new keys: batched
+        decoding with padding, or a bidirectional cache's own layout). Logits [b, s, V]."""
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
         causal = self.config.attention == "causal"
         s = input_ids.shape[1]
-        if kv_cache is not None:
+        if kv_cache is not None and attn_mask is None:
             if not causal:
-                raise ValueError("kv_cache needs a causal model")
-            if attn_mask is None:  # new queries see all cached keys, and the new slice causally
-                n = len(kv_cache)
-                attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
-        keep = s if kv_keep is None else kv_keep
+                raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
+            n = len(kv_cache)  # new queries see all cached keys, and the new slice causally
+            attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
         for i, block in enumerate(self.blocks):
-            x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i, keep)
+            x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.advance(s if kv_keep is None else kv_keep)
         return self.output_layer(x, c)
 
 

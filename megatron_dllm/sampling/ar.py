@@ -10,7 +10,8 @@ generated EOS and fills the rest with EOS instead.
 
 Batched conditional generation (`sample_batch`): the prompts, right-padded, are fed once into a
 `PaddedKVCache` (padding masked out of every attention row, rotary at each row's own positions),
-then every row feeds its last token at its own position; a row leaves the batch at EOS.
+then every row feeds its last token at its own position; a row leaves the batch at EOS. Both
+caches are static: preallocated to the final length and written in place.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class ARSampler(Sampler):
                                  "--prompt, or SamplingConfig.eos_id")
             prompt = torch.full((prompt.shape[0], 1), self.eos_id, dtype=torch.long, device=prompt.device)
         x = self.canvas(prompt)
-        cache = KVCache(self.model.config.num_layers) if self.cfg.kv_cache else None
+        cache = KVCache(self.model.config.num_layers, self.kv_cache_length(self.length)) if self.cfg.kv_cache else None
         fed = 0  # tokens the cache holds
 
         def next_logits(x, pos):
@@ -49,7 +50,8 @@ class ARSampler(Sampler):
     def sample_batch(self, batch) -> list[list[int]]:
         x, _ = batch.canvas(batch.pad_id)  # prompts, then padding
         plen = batch.prompt_lengths()
-        cache = PaddedKVCache(self.model, batch.size, batch.device)
+        longest = int((batch.canvas_lengths() - plen).max())  # the prompts' slice, then one token per step
+        cache = PaddedKVCache(self.model, batch.size, batch.device, self.kv_cache_length(int(plen.max()) + longest))
         cached_rows = torch.arange(batch.size, device=batch.device)
 
         def next_logits(rows, pos, last):

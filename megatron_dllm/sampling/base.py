@@ -11,6 +11,7 @@ import torch
 from . import categorical
 from .config import SamplingConfig
 from .deps import InputError
+from .prompt_batch import PromptBatch
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
 
@@ -39,12 +40,17 @@ class Sampler:
     """Base of the family samplers; a subclass implements `sample(prompt, generator)`."""
 
     predictors: tuple[str, ...] = ("ancestral", "left-to-right")
+    # AR/Eso-LM KV caches: preallocated to the run's final length and written in place; False
+    # grows them by concatenation per step (the earlier cache: benchmarks and tests compare them)
+    static_kv_cache: bool = True
+    block_wise = False  # MDLM/Duo: block-wise decoding and its approximate KV caches
 
     def __init__(self, family, inf, cfg: SamplingConfig):
         cfg.check()
         if cfg.predictor not in self.predictors:
             raise InputError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
                              f"valid: {', '.join(self.predictors)}")
+        self.check_block_wise(inf.family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg
         self.model = inf.model
         self.mask_id = inf.mask_id
@@ -55,7 +61,34 @@ class Sampler:
         tokenizer_eos = getattr(inf.tokenizer, "eod", None)
         self.eos_id = cfg.eos_id if cfg.eos_id is not None else tokenizer_eos
 
+    def check_block_wise(self, family: str, cfg: SamplingConfig) -> None:
+        flags = [f for f, on in (("--block-length", cfg.block_length is not None),
+                                 (f"--approx-kv-cache {cfg.approx_kv_cache}", cfg.approx_kv_cache != "none")) if on]
+        if flags and not self.block_wise:
+            raise InputError(f"{' and '.join(flags)}: block-wise decoding and its approximate KV caches are for "
+                             f"MDLM and Duo; --family {family} decodes causally with an exact KV cache (--kv-cache)")
+        if flags and cfg.predictor == "left-to-right":
+            raise InputError(f"{' and '.join(flags)}: block-wise decoding runs the ancestral sampler, not "
+                             f"--predictor left-to-right")
+
+    @property
+    def blocks(self) -> bool:
+        """Whether this run decodes block-wise (a block length or an approximate cache given)."""
+        return self.cfg.block_length is not None or self.cfg.approx_kv_cache != "none"
+
+    def sample_rows(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """`sample` through `sample_batch`: the rows of `prompt` [b, P] at this sampler's length,
+        all drawing from the one generator, row after row. [b, L]."""
+        b, p = prompt.shape
+        batch = PromptBatch(prompt.tolist(), [self.length] * b, [generator] * b, prompt.device)
+        out = torch.tensor(self.sample_batch(batch), dtype=torch.long, device=prompt.device)
+        return torch.cat([prompt, out.reshape(b, self.length - p)], dim=1)
+
     # ------------------------------------------------------------------ pieces for subclasses
+
+    def kv_cache_length(self, tokens: int) -> int | None:
+        """`max_length` of a KV cache that holds at most `tokens` entries (None: a growing cache)."""
+        return tokens if self.static_kv_cache else None
 
     def canvas(self, prompt: torch.Tensor, filler: torch.Tensor | None = None) -> torch.Tensor:
         """[b, L]: the prompt, then `filler` ([b, L - P]; default [MASK])."""

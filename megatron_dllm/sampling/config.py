@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from .approx_kv_cache import MODES as APPROX_KV_CACHES
 from .deps import InputError
 
 # predictors that commit the masked (MDLM) or not yet committed (Duo) positions a rule picks from
@@ -27,11 +28,15 @@ class SamplingConfig:
     # default: the paper's samples always run the full length, and stopping lowers AR's entropy
     stop_at_eos: bool = False
     eos_id: Optional[int] = None   # default: the tokenizer's EOD
-    # remasking predictors (None: not given; each applies to its predictor only)
-    block_length: Optional[int] = None     # generated positions per block, decoded left to right (None: one)
+    # block-wise decoding and the remasking predictors (None: not given; each knob only with its predictors)
+    # generated positions per block, decoded left to right (None: one block). `steps` counts per block
+    # with ancestral (the paper's T per block) and in total, spread over the blocks, with low-confidence (LLaDA's)
+    block_length: Optional[int] = None
     tokens_per_step: Optional[int] = None  # low-confidence: commit k per step (default: from --steps)
     confidence_threshold: Optional[float] = None  # threshold: commit every p(x0) > tau (at least one)
     entropy_bound: Optional[float] = None  # entropy-bound: gamma (at least one per step)
+    # MDLM/Duo ancestral block-wise decoding: Fast-dLLM's approximate KV caches refreshed per block
+    approx_kv_cache: str = "none"  # none (exact) | prefix | dual
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -43,14 +48,20 @@ class SamplingConfig:
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.temperature <= 0:
             raise InputError(f"--temperature {self.temperature}: must be > 0")
+        if self.approx_kv_cache not in APPROX_KV_CACHES:
+            raise InputError(f"--approx-kv-cache {self.approx_kv_cache!r} is unknown; valid: "
+                             f"{', '.join(APPROX_KV_CACHES)}")
         if self.seq_length is not None and self.seq_length < 2:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")
         self.check_remasking()
 
     def check_remasking(self) -> None:
-        """Each remasking knob is valid and given only with the predictor it belongs to."""
-        remasking = "--predictor " + "|".join(REMASKING_PREDICTORS)
-        knobs = (("--block-length", self.block_length, REMASKING_PREDICTORS, remasking),
+        """Each block, cache and remasking knob is valid and given only with the predictors it belongs to."""
+        remasking = "|".join(REMASKING_PREDICTORS)
+        knobs = (("--block-length", self.block_length, ("ancestral",) + REMASKING_PREDICTORS,
+                  f"--predictor ancestral|{remasking}"),
+                 ("--approx-kv-cache", None if self.approx_kv_cache == "none" else self.approx_kv_cache,
+                  ("ancestral",), "--predictor ancestral"),
                  ("--tokens-per-step", self.tokens_per_step, ("low-confidence",), "--predictor low-confidence"),
                  ("--confidence-threshold", self.confidence_threshold, ("threshold",), "--predictor threshold"),
                  ("--entropy-bound", self.entropy_bound, ("entropy-bound",), "--predictor entropy-bound"))

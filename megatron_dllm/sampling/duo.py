@@ -22,7 +22,9 @@ import math
 import torch
 
 from . import categorical
+from .approx_kv_cache import BlockDenoiser
 from .base import Sampler
+from .blocks import block_spans, each_block, end_at_eos
 
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
@@ -36,6 +38,8 @@ def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, nu
 
 
 class DuoSampler(Sampler):
+    block_wise = True
+
     def logits(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
         sigma = torch.full((x.shape[0],), -math.log(alpha), device=x.device)
         return self.model(input_ids=x, sigma=sigma).logits
@@ -47,6 +51,8 @@ class DuoSampler(Sampler):
         return k + (k >= self.mask_id).long()
 
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if self.blocks:
+            return self.sample_rows(prompt, generator)
         b, p = prompt.shape
         x = self.canvas(prompt, self.uniform_ids(b, self.length - p, generator, prompt.device))
         if self.cfg.predictor == "left-to-right":
@@ -82,14 +88,23 @@ class DuoSampler(Sampler):
                 return self.batch_logits(x, real, rows, alphas)[torch.arange(len(rows), device=x.device), pos]
 
             return self.fill_batch_left_to_right(batch, next_logits)
-        rows = torch.arange(batch.size, device=batch.device)
+        spans = [block_spans(p, n, self.cfg.block_length) for p, n in zip(plen, lengths)]
+        denoiser = BlockDenoiser(self.model, self.cfg.approx_kv_cache, x, real)
+        ended = [False] * batch.size
         ts = self.timesteps()
-        for t, s in zip(ts[:-1], ts[1:]):
-            a_t, a_s = self.alpha(t), self.alpha(s)
-            logits = self.batch_logits(x, real, rows, [a_t] * batch.size)
-            for r, (p, n) in enumerate(zip(plen, lengths)):
-                x_theta = self.probs(logits[r:r + 1, p:n])
-                q = posterior(x_theta, x[r:r + 1, p:n], a_t, a_s, self.family.num_real, self.mask_id)
-                x[r, p:n] = batch.draw(q, r)[0]
-        logits = self.batch_logits(x, real, rows, [self.alpha(ts[-1])] * batch.size)
-        return [self.probs(logits[r, p:n]).argmax(-1).tolist() for r, (p, n) in enumerate(zip(plen, lengths))]
+        for k, rows in each_block(spans, ended):
+            span = {r: spans[r][k] for r in rows}
+            denoiser.start_block(rows)
+            for t, s in zip(ts[:-1], ts[1:]):
+                a_t, a_s = self.alpha(t), self.alpha(s)
+                logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
+                for r in rows:
+                    lo, hi = span[r]
+                    q = posterior(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family.num_real,
+                                  self.mask_id)
+                    x[r, lo:hi] = batch.draw(q, r)[0]
+            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
+            for r in rows:  # greedy tail
+                x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
+                ended[r] = self.cfg.stop_at_eos and end_at_eos(x, r, span[r][0], span[r][1], lengths[r], self.eos_id)
+        return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

@@ -19,7 +19,8 @@ length, so rows decode different counts per step. Each step feeds, per row, [its
 last step (now clean) | the masks it decodes now], each part right-padded to the batch's widest,
 through a `PaddedKVCache`: padding is masked out of attention and its K/V marked invalid, so
 every row sees exactly what its batch-1 run sees. A row with nothing to decode in a step feeds
-only padding; a row leaves the batch once decoded (or, left to right, at EOS).
+only padding; a row leaves the batch once decoded (or, left to right, at EOS). Both caches are
+static: preallocated (`padded_cache_length` bounds the batched one from the plans) and written in place.
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class EsoLMSampler(Sampler):
         x = self.canvas(prompt)
         order, counts = self.plan(b, p, generator, x.device)
         stop = EosStop(self.eos_id, b, self.cfg.predictor == "left-to-right" and self.cfg.stop_at_eos, x.device)
-        cache = KVCache(self.model.config.num_layers) if self.cfg.kv_cache else None
+        cache = KVCache(self.model.config.num_layers, self.kv_cache_length(self.length)) if self.cfg.kv_cache else None
         start, done = 0, p  # sorted slots: [0, start) cached, [start, done) clean, not yet cached
         for k in counts:
             if k == 0:
@@ -111,7 +112,8 @@ class EsoLMSampler(Sampler):
         stop_at_eos = self.cfg.predictor == "left-to-right" and self.cfg.stop_at_eos and self.eos_id is not None
         start, done = [0] * batch.size, list(plen)  # per row, as in `sample`: [start, done) clean, not cached
         rows = list(range(batch.size))  # rows still decoding, in the cache's row order
-        cache = PaddedKVCache(self.model, batch.size, batch.device)
+        cache = PaddedKVCache(self.model, batch.size, batch.device,
+                              self.kv_cache_length(padded_cache_length(plen, counts)))
         for step in range(max(len(c) for c in counts)):
             ks = [counts[r][step] if step < len(counts[r]) else 0 for r in rows]
             if not any(ks):
@@ -139,3 +141,21 @@ class EsoLMSampler(Sampler):
             if not rows:
                 break
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]
+
+
+def padded_cache_length(prompt_lengths: list[int], counts: list[list[int]]) -> int:
+    """The entries `sample_batch`'s cache must hold: each step keeps the widest slice of tokens
+    decoded last step and feeds the widest slice of masks after it. Every row is taken to run to
+    its end, an upper bound when rows stop at EOS."""
+    start, done = [0] * len(counts), list(prompt_lengths)
+    cached = most = 0
+    for step in range(max(len(c) for c in counts)):
+        ks = [c[step] if step < len(c) else 0 for c in counts]
+        if not any(ks):
+            continue
+        clean = max(d - s if k else 0 for s, d, k in zip(start, done, ks))
+        most, cached = max(most, cached + clean + max(ks)), cached + clean
+        for r, k in enumerate(ks):
+            if k:
+                start[r], done[r] = done[r], done[r] + k
+    return most

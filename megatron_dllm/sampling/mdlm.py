@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from . import categorical
+from .approx_kv_cache import BlockDenoiser
 from .base import Sampler
+from .blocks import block_spans, each_block, end_at_eos
 
 
 class MDLMSampler(Sampler):
@@ -24,7 +26,11 @@ class MDLMSampler(Sampler):
         """p_x0 at the masked positions of x: [n_masked, V] in the sampling dtype."""
         return self.probs(self.model(input_ids=x).logits[masked])
 
+    block_wise = True
+
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if self.blocks:
+            return self.sample_rows(prompt, generator)
         x = self.canvas(prompt)
         if self.cfg.predictor == "left-to-right":  # mask the remainder, fill one position per step
             return self.fill_left_to_right(x, prompt.shape[1], generator,
@@ -64,34 +70,43 @@ class MDLMSampler(Sampler):
                 return self.batch_logits(x, real, rows)[torch.arange(len(rows), device=x.device), pos]
 
             return self.fill_batch_left_to_right(batch, next_logits)
+        spans = [block_spans(int(p), n, self.cfg.block_length) for p, n in zip(plen, batch.lengths)]
+        denoiser = BlockDenoiser(self.model, self.cfg.approx_kv_cache, x, real)
+        ended = [False] * batch.size
         ts = self.timesteps()
-        p_x0: list[torch.Tensor | None] = [None] * batch.size  # per row, as `sample` keeps it
-        for t, s in zip(ts[:-1], ts[1:]):
-            masked = (x == self.mask_id) & real
-            live = masked.any(1).nonzero()[:, 0]
-            if not len(live):
-                break
-            self.denoise_rows(x, real, masked, [int(r) for r in live if p_x0[int(r)] is None], p_x0)
-            a_t, a_s = self.alpha(t), self.alpha(s)
-            for r in live.tolist():
-                q = p_x0[r] * (a_s - a_t)
-                q[:, self.mask_id] = 1 - a_s
-                new = batch.draw(q, r)
-                x[r, masked[r]] = new
-                if not self.cfg.kv_cache or bool((new != self.mask_id).any()):
-                    p_x0[r] = None
-        masked = (x == self.mask_id) & real
-        left = masked.any(1).nonzero()[:, 0].tolist()
-        self.denoise_rows(x, real, masked, [r for r in left if p_x0[r] is None], p_x0)
-        for r in left:  # greedy final step at t = 1e-5
-            x[r, masked[r]] = p_x0[r].argmax(-1)
+        for k, rows in each_block(spans, ended):
+            span = {r: spans[r][k] for r in rows}
+            denoiser.start_block(rows)
+            p_x0: dict[int, torch.Tensor] = {}  # per row, as `sample` keeps it
+            for t, s in zip(ts[:-1], ts[1:]):
+                live = [r for r in rows if self.block_masks(x, r, span).any()]
+                if not live:
+                    break
+                self.denoise_block(x, denoiser, [r for r in live if r not in p_x0], span, p_x0)
+                a_t, a_s = self.alpha(t), self.alpha(s)
+                for r in live:
+                    q = p_x0[r] * (a_s - a_t)
+                    q[:, self.mask_id] = 1 - a_s
+                    new = batch.draw(q, r)
+                    x[r, span[r][0]:span[r][1]][self.block_masks(x, r, span)] = new
+                    if not self.cfg.kv_cache or bool((new != self.mask_id).any()):
+                        del p_x0[r]
+            left = [r for r in rows if self.block_masks(x, r, span).any()]
+            self.denoise_block(x, denoiser, [r for r in left if r not in p_x0], span, p_x0)
+            for r in left:  # greedy final step at t = 1e-5
+                x[r, span[r][0]:span[r][1]][self.block_masks(x, r, span)] = p_x0[r].argmax(-1)
+            for r in rows:
+                ended[r] = self.cfg.stop_at_eos and end_at_eos(x, r, span[r][0], span[r][1], batch.lengths[r],
+                                                               self.eos_id)
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
 
-    def denoise_rows(self, x, real, masked, rows: list[int], p_x0: list) -> None:
-        """p_x0[r] = p_x0 at row r's masked positions, for the batch rows `rows` (one model call)."""
-        if not rows:
-            return
-        index = torch.tensor(rows, device=x.device)
-        logits = self.batch_logits(x, real, index)
-        for j, r in enumerate(rows):
-            p_x0[r] = self.probs(logits[j][masked[r, :logits.shape[1]]])
+    def block_masks(self, x: torch.Tensor, r: int, span: dict) -> torch.Tensor:
+        """Which positions of row r's current block are still [MASK]."""
+        return x[r, span[r][0]:span[r][1]] == self.mask_id
+
+    def denoise_block(self, x, denoiser, rows: list[int], span: dict, p_x0: dict) -> None:
+        """p_x0[r] = p_x0 at the masked positions of row r's block, for the batch rows `rows`."""
+        if rows:
+            logits = denoiser.logits(rows, span)
+            for r in rows:
+                p_x0[r] = self.probs(logits[r][self.block_masks(x, r, span)])
