@@ -102,7 +102,7 @@ def test_plan_data_mix_switch_and_identity_mismatch():
     assert plan.notes == ("data mix changed at iteration 6: ['/data/a'] -> ['0.5', '/data/a', '0.5', '/data/b']; "
                           "reading the new mix from its first sample",)
     other = TRAINED.replace(identity=ModelIdentity("ar", 64, 2, 4, 4097, 4096))
-    with pytest.raises(CheckpointError, match="does not match this run \\(family: checkpoint 'ar' vs this run 'mdlm'\\)"):
+    with pytest.raises(CheckpointError, match=r"does not match this run \(family: checkpoint 'ar' vs this run 'mdlm'"):
         _plan(other)
 
 
