@@ -49,10 +49,10 @@ class CheckpointMeta:
         """The common-state entries of this checkpoint; fields left unset are not written (a
         model-only checkpoint has no schedule, RNG layout or data mix)."""
         entries = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                  "identity": self.identity.as_dict(), "seq_length": self.seq_length,
-                  "tokenizer": self.tokenizer.as_dict() if self.tokenizer is not None else None,
-                  "opt_param_scheduler": self.scheduler, "rng_layout": _listed(self.rng_layout),
-                  "ema_decay": self.ema_decay}
+                   "identity": self.identity.as_dict(), "seq_length": self.seq_length,
+                   "tokenizer": self.tokenizer.as_dict() if self.tokenizer is not None else None,
+                   "opt_param_scheduler": self.scheduler, "rng_layout": _listed(self.rng_layout),
+                   "ema_decay": self.ema_decay}
         entries = {key: value for key, value in entries.items() if value is not None}
         if self.data_mix_start is not None:  # a training run's: its mix as given, None included
             entries.update(data_mix=_listed(self.data_mix), data_mix_start=self.data_mix_start)
