@@ -291,7 +291,7 @@ def test_sigkill_during_an_async_save_never_leaves_a_checkpoint_that_loads_as_co
 
 
 def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_cache, tmp_path):
-    from megatron.core import dist_checkpointing
+    from megatron_dllm.checkpoint.meta import CheckpointMeta
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "nan.jsonl"
     flags = ["--demo-cache-dir", demo_cache, *BASE, "--save", str(ckpt), "--check-for-nan-in-loss-and-grad",
@@ -311,9 +311,9 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     assert grad_norms[3] is None and grad_norms[5] is None
     assert all(isinstance(grad_norms[i], float) for i in (1, 2, 4))
     assert (ckpt / TRACKER).read_text() == "6"
-    common = dist_checkpointing.load_common_state_dict(str(ckpt / "iter_0000006"))
-    assert common["opt_param_scheduler"]["num_steps"] == 3  # iterations 1, 2 and 4 stepped
-    assert common["consumed_samples"] == 6 * 8  # skipped batches are consumed
+    meta = CheckpointMeta.read(str(ckpt / "iter_0000006"))
+    assert meta.scheduler["num_steps"] == 3  # iterations 1, 2 and 4 stepped
+    assert meta.consumed_samples == 6 * 8  # skipped batches are consumed
 
 
 def test_selective_and_full_recompute_equal_no_recompute():

@@ -166,16 +166,14 @@ def test_truncated_and_missing_files_are_named(ckpt):
 def test_truncated_checkpoint_without_manifest_gives_one_message(ckpt):
     """A checkpoint from before manifests (or another tool) is read unverified; a truncated file
     in it still becomes one message naming the checkpoint, not a traceback from torch."""
-    from megatron.core import dist_checkpointing
-
-    from megatron_dllm import checkpoint
+    from megatron_dllm.checkpoint.meta import CheckpointMeta
 
     path = layout.iteration_dir(str(ckpt), 2)
     os.remove(os.path.join(path, manifest.MANIFEST))
     with open(os.path.join(path, "common.pt"), "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError, match=f"--load {path}: cannot read the checkpoint"):
-        checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
+        CheckpointMeta.read(path)
 
 
 @pytest.mark.slow
@@ -308,15 +306,14 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
 def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
     """The checkpoint records its tokenizer's SHA-256: the same file elsewhere passes, a file of
     other content (same vocabulary size or not) is refused with both files named."""
-    from megatron.core import dist_checkpointing
-
+    from megatron_dllm.checkpoint.meta import CheckpointMeta
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
     from megatron_dllm.data.prep.demo import prepare_demo_corpus
 
     path = layout.iteration_dir(str(trained), 4)
-    recorded = dist_checkpointing.load_common_state_dict(path)["tokenizer"]
+    recorded = CheckpointMeta.read(path).tokenizer
     model = prepare_demo_corpus(demo_cache)["tokenizer_model"]
-    assert recorded["model"] == os.path.abspath(model) and recorded["sha256"] == manifest.sha256(model)
+    assert recorded.model == os.path.abspath(model) and recorded.sha256 == manifest.sha256(model)
     moved = tmp_path / "moved.model"
     shutil.copyfile(model, moved)
     check_tokenizer(recorded, str(moved), path)
@@ -325,5 +322,5 @@ def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
     data[-1] ^= 0xFF
     other.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"--tokenizer-model {other} differs from the tokenizer {path} was "
-                                              f"trained with \\({recorded['model']}, sha256"):
+                                              f"trained with \\({recorded.model}, sha256"):
         check_tokenizer(recorded, str(other), path)

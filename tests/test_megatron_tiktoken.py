@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from megatron_dllm.checkpoint.tokenizer_record import recorded_tokenizer_config, tokenizer_record
+from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord, recorded_tokenizer_config
 from megatron_dllm.cli.preprocess_data import main as preprocess_main
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.data.prep.demo import shakespeare_files
@@ -121,8 +121,9 @@ def test_checkpoint_record_restores_the_same_tokenizer(vocab, texts):
     given = TokenizerConfig("TikTokenizer", vocab, tiktoken_pattern="v1", tiktoken_num_special_tokens=100,
                             vocab_size=50000, tokenizer_special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<mask>",
                                                                         "<cls>", "<sep>"])
-    record = json.loads(json.dumps(tokenizer_record(given)))  # as stored in a checkpoint
-    assert record["sha256"] == tokenizer_fingerprint(vocab)  # the list alone, not an HF tokenizer_config
+    stored = json.loads(json.dumps(TokenizerRecord.of(given).as_dict()))  # as stored in a checkpoint
+    record = TokenizerRecord.from_dict(stored, "ckpt")
+    assert record.sha256 == tokenizer_fingerprint(vocab)  # the list alone, not an HF tokenizer_config
     restored = recorded_tokenizer_config(record)  # no flags: the record
     assert recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", vocab)) == restored  # type+model only
     tok, original = restored.build(), given.build()

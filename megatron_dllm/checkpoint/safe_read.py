@@ -99,6 +99,6 @@ def check_no_code(directory: str) -> None:
                 f.seek(info.offset)
                 blob = f.read(info.length)
             _weights_only(blob, f"{path} (object {index.fqn})")
-    common = os.path.join(directory, COMMON)
-    if os.path.exists(common):
-        _weights_only(common, common)
+    common_state = os.path.join(directory, COMMON)
+    if os.path.exists(common_state):
+        _weights_only(common_state, common_state)

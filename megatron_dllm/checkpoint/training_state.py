@@ -6,7 +6,8 @@ Besides the sharded model and optimizer, a checkpoint holds
   - "rng_state": every rank's RNG states (python, numpy, torch CPU, CUDA, megatron's
     model-parallel tracker) as a ShardedObject keyed by (pp, tp, dp) rank, as Megatron-LM;
     restored only under the same layout
-  - in the common state: iteration, LR schedule, consumed samples, identity, data mix, tokenizer.
+  - in the common state: the `CheckpointMeta` (iteration, LR schedule, consumed samples, identity,
+    data mix, tokenizer, RNG layout), as `meta.py` writes and reads it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_dllm import checkpoint, platform
-from megatron_dllm.checkpoint import CheckpointError
+from megatron_dllm.checkpoint.load_plan import FINETUNE, LoadPlan
+from megatron_dllm.checkpoint.meta import CheckpointMeta
 
 
 def _model_key(model, i: int) -> str:
@@ -48,10 +50,11 @@ def _restore_adam_step(optimizer, loaded: dict) -> None:
             param_state["step"] = torch.tensor(step)
 
 
-def _rng_layout() -> list[int]:
-    return [parallel_state.get_pipeline_model_parallel_world_size(),
+def parallel_layout() -> tuple[int, int, int]:
+    """This run's (PP, TP, DP): the layout the per-rank RNG states are saved under."""
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_data_parallel_world_size()]
+            parallel_state.get_data_parallel_world_size())
 
 
 def _rng_sharded_object() -> ShardedObject:
@@ -60,7 +63,7 @@ def _rng_sharded_object() -> ShardedObject:
              "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}}
     ranks = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
              parallel_state.get_data_parallel_rank())
-    return ShardedObject("rng_state", state, tuple(_rng_layout()), ranks, replica_id=0)
+    return ShardedObject("rng_state", state, parallel_layout(), ranks, replica_id=0)
 
 
 def _restore_rng(state: dict) -> None:
@@ -86,75 +89,49 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, extra: dict, ema=None,
-                    async_queue=None, on_complete=None) -> str:
-    """Save; `extra` (consumed samples, the run's identity, ...) goes into the common state.
+def save_checkpoint(root: str, meta: CheckpointMeta, model, optimizer, scheduler, ema=None, async_queue=None,
+                    on_complete=None) -> str:
+    """Save at `meta.iteration`; `meta` (consumed samples, the run's identity, ...) goes into the
+    common state with the LR schedule, RNG layout and EMA decay filled in here.
     `async_queue`, `on_complete`: see `checkpoint.save`."""
     state = _sharded_state(model, optimizer, is_loading=False)
     if ema is not None:
         state["ema"] = ema.sharded_state_dict(lambda i: _model_key(model, i))
-        state["ema_decay"] = ema.decay
     state["rng_state"] = _rng_sharded_object()
-    state["rng_layout"] = _rng_layout()
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    state["iteration"] = iteration
-    state.update(extra)
-    return checkpoint.save(root, iteration, state, async_queue=async_queue, on_complete=on_complete)
+    meta = meta.replace(scheduler=scheduler.state_dict(), rng_layout=parallel_layout(),
+                        ema_decay=ema.decay if ema is not None else None)
+    state.update(meta.to_dict())
+    return checkpoint.save(root, meta.iteration, state, async_queue=async_queue, on_complete=on_complete)
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, identity, *, load_optim: bool = True,
-                    load_rng: bool = True, finetune: bool = False, ema=None, log=print) -> dict:
-    """Load the checkpoint directory `path` (found and verified by `checkpoint.locate`) into
-    model/optimizer/scheduler and return its common state (iteration, consumed samples, ...).
-
-    The run's `ModelIdentity` (family, architecture, vocabulary) must match the checkpoint's.
-    `load_optim=False` leaves the optimizer fresh (the LR schedule is still restored); `finetune`
-    loads the weights only (no optimizer, schedule, RNG or EMA), as happens for a model-only
-    checkpoint. With `ema`, the checkpoint's EMA weights are loaded when it has them (else the EMA
-    starts at the loaded weights).
-    """
-    common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
-    iteration = common.get("iteration")
-    diffs = identity.differences(common.get("identity", {}))
-    if diffs:
-        raise CheckpointError(f"--load {path}: the checkpoint at iteration {iteration} does not match "
-                              f"this run ({'; '.join(diffs)})")
-    # a model-only checkpoint (tools/convert_from_hf.py) starts training from its weights
-    weights_only = finetune or "opt_param_scheduler" not in common
-    if weights_only:
-        load_optim = load_rng = False
-    load_optim = load_optim and optimizer is not None
-    sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
-    load_ema = ema is not None and not finetune and "ema_decay" in common
-    if load_ema:
+def load_checkpoint(plan: LoadPlan, model, optimizer, scheduler, ema=None, log=print) -> None:
+    """Carry out `plan` (`load_plan.plan_load`): load the checkpoint's weights into `model` and,
+    as the plan says, its optimizer state, LR schedule, RNG states and EMA weights. With `ema`
+    and no EMA to load, the EMA starts at the loaded weights."""
+    path, meta = plan.path, plan.meta
+    for note in plan.notes:
+        log(note)
+    sharded = _sharded_state(model, optimizer if plan.optimizer else None, is_loading=True)
+    if plan.ema:
         sharded["ema"] = ema.sharded_state_dict(lambda i: _model_key(model, i))
-    if load_rng and common.get("rng_layout") is not None:
-        if common["rng_layout"] == _rng_layout():
-            sharded["rng_state"] = _rng_sharded_object()
-        else:
-            log(f"not restoring RNG states: saved under (PP, TP, DP) = {tuple(common['rng_layout'])}, "
-                f"loading under {tuple(_rng_layout())}")
+    if plan.rng:
+        sharded["rng_state"] = _rng_sharded_object()
     state = checkpoint.read(path, dist_checkpointing.load, sharded, path)
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state[_model_key(model, i)])
-    if load_optim:
+    if plan.optimizer:
         with torch.no_grad():  # the distributed optimizer copies into views of the fp32 params
             optimizer.load_state_dict(state["optimizer"])
         _restore_adam_step(optimizer, state["optimizer"])
-    if not weights_only:
-        scheduler.load_state_dict(common["opt_param_scheduler"])
-    if "rng_state" in sharded:
+    if plan.scheduler:
+        scheduler.load_state_dict(meta.scheduler)
+    if plan.rng:
         _restore_rng(state["rng_state"])
     if ema is not None:
-        if load_ema:
+        if plan.ema:
             ema.load(sharded["ema"], state["ema"])
         else:
             ema.reset()
-            log(f"EMA starts at the weights loaded from iteration {iteration}"
-                + ("" if finetune else " (the checkpoint holds no EMA)"))
-    what = ("weights only (--finetune)" if finetune else "weights only (a model-only checkpoint)" if weights_only
-            else "weights" + (", optimizer" if load_optim else "") + (", RNG" if "rng_state" in sharded else "")
-            + (", EMA" if load_ema else ""))
-    log(f"loaded checkpoint {path} at iteration {iteration}: {what}")
-    return common
-
+            log(f"EMA starts at the weights loaded from iteration {meta.iteration}"
+                + ("" if plan.kind == FINETUNE else " (the checkpoint holds no EMA)"))
+    log(f"loaded checkpoint {path} at iteration {meta.iteration}: {plan.describe()}")

@@ -500,10 +500,10 @@ def compare_checkpoints(ours: str, theirs: str, scratch: str) -> None:
     """Every tensor and object of the two torch_dist checkpoints (the sharded state, read back
     whole by torch's DCP reader, and megatron's common state) must be equal, bit for bit."""
     import torch
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from megatron_dllm.checkpoint import writers
+    from megatron_dllm.checkpoint.meta import read_common_state
 
     os.makedirs(scratch, exist_ok=True)
     states = []
@@ -515,7 +515,7 @@ def compare_checkpoints(ours: str, theirs: str, scratch: str) -> None:
         # each run's writer records (its run id) differ by design; verify_checkpoint checks them
         states.append({k: v for k, v in state.items() if not k.startswith(writers.RECORD_KEY + "/")})
     _same(states[0], states[1], f"{os.path.basename(ours)} sharded state")
-    _same(dist_checkpointing.load_common_state_dict(ours), dist_checkpointing.load_common_state_dict(theirs),
+    _same(read_common_state(ours), read_common_state(theirs),
           f"{os.path.basename(ours)} common state")
 
 

@@ -130,7 +130,7 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
     model.load_state_dict(new_state)
     if pp == 1 and set(hf_state) != used:
         raise InputError(f"{source}: unused weights {sorted(set(hf_state) - used)[:5]}")
-    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, {"seq_length": arch.seq_length})
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, arch.seq_length)
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
             for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):

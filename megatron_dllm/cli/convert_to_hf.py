@@ -52,12 +52,12 @@ def _export(args, out: str) -> int:
 
     try:
         platform.init_distributed(1, 1)
-        model, identity, common, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
+        model, identity, meta, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
                                                                    args.ckpt_step)
         tokenizer = None
         if args.tokenizer_model:
-            check_tokenizer(common.get("tokenizer"), args.tokenizer_model, args.load)
-            tokenizer = recorded_tokenizer_config(common.get("tokenizer"), TokenizerConfig.from_args(args))
+            check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
+            tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
         hf_state = export.megatron_to_hf(model.state_dict(), identity.num_attention_heads, identity.vocab_size)
         with export.staged_export(out) as staging:
             export.write_hf_dir(staging, hf_state, export.hf_config_dict(identity, arch.attention, arch.seq_length))

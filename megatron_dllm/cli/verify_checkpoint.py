@@ -1,12 +1,13 @@
-"""Check a checkpoint's files against its manifest (sizes and SHA-256), without loading anything.
+"""Check a checkpoint's files against its manifest (sizes and SHA-256) and read its metadata, loading no tensor.
 
     python tools/verify_checkpoint.py CKPT [--ckpt-step N] [--all]
 
 CKPT is a checkpoint root (the checkpoint `--load CKPT` would load is checked) or one
 iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root. Prints one line
-per checkpoint; a missing, truncated or altered file, a pickle naming anything but checkpoint
-data (which loading would refuse rather than run), or shards written by different runs (a mixed
-checkpoint), gives `error: ...` naming the files and exit code 2.
+per checkpoint, with what its metadata says (iteration, consumed samples, model). A missing,
+truncated or altered file, a pickle naming anything but checkpoint data (which loading would
+refuse rather than run), shards written by different runs (a mixed checkpoint), or metadata
+that cannot be read gives `error: ...` naming the files and exit code 2.
 """
 import argparse
 import sys
@@ -23,6 +24,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from megatron_dllm.checkpoint import CheckpointError, layout, manifest, safe_read, writers
+    from megatron_dllm.checkpoint.meta import CheckpointMeta
 
     try:
         if args.all:
@@ -40,8 +42,12 @@ def main(argv=None) -> int:
             safe_read.check_no_code(path)
             record = manifest.read_manifest(path)
             writers.check_single_run(path, record.get("run"))
-            files = record["files"]
-            print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes")
+            meta = CheckpointMeta.read(path)  # its pickles passed the allowlist just above
+            files, model = record["files"], meta.identity
+            print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes; iteration "
+                  f"{meta.iteration}, {meta.consumed_samples} consumed samples, {model.family} "
+                  f"{model.num_layers}x{model.hidden_size} (vocab {model.vocab_size})"
+                  + (", weights only" if meta.model_only else ""))
     except CheckpointError as err:
         return fail(str(err))
     return 0

@@ -19,6 +19,7 @@ import torch
 
 from megatron_dllm.checkpoint import layout
 from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.checkpoint.meta import CheckpointMeta
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.families.schedules import LogLinear
@@ -122,7 +123,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     """Rebuild the TP=1/PP=1 DiTModel of the checkpoint `--load load [--ckpt-step N]` names
     (saved at any TP/PP/VPP layout; megatron reshards on load; verified against its manifest) in
     the current world (call platform.init_distributed(1, 1) first).
-    Returns (model, identity, common state, arch)."""
+    Returns (model, identity, checkpoint metadata, arch)."""
     from megatron.core import dist_checkpointing
 
     from megatron_dllm import checkpoint
@@ -133,26 +134,26 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
         raise checkpoint.CheckpointError(f"--load {load}: no checkpoint there (expected {checkpoint.TRACKER} "
                                          f"or iter_XXXXXXX directories, or a checkpoint directory itself)")
     path = found.path
-    common = checkpoint.read(path, dist_checkpointing.load_common_state_dict, path)
-    identity = ModelIdentity.from_dict(common.get("identity"), path)
+    meta = CheckpointMeta.read(path)
+    identity = meta.identity
     if identity.gpt is not None:  # the dense model below is the DiT's
         raise InputError(f"{path}: a --backbone gpt checkpoint; Hugging Face export, sampling and evaluation "
                          f"support the DiT backbone only so far")
-    meta = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
-    emb = [k for k in meta if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
+    tensors = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
+    emb = [k for k in tensors if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]
     if not emb:
         if use_ema:
             raise InputError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
                              f"train with EMA enabled or export without --use-ema")
         raise InputError(f"{path}: no embedding tensor in the checkpoint")
-    padded = int(meta[emb[0]].global_shape[0])
-    seq = seq_length or common.get("seq_length") or DEFAULT_SEQ_LENGTH
+    padded = int(tensors[emb[0]].global_shape[0])
+    seq = seq_length or meta.seq_length or DEFAULT_SEQ_LENGTH
     arch = identity.architecture(seq, make_vocab_size_divisible_by=padded)
     config, mlp_config = transformer_config(arch)
     model = build_model(arch, config, mlp_config, seed=0)[0]
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    mapping = _match_keys(list(sharded), list(meta), use_ema, path)
+    mapping = _match_keys(list(sharded), list(tensors), use_ema, path)
     for key, ten in sharded.items():
         ten.key = mapping[key]
     loaded = checkpoint.read(path, dist_checkpointing.load, sharded, path)  # also returns the common state
@@ -161,16 +162,17 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     if unexpected or any("_extra_state" not in k for k in missing):
         raise InputError(f"{path}: missing {missing}, unexpected {unexpected}")
     model.eval()
-    return model, identity, common, arch
+    return model, identity, meta, arch
 
 
-def save_megatron_checkpoint(save: str, model, identity: ModelIdentity, iteration: int = 0, extra: dict | None = None):
-    """Model-only checkpoint in our layout: SAVE/iter_XXXXXXX + latest_checkpointed_iteration.txt."""
+def save_megatron_checkpoint(save: str, model, identity: ModelIdentity, iteration: int = 0,
+                             seq_length: int | None = None, tokenizer=None):
+    """Model-only checkpoint in our layout: SAVE/iter_XXXXXXX + latest_checkpointed_iteration.txt;
+    `tokenizer`: the `TokenizerRecord` of the tokenizer it comes with, if any."""
     from megatron_dllm import checkpoint
 
-    state = {"model": model.sharded_state_dict(), "iteration": iteration, "identity": identity.as_dict(),
-             "consumed_samples": 0, **(extra or {})}
-    return checkpoint.save(save, iteration, state)
+    meta = CheckpointMeta(iteration, identity, seq_length=seq_length, tokenizer=tokenizer)
+    return checkpoint.save(save, iteration, {"model": model.sharded_state_dict(), **meta.to_dict()})
 
 
 # ---------------------------------------------------------------------- HF side

@@ -29,7 +29,7 @@ def _tokenizer(hf: str, save: str):
     """(vocab_size, mask_id, tokenizer record or None); the tokenizer files are copied into SAVE."""
     if not os.path.isfile(os.path.join(hf, "tokenizer.json")):
         return None
-    from megatron_dllm.checkpoint.tokenizer_record import tokenizer_record
+    from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
     from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.data.tokenizers import build_tokenizer
 
@@ -41,7 +41,7 @@ def _tokenizer(hf: str, save: str):
                 shutil.copyfile(os.path.join(hf, name), os.path.join(target, name))
     torch.distributed.barrier()
     tok = build_tokenizer("HuggingFaceTokenizer", target)
-    record = tokenizer_record(TokenizerConfig.from_options("HuggingFaceTokenizer", tok.model_path, None))
+    record = TokenizerRecord.of(TokenizerConfig.from_options("HuggingFaceTokenizer", tok.model_path, None))
     return tok.vocab_size, tok.mask_id, record
 
 
@@ -106,8 +106,7 @@ def import_checkpoint(args) -> int:
     if unexpected or any("_extra_state" not in k for k in missing):
         raise InputError(f"--hf {args.hf}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
     identity = ModelIdentity.of(FAMILIES[args.family](mask_id=mask_id, vocab_size=vocab_size), arch)
-    extra = {"seq_length": seq_length, **({"tokenizer": record} if record else {})}
-    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, extra)
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, seq_length, record)
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
             for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):

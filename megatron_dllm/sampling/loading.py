@@ -32,12 +32,12 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
 
     if not parallel_state.model_parallel_is_initialized():
         platform.init_distributed(1, 1)
-    megatron_model, identity, common, arch = export.load_megatron_model(path, use_ema)
+    megatron_model, identity, meta, arch = export.load_megatron_model(path, use_ema)
     model = export.hf_model(megatron_model.state_dict(), identity, arch.attention, arch.seq_length)
-    saved_tok = common.get("tokenizer") or {}
     if tokenizer_model:
-        check_tokenizer(saved_tok, tokenizer_model, path)
-    config = recorded_tokenizer_config(saved_tok, _given_config(tokenizer_type, tokenizer_model, tokenizer_options))
+        check_tokenizer(meta.tokenizer, tokenizer_model, path)
+    given = _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
+    config = recorded_tokenizer_config(meta.tokenizer, given)
     return model, config
 
 

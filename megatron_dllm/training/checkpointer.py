@@ -12,7 +12,6 @@ beside the checkpoints, and the start-of-run disk estimate. The checkpointer dec
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import time
 
@@ -21,7 +20,9 @@ import torch.distributed as dist
 from megatron_dllm import checkpoint
 from megatron_dllm.checkpoint import retention, training_state
 from megatron_dllm.checkpoint.identity import ModelIdentity
-from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, tokenizer_record
+from megatron_dllm.checkpoint.load_plan import LoadPlan, plan_load
+from megatron_dllm.checkpoint.meta import CheckpointMeta
+from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
 from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.yaml_config import write_resolved
@@ -51,7 +52,7 @@ class Checkpointer:
         self.cfg, self.ckpt = cfg, cfg.checkpoint
         self.model, self.optimizer, self.scheduler, self.ema = model, optimizer, scheduler, ema
         self.identity, self.train_batches, self.logger = identity, train_batches, logger
-        self.tokenizer_record = tokenizer_record(cfg.tokenizer)
+        self.tokenizer_record = TokenizerRecord.of(cfg.tokenizer)
         self.async_queue = AsyncCallsQueue() if self.ckpt.async_save else None
         # Beside the checkpoints with the first save, so a run that only loads, evaluates or
         # fails leaves --save as it found it (the run that saved there keeps its record).
@@ -66,39 +67,27 @@ class Checkpointer:
     def load(self) -> tuple[int, int]:
         """(iteration, consumed samples) to continue from: (0, 0) without --load, with --finetune,
         or when --load is --save and holds nothing yet (the resume idiom)."""
-        ckpt = self.ckpt
-        if not ckpt.load:
-            return 0, 0
-        found = checkpoint.locate(ckpt.load, ckpt.ckpt_step, log=self.logger.info)
-        if found is None:
-            if ckpt.save and os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save):
-                self.logger.info(f"no checkpoint in {ckpt.load}: starting from iteration 0")
-                return 0, 0
-            what = "holds no checkpoint" if os.path.isdir(ckpt.load) else "does not exist"
-            raise checkpoint.CheckpointError(
-                f"--load {ckpt.load} {what} (expected {checkpoint.TRACKER} or iter_XXXXXXX directories, "
-                f"or a checkpoint directory itself)")
-        self.logger.info(f"loading {found.path} ({found.how})")
-        common = training_state.load_checkpoint(
-            found.path, self.model, self.optimizer, self.scheduler, self.identity,
-            load_optim=not ckpt.no_load_optim, load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
-            ema=self.ema, log=self.logger.info)
-        check_tokenizer(common.get("tokenizer"), self.cfg.tokenizer.tokenizer_model, found.path)
-        if ckpt.finetune:
-            return 0, 0
-        iteration, consumed = common["iteration"], common["consumed_samples"]
-        self.train_batches.data_offset = self._data_mix_start(common, iteration, consumed)
-        return iteration, consumed
+        plan = self.plan()
+        if plan.path is not None:
+            training_state.load_checkpoint(plan, self.model, self.optimizer, self.scheduler, self.ema,
+                                           log=self.logger.info)
+        else:
+            for note in plan.notes:
+                self.logger.info(note)
+        self.train_batches.data_offset = plan.data_offset
+        return plan.iteration, plan.consumed_samples
 
-    def _data_mix_start(self, common: dict, iteration: int, consumed: int) -> int:
-        """Where the current training mix started. Resuming with another --data-path (e.g. the
-        phase-2 mix from a phase-1 checkpoint) starts the new mix at its first sample now."""
-        start, mix = common.get("data_mix_start", 0), self.cfg.data.data_path
-        if common.get("data_mix", mix) != mix:
-            self.logger.info(f"data mix changed at iteration {iteration}: {common['data_mix']} -> "
-                             f"{mix}; reading the new mix from its first sample")
-            start = consumed
-        return start
+    def plan(self) -> LoadPlan:
+        """What --load brings back, decided from the checkpoint's metadata (no tensor read yet)."""
+        ckpt = self.ckpt
+        found = checkpoint.locate(ckpt.load, ckpt.ckpt_step, log=self.logger.info) if ckpt.load else None
+        meta = None
+        if found is not None:
+            self.logger.info(f"loading {found.path} ({found.how})")
+            meta = CheckpointMeta.read(found.path)
+        return plan_load(ckpt, found, meta, identity=self.identity, layout=training_state.parallel_layout(),
+                         optimizer=self.optimizer is not None, ema=self.ema is not None,
+                         data_path=self.cfg.data.data_path, tokenizer_model=self.cfg.tokenizer.tokenizer_model)
 
     # ------------------------------------------------------------------ cadence
 
@@ -128,15 +117,11 @@ class Checkpointer:
         if self.async_queue is not None:  # one save in flight at a time: bounded host memory
             checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=True)
         start = time.perf_counter()
-        path = training_state.save_checkpoint(
-            self.ckpt.save, iteration, self.model, self.optimizer, self.scheduler,
-            {"consumed_samples": consumed, "identity": self.identity.as_dict(),
-             "data_mix": self.cfg.data.data_path, "data_mix_start": self.train_batches.data_offset,
-             # what sampling/evaluation need to rebuild the model and decode text (not checked on load)
-             "seq_length": self.cfg.model.seq_length,
-             "tokenizer": self.tokenizer_record},
-            ema=self.ema, async_queue=self.async_queue, on_complete=self._saved,
-        )
+        meta = CheckpointMeta(iteration, self.identity, consumed, seq_length=self.cfg.model.seq_length,
+                              tokenizer=self.tokenizer_record, data_mix=self.cfg.data.data_path,
+                              data_mix_start=self.train_batches.data_offset)
+        path = training_state.save_checkpoint(self.ckpt.save, meta, self.model, self.optimizer, self.scheduler,
+                                              ema=self.ema, async_queue=self.async_queue, on_complete=self._saved)
         self.saved_at = iteration
         if self.async_queue is not None:
             self.logger.info(f"writing checkpoint {path} in the background (training paused "

@@ -1,0 +1,102 @@
+"""What `--load` brings back, decided from the flags and the checkpoint's metadata before any
+tensor is read; `training_state.load_checkpoint` then carries the plan out.
+
+    nothing    no --load (or --load is --save and holds nothing yet): iteration 0, fresh weights
+    resume     weights, optimizer (unless --no-load-optim), LR schedule, RNG (unless --no-load-rng),
+               EMA; training continues at the saved iteration and consumed samples
+    finetune   --finetune: weights only, iteration and consumed samples start again at 0
+    converted  a model-only checkpoint (written by a converter): weights only, at its iteration
+
+A checkpoint saved under another (PP, TP, DP) layout is resharded by megatron-core on load (the
+weights freely, the distributed optimizer's state across DP); its per-rank RNG states belong to
+ranks that no longer exist, so they are left out (`LoadPlan.reshard`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.checkpoint.layout import TRACKER, Found
+from megatron_dllm.checkpoint.manifest import CheckpointError
+from megatron_dllm.checkpoint.meta import CheckpointMeta
+from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer
+from megatron_dllm.config.checkpoint import CheckpointConfig
+
+NOTHING, RESUME, FINETUNE, CONVERTED = "nothing", "resume", "finetune", "converted"
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    kind: str
+    layout: tuple[int, int, int]  # this run's (PP, TP, DP)
+    path: str | None = None
+    meta: CheckpointMeta | None = None
+    optimizer: bool = False  # load the optimizer state
+    scheduler: bool = False  # restore the LR schedule
+    rng: bool = False  # restore every rank's RNG states
+    ema: bool = False  # load the EMA weights (else a run with EMA starts it at the loaded weights)
+    iteration: int = 0  # where training continues
+    consumed_samples: int = 0
+    data_offset: int = 0  # consumed samples when the current data mix started
+    notes: tuple[str, ...] = ()  # the decisions worth a log line
+
+    @property
+    def reshard(self) -> bool:
+        saved = self.meta.rng_layout if self.meta is not None else None
+        return saved is not None and saved != self.layout
+
+    def describe(self) -> str:
+        """What the load brings back, for the log line."""
+        if self.kind == FINETUNE:
+            return "weights only (--finetune)"
+        if self.kind == CONVERTED:
+            return "weights only (a model-only checkpoint)"
+        return ("weights" + (", optimizer" if self.optimizer else "") + (", RNG" if self.rng else "")
+                + (", EMA" if self.ema else ""))
+
+
+def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta | None, *, identity: ModelIdentity,
+              layout: tuple[int, int, int], optimizer: bool, ema: bool, data_path, tokenizer_model: str | None
+              ) -> LoadPlan:
+    """The plan for `--load` given `found` (`checkpoint.locate`) and its `meta`, for a run of
+    `identity` under `layout` with an optimizer and an EMA or not. A checkpoint of another model
+    or tokenizer is refused here, before any tensor is read."""
+    layout = tuple(layout)
+    if found is None:
+        if not ckpt.load:
+            return LoadPlan(NOTHING, layout)
+        if ckpt.save and os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save):  # the resume idiom
+            return LoadPlan(NOTHING, layout, notes=(f"no checkpoint in {ckpt.load}: starting from iteration 0",))
+        what = "holds no checkpoint" if os.path.isdir(ckpt.load) else "does not exist"
+        raise CheckpointError(f"--load {ckpt.load} {what} (expected {TRACKER} or iter_XXXXXXX directories, "
+                              f"or a checkpoint directory itself)")
+    path = found.path
+    diffs = identity.differences(meta.identity.as_dict())
+    if diffs:
+        raise CheckpointError(f"--load {path}: the checkpoint at iteration {meta.iteration} does not match "
+                              f"this run ({'; '.join(diffs)})")
+    if tokenizer_model:
+        check_tokenizer(meta.tokenizer, tokenizer_model, path)
+    if ckpt.finetune:
+        return LoadPlan(FINETUNE, layout, path, meta)
+    if meta.model_only:
+        return LoadPlan(CONVERTED, layout, path, meta, iteration=meta.iteration,
+                        consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)
+    plan = LoadPlan(RESUME, layout, path, meta, optimizer=optimizer and not ckpt.no_load_optim, scheduler=True,
+                    ema=ema and meta.ema_decay is not None, iteration=meta.iteration,
+                    consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)
+    notes = []
+    wants_rng = not ckpt.no_load_rng and meta.rng_layout is not None
+    if wants_rng and plan.reshard:
+        notes.append(f"not restoring RNG states: saved under (PP, TP, DP) = {meta.rng_layout}, loading under {layout}")
+    if meta.data_mix_changed(data_path):  # e.g. the phase-2 mix from a phase-1 checkpoint
+        notes.append(f"data mix changed at iteration {meta.iteration}: {_as_saved(meta.data_mix)} -> "
+                     f"{_as_saved(data_path)}; reading the new mix from its first sample")
+        plan = replace(plan, data_offset=meta.consumed_samples)
+    return replace(plan, rng=wants_rng and not plan.reshard, notes=tuple(notes))
+
+
+def _as_saved(data_path) -> list | None:
+    """A mix as the log has always shown it (the list the flag gave)."""
+    return list(data_path) if data_path is not None else None

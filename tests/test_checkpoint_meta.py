@@ -1,0 +1,151 @@
+"""Checkpoint metadata (`CheckpointMeta`) and the load plan: the stored form round-trips, a bad
+entry is named with its checkpoint, `plan_load` decides resume / finetune / converted / reshard /
+nothing from the flags and the metadata alone; and a checkpoint written by an earlier version
+(kept in tests/fixtures) still verifies, inspects and resumes."""
+import os
+import tarfile
+
+import pytest
+
+from megatron_dllm.checkpoint import CheckpointError
+from megatron_dllm.checkpoint.identity import ModelIdentity
+from megatron_dllm.checkpoint.layout import Found
+from megatron_dllm.checkpoint.load_plan import CONVERTED, FINETUNE, NOTHING, RESUME, plan_load
+from megatron_dllm.checkpoint.meta import CheckpointMeta
+from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
+from megatron_dllm.config.checkpoint import CheckpointConfig
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+# Written before CheckpointMeta existed (commit c395ccb) by pretrain_dllm.py with these flags on the
+# demo corpus (--demo-cache-dir /tmp/ckptmeta_fx/demo), --train-iters 3 --save: see fixtures/README.md.
+OLD_CHECKPOINT = os.path.join(FIXTURES, "checkpoint_mdlm_tiny_iter3.tar.xz")
+OLD_RUN = ["--preset", "cpu-tiny", "--hidden-size", "4", "--num-layers", "1", "--num-attention-heads", "1",
+           "--make-vocab-size-divisible-by", "1", "--seq-length", "16", "--micro-batch-size", "2",
+           "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100"]
+OLD_IDENTITY = ModelIdentity("mdlm", 4, 1, 1, 4097, 4096)
+# What that version read back from it: row 5 of the word embeddings, and the losses of iterations
+# 4 and 5 when it resumed with --train-iters 5 on a demo corpus at another path (a changed data mix)
+OLD_EMBEDDING_ROW5 = [0.22850054502487183, 0.16676755249500275, -0.0546434186398983, 0.009803500957787037]
+OLD_RESUMED_LOSSES = [3.763106346130371, 4.673627018928528]
+
+IDENTITY = ModelIdentity("mdlm", 64, 2, 4, 4097, 4096)
+TRAINED = CheckpointMeta(6, IDENTITY, 48, seq_length=32, tokenizer=TokenizerRecord("SentencePieceTokenizer", "/t.model",
+                                                                                  {}, "ab" * 32),
+                         data_mix=("/data/a",), data_mix_start=0, scheduler={"num_steps": 6}, rng_layout=(1, 1, 2))
+
+
+def _plan(meta, *, layout=(1, 1, 2), data_path=("/data/a",), ema=False, **flags):
+    ckpt = CheckpointConfig(**{"load": "/ckpt", **flags})
+    found = Found("/ckpt/iter_0000006", 6, "the tracker") if meta is not None else None
+    return plan_load(ckpt, found, meta, identity=IDENTITY, layout=layout, optimizer=True, ema=ema,
+                     data_path=list(data_path), tokenizer_model=None)
+
+
+def test_metadata_round_trips_through_the_stored_form():
+    stored = TRAINED.to_dict()
+    assert stored["data_mix"] == ["/data/a"] and stored["rng_layout"] == [1, 1, 2]  # lists, as always stored
+    assert "ema_decay" not in stored and "run_id" not in stored
+    assert CheckpointMeta.from_dict(stored, "/ckpt") == TRAINED
+    model_only = CheckpointMeta(0, IDENTITY, seq_length=32)
+    assert set(model_only.to_dict()) == {"iteration", "consumed_samples", "identity", "seq_length"}
+    assert CheckpointMeta.from_dict(model_only.to_dict(), "/ckpt").model_only
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"iteration": None}, "/ckpt: no 'iteration' in its common state"),
+    ({"consumed_samples": "12"}, "/ckpt: 'consumed_samples' in its common state is '12', expected int"),
+    ({"rng_layout": [1, 2]}, "/ckpt: 'rng_layout' in its common state is [1, 2], expected [PP, TP, DP] sizes"),
+    ({"identity": {"family": "mdlm"}}, "/ckpt: no model identity"),
+    ({"tokenizer": {"kind": "x"}}, "/ckpt: malformed tokenizer record"),
+])
+def test_a_bad_entry_is_named_with_its_checkpoint(change, message):
+    stored = {**TRAINED.to_dict(), **change}
+    with pytest.raises(CheckpointError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        CheckpointMeta.from_dict(stored, "/ckpt")
+
+
+def test_plan_resume_restores_everything_and_continues():
+    plan = _plan(TRAINED)
+    assert (plan.kind, plan.iteration, plan.consumed_samples, plan.data_offset) == (RESUME, 6, 48, 0)
+    assert plan.optimizer and plan.scheduler and plan.rng and not plan.ema and not plan.notes
+    assert plan.describe() == "weights, optimizer, RNG"
+    assert _plan(TRAINED.replace(ema_decay=0.999), ema=True).describe() == "weights, optimizer, RNG, EMA"
+    assert _plan(TRAINED, no_load_optim=True, no_load_rng=True).describe() == "weights"
+
+
+def test_plan_reshard_leaves_the_rng_states_out():
+    plan = _plan(TRAINED, layout=(1, 2, 1))
+    assert plan.reshard and not plan.rng and plan.optimizer
+    assert plan.notes == ("not restoring RNG states: saved under (PP, TP, DP) = (1, 1, 2), loading under (1, 2, 1)",)
+
+
+def test_plan_finetune_converted_and_nothing():
+    plan = _plan(TRAINED, finetune=True)
+    assert (plan.kind, plan.iteration, plan.consumed_samples, plan.describe()) == (
+        FINETUNE, 0, 0, "weights only (--finetune)")
+    assert not (plan.optimizer or plan.scheduler or plan.rng)
+    plan = _plan(CheckpointMeta(3, IDENTITY, seq_length=32))
+    assert (plan.kind, plan.iteration, plan.optimizer, plan.rng) == (CONVERTED, 3, False, False)
+    assert plan_load(CheckpointConfig(), None, None, identity=IDENTITY, layout=(1, 1, 1), optimizer=True,
+                     ema=False, data_path=None, tokenizer_model=None).kind == NOTHING
+    plan = plan_load(CheckpointConfig(load="/run", save="/run"), None, None, identity=IDENTITY, layout=(1, 1, 1),
+                     optimizer=True, ema=False, data_path=None, tokenizer_model=None)
+    assert plan.kind == NOTHING and plan.notes == ("no checkpoint in /run: starting from iteration 0",)
+    with pytest.raises(CheckpointError, match="--load /nowhere does not exist"):
+        plan_load(CheckpointConfig(load="/nowhere"), None, None, identity=IDENTITY, layout=(1, 1, 1),
+                  optimizer=True, ema=False, data_path=None, tokenizer_model=None)
+
+
+def test_plan_data_mix_switch_and_identity_mismatch():
+    plan = _plan(TRAINED, data_path=("0.5", "/data/a", "0.5", "/data/b"))
+    assert plan.data_offset == 48
+    assert plan.notes == ("data mix changed at iteration 6: ['/data/a'] -> ['0.5', '/data/a', '0.5', '/data/b']; "
+                          "reading the new mix from its first sample",)
+    other = TRAINED.replace(identity=ModelIdentity("ar", 64, 2, 4, 4097, 4096))
+    with pytest.raises(CheckpointError, match=r"does not match this run \(family: checkpoint 'ar' vs this run 'mdlm'"):
+        _plan(other)
+
+
+@pytest.fixture
+def old_checkpoint(tmp_path):
+    root = tmp_path / "old"
+    with tarfile.open(OLD_CHECKPOINT) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def test_fixture_is_small():
+    assert os.path.getsize(OLD_CHECKPOINT) < 600_000
+
+
+def test_a_checkpoint_of_an_earlier_version_verifies_and_inspects(old_checkpoint, world_of_one, capsys):
+    from megatron_dllm.cli import verify_checkpoint
+    from megatron_dllm.hf import export
+
+    path = str(old_checkpoint / "iter_0000003")
+    assert verify_checkpoint.main([str(old_checkpoint)]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        "; iteration 3, 12 consumed samples, mdlm 1x4 (vocab 4097)")
+    meta = CheckpointMeta.read(path)
+    assert (meta.iteration, meta.consumed_samples, meta.identity, meta.seq_length) == (3, 12, OLD_IDENTITY, 16)
+    assert meta.rng_layout == (1, 1, 1) and meta.scheduler["num_steps"] == 3 and meta.data_mix_start == 0
+    assert meta.tokenizer.type == "SentencePieceTokenizer" and len(meta.tokenizer.sha256) == 64
+    assert meta.run_id is not None and not meta.model_only and meta.ema_decay is None
+    assert CheckpointMeta.from_dict(meta.to_dict(), path) == meta.replace(run_id=None)
+    model, identity, _, arch = export.load_megatron_model(str(old_checkpoint))
+    assert identity == OLD_IDENTITY and arch.seq_length == 16
+    assert model.state_dict()["embedding.word_embeddings.weight"][5].tolist() == OLD_EMBEDDING_ROW5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_an_earlier_version_resumes(old_checkpoint, pretrain):
+    proc, records = pretrain(1, *OLD_RUN, "--train-iters", "5", "--load", str(old_checkpoint),
+                             "--save", str(old_checkpoint))
+    loaded = f"loaded checkpoint {old_checkpoint / 'iter_0000003'} at iteration 3: weights, optimizer, RNG"
+    assert loaded in proc.stdout
+    assert "data mix changed at iteration 3" in proc.stdout  # the demo corpus lies elsewhere now
+    trained = [r for r in records if "loss" in r]
+    assert [(r["iteration"], r["consumed_samples"]) for r in trained] == [(4, 16), (5, 20)]
+    # the same steps as the version that wrote it took (exactly, on the CPU it was recorded on)
+    assert [r["loss"] for r in trained] == pytest.approx(OLD_RESUMED_LOSSES, rel=1e-5)
+    assert CheckpointMeta.read(str(old_checkpoint / "iter_0000005")).consumed_samples == 20
