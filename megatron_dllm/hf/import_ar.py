@@ -114,6 +114,6 @@ def import_checkpoint(args) -> int:
         name = (config.get("architectures") or [config["model_type"]])[0]
         print(f"wrote {path} ({name} as --family {args.family}, TP={tp}, PP={pp}, "
               f"model weights only; vocabulary {vocab_size}, [MASK] id {mask_id}"
-              f"{', tokenizer ' + record['model'] if record else ', no tokenizer.json in --hf'})")
+              f"{', tokenizer ' + record.model if record else ', no tokenizer.json in --hf'})")
         print("train it with: " + " ".join(gpt_flags(preset, shape)))
     return 0
