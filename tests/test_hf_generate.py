@@ -2,9 +2,10 @@
 an export of every diffusion family, loaded with transformers' AutoModelForMaskedLM
 (trust_remote_code, offline) in a process where megatron_dllm cannot be imported, samples exactly
 what megatron_dllm's own samplers give on the same weights and seed (float64, CPU): unconditional,
-one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler. The
-AR export keeps transformers' generate. The shipped files are the ones transformers copies, import
-nothing but torch, transformers and the standard library, and bad arguments are ValueErrors."""
+one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler, MDLM
+and Duo's remasking samplers with their knobs. The AR export keeps transformers' generate. The
+shipped files are the ones transformers copies, import nothing but torch, transformers and the
+standard library, and bad arguments are ValueErrors."""
 import json
 import os
 import re

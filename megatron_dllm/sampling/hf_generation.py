@@ -12,6 +12,8 @@ megatron_dllm, and exactly as megatron_dllm does:
                              prompt_ids=prompt_ids)
     model.generate(padded_ids, attention_mask=mask, max_new_tokens=64, steps=64, seed=0)
         row i == conditional.generate_native(inf, prompt_i, 64, eos_id, steps=64, seed=0)
+    model.generate(..., sampler="low-confidence", block_length=16)   # MDLM/Duo remasking: the same,
+        with SamplingConfig(predictor="low-confidence", block_length=16) / generate_native(..., same)
 
 The first two return [rows, P + max_new_tokens]: the prompt, then the filled canvas (the sample
 command's samples). With `attention_mask` marking padding (left or right), each row is its prompt
