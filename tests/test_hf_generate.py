@@ -2,9 +2,10 @@
 an export of every diffusion family, loaded with transformers' AutoModelForMaskedLM
 (trust_remote_code, offline) in a process where megatron_dllm cannot be imported, samples exactly
 what megatron_dllm's own samplers give on the same weights and seed (float64, CPU): unconditional,
-one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler. The
-AR export keeps transformers' generate. The shipped files are the ones transformers copies, import
-nothing but torch, transformers and the standard library, and bad arguments are ValueErrors."""
+one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler, MDLM
+and Duo's remasking samplers with their knobs. The AR export keeps transformers' generate. The
+shipped files are the ones transformers copies, import nothing but torch, transformers and the
+standard library, and bad arguments are ValueErrors."""
 import json
 import os
 import re
@@ -30,6 +31,14 @@ CASES = [("unconditional", {"num_return_sequences": 2, "max_new_tokens": 12, "st
          ("generator", {"num_return_sequences": 2, "max_new_tokens": 10, "steps": 4, "generator": 7}),
          ("left-to-right", {"input_ids": [PROMPTS[0]], "max_new_tokens": 6, "sampler": "left-to-right", "seed": 4})]
 BLOCK = ("block", {"num_return_sequences": 2, "max_new_tokens": 12, "steps": 4, "sampler": "block", "seed": 5})
+# MDLM and Duo's remasking predictors, with their knobs: blocks unconditionally, threshold on padded prompts
+REMASKING = [("low-confidence", {"num_return_sequences": 2, "max_new_tokens": 10, "steps": 4,
+                                 "sampler": "low-confidence", "block_length": 4, "seed": 6}),
+             ("threshold", {"input_ids": [[EOS, EOS] + PROMPTS[0], PROMPTS[1]],
+                            "attention_mask": [[0, 0, 1, 1, 1], [1] * 5], "max_new_tokens": 6, "sampler": "threshold",
+                            "threshold": 0.05, "seed": 7, "eos_token_id": EOS})]
+KNOBS = {"block_length": "block_length", "tokens_per_step": "tokens_per_step", "threshold": "confidence_threshold",
+         "entropy_bound": "entropy_bound"}  # generate's argument -> SamplingConfig's field
 
 
 def write_export(family: str, out) -> str:
@@ -43,7 +52,7 @@ def write_export(family: str, out) -> str:
 
 
 def cases(family):
-    return CASES + ([BLOCK] if family == "esolm" else [])
+    return CASES + ([BLOCK] if family == "esolm" else REMASKING)
 
 
 def expected(inf, case: dict) -> torch.Tensor:
@@ -52,16 +61,19 @@ def expected(inf, case: dict) -> torch.Tensor:
     from megatron_dllm.sampling.conditional import generate_native_batch
 
     new, steps = case["max_new_tokens"], case.get("steps", 128)
+    knobs = {field: case[arg] for arg, field in KNOBS.items() if arg in case}
+    predictor = case.get("sampler", "ancestral")
     if "attention_mask" in case:
         prompts = [[t for t, keep in zip(row, mask) if keep] for row, mask in zip(case["input_ids"],
                                                                                  case["attention_mask"])]
-        answers = generate_native_batch(inf, prompts, new, EOS, steps=steps, seeds=case["seed"])
+        answers = generate_native_batch(inf, prompts, new, EOS, steps=steps, seeds=case["seed"], predictor=predictor,
+                                        **knobs)
         width = len(case["input_ids"][0]) + max(map(len, answers))
         return torch.tensor([row + answer + [EOS] * (width - len(row) - len(answer))
                              for row, answer in zip(case["input_ids"], answers)])
     prompt = case.get("input_ids")
     cfg = SamplingConfig(steps=steps, seq_length=len(prompt[0]) + new if prompt else new,
-                         predictor=case.get("sampler", "ancestral"))
+                         predictor=predictor, **knobs)
     rows = len(prompt) if prompt else case["num_return_sequences"]
     generator = torch.Generator().manual_seed(case["generator"]) if "generator" in case else None
     return generate(inf, cfg, num_samples=rows, seed=case.get("seed", 0), prompt_ids=prompt, generator=generator)
@@ -144,13 +156,23 @@ def test_the_package_classes_generate_the_same_way(tmp_path):
     path = write_export("mdlm", tmp_path / "mdlm")
     model = load_model(path).double()
     inf = load_inference_model(path, dtype=torch.float64)
-    for name, case in CASES[:3]:
+    for name, case in CASES[:3] + REMASKING:
         given = {k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v for k, v in case.items()}
         assert torch.equal(model.generate(**given), expected(inf, case)), name
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"sampler": "block"}, "sampler='block' is not available for the mdlm family; valid: ancestral, left-to-right"),
+    ({"sampler": "block"}, "sampler='block' is not available for the mdlm family; valid: ancestral, left-to-right, "
+                           "low-confidence, threshold, entropy-bound"),
+    ({"sampler": "low-confidence", "threshold": 0.5},
+     "threshold applies to sampler=threshold only, not sampler=low-confidence"),
+    ({"sampler": "left-to-right", "block_length": 4},
+     "block_length applies to sampler=ancestral|low-confidence|threshold|entropy-bound only, not "
+     "sampler=left-to-right"),
+    ({"sampler": "threshold", "threshold": 1.5}, "threshold=1.5: must be in [0, 1]"),
+    ({"sampler": "low-confidence", "block_length": 0}, "block_length=0: must be an integer >= 1"),
+    ({"sampler": "low-confidence", "tokens_per_step": 2.5}, "tokens_per_step=2.5: must be an integer >= 1"),
+    ({"sampler": "entropy-bound", "entropy_bound": -1.0}, "entropy_bound=-1.0: must be a finite number >= 0"),
     ({"sampler": "remask"}, "sampler='remask' is not available"),
     ({"steps": 0}, "steps=0: must be an integer >= 1"),
     ({"max_new_tokens": 0}, "max_new_tokens=0: must be an integer >= 1"),

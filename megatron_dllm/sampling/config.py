@@ -55,26 +55,29 @@ class SamplingConfig:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")
         self.check_remasking()
 
-    def check_remasking(self) -> None:
-        """Each block, cache and remasking knob is valid and given only with the predictors it belongs to."""
+    def check_remasking(self, name=None, sep: str = " ") -> None:
+        """Each block, cache and remasking knob is valid and given only with the predictors it
+        belongs to. Messages name a field as `name(field)` followed by `sep` and its value (default:
+        the flags, `--block-length 0`; the HF export's `generate` spells its keyword arguments)."""
+        name = name or (lambda field: "--" + field.replace("_", "-"))
+        predictor = name("predictor") + sep
         remasking = "|".join(REMASKING_PREDICTORS)
-        knobs = (("--block-length", self.block_length, ("ancestral",) + REMASKING_PREDICTORS,
-                  f"--predictor ancestral|{remasking}"),
-                 ("--approx-kv-cache", None if self.approx_kv_cache == "none" else self.approx_kv_cache,
-                  ("ancestral",), "--predictor ancestral"),
-                 ("--tokens-per-step", self.tokens_per_step, ("low-confidence",), "--predictor low-confidence"),
-                 ("--confidence-threshold", self.confidence_threshold, ("threshold",), "--predictor threshold"),
-                 ("--entropy-bound", self.entropy_bound, ("entropy-bound",), "--predictor entropy-bound"))
-        for flag, value, owners, spelled in knobs:
-            if value is not None and self.predictor not in owners:
-                raise InputError(f"{flag} applies to {spelled} only, not --predictor {self.predictor}")
-        for flag, value in (("--block-length", self.block_length), ("--tokens-per-step", self.tokens_per_step)):
+        knobs = (("block_length", ("ancestral",) + REMASKING_PREDICTORS, f"{predictor}ancestral|{remasking}"),
+                 ("approx_kv_cache", ("ancestral",), predictor + "ancestral"),
+                 ("tokens_per_step", ("low-confidence",), predictor + "low-confidence"),
+                 ("confidence_threshold", ("threshold",), predictor + "threshold"),
+                 ("entropy_bound", ("entropy-bound",), predictor + "entropy-bound"))
+        for field, owners, spelled in knobs:
+            if getattr(self, field) not in (None, "none") and self.predictor not in owners:
+                raise InputError(f"{name(field)} applies to {spelled} only, not {predictor}{self.predictor}")
+        for field in ("block_length", "tokens_per_step"):
+            value = getattr(self, field)
             if value is not None and value < 1:
-                raise InputError(f"{flag} {value}: must be >= 1")
+                raise InputError(f"{name(field)}{sep}{value}: must be >= 1")
         if self.confidence_threshold is not None and not 0.0 <= self.confidence_threshold <= 1.0:
-            raise InputError(f"--confidence-threshold {self.confidence_threshold}: must be in [0, 1]")
+            raise InputError(f"{name('confidence_threshold')}{sep}{self.confidence_threshold}: must be in [0, 1]")
         if self.entropy_bound is not None and not 0.0 <= self.entropy_bound < float("inf"):
-            raise InputError(f"--entropy-bound {self.entropy_bound}: must be a finite number >= 0")
+            raise InputError(f"{name('entropy_bound')}{sep}{self.entropy_bound}: must be a finite number >= 0")
 
     @property
     def threshold(self) -> float:

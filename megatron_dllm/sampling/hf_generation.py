@@ -12,6 +12,8 @@ megatron_dllm, and exactly as megatron_dllm does:
                              prompt_ids=prompt_ids)
     model.generate(padded_ids, attention_mask=mask, max_new_tokens=64, steps=64, seed=0)
         row i == conditional.generate_native(inf, prompt_i, 64, eos_id, steps=64, seed=0)
+    model.generate(..., sampler="low-confidence", block_length=16)   # MDLM/Duo remasking: the same,
+        with SamplingConfig(predictor="low-confidence", block_length=16) / generate_native(..., same)
 
 The first two return [rows, P + max_new_tokens]: the prompt, then the filled canvas (the sample
 command's samples). With `attention_mask` marking padding (left or right), each row is its prompt
@@ -29,16 +31,25 @@ import torch
 # samplers import categorical as a module (`from . import categorical`), so it is named here
 from .categorical import sample as _shipped_with_the_export  # noqa: F401
 from .conditional import generate_left_to_right_batch, generate_native_batch
-from .config import SamplingConfig
+from .config import REMASKING_PREDICTORS, SamplingConfig
 from .deps import get_family
 from .generate import generate
 from .inference_model import InferenceModel
 from .registry import SAMPLERS
+from .remasking import REMASKING_SAMPLERS
 
 SCHEDULE = "loglinear"  # the samplers' noise schedule (config.json's noise_schedule)
+# generate's keyword argument for each SamplingConfig field it spells differently (Fast-dLLM's `threshold`)
+ARGUMENT = {"predictor": "sampler", "confidence_threshold": "threshold"}
 
 
-def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int) -> None:
+def _predictors(family: str) -> tuple[str, ...]:
+    own = SAMPLERS[family].predictors
+    return own + (REMASKING_PREDICTORS if family in REMASKING_SAMPLERS else ())
+
+
+def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int,
+             remasking: dict) -> None:
     config = model.config
     if config.family not in SAMPLERS:
         raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
@@ -48,14 +59,16 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
     if config.noise_schedule != SCHEDULE or abs(config.noise_eps - eps) > 1e-12:
         raise ValueError(f"config.json: noise_schedule {config.noise_schedule!r} with noise_eps {config.noise_eps}; "
                          f"the samplers' schedule is {SCHEDULE!r} with eps {eps}")
-    valid = SAMPLERS[config.family].predictors
+    valid = _predictors(config.family)
     if sampler not in valid:
         raise ValueError(f"sampler={sampler!r} is not available for the {config.family} family; valid: "
                          f"{', '.join(valid)}")
     for name, value in (("steps", steps), ("max_new_tokens", max_new_tokens),
-                        ("num_return_sequences", num_return_sequences)):
+                        ("num_return_sequences", num_return_sequences), ("block_length", remasking["block_length"]),
+                        ("tokens_per_step", remasking["tokens_per_step"])):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
 
 
 def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
@@ -64,20 +77,27 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                        generator: torch.Generator | None = None, temperature: float = SamplingConfig.temperature,
                        top_p: float = SamplingConfig.top_p, num_return_sequences: int = 1,
                        eos_token_id: int | None = None, stop_at_eos: bool = SamplingConfig.stop_at_eos,
-                       kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64
-                       ) -> torch.LongTensor:
+                       kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64,
+                       block_length: int | None = None, tokens_per_step: int | None = None,
+                       threshold: float | None = None, entropy_bound: float | None = None) -> torch.LongTensor:
     """Samples [rows, P + new] from the family's sampler (see the module docstring).
 
     input_ids: [b, P] prompts (None or P = 0: unconditional, `num_return_sequences` rows).
     attention_mask: [b, P], 0 at padding: prompts of different lengths (conditional protocol).
     max_new_tokens: positions generated after the prompt (default: the rest of the model's context).
-    steps, sampler ("ancestral"; "left-to-right"; Eso-LM also "block"), temperature, top_p,
-    kv_cache, float64, stop_at_eos: as `SamplingConfig` (`--steps`, `--predictor`, ...).
+    steps, sampler ("ancestral"; "left-to-right"; Eso-LM also "block"; MDLM and Duo also the
+    remasking "low-confidence", "threshold", "entropy-bound"), temperature, top_p, kv_cache,
+    float64, stop_at_eos: as `SamplingConfig` (`--steps`, `--predictor`, ...).
+    block_length, tokens_per_step, threshold, entropy_bound: the remasking predictors' knobs, as
+    `SamplingConfig`'s (`--block-length`, `--tokens-per-step`, `--confidence-threshold`,
+    `--entropy-bound`); each only with its sampler.
     seed: the seed of megatron_dllm's sample command; generator: draw from this one instead.
     num_return_sequences: samples per prompt (rows of a prompt follow each other).
     eos_token_id: the EOS id (default: config.eos_token_id, if any).
     """
-    _checked(model, sampler, steps, max_new_tokens, num_return_sequences)
+    remasking = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
+                     entropy_bound=entropy_bound)
+    _checked(model, sampler, steps, max_new_tokens, num_return_sequences, remasking)
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
                          config.max_position_embeddings, None, "hf")
@@ -98,7 +118,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
             if generator is not None:
                 raise ValueError("generator= applies to unpadded input_ids; padded prompts draw from seed")
             return _padded(inf, input_ids, attention_mask.bool(), max_new_tokens, eos, sampler, steps, seed,
-                           temperature, top_p)
+                           temperature, top_p, remasking)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
     if room < 1 or (max_new_tokens or 0) > room:
@@ -106,25 +126,28 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                          f"the model's context of {inf.seq_length}")
     cfg = SamplingConfig(steps=steps, seq_length=prompt + (max_new_tokens or room), top_p=top_p,
                          temperature=temperature, float64=float64, predictor=sampler, kv_cache=kv_cache,
-                         stop_at_eos=stop_at_eos, eos_id=eos)
+                         stop_at_eos=stop_at_eos, eos_id=eos, **remasking)
     out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
                    generator=generator)
     return out.to(inf.device)
 
 
-def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seed, temperature, top_p) -> torch.Tensor:
+def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seed, temperature, top_p,
+            remasking: dict) -> torch.Tensor:
     """Conditional generation for prompts given padded (`real` False at padding): the input, then
     each row's answer (cut after its first EOS), EOS-filled to the longest."""
     if eos is None:
         raise ValueError("padded prompts are answered up to EOS: give eos_token_id")
     prompts = [row[keep].tolist() for row, keep in zip(input_ids, real)]
     settings = dict(greedy=False, temperature=temperature, top_p=top_p, seeds=seed)
-    if sampler == "ancestral":
-        answers = generate_native_batch(inf, prompts, max_new_tokens, eos, steps=steps, **settings)
-    elif sampler == "left-to-right":
+    if sampler == "left-to-right":
         answers = generate_left_to_right_batch(inf, prompts, max_new_tokens, eos, **settings)
+    elif sampler in ("ancestral",) + REMASKING_PREDICTORS:
+        answers = generate_native_batch(inf, prompts, max_new_tokens, eos, steps=steps, predictor=sampler,
+                                        **settings, **remasking)
     else:
-        raise ValueError(f"sampler={sampler!r}: padded prompts are answered with 'ancestral' or 'left-to-right'")
+        raise ValueError(f"sampler={sampler!r}: padded prompts are answered with 'ancestral', 'left-to-right' or "
+                         f"a remasking sampler")
     out = torch.full((len(prompts), input_ids.shape[1] + max(map(len, answers))), eos, dtype=torch.long,
                      device=input_ids.device)
     out[:, :input_ids.shape[1]] = input_ids
