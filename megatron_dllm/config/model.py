@@ -25,12 +25,23 @@ class ModelConfig(FlagGroup):
                                         "clipped schedule, e.g. 0.5 with max 1 for B = 4); validation uses [1e-3, 1]")
     sampling_eps_max: float = flag(1.0, type=fraction, help="--family bd3lm: see --sampling-eps-min")
 
+    def backbone_length(self) -> int:
+        """Positions the backbone runs per sample: BD3-LM's input is [x_t ; x_0], twice --seq-length
+        (what FLOP counts and the pipeline's activation shapes must use)."""
+        from megatron_dllm.families import FAMILIES
+
+        return self.seq_length * FAMILIES[self.family].input_copies
+
     def family_options(self) -> dict:
         """The family's own settings, as `families.get_family` takes them."""
         if self.family != "bd3lm":  # cross-flag rule
             if self.block_size is not None:
                 raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {self.family})")
             return {}
+        if self.block_size is None:  # cross-flag rule
+            raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
+        if self.seq_length and self.seq_length % self.block_size:  # cross-flag rule
+            raise InputError(f"--block-size {self.block_size} must divide --seq-length {self.seq_length}")
         return {"block_size": self.block_size, "noise": self.noise,
                 "sampling_eps_min": self.sampling_eps_min, "sampling_eps_max": self.sampling_eps_max}
     preset: str | None = flag(help=f"model size: {', '.join([*PRESETS, *ALIASES])}; default cpu-small on the "

@@ -32,6 +32,10 @@ class ModelInput:
     # (megatron's convention), for layouts that are neither causal nor bidirectional (BD3-LM)
     attention_mask: torch.Tensor | None = None
 
+    def attend(self) -> torch.Tensor | None:
+        """The explicit mask as SDPA and the dense model take it (True = may attend), or None."""
+        return None if self.attention_mask is None else ~self.attention_mask
+
     def to(self, device) -> "ModelInput":
         return ModelInput(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
@@ -106,6 +110,11 @@ class Family:
                              f"valid: {', '.join(self.losses)}")
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
+
+    def options(self) -> dict:
+        """The settings beyond the name that fix what the model means (recorded in checkpoints and
+        exports, passed back to `get_family`); none for most families."""
+        return {}
 
     def evaluation(self) -> "Family":
         """The family as validation and evaluation use it (BD3-LM: t over the full range, not the

@@ -81,6 +81,9 @@ class BD3LM(Family):
             raise InputError(f"--block-size {self.block_size} must divide the sequence length ({length})")
         return length // self.block_size
 
+    def options(self) -> dict:
+        return {"block_size": self.block_size, "noise": self.noise}
+
     def evaluation(self) -> "BD3LM":
         """The same family with t over the full [eps, 1]: a reported NELBO is a bound only there."""
         return BD3LM(self.mask_id, self.vocab_size, self.loss_type, self.block_size, self.noise)

@@ -25,6 +25,13 @@ class InferenceModel:
     tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
     source: str             # "megatron" | "hf"
     tokenizer_config: object = None  # the TokenizerConfig that built `tokenizer` (None: an HF directory's)
+    family_options: dict = None      # the family's own settings (BD3-LM: block_size, noise), get_family's
+
+    def make_family(self):
+        """The `families.Family` this model was trained as."""
+        from megatron_dllm.families import get_family
+
+        return get_family(self.family, self.mask_id, self.vocab_size, **(self.family_options or {}))
 
     @property
     def device(self) -> torch.device:
@@ -110,4 +117,5 @@ def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: t
     cfg = model.config
     model = model.to(device=device, dtype=dtype).eval()
     return InferenceModel(model, cfg.family, cfg.mask_token_id, cfg.vocab_size,
-                          cfg.max_position_embeddings, tokenizer, source, config)
+                          cfg.max_position_embeddings, tokenizer, source, config,
+                          dict(getattr(cfg, "family_options", None) or {}))

@@ -6,7 +6,6 @@ sampling; a family's sampler is one file here and one entry in `SAMPLERS`.
 from __future__ import annotations
 
 from megatron_dllm.errors import InputError
-from megatron_dllm.families import get_family
 from megatron_dllm.sampling.ar import ARSampler
 from megatron_dllm.sampling.base import Sampler
 from megatron_dllm.sampling.config import SamplingConfig
@@ -23,5 +22,5 @@ def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
     generates one batch. An unknown family, or a predictor the family lacks, is a ValueError."""
     if inf.family not in SAMPLERS:
         raise InputError(f"--family {inf.family!r} has no sampler; expected one of: {', '.join(SAMPLERS)}")
-    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    family = inf.make_family()
     return SAMPLERS[inf.family](family, inf, cfg)

@@ -46,8 +46,7 @@ def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig
         forward_step_func=partial(forward_step, family, training, timers),
         data_iterator=iterators if chunks > 1 else iterators[0],
         model=model if chunks > 1 else model[0],
-        num_microbatches=batches.num_microbatches,
-        seq_length=cfg.model.seq_length * family.input_copies,  # the activations between PP stages
+        num_microbatches=batches.num_microbatches, seq_length=cfg.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
