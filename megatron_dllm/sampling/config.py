@@ -22,6 +22,8 @@ class SamplingConfig:
     # default: the paper's samples always run the full length, and stopping lowers AR's entropy
     stop_at_eos: bool = False
     eos_id: Optional[int] = None   # default: the tokenizer's EOD
+    # block decoding (BD3-LM): generate at most this many tokens after the prompt (default: up to L)
+    max_new_tokens: Optional[int] = None
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -33,5 +35,7 @@ class SamplingConfig:
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.temperature <= 0:
             raise InputError(f"--temperature {self.temperature}: must be > 0")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
         if self.seq_length is not None and self.seq_length < 2:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")

@@ -8,13 +8,14 @@ from __future__ import annotations
 from megatron_dllm.errors import InputError
 from megatron_dllm.sampling.ar import ARSampler
 from megatron_dllm.sampling.base import Sampler
+from megatron_dllm.sampling.bd3lm import BD3LMSampler
 from megatron_dllm.sampling.config import SamplingConfig
 from megatron_dllm.sampling.duo import DuoSampler
 from megatron_dllm.sampling.esolm import EsoLMSampler
 from megatron_dllm.sampling.mdlm import MDLMSampler
 
 SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
-                                      "esolm": EsoLMSampler}
+                                      "esolm": EsoLMSampler, "bd3lm": BD3LMSampler}
 
 
 def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
