@@ -8,7 +8,7 @@ import torch
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import KVCache, DLLMForMaskedLM
+from megatron_dllm.hf.modeling_dllm import DLLMForMaskedLM, KVCache
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
 from megatron_dllm.sampling.prompt_batch import PromptBatch
 
