@@ -12,7 +12,8 @@ from megatron_dllm.model.presets import Preset
 VOCAB, MASK_ID = 300, 299
 PRESET = Preset(64, 2, 4)
 SEQ, BATCH = 32, 3
-FAMILIES = ("ar", "mdlm", "duo", "esolm")
+FAMILIES = ("ar", "mdlm", "duo", "esolm", "bd3lm")
+OPTIONS = {"bd3lm": {"block_size": 8}}  # BD3-LM: an explicit block mask over [x_t ; x_0]
 GAIN = 3.0
 
 
@@ -27,7 +28,7 @@ def batch(family, seed: int = 0):
 def train_step(model, family, inp) -> tuple[torch.Tensor, dict]:
     """(logits [s, b, V/tp], grads by parameter name) of one micro-batch's loss."""
     model.zero_grad()
-    logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+    logits = model(inp.input_ids, inp.position_ids, inp.sigma, inp.attention_mask)
     kept = logits.detach().clone()  # megatron's vocab-parallel cross entropy works in place
     (family.loss(logits, inp).sum() / inp.valid.sum()).backward()
     return kept, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -61,7 +62,7 @@ def compare_backends(name: str, backend: str, reference: str = "local", *, tp: i
     the worst gradient's, and the sizes that show the comparison is not trivial.
     `backend_attention` gives the tested backend another attention layout (a deliberate fault),
     `backend_recompute` megatron's recompute settings."""
-    family = get_family(name, MASK_ID, VOCAB)
+    family = get_family(name, MASK_ID, VOCAB, **OPTIONS.get(name, {}))
     inp = batch(family)
     models = {reference: build(family.attention, reference, tp, sequence_parallel),
               backend: build(backend_attention or family.attention, backend, tp, sequence_parallel,

@@ -186,6 +186,10 @@ def test_sdpa_equals_local_at_tp2_with_and_without_sequence_parallelism(tmp_path
     assert sorted(results) == sorted(f"{f}/{layout}" for f in FAMILIES for layout in ("TP2", "TP2-SP"))
     for case, ranks in results.items():
         assert len(ranks) == 2, case
+        # BD3-LM under SP: rank 1 holds only the clean copy x_0, which no loss reads, so its local
+        # gradients of the replicated final-layer weights are 0 (megatron sums them over the ranks)
+        live = ranks[:1] if case == "bd3lm/TP2-SP" else ranks
+        assert all(got["min_grad_scale"] > 1e-3 for got in live), case
         for got in ranks:
-            assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3, case
+            assert got["logits_scale"] > 1, case
             assert got["logits"] < REL and got["grads"] < REL, (case, got)

@@ -14,9 +14,12 @@ def _losses(records):
     return [r["loss"] for r in records if "loss" in r]
 
 
+BD3LM = ["--family", "bd3lm", "--block-size", "8", "--noise", "uniform"]
+
+
 # (TP=2 and PP=2 resume with real kills in test_resume.py)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [["--use-distributed-optimizer"]], ids=["DP2-distopt"])
+@pytest.mark.parametrize("layout", [["--use-distributed-optimizer"], BD3LM], ids=["DP2-distopt", "DP2-bd3lm"])
 def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
     full = tmp_path / "full"
     _, records = pretrain(2, *RUN, *layout, "--save", str(full), "--save-interval", "2")
@@ -29,6 +32,11 @@ def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
     _, records = pretrain(2, *RUN, *layout, "--load", str(resumed), "--save", str(resumed))
     assert _losses(records) == uninterrupted[2:]  # bit-identical on CPU fp32
+    if layout == BD3LM:  # the block size is part of what the weights mean: another one is refused
+        proc, _ = pretrain(1, *RUN, *BD3LM[:2], "--block-size", "4", "--load", str(resumed), check=False)
+        assert proc.returncode != 0
+        assert ("family_options: checkpoint {'block_size': 8, 'noise': 'uniform'} vs this run "
+                "{'block_size': 4, 'noise': 'mask'}") in proc.stderr
 
 
 def test_checkpoint_of_another_family_is_refused(pretrain, tmp_path):

@@ -13,7 +13,8 @@ from conftest import REPO, launch_env, run_pretrain
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["ar", "mdlm", "duo", "esolm"]
+FAMILIES = ["ar", "mdlm", "duo", "esolm", "bd3lm"]
+FAMILY_FLAGS = {"bd3lm": ["--block-size", "4"]}
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--train-iters", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-interval", "100"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
@@ -31,7 +32,8 @@ def checkpoints(demo_cache, tmp_path_factory):
         layout = layouts.get(family, [])
         work = root / family
         work.mkdir()
-        run_pretrain(2 if layout else 1, ["--demo-cache-dir", demo_cache, "--family", family, *RUN, *layout,
+        run_pretrain(2 if layout else 1, ["--demo-cache-dir", demo_cache, "--family", family,
+                                          *FAMILY_FLAGS.get(family, []), *RUN, *layout,
                                           "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")], work)
         return family, str(work / "ckpt")
 
@@ -142,13 +144,21 @@ def _compare(out_root, tok_model, specs):
             sigma = torch.tensor([0.05, 0.7, 3.0])
         if family == "mdlm":
             ids[:, ::3] = identity.mask_id
+        mask = attend = None
+        if family == "bd3lm":  # the training input [x_t ; x_0] under the block mask
+            from megatron_dllm.families import get_family
+
+            bd3 = get_family("bd3lm", identity.mask_id, V, **identity.family_options)
+            noised = torch.where(torch.rand(b, s) < 0.5, identity.mask_id, ids)
+            inp = bd3.model_input(ids, noised, torch.full((b, s), 0.5))
+            ids, pos, mask, attend = inp.input_ids, inp.position_ids, inp.attention_mask, inp.attend()
         with torch.no_grad():
-            ref = model(ids, pos, sigma).transpose(0, 1)[..., :V].float()
+            ref = model(ids, pos, sigma, mask).transpose(0, 1)[..., :V].float()
         auto = AutoModelForCausalLM if family == "ar" else AutoModelForMaskedLM
         hf = auto.from_pretrained(out, trust_remote_code=True).eval()
         assert hf.config.family == family and hf.config.mask_token_id == identity.mask_id
         with torch.no_grad():
-            got = hf(input_ids=ids, position_ids=pos, sigma=sigma).logits
+            got = hf(input_ids=ids, position_ids=pos, sigma=sigma, attention_mask=attend).logits
         assert got.shape == ref.shape, (got.shape, ref.shape)
         assert ref.abs().max() > 0, "the trained output layer should not be zero"
         err = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -159,6 +169,11 @@ def _compare(out_root, tok_model, specs):
                 a = hf(input_ids=ids, timesteps=t).logits
                 c = hf(input_ids=ids, sigma=-torch.log(1 - (1 - 1e-3) * t)).logits
             torch.testing.assert_close(a, c)
+        if family == "bd3lm":  # no mask given: a clean sequence under the block-causal layout
+            assert hf.config.family_options == {"block_size": 4, "noise": "mask"}
+            with torch.no_grad():
+                plain = hf(input_ids=ids[:, s:], position_ids=pos[:, s:]).logits
+            torch.testing.assert_close(plain, got[:, s:])
         if family == "ar":
             gen = hf.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
             assert gen.shape == (1, 9)

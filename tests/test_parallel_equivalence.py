@@ -39,8 +39,17 @@ LAYOUTS = {
 # Every layout for MDLM; for the other families the layouts that touch family-specific paths (TP
 # shards the loss heads, PP carries the time input and AR's extra token between stages; SP,
 # recompute and the DP variants are family-agnostic machinery), to keep the suite short.
+# BD3-LM carries its block mask and a doubled sequence ([x_t ; x_0]) between PP stages and through
+# sequence parallelism; its uniform noise runs Duo's sharded head with per-token t.
 CASES = [("mdlm", layout) for layout in LAYOUTS] + [("ar", layout) for layout in ("TP2", "PP2-VPP2")] + \
-        [(f, layout) for f in ("duo", "esolm") for layout in ("TP2", "PP2")]
+        [(f, layout) for f in ("duo", "esolm") for layout in ("TP2", "PP2")] + \
+        [("bd3lm", layout) for layout in ("TP2", "TP2-SP", "PP2")] + [("bd3lm-uniform", "TP2")]
+FAMILY_FLAGS = {"bd3lm": ["--family", "bd3lm", "--block-size", "8"],
+                "bd3lm-uniform": ["--family", "bd3lm", "--block-size", "8", "--noise", "uniform"]}
+
+
+def family_flags(name: str) -> list[str]:
+    return FAMILY_FLAGS.get(name, ["--family", name])
 
 
 def run_worker(nproc: int, cases: dict, workdir, demo_cache: str) -> tuple[dict, str]:
@@ -64,9 +73,10 @@ def run_worker(nproc: int, cases: dict, workdir, demo_cache: str) -> tuple[dict,
 def runs(demo_cache, tmp_path_factory):
     """Every case of this file, run once: the references in one process, the layouts in one
     2-rank launch."""
-    reference = {family: ["--family", family, *SMALL] for family in ("ar", "mdlm", "duo", "esolm")}
+    reference = {family: [*family_flags(family), *SMALL]
+                 for family in ("ar", "mdlm", "duo", "esolm", "bd3lm", "bd3lm-uniform")}
     reference["mdlm-variable"] = ["--family", "mdlm", *SMALL, *VARIABLE]
-    layouts = {f"{family}-{layout}": ["--family", family, *SMALL, *LAYOUTS[layout]] for family, layout in CASES}
+    layouts = {f"{family}-{layout}": [*family_flags(family), *SMALL, *LAYOUTS[layout]] for family, layout in CASES}
     layouts["mdlm-variable-PP2"] = ["--family", "mdlm", *SMALL, *VARIABLE, "--pipeline-model-parallel-size", "2"]
     return (run_worker(1, reference, tmp_path_factory.mktemp("one"), demo_cache),
             run_worker(2, layouts, tmp_path_factory.mktemp("two"), demo_cache))

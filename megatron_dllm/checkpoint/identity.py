@@ -7,7 +7,7 @@ Face `config.json`. A checkpoint loads only into a run of the same identity.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_dllm.checkpoint.manifest import CheckpointError
 from megatron_dllm.errors import InputError
@@ -26,13 +26,15 @@ class ModelIdentity:
     vocab_size: int  # the real vocabulary, [MASK] included; megatron pads it per layout
     mask_id: int
     gpt: dict | None = None  # the GPT backbone's shape (model.gpt_shape.GPTShape); None: the DiT
+    # what else fixes the model's meaning (BD3-LM: block_size, noise); empty for the other families
+    family_options: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, family, arch) -> "ModelIdentity":
         """The identity of a run: its `families.Family` and `model.builder.Architecture`."""
         p = arch.preset
         return cls(family.name, p.hidden_size, p.num_layers, p.num_attention_heads, arch.vocab_size, family.mask_id,
-                   arch.gpt.as_dict() if arch.gpt is not None else None)
+                   arch.gpt.as_dict() if arch.gpt is not None else None, family.options())
 
     def architecture(self, seq_length: int, make_vocab_size_divisible_by: int = 128):
         """The `Architecture` to rebuild this model at `seq_length`."""
@@ -50,14 +52,17 @@ class ModelIdentity:
 
     @classmethod
     def from_dict(cls, saved: dict | None, source: str) -> "ModelIdentity":
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "gpt"]  # DiT checkpoints have no gpt
+        optional = ("gpt", "family_options")  # DiT checkpoints have no gpt; older ones no family_options
+        fields = [f.name for f in dataclasses.fields(cls) if f.name not in optional]
         if not saved or any(k not in saved for k in fields):
             raise CheckpointError(f"{source}: no model identity ({', '.join(fields)}) in its common state; "
                                   f"is it a megatron_dllm checkpoint?")
-        return cls(**{k: saved[k] for k in fields}, gpt=saved.get("gpt"))
+        return cls(**{k: saved[k] for k in fields}, gpt=saved.get("gpt"),
+                   family_options=dict(saved.get("family_options") or {}))
 
     def differences(self, saved: dict) -> list[str]:
         """`key: checkpoint X vs this run Y` for every field where `saved` differs."""
+        saved = {"family_options": {}, **saved}  # checkpoints written before the field: no options
         return [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in self.as_dict().items()
                 if saved.get(k) != v]
 
@@ -70,7 +75,9 @@ class ModelIdentity:
             raise InputError(f"{source}: missing {', '.join(missing)}")
         if config["family"] not in FAMILIES:
             raise InputError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
-        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()})
+        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()},
+                   family_options=dict(config.get("family_options") or {}))
 
     def hf_config_fields(self) -> dict:
-        return {theirs: getattr(self, ours) for theirs, ours in _HF_FIELDS.items()}
+        fields = {theirs: getattr(self, ours) for theirs, ours in _HF_FIELDS.items()}
+        return {**fields, "family_options": self.family_options} if self.family_options else fields

@@ -51,7 +51,6 @@ def run_nelbo(args) -> dict:
     import math
 
     from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
-    from megatron_dllm.families import get_family
 
     _check_load(args.load)
     inf = _load_model(args, platform.device())
@@ -72,7 +71,7 @@ def run_nelbo(args) -> dict:
     t, data = resolved.training, resolved.data
     gbs = t.global_batch_size
     mbs = args.micro_batch_size or math.gcd(gbs, 8)  # any divisor of gbs gives the same figure
-    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    family = inf.make_family()
     draws = 1 if family.next_token else args.num_t_draws  # an exact NLL has no t to draw
     result = evaluate_nelbo(inf.model, family, inputs.valid_dataset, t.seed, gbs, mbs,
                             resolved.logging.eval_iters, draws)

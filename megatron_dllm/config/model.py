@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, positive_int
+from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
@@ -12,8 +12,38 @@ from megatron_dllm.model.presets import ALIASES, PRESETS
 @dataclass(frozen=True)
 class ModelConfig(FlagGroup):
     GROUP = "model"
-    family: str = flag("mdlm", help="model family: ar | mdlm | duo | esolm")
-    loss: str | None = flag(help="training objective; mdlm, esolm: low-var (default) | nelbo; duo: nelbo; ar: nll")
+    family: str = flag("mdlm", help="model family: ar | mdlm | duo | esolm | bd3lm")
+    loss: str | None = flag(help="training objective; mdlm, esolm: low-var (default) | nelbo; duo, bd3lm: nelbo; "
+                                 "ar: nll")
+    # BD3-LM (block diffusion); flag names as in the BD3-LM code's config (block_size, sampling_eps_*)
+    block_size: int | None = flag(type=positive_int, help="--family bd3lm: tokens per block (divides --seq-length); "
+                                                          "1 is autoregressive, --seq-length is MDLM/Duo")
+    noise: str = flag("mask", choices=["mask", "uniform"],
+                      help="--family bd3lm: the forward process inside a block, MDLM's mask or Duo's uniform")
+    sampling_eps_min: float = flag(1e-3, type=fraction,
+                                   help="--family bd3lm: training draws each block's t from U[min, max] (the "
+                                        "clipped schedule, e.g. 0.5 with max 1 for B = 4); validation uses [1e-3, 1]")
+    sampling_eps_max: float = flag(1.0, type=fraction, help="--family bd3lm: see --sampling-eps-min")
+
+    def backbone_length(self) -> int:
+        """Positions the backbone runs per sample: BD3-LM's input is [x_t ; x_0], twice --seq-length
+        (what FLOP counts and the pipeline's activation shapes must use)."""
+        from megatron_dllm.families import FAMILIES
+
+        return self.seq_length * FAMILIES[self.family].input_copies
+
+    def family_options(self) -> dict:
+        """The family's own settings, as `families.get_family` takes them."""
+        if self.family != "bd3lm":  # cross-flag rule
+            if self.block_size is not None:
+                raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {self.family})")
+            return {}
+        if self.block_size is None:  # cross-flag rule
+            raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
+        if self.seq_length and self.seq_length % self.block_size:  # cross-flag rule
+            raise InputError(f"--block-size {self.block_size} must divide --seq-length {self.seq_length}")
+        return {"block_size": self.block_size, "noise": self.noise,
+                "sampling_eps_min": self.sampling_eps_min, "sampling_eps_max": self.sampling_eps_max}
     preset: str | None = flag(help=f"model size: {', '.join([*PRESETS, *ALIASES])}; default cpu-small on the "
                                    f"embedded demo, else 14M")
     num_layers: int | None = flag(type=positive_int, help="overrides the preset")

@@ -192,7 +192,8 @@ def resolve_iterations(cfg: RunConfig, vocab_size: int) -> RunConfig:
 
     t = cfg.training
     if t.train_flops is not None:
-        per_sequence = train_flops_per_sequence(cfg.preset(), vocab_size, cfg.model.seq_length, t.flops_convention)
+        per_sequence = train_flops_per_sequence(cfg.preset(), vocab_size, cfg.model.backbone_length(),
+                                                t.flops_convention)
         iters = iterations_for_budget(t.train_flops, per_sequence, t.global_batch_size)
         if iters < 1:
             raise InputError(f"--train-flops {t.train_flops:g} pays for no iteration: one costs "

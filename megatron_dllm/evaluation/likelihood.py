@@ -33,7 +33,6 @@ from typing import Sequence
 import torch
 
 from megatron_dllm.errors import InputError
-from megatron_dllm.families import get_family
 from megatron_dllm.families.base import Noise, seed_for
 
 MODES = ("conditional", "joint")
@@ -58,7 +57,7 @@ class LikelihoodEstimator:
             raise InputError(f"num_mc_samples {num_mc_samples} / batch_size {batch_size}: must be >= 1")
         self.inf, self.mode, self.seed = inf, mode, seed
         self.num_mc_samples, self.batch_size = num_mc_samples, batch_size
-        self.family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+        self.family = inf.make_family()
         self.max_length = inf.seq_length
 
     # ------------------------------------------------------------------ public
@@ -122,11 +121,13 @@ class LikelihoodEstimator:
             rows = x.expand(len(ids), -1)
             inp = self.family.corrupt(rows, Noise(seed, ids, ids, n), None if prompt is None
                                       else prompt.expand(len(ids), -1)).to(self.inf.device)
-            logits = self.inf.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma).logits
+            logits = self.inf.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma,
+                                    attention_mask=inp.attend()).logits
             per_token = self.family.nelbo(logits.float().transpose(0, 1).contiguous(), inp).double().cpu()
             if self.mode == "conditional":
                 # position_ids name each slot's sequence position (Eso-LM's are shuffled)
-                values.append(-(per_token * (inp.position_ids.cpu() >= n_ctx)).sum(1))
+                positions = inp.position_ids.cpu()[:, :per_token.shape[1]]  # BD3-LM: the x_t copy's
+                values.append(-(per_token * (positions >= n_ctx)).sum(1))
             else:
                 values.append(-per_token.mean(1))
         return torch.cat(values)

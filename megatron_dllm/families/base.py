@@ -27,10 +27,17 @@ class ModelInput:
     sigma: torch.Tensor         # [b] time input of the adaLN path (zeros for AR/MDLM/Eso-LM)
     targets: torch.Tensor       # clean tokens the loss scores
     valid: torch.Tensor         # float 1/0: tokens that count in the B*L denominator
-    t: torch.Tensor             # [b] diffusion time (zeros for AR)
+    t: torch.Tensor             # [b] diffusion time (zeros for AR); [b, s] when it varies per block (BD3-LM)
+    # None: the family's attention layout; else a bool [1, 1, s, s] mask, True = masked out
+    # (megatron's convention), for layouts that are neither causal nor bidirectional (BD3-LM)
+    attention_mask: torch.Tensor | None = None
+
+    def attend(self) -> torch.Tensor | None:
+        """The explicit mask as SDPA and the dense model take it (True = may attend), or None."""
+        return None if self.attention_mask is None else ~self.attention_mask
 
     def to(self, device) -> "ModelInput":
-        return ModelInput(**{k: v.to(device) for k, v in self.__dict__.items()})
+        return ModelInput(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
 
 
 def response_positions(tokens: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
@@ -66,9 +73,16 @@ class Noise:
 
     def t(self) -> torch.Tensor:
         """[b] antithetic/stratified t in [T_EPS, 1]: (u + stratum) / n, then affine to [eps, 1]."""
-        u = self.uniform("t", 1)[:, 0]
-        t = (u + self.strata.double()) / self.num_strata
-        return (1 - T_EPS) * t + T_EPS
+        return self.block_t(1)[:, 0]
+
+    def block_t(self, num_blocks: int, lo: float = T_EPS, hi: float = 1.0) -> torch.Tensor:
+        """[b, num_blocks] stratified t, one per (sample, block), in [lo, hi]: the global batch's
+        samples x blocks share one grid (sample j's block k is stratum j * num_blocks + k, as BD3-LM's
+        `_sample_t`). With one block this is `t()`, draw for draw."""
+        u = self.uniform("t", num_blocks)
+        strata = self.strata.double()[:, None] * num_blocks + torch.arange(num_blocks, dtype=torch.float64)
+        t = (u + strata) / (self.num_strata * num_blocks)
+        return (hi - lo) * t + lo
 
 
 class Family:
@@ -82,6 +96,8 @@ class Family:
     bound: str               # what `nelbo` computes, as reports name it
     # a next-token model: its likelihood is exact (no t to draw) and it exports as a causal LM
     next_token: bool = False
+    # the model input is [x_t ; x_0] (BD3-LM): the backbone runs 2 x seq_length positions
+    input_copies: int = 1
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
         if loss is not None and loss not in self.losses:
@@ -89,6 +105,16 @@ class Family:
                              f"valid: {', '.join(self.losses)}")
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
+
+    def options(self) -> dict:
+        """The settings beyond the name that fix what the model means (recorded in checkpoints and
+        exports, passed back to `get_family`); none for most families."""
+        return {}
+
+    def evaluation(self) -> "Family":
+        """The family as validation and evaluation use it (BD3-LM: t over the full range, not the
+        clipped training range)."""
+        return self
 
     def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
         """The model input of clean `tokens` [b, L]. Supervised fine-tuning passes `prompt` (bool

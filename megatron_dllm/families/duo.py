@@ -185,13 +185,20 @@ class Duo(Family):
         Prompt tokens (SFT) are never redrawn."""
         t = noise.t()
         length = tokens.shape[1]
-        replaced = noise.uniform("replace", length) < (1 - self.schedule.alpha(t))[:, None]
+        z_t, replaced = self.replace_at(tokens, t[:, None], noise.uniform("replace", length),
+                                        noise.uniform("replace_id", length), prompt)
+        return z_t, t, replaced
+
+    def replace_at(self, tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor, u_id: torch.Tensor,
+                   prompt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z_t, replaced) for times t ([b, 1] or per token [b, L]) and uniform draws u, u_id [b, L]."""
+        replaced = u < 1 - self.schedule.alpha(t)
         if prompt is not None:
             replaced &= ~prompt.bool()
-        k = (noise.uniform("replace_id", length) * self.num_real).long().clamp_(max=self.num_real - 1)
+        k = (u_id * self.num_real).long().clamp_(max=self.num_real - 1)
         if 0 <= self.mask_id < self.vocab_size:
             k = k + (k >= self.mask_id).long()
-        return torch.where(replaced, k, tokens), t, replaced
+        return torch.where(replaced, k, tokens), replaced
 
     def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
         z_t, t, _ = self.replace(tokens, noise, prompt)
@@ -209,10 +216,10 @@ class Duo(Family):
         excluded = _excluded_columns(start, end, self.mask_id, self.vocab_size)
 
         t = inp.t.to(device=logits.device, dtype=torch.float64)
-        a = self.schedule.alpha(t)                       # [b]
+        t = (t if t.dim() == 2 else t[:, None].expand(b, s)).t()  # [s, b]: per token (BD3-LM) or sequence
+        a = self.schedule.alpha(t)                       # rows are (s, b)-ordered
         da = self.schedule.dalpha(t)
-        A64 = (V * a)[None, :].expand(s, b)              # rows are (s, b)-ordered
-        B64 = (1 - a)[None, :].expand(s, b)
+        A64, B64 = V * a, 1 - a
         z = inp.input_ids.t().reshape(-1).to(logits.device)
         x = inp.targets.t().reshape(-1).to(logits.device)
         lse, s1, lz, lx = _DuoStats.apply(
@@ -233,7 +240,7 @@ class Duo(Family):
         term2 = (-(e * c + 1 - e) * (s1 - V * l1p_z)
                  - (A / B) * (l1p_x - l1p_z) * (1 - e)
                  + ((V - 1) * c * e - (1 - e) / c) * torch.log(c))
-        loss = (da[None, :].expand(s, b).reshape(-1) / A) * (term1 - term2)
+        loss = (da.reshape(-1) / A) * (term1 - term2)
         loss = loss.view(s, b).t().to(torch.float32)
         return loss * inp.valid.to(loss.device)
 

@@ -32,11 +32,15 @@ class MDLM(Family):
         """(z_t, t): each token masked independently with probability 1 - alpha_t; prompt tokens
         (SFT) never are."""
         t = noise.t()
-        u = noise.uniform("mask", tokens.shape[1])
-        masked = u < (1 - self.schedule.alpha(t))[:, None]
+        return self.mask_at(tokens, t[:, None], noise.uniform("mask", tokens.shape[1]), prompt), t
+
+    def mask_at(self, tokens: torch.Tensor, t: torch.Tensor, u: torch.Tensor,
+                prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """z_t for times t ([b, 1] or per token [b, L]) and uniform draws u [b, L]."""
+        masked = u < 1 - self.schedule.alpha(t)
         if prompt is not None:
             masked &= ~prompt.bool()
-        return torch.where(masked, torch.full_like(tokens, self.mask_id), tokens), t
+        return torch.where(masked, torch.full_like(tokens, self.mask_id), tokens)
 
     def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
         z_t, t = self.mask(tokens, noise, prompt)
@@ -54,7 +58,7 @@ class MDLM(Family):
         return nll * (inp.input_ids == self.mask_id) * inp.valid
 
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
-        t = inp.t[:, None].to(torch.float32)
+        t = (inp.t if inp.t.dim() == 2 else inp.t[:, None]).to(torch.float32)  # per token or per sequence
         weight = -self.schedule.dalpha(t) / (1 - self.schedule.alpha(t))  # = 1/t
         return self._masked_nll(logits, inp) * weight
 

@@ -190,16 +190,27 @@ class DiT(nn.Module):
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
         causal = self.config.attention == "causal"
         s = input_ids.shape[1]
-        if kv_cache is not None and attn_mask is None:
-            if not causal:
-                raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
-            n = len(kv_cache)  # new queries see all cached keys, and the new slice causally
-            attn_mask = torch.ones(s, n + s, dtype=torch.bool, device=input_ids.device).tril(diagonal=n)
+        if kv_cache is not None and attn_mask is None and self.config.attention not in ("causal", "block_diffusion"):
+            raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
+        if attn_mask is None and (kv_cache is not None or self.config.attention == "block_diffusion"):
+            attn_mask = self.layout_mask(0 if kv_cache is None else len(kv_cache), s, input_ids.device)
         for i, block in enumerate(self.blocks):
             x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(s if kv_keep is None else kv_keep)
         return self.output_layer(x, c)
+
+
+    def layout_mask(self, n, s, device):
+        """[s, n + s] bool (True = attend): the queries of the new tokens at positions n..n+s-1 over
+        the cached and new keys. causal: keys up to the query; block_diffusion (BD3-LM over a clean
+        sequence): keys in the query's block or an earlier one, block_size from family_options."""
+        q = torch.arange(n, n + s, device=device)[:, None]
+        k = torch.arange(n + s, device=device)[None, :]
+        if self.config.attention == "block_diffusion":
+            block = self.config.family_options["block_size"]
+            q, k = q // block, k // block
+        return k <= q
 
 
 def _diffusion_generate():
@@ -263,9 +274,12 @@ class DLLMPreTrainedModel(PreTrainedModel):
 
     def _attn_mask(self, input_ids, attention_mask):
         """None (the family's layout) or a [b, 1, s, s] boolean mask from a [b, s] key padding
-        mask (1 = attend) or an explicit [b, s, s] mask, combined with the causal layout."""
+        mask (1 = attend) or an explicit [b, s, s] or [b or 1, 1, s, s] mask, combined with the
+        causal layout."""
         if attention_mask is None:
             return None
+        if attention_mask.dim() == 4:  # explicit, as SDPA takes it (BD3-LM's [x_t ; x_0] mask)
+            return attention_mask.to(device=input_ids.device).bool()
         s = input_ids.shape[1]
         mask = attention_mask.to(device=input_ids.device).bool()
         if mask.dim() == 2:

@@ -34,5 +34,8 @@ class SamplingFamily:
         self.num_real = vocab_size - (1 if 0 <= mask_id < vocab_size else 0)
 
 
-def get_family(name: str, mask_id: int, vocab_size: int) -> SamplingFamily:
+def get_family(name: str, mask_id: int, vocab_size: int, **options) -> SamplingFamily:
+    if options:  # BD3-LM's block size and in-block noise: its sampler needs megatron_dllm's family
+        raise ValueError(f"generate() on a {name} export is not supported yet; sample it with megatron_dllm's "
+                         f"tools/sample.py --load EXPORT_DIR")
     return SamplingFamily(name, mask_id, vocab_size)

@@ -121,26 +121,28 @@ class DiTModel(MegatronModule):
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                sigma: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids: [b, s]; sigma: [b]. Returns logits [s, b, V/tp] (megatron's
-        sequence-first layout, kept to avoid a logits-sized copy) on the last stage, hidden states
-        [s, b, h] elsewhere."""
+                sigma: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids: [b, s]; sigma: [b]; attention_mask: None (the layout of the
+        layer spec) or bool [1 or b, 1, s, s], True = masked out (BD3-LM's block mask). Returns
+        logits [s, b, V/tp] (megatron's sequence-first layout, kept to avoid a logits-sized copy)
+        on the last stage, hidden states [s, b, h] elsewhere."""
         c = torch.nn.functional.silu(self.time_embedder(sigma))
         x = self.embedding(input_ids, position_ids=None) if self.pre_process else self.input_tensor
         rotary = rotary_freqs(position_ids, self.head_dim)
         with get_fp8_context(self.config):  # FP8 autocast for every layer (no-op without --fp8-format)
             for start, stop, recompute in self._layer_groups():
                 if recompute:  # keep only the group's input; recompute the rest in backward
-                    x = tensor_parallel.checkpoint(partial(self._run_layers, start, stop), False, x, c, rotary)
+                    x = tensor_parallel.checkpoint(partial(self._run_layers, start, stop), False, x, c, rotary,
+                                                   attention_mask)
                 else:
-                    x = self._run_layers(start, stop, x, c, rotary)
+                    x = self._run_layers(start, stop, x, c, rotary, attention_mask)
         if not self.post_process:
             return x
         return self.final_layer(x, c)
 
-    def _run_layers(self, start: int, stop: int, x, c, rotary):
+    def _run_layers(self, start: int, stop: int, x, c, rotary, attention_mask=None):
         for layer in self.layers[start:stop]:
-            x = layer(x, c, rotary)
+            x = layer(x, c, rotary, attention_mask)
         return x
 
     def _layer_groups(self) -> list[tuple[int, int, bool]]:

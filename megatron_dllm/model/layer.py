@@ -27,7 +27,9 @@ from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.constants import COND_DIM
 from megatron_dllm.model.elementwise import regions
 
-ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal}
+# block_diffusion (BD3-LM): neither causal nor bidirectional; the input carries an explicit mask
+ATTENTION_MASKS = {"bidirectional": AttnMaskType.no_mask, "causal": AttnMaskType.causal,
+                   "block_diffusion": AttnMaskType.arbitrary}
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -93,11 +95,13 @@ class DiTLayer(MegatronModule):
                                 ffn_hidden_size=mlp_config.ffn_hidden_size)
         self.compiled = getattr(config, "compile_elementwise", False)  # set by builder.transformer_config
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """attention_mask: None (the spec's layout) or bool [1 or b, 1, s, s], True = masked out."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
         gated_residual = regions(self.compiled).gated_residual
         h = self.input_layernorm.modulated(x, shift_msa, scale_msa, self.compiled)
-        attn_out, _ = self.self_attention(h, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+        attn_out, _ = self.self_attention(h, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         x = gated_residual(x, attn_out, None, gate_msa)
         h = self.pre_mlp_layernorm.modulated(x, shift_mlp, scale_mlp, self.compiled)
         mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)

@@ -37,6 +37,8 @@ class SamplingConfig:
     entropy_bound: Optional[float] = None  # entropy-bound: gamma (at least one per step)
     # MDLM/Duo ancestral block-wise decoding: Fast-dLLM's approximate KV caches refreshed per block
     approx_kv_cache: str = "none"  # none (exact) | prefix | dual
+    # block decoding (BD3-LM): generate at most this many tokens after the prompt (default: up to L)
+    max_new_tokens: Optional[int] = None
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -51,6 +53,8 @@ class SamplingConfig:
         if self.approx_kv_cache not in APPROX_KV_CACHES:
             raise InputError(f"--approx-kv-cache {self.approx_kv_cache!r} is unknown; valid: "
                              f"{', '.join(APPROX_KV_CACHES)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
         if self.seq_length is not None and self.seq_length < 2:
             raise InputError(f"--seq-length {self.seq_length}: must be >= 2")
         self.check_remasking()

@@ -37,6 +37,26 @@ def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, nu
     return q / (a_t * num_real * x_z + 1 - a_t)
 
 
+def uniform_ids(b: int, n: int, num_real: int, mask_id: int, generator, device) -> torch.Tensor:
+    """[b, n] ids uniform over the V real ids (every id < vocab_size except [MASK])."""
+    k = (torch.rand(b, n, generator=generator, dtype=torch.float64, device=device)
+         * num_real).long().clamp_(max=num_real - 1)
+    return k + (k >= mask_id).long()
+
+
+def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: torch.Generator,
+              num_real: int) -> torch.Tensor:
+    """The ancestral steps on x[:, p:], in place, then the greedy tail (BD3-LM runs them on one
+    block); `logits_at(x, alpha)` gives the logits [b, n - p, V] of those positions."""
+    ts = sampler.timesteps()
+    for t, s in zip(ts[:-1], ts[1:]):
+        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
+        q = posterior(sampler.probs(logits_at(x, a_t)), x[:, p:], a_t, a_s, num_real, sampler.mask_id)
+        x[:, p:] = categorical.sample(q, generator)
+    x[:, p:] = sampler.probs(logits_at(x, sampler.alpha(ts[-1]))).argmax(-1)  # greedy tail
+    return x
+
+
 class DuoSampler(Sampler):
     block_wise = True
 
@@ -45,10 +65,7 @@ class DuoSampler(Sampler):
         return self.model(input_ids=x, sigma=sigma).logits
 
     def uniform_ids(self, b: int, n: int, generator, device) -> torch.Tensor:
-        """[b, n] ids uniform over the V real ids (every id < vocab_size except [MASK])."""
-        k = (torch.rand(b, n, generator=generator, dtype=torch.float64, device=device)
-             * self.family.num_real).long().clamp_(max=self.family.num_real - 1)
-        return k + (k >= self.mask_id).long()
+        return uniform_ids(b, n, self.family.num_real, self.mask_id, generator, device)
 
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.blocks:
@@ -59,14 +76,7 @@ class DuoSampler(Sampler):
             floor = self.alpha(1.0)
             return self.fill_left_to_right(
                 x, p, generator, lambda x, pos: self.logits(x, max(pos / self.length, floor))[:, pos])
-        ts = self.timesteps()
-        for t, s in zip(ts[:-1], ts[1:]):
-            a_t, a_s = self.alpha(t), self.alpha(s)
-            x_theta = self.probs(self.logits(x, a_t)[:, p:])
-            q = posterior(x_theta, x[:, p:], a_t, a_s, self.family.num_real, self.mask_id)
-            x[:, p:] = categorical.sample(q, generator)
-        x[:, p:] = self.probs(self.logits(x, self.alpha(ts[-1]))[:, p:]).argmax(-1)  # greedy tail
-        return x
+        return ancestral(self, x, p, lambda x, a: self.logits(x, a)[:, p:], generator, self.family.num_real)
 
     def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor, alphas: list[float]):
         """Logits [n, w, V] of the batch rows `rows` at their alphas, cut to their longest canvas w."""

@@ -17,6 +17,13 @@ class InferenceModel:
     tokenizer: object       # megatron_dllm tokenizer (tokenize/detokenize/eod) or None
     source: str             # "megatron" | "hf"
     tokenizer_config: object = None  # the TokenizerConfig that built `tokenizer` (None: an HF directory's)
+    family_options: dict = None      # the family's own settings (BD3-LM: block_size, noise), get_family's
+
+    def make_family(self):
+        """The `families.Family` this model was trained as."""
+        from .deps import get_family
+
+        return get_family(self.family, self.mask_id, self.vocab_size, **(self.family_options or {}))
 
     @property
     def device(self) -> torch.device:

@@ -94,4 +94,5 @@ def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: t
     cfg = model.config
     model = model.to(device=device, dtype=dtype).eval()
     return InferenceModel(model, cfg.family, cfg.mask_token_id, cfg.vocab_size,
-                          cfg.max_position_embeddings, tokenizer, source, config)
+                          cfg.max_position_embeddings, tokenizer, source, config,
+                          dict(getattr(cfg, "family_options", None) or {}))

@@ -21,6 +21,30 @@ from .base import Sampler
 from .blocks import block_spans, each_block, end_at_eos
 
 
+def ancestral(sampler: Sampler, x: torch.Tensor, denoise, generator: torch.Generator) -> torch.Tensor:
+    """The ancestral steps on x's masked positions, in place (BD3-LM runs them on one block);
+    `denoise(x, masked)` gives p_x0 [n_masked, V] there."""
+    ts = sampler.timesteps()
+    p_x0 = None  # valid while x is unchanged since the model call that produced it
+    for t, s in zip(ts[:-1], ts[1:]):
+        masked = x == sampler.mask_id
+        if not masked.any():
+            break
+        if p_x0 is None:
+            p_x0 = denoise(x, masked)
+        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
+        q = p_x0 * (a_s - a_t)
+        q[:, sampler.mask_id] = 1 - a_s
+        new = categorical.sample(q, generator)
+        x[masked] = new
+        if not sampler.cfg.kv_cache or bool((new != sampler.mask_id).any()):
+            p_x0 = None
+    masked = x == sampler.mask_id
+    if masked.any():  # greedy final step at t = 1e-5
+        x[masked] = (p_x0 if p_x0 is not None else denoise(x, masked)).argmax(-1)
+    return x
+
+
 class MDLMSampler(Sampler):
     def denoise(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         """p_x0 at the masked positions of x: [n_masked, V] in the sampling dtype."""
@@ -35,25 +59,7 @@ class MDLMSampler(Sampler):
         if self.cfg.predictor == "left-to-right":  # mask the remainder, fill one position per step
             return self.fill_left_to_right(x, prompt.shape[1], generator,
                                            lambda x, pos: self.model(input_ids=x).logits[:, pos])
-        ts = self.timesteps()
-        p_x0 = None  # valid while x is unchanged since the model call that produced it
-        for t, s in zip(ts[:-1], ts[1:]):
-            masked = x == self.mask_id
-            if not masked.any():
-                break
-            if p_x0 is None:
-                p_x0 = self.denoise(x, masked)
-            a_t, a_s = self.alpha(t), self.alpha(s)
-            q = p_x0 * (a_s - a_t)
-            q[:, self.mask_id] = 1 - a_s
-            new = categorical.sample(q, generator)
-            x[masked] = new
-            if not self.cfg.kv_cache or bool((new != self.mask_id).any()):
-                p_x0 = None
-        masked = x == self.mask_id
-        if masked.any():  # greedy final step at t = 1e-5
-            x[masked] = (p_x0 if p_x0 is not None else self.denoise(x, masked)).argmax(-1)
-        return x
+        return ancestral(self, x, self.denoise, generator)
 
     def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [n, w, V] of the batch rows `rows`, cut to their longest canvas w, padding unseen."""

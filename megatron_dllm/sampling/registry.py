@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from .ar import ARSampler
 from .base import Sampler
+from .bd3lm import BD3LMSampler
 from .config import REMASKING_PREDICTORS, SamplingConfig
-from .deps import InputError, get_family
+from .deps import InputError
 from .duo import DuoSampler
 from .esolm import EsoLMSampler
 from .mdlm import MDLMSampler
 from .remasking import remasking_sampler
 
 SAMPLERS: dict[str, type[Sampler]] = {"ar": ARSampler, "mdlm": MDLMSampler, "duo": DuoSampler,
-                                      "esolm": EsoLMSampler}
+                                      "esolm": EsoLMSampler, "bd3lm": BD3LMSampler}
 
 
 def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
@@ -23,7 +24,7 @@ def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
     generates one batch. An unknown family, or a predictor the family lacks, is a ValueError."""
     if inf.family not in SAMPLERS:
         raise InputError(f"--family {inf.family!r} has no sampler; expected one of: {', '.join(SAMPLERS)}")
-    family = get_family(inf.family, inf.mask_id, inf.vocab_size)
+    family = inf.make_family()
     if cfg.predictor in REMASKING_PREDICTORS:  # shared by the families it applies to (remasking.py)
         return remasking_sampler(family, inf, cfg)
     return SAMPLERS[inf.family](family, inf, cfg)

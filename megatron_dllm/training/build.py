@@ -34,7 +34,8 @@ def build_family(cfg: RunConfig, tokenizer):
     if cfg.backbone.shift and cfg.model.family != "mdlm":
         raise InputError(f"--shift applies to --family mdlm, not {cfg.model.family}")
     options = {"shift": True} if cfg.backbone.shift else {}
-    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss, **options)
+    return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss,
+                      **cfg.model.family_options(), **options)
 
 
 def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> TrainingModel:
@@ -80,6 +81,6 @@ def build_batches(cfg: RunConfig, family, inputs, sequence_parallel: bool) -> tu
                           dp_rank, dp_size, variable_length_prob=cfg.data.variable_seq_length_prob,
                           length_multiple=tp if sequence_parallel else 1)
     # Validation draws fixed noise (its own seed stream) at full length so evaluations compare.
-    valid = BatchSchedule(inputs.valid_dataset, family, t.seed + 1, t.micro_batch_size, t.global_batch_size,
-                          dp_rank, dp_size)
+    valid = BatchSchedule(inputs.valid_dataset, family.evaluation(), t.seed + 1, t.micro_batch_size,
+                          t.global_batch_size, dp_rank, dp_size)
     return train, valid

@@ -32,7 +32,7 @@ def forward_step(family, training: bool, timers, data_iterator, model):
     timers("batch-generator", log_level=1).start()
     inp = next(data_iterator)
     timers("batch-generator").stop()
-    logits = model(inp.input_ids, inp.position_ids, inp.sigma)
+    logits = model(inp.input_ids, inp.position_ids, inp.sigma, inp.attention_mask)
     return logits, partial(loss_func, family, training, inp)  # looked up per call: tests patch loss_func
 
 
@@ -46,7 +46,7 @@ def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig
         forward_step_func=partial(forward_step, family, training, timers),
         data_iterator=iterators if chunks > 1 else iterators[0],
         model=model if chunks > 1 else model[0],
-        num_microbatches=batches.num_microbatches, seq_length=cfg.model.seq_length,
+        num_microbatches=batches.num_microbatches, seq_length=cfg.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -41,8 +41,8 @@ class Report:
 
 class ThroughputMeter:
     def __init__(self, cfg: RunConfig, vocab_size: int, world_size: int, clock=time.perf_counter):
-        t, seq, preset = cfg.training, cfg.model.seq_length, cfg.preset()
-        self.tokens_per_iteration = t.global_batch_size * seq
+        t, seq, preset = cfg.training, cfg.model.backbone_length(), cfg.preset()
+        self.tokens_per_iteration = t.global_batch_size * cfg.model.seq_length
         # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
         self.flops_per_iteration = t.global_batch_size * train_flops_per_sequence(preset, vocab_size, seq, "full")
         self.budget_flops_per_sample = train_flops_per_sequence(preset, vocab_size, seq, t.flops_convention)
