@@ -5,7 +5,6 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, positive_int
-from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
 
@@ -57,16 +56,19 @@ class ModelConfig(FlagGroup):
                                                  "residual (default: on with CUDA, off on CPU)")
 
     def recompute(self) -> dict:
-        """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them."""
+        """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them (the
+        flags' combinations are checked by config/validate.py)."""
         granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
         if granularity != "full":
-            if self.recompute_method or self.recompute_num_layers:
-                raise InputError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
             return {"recompute_granularity": granularity}
-        if self.recompute_method is None:
-            raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
                 "recompute_num_layers": self.recompute_num_layers or 1}
+
+    def uses_te(self) -> bool:
+        """TransformerEngine layers: --transformer-impl, by default where TransformerEngine is installed."""
+        from megatron_dllm import platform
+
+        return platform.HAS_TE if self.transformer_impl is None else self.transformer_impl == "transformer_engine"
 
     def fusion(self, use_te: bool):
         """The run's fused elementwise work (model.fusion.Fusion), platform defaults filled in."""
