@@ -147,7 +147,8 @@ def resolve_defaults(config: RunConfig, demo_corpus: dict | None = None) -> RunC
         defaults = dict(DEMO_DEFAULTS)
         if config.checkpoint.save is None and config.checkpoint.load is None:  # the demo resumes its own run
             defaults["checkpoint"] = {**defaults["checkpoint"], "load": defaults["checkpoint"]["save"]}
-        if config.training.train_samples is not None or config.training.train_flops is not None:
+        training = config.training
+        if any(length is not None for length in (training.train_samples, training.train_flops, training.train_epochs)):
             defaults["training"] = {k: v for k, v in defaults["training"].items() if k != "train_iters"}
         config = _fill(config, defaults)
         if demo_corpus is not None:

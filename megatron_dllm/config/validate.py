@@ -218,5 +218,5 @@ def profile(config, world_size=None) -> None:
                          "its traces")
 
 
-RULES = (data_paths, sequence_parallel, run_length, warmup_flags, recompute, profile, tokenizer_with_data,
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, recompute, profile, tokenizer_with_data,
          tokenizer_options, sft_data, family_loss, layout, batch, kernels, warmup_before_decay)
