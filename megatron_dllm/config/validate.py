@@ -21,7 +21,11 @@ TransformerEngine and apex kernels. Flags checked ahead of a launch (`parse_args
 leave it None.
 
 Each rule is a function of (config, world_size) that raises one-line `InputError`s naming the
-flags; `RULES` lists them in the order they are checked.
+flags; `RULES` lists them in the order they are checked. Three checks also serve other callers:
+`check_tokenizer_options` (`TokenizerConfig.options()`, for the commands that take tokenizer flags
+without a run configuration), `check_budget` (`resolve_iterations`, which alone knows the
+vocabulary) and `Preset.check_layout` (`model/presets.py`, below this package, so that the
+converters writing a chosen layout share it); `layout` calls the last.
 """
 from __future__ import annotations
 
