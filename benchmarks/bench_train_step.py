@@ -86,7 +86,7 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
     (TransformerEngine's with `fp8`). `fusion`: "default" takes the platform's fusion defaults (as
     the trainer does), "none" runs every elementwise operation eager, "all" forces the compiled
     regions and the bias fusions on (masked-softmax fusion stays at its default)."""
-    from megatron_dllm.config import parse_args
+    from megatron_dllm.config import parse_args, validate
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
              "--num-attention-heads", preset.num_attention_heads, "--seq-length", seq,
@@ -110,7 +110,7 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
                   "--no-compile-elementwise"]
     elif fusion == "all":
         flags += ["--bias-gelu-fusion", "--bias-dropout-fusion", "--compile-elementwise"]
-    return parse_args([str(f) for f in flags])
+    return validate(parse_args([str(f) for f in flags]), platform.world_size())  # the launch's rules too
 
 
 class MegatronStep:

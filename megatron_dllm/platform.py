@@ -303,6 +303,14 @@ def install_cpu_compat() -> None:
     _cpu_mode.__enter__()
 
 
+def world_size() -> int:
+    """The launch's world size: torch.distributed's once initialised, before that torchrun's
+    WORLD_SIZE (a plain process without it runs as a world of one, as `init_distributed`)."""
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,

@@ -140,14 +140,14 @@ def test_relaunch_refuses_a_bad_nproc_per_node(tmp_path, capsys):
 
 
 def test_a_yaml_scalar_for_a_multi_value_flag_is_one_value(tmp_path):
-    from megatron_dllm.config import parse_args
+    from megatron_dllm.config import parse_args, parse_flags
 
     path = _yaml(tmp_path, 'data-path: "my corpus/file_text_document"\nprofile-ranks: 3\n'
                            "tokenizer-type: SentencePieceTokenizer\ntokenizer-model: t.model\n")
     cfg = parse_args(["--yaml-cfg", path])
     assert cfg.data.data_path == ["my corpus/file_text_document"] and cfg.logging.profile_ranks == [3]
     listed = _yaml(tmp_path, "data-path: [0.7, /d/a, 0.3, /d/b]\n", "listed.yaml")  # several: a list
-    assert parse_args(["--yaml-cfg", listed]).data.data_path == ["0.7", "/d/a", "0.3", "/d/b"]
+    assert parse_flags(["--yaml-cfg", listed]).data.data_path == ["0.7", "/d/a", "0.3", "/d/b"]
 
 
 @pytest.mark.parametrize("text, message", [

@@ -206,13 +206,5 @@ def test_megatron_block_mask_matches_dense_model(backend):
     assert (unmasked - want)[:, :SEQ // 2].abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--family", "bd3lm"], "--family bd3lm needs --block-size"),
-    (["--family", "bd3lm", "--block-size", "5", "--seq-length", "32"], "--block-size 5 must divide --seq-length 32"),
-    (["--family", "mdlm", "--block-size", "4"], "--block-size applies to --family bd3lm only"),
-])
-def test_cross_flag_rules_are_one_line(flags, message):
-    from megatron_dllm.config import parse_args
-
-    with pytest.raises(InputError, match=message):
-        parse_args(flags).model.family_options()
+# The flag rules (--block-size without bd3lm, missing, not dividing --seq-length) are rows of
+# tests/test_validate.py, which checks that validate() itself raises each one.

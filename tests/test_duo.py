@@ -96,8 +96,10 @@ def test_bf16_logits_are_finite_and_close_to_fp32(t_value, world_of_one):
 
 
 def test_unknown_loss_lists_valid_ones():
+    from megatron_dllm.config import parse_flags, validate
+
     with pytest.raises(ValueError, match="--loss low-var is not available for --family duo; valid: nelbo"):
-        get_family("duo", MASK, VOCAB, "low-var")
+        validate(parse_flags(["--family", "duo", "--loss", "low-var"]))
 
 
 def test_corrupt_replaces_uniformly_with_real_ids(world_of_one):

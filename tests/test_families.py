@@ -76,8 +76,10 @@ def test_mask_and_padding_never_predicted():
 
 
 def test_unknown_loss_lists_the_valid_ones():
+    from megatron_dllm.config import parse_flags, validate
+
     with pytest.raises(ValueError, match="--loss low-var is not available for --family ar; valid: nll"):
-        get_family("ar", MASK, VOCAB, "low-var")
+        validate(parse_flags(["--family", "ar", "--loss", "low-var"]))
     with pytest.raises(ValueError, match="--family 'sedd' is not a known family"):
         get_family("sedd", MASK, VOCAB)
 

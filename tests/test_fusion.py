@@ -118,8 +118,10 @@ def test_fusions_that_cannot_apply_are_refused():
     with pytest.raises(ValueError, match="^--rope-fusion: .*per sample"):
         resolve_fusion("local", rope=True)
     if not platform.fusion_defaults()["masked_softmax"]:
+        from megatron_dllm.config import parse_flags, validate
+
         with pytest.raises(ValueError, match="^--masked-softmax-fusion with --attention-backend local needs apex"):
-            resolve_fusion("local", masked_softmax=True)
+            validate(parse_flags(["--masked-softmax-fusion", "--transformer-impl", "local"]), world_size=1)
     assert not resolve_fusion("sdpa", masked_softmax=True).masked_softmax  # inside SDPA's kernel anyway
 
 

@@ -253,5 +253,4 @@ def test_shift_scores_token_i_with_the_logits_at_i_minus_1(world_of_one):
 
     tokenizer = SimpleNamespace(mask_id=mask_id, vocab_size=vocab)
     assert build_family(parse_args(["--family", "mdlm", "--shift"]), tokenizer).shift
-    with pytest.raises(InputError, match="--shift applies to --family mdlm, not duo"):
-        build_family(parse_args(["--family", "duo", "--shift"]), tokenizer)
+    # --shift with another family: a row of tests/test_validate.py

@@ -91,12 +91,12 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
 
 
 def test_bad_combinations_are_named(demo_cache, sft_data):
-    from megatron_dllm.config import parse_args
+    from megatron_dllm.config import parse_args, parse_flags
     from megatron_dllm.training.inputs import prepare_inputs
 
     with pytest.raises(ValueError, match="--train-epochs applies to --sft runs"):
-        prepare_inputs(parse_args(["--demo-cache-dir", demo_cache, "--train-epochs", "1"]))
+        prepare_inputs(parse_flags(["--demo-cache-dir", demo_cache, "--train-epochs", "1"]))
     with pytest.raises(ValueError, match="--sft needs --data-path"):
-        prepare_inputs(parse_args(["--demo-cache-dir", demo_cache, "--sft", "--train-epochs", "1"]))
+        prepare_inputs(parse_flags(["--demo-cache-dir", demo_cache, "--sft", "--train-epochs", "1"]))
     with pytest.raises(ValueError, match="holds rows of 48 tokens, but --seq-length is 64"):
         prepare_inputs(parse_args([*sft_data, "--seq-length", "64", "--train-epochs", "1"]))

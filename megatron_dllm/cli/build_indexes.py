@@ -59,7 +59,7 @@ def build(argv=None) -> dict:
             return cfg.data.data_cache_path
         return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(data_path)[0][0])), "cache")
 
-    cache = cache_of(cfg.data.data_path)
+    cache = cache_of(cfg.data.data_path or cfg.data.train_data_path)
     before = _cache_files(cache)
     lock = None
     if cache:  # two builders never write one cache directory at once

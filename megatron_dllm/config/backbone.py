@@ -63,16 +63,16 @@ class BackboneConfig(FlagGroup):
         given = self.gpt_flags_given()
         backbone = self.backbone or ("gpt" if base else "dit")
         if backbone == "dit":
-            # cross-flag rule: the GPT flags shape the GPT backbone only
+            # the GPT flags shape the GPT backbone only
             if given:
                 raise InputError(f"{given[0]} applies to --backbone gpt (this run trains the DiT)")
             if base:
                 raise InputError(f"--preset {preset_name} is a GPT-backbone model; drop --backbone dit")
             return None
-        # cross-flag rule: --num-query-groups means something only with --group-query-attention
+        # --num-query-groups means something only with --group-query-attention
         if self.num_query_groups is not None and not self.group_query_attention:
             raise InputError("--num-query-groups needs --group-query-attention")
-        # cross-flag rule: --rope-scaling-factor means something only with --use-rope-scaling
+        # --rope-scaling-factor means something only with --use-rope-scaling
         if self.rope_scaling_factor is not None and not self.use_rope_scaling:
             raise InputError("--rope-scaling-factor needs --use-rope-scaling")
         b = base or GPTShape(ffn_hidden_size=0)

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, split_spec
 from megatron_dllm.data.tokenizers import TOKENIZER_TYPES
-from megatron_dllm.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -50,16 +49,11 @@ class TokenizerConfig(FlagGroup):
 
     def options(self) -> dict:
         """The tokenizer class's options (TikTokenizer only)."""
-        flags = {"tiktoken-pattern": self.tiktoken_pattern, "tiktoken-special-tokens": self.tiktoken_special_tokens,
-                 "tiktoken-num-special-tokens": self.tiktoken_num_special_tokens,
-                 "tokenizer-special-tokens": self.tokenizer_special_tokens, "vocab-size": self.vocab_size}
+        from megatron_dllm.config.validate import check_tokenizer_options
+
+        check_tokenizer_options(self)
         if self.tokenizer_type != "TikTokenizer":
-            given = [k for k, v in flags.items() if v is not None]
-            if given:
-                raise InputError(f"--{given[0]} applies to --tokenizer-type TikTokenizer only")
             return {}
-        if self.tiktoken_special_tokens is not None and self.tokenizer_special_tokens is not None:
-            raise InputError("--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them")
         specials = self.tokenizer_special_tokens if self.tokenizer_special_tokens is not None \
             else self.tiktoken_special_tokens
         return {"pattern": self.tiktoken_pattern, "special_tokens": specials,

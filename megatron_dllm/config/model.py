@@ -34,13 +34,13 @@ class ModelConfig(FlagGroup):
 
     def family_options(self) -> dict:
         """The family's own settings, as `families.get_family` takes them."""
-        if self.family != "bd3lm":  # cross-flag rule
+        if self.family != "bd3lm":
             if self.block_size is not None:
                 raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {self.family})")
             return {}
-        if self.block_size is None:  # cross-flag rule
+        if self.block_size is None:
             raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
-        if self.seq_length and self.seq_length % self.block_size:  # cross-flag rule
+        if self.seq_length and self.seq_length % self.block_size:
             raise InputError(f"--block-size {self.block_size} must divide --seq-length {self.seq_length}")
         return {"block_size": self.block_size, "noise": self.noise,
                 "sampling_eps_min": self.sampling_eps_min, "sampling_eps_max": self.sampling_eps_max}
@@ -87,16 +87,19 @@ class ModelConfig(FlagGroup):
                                                  "residual (default: on with CUDA, off on CPU)")
 
     def recompute(self) -> dict:
-        """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them."""
+        """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them (the
+        flags' combinations are checked by config/validate.py)."""
         granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
         if granularity != "full":
-            if self.recompute_method or self.recompute_num_layers:
-                raise InputError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
             return {"recompute_granularity": granularity}
-        if self.recompute_method is None:
-            raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
                 "recompute_num_layers": self.recompute_num_layers or 1}
+
+    def uses_te(self) -> bool:
+        """TransformerEngine layers: --transformer-impl, by default where TransformerEngine is installed."""
+        from megatron_dllm import platform
+
+        return platform.HAS_TE if self.transformer_impl is None else self.transformer_impl == "transformer_engine"
 
     def fusion(self, use_te: bool):
         """The run's fused elementwise work (model.fusion.Fusion), platform defaults filled in."""

@@ -2,9 +2,13 @@
 flags, and resolved (defaults, the embedded demo, the iteration budget) by pure functions that
 return new objects.
 
-    cfg = parse_args(argv)                       # flags -> RunConfig (impossible values rejected)
-    cfg = resolve_defaults(cfg, demo_corpus)     # demo or paper defaults, min LR
-    cfg = resolve_iterations(cfg, vocab_size)    # --train-iters | --train-samples | --train-flops
+    config = parse_args(argv)                          # flags -> RunConfig (validated: config/validate.py)
+    config = resolve_defaults(config, demo_corpus)     # demo or paper defaults, min LR
+    config = resolve_iterations(config, vocab_size)    # --train-iters | --train-samples | --train-flops
+
+Resolution fills what no flag gave and turns the flags it resolves (--train-samples,
+--train-flops, --train-data-path) into --train-iters and --data-path, clearing them: the resolved
+configuration is what `run_config.yaml` holds, and it passes `validate` again.
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ class RunConfig:
 
     @property
     def demo(self) -> bool:
-        return self.data.data_path is None
+        return self.data.data_path is None and self.data.train_data_path is None
 
     def preset(self) -> Preset:
         """The --preset with any --hidden-size/--num-layers/--num-attention-heads override applied."""
@@ -78,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    """Flags -> RunConfig; a bad value or combination exits with one `error: ...` line naming
-    the flag, exit code 2."""
+def parse_flags(argv: list[str] | None = None) -> RunConfig:
+    """Flags -> RunConfig, each flag's own value checked (a bad one exits with one `error: ...`
+    line naming it, exit code 2); whether the flags fit together is `validate`'s."""
     from megatron_dllm.data.datasets import parse_data_path
     from megatron_dllm.families import FAMILIES
 
@@ -90,45 +94,31 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     except InputError as err:
         parser.error(str(err))
     ns = parser.parse_args(argv)
-    if ns.train_data_path is not None:
-        if ns.data_path is not None or ns.valid_data_path is None:
-            parser.error("--train-data-path goes with --valid-data-path and replaces --data-path")
-        ns.data_path = ns.train_data_path
     if ns.family not in FAMILIES:
         parser.error(f"--family {ns.family!r} is not a known family; expected one of: {', '.join(FAMILIES)}")
-    for name in ("data_path", "valid_data_path"):
+    for name in ("data_path", "train_data_path", "valid_data_path"):
         if getattr(ns, name):
             try:
                 parse_data_path(getattr(ns, name), "--" + name.replace("_", "-"))
             except InputError as err:
                 parser.error(str(err))
-    tp = ns.tensor_model_parallel_size
-    if ns.sequence_parallel and ns.seq_length and ns.seq_length % tp:
-        parser.error(f"--seq-length {ns.seq_length} must be a multiple of --tensor-model-parallel-size {tp} "
-                     f"under --sequence-parallel")
     if ns.ema_decay is not None and not 0 < ns.ema_decay < 1:
         parser.error(f"--ema-decay must lie in (0, 1), got {ns.ema_decay:g}")
-    if ns.train_iters is not None and ns.train_samples is not None:
-        parser.error("give --train-iters or --train-samples, not both")
-    if ns.lr_warmup_min_iters and ns.lr_warmup_iters is not None:
-        parser.error("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
-    if ns.train_flops is not None:
-        if ns.train_iters is not None or ns.train_samples is not None:
-            parser.error("--train-flops sets the number of iterations; give it without --train-iters/--train-samples")
-        if ns.train_flops <= 0:
-            parser.error(f"--train-flops must be positive, got {ns.train_flops:g}")
-    cfg = RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
+    if ns.train_flops is not None and ns.train_flops <= 0:
+        parser.error(f"--train-flops must be positive, got {ns.train_flops:g}")
+    return RunConfig(**{name: cls.from_args(ns) for name, cls in _CLASSES.items()})
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """Flags -> a validated RunConfig; a bad value or combination exits with one `error: ...`
+    line naming the flags, exit code 2."""
+    from megatron_dllm.config.validate import validate
+
+    config = parse_flags(argv)
     try:
-        cfg.model.recompute()
-        if cfg.model.preset is not None:
-            cfg.gpt_shape()
+        return validate(config)
     except InputError as err:
-        parser.error(str(err))
-    log = cfg.logging
-    if log.profile and (log.profile_step_end <= log.profile_step_start or not log.tensorboard_dir and not cfg.demo):
-        parser.error("--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir for "
-                     "its traces")
-    return cfg
+        build_parser().error(str(err))
 
 
 # ------------------------------------------------------------------ resolution (pure)
@@ -144,64 +134,61 @@ DEFAULTS = {"model": {"preset": "14M", "seq_length": 2048},
             "optimizer": {"lr": 2e-4, "lr_warmup_fraction": 0.01}}
 
 
-def _fill(cfg: RunConfig, defaults: dict) -> RunConfig:
+def _fill(config: RunConfig, defaults: dict) -> RunConfig:
     """Set the fields that no flag gave (None) to `defaults`."""
-    family = cfg.model.family
+    family = config.model.family
     changes = {}
     for group, values in defaults.items():
-        current = getattr(cfg, group)
+        current = getattr(config, group)
         changes[group] = {k: v.format(family=family) if isinstance(v, str) else v for k, v in values.items()
                           if getattr(current, k) is None}
-    return cfg.replace(**changes)
+    return config.replace(**changes)
 
 
-def resolve_defaults(cfg: RunConfig, demo_corpus: dict | None = None) -> RunConfig:
-    """Fill the defaults: with no --data-path the embedded demo (`demo_corpus`, as returned by
-    `data.prep.demo.prepare_demo_corpus`) and its small defaults, else the paper's. Flags always win."""
-    if cfg.demo:
-        if cfg.tokenizer.tokenizer_type or cfg.tokenizer.tokenizer_model:
-            raise InputError("--tokenizer-type/--tokenizer-model need --data-path (the embedded demo "
-                             "brings its own tokenizer)")
-        if demo_corpus is None:
-            raise InputError("resolving the embedded demo needs its prepared corpus")
+def resolve_defaults(config: RunConfig, demo_corpus: dict | None = None) -> RunConfig:
+    """Fill the defaults: with no --data-path the embedded demo's small defaults (and, given
+    `demo_corpus` as returned by `data.prep.demo.prepare_demo_corpus`, its data and tokenizer),
+    else the paper's. Flags always win; resolving twice changes nothing."""
+    if config.data.train_data_path is not None:  # Megatron-LM's per-split paths: the training blend
+        config = config.replace(data={"data_path": config.data.train_data_path, "train_data_path": None})
+    if config.demo:
         defaults = dict(DEMO_DEFAULTS)
-        if cfg.checkpoint.save is None and cfg.checkpoint.load is None:  # the demo command resumes its own run
+        if config.checkpoint.save is None and config.checkpoint.load is None:  # the demo resumes its own run
             defaults["checkpoint"] = {**defaults["checkpoint"], "load": defaults["checkpoint"]["save"]}
-        if cfg.training.train_samples is not None or cfg.training.train_flops is not None:
+        training = config.training
+        if any(length is not None for length in (training.train_samples, training.train_flops, training.train_epochs)):
             defaults["training"] = {k: v for k, v in defaults["training"].items() if k != "train_iters"}
-        cfg = cfg.replace(data={"data_path": [demo_corpus["data_prefix"]],
-                                "valid_data_path": [demo_corpus["valid_prefix"]]},
-                          tokenizer={"tokenizer_type": demo_corpus["tokenizer_type"],
-                                     "tokenizer_model": demo_corpus["tokenizer_model"]})
-        cfg = _fill(cfg, defaults)
+        config = _fill(config, defaults)
+        if demo_corpus is not None:
+            config = config.replace(data={"data_path": [demo_corpus["data_prefix"]],
+                                          "valid_data_path": [demo_corpus["valid_prefix"]]},
+                                    tokenizer={"tokenizer_type": demo_corpus["tokenizer_type"],
+                                               "tokenizer_model": demo_corpus["tokenizer_model"]})
     else:
-        if not (cfg.tokenizer.tokenizer_type and cfg.tokenizer.tokenizer_model):
-            raise InputError("--data-path needs --tokenizer-type and --tokenizer-model (the tokenizer "
-                             "the data was preprocessed with)")
-        cfg = _fill(cfg, DEFAULTS)
-    if cfg.optimizer.min_lr is None:
-        cfg = cfg.replace(optimizer={"min_lr": cfg.optimizer.lr / 10})
-    return cfg
+        config = _fill(config, DEFAULTS)
+    if config.optimizer.min_lr is None:
+        config = config.replace(optimizer={"min_lr": config.optimizer.lr / 10})
+    return config
 
 
-def resolve_iterations(cfg: RunConfig, vocab_size: int) -> RunConfig:
+def resolve_iterations(config: RunConfig, vocab_size: int) -> RunConfig:
     """--train-iters from --train-flops (rounded down: a run never exceeds its budget) or
-    --train-samples (rounded up to whole global batches)."""
+    --train-samples (rounded up to whole global batches), which are then cleared."""
+    from megatron_dllm.config.validate import check_budget
     from megatron_dllm.scaling.flops import train_flops_per_sequence
     from megatron_dllm.scaling.plan import iterations_for_budget
 
-    t = cfg.training
-    if t.train_flops is not None:
-        per_sequence = train_flops_per_sequence(cfg.preset(), vocab_size, cfg.model.backbone_length(),
-                                                t.flops_convention)
-        iters = iterations_for_budget(t.train_flops, per_sequence, t.global_batch_size)
-        if iters < 1:
-            raise InputError(f"--train-flops {t.train_flops:g} pays for no iteration: one costs "
-                             f"{per_sequence * t.global_batch_size:.4g} FLOPs ({t.flops_convention}) "
-                             f"at --global-batch-size {t.global_batch_size}")
-        return cfg.replace(training={"train_iters": iters})
-    if t.train_iters is None:
-        if t.train_samples is None:
-            raise InputError("give --train-iters, --train-samples or --train-flops")
-        return cfg.replace(training={"train_iters": math.ceil(t.train_samples / t.global_batch_size)})
-    return cfg
+    training = config.training
+    if training.train_flops is not None:
+        per_sequence = train_flops_per_sequence(config.preset(), vocab_size, config.model.backbone_length(),
+                                                training.flops_convention)
+        iters = iterations_for_budget(training.train_flops, per_sequence, training.global_batch_size)
+        check_budget(training.train_flops, per_sequence * training.global_batch_size, iters,
+                     training.flops_convention, training.global_batch_size)
+        return config.replace(training={"train_iters": iters, "train_flops": None})
+    if training.train_samples is not None:
+        return config.replace(training={"train_iters": math.ceil(training.train_samples / training.global_batch_size),
+                                        "train_samples": None})
+    if training.train_iters is None:
+        raise InputError("give --train-iters, --train-samples or --train-flops")
+    return config

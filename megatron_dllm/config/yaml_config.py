@@ -13,9 +13,10 @@ for a multi-value flag (a path may hold spaces); a flag given twice in the file,
     data-path: [0.7, /data/a_text_document, 0.3, /data/b_text_document]
 
 Every run writes its resolved configuration (defaults filled, --train-flops turned into
---train-iters) as `run_config.yaml` beside its checkpoints and logs, with its world size under
-`launch:` (not a flag; --yaml-cfg skips it): `tools/relaunch.py` or `--yaml-cfg` of that file
-re-launches the same run.
+--train-iters, every rule of config/validate.py checked) as `run_config.yaml` beside its
+checkpoints and logs, with its world size under `launch:` (not a flag; --yaml-cfg skips it):
+`tools/relaunch.py` or `--yaml-cfg` of that file re-launches the same run, and parses back to
+the very configuration that was written.
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ from megatron_dllm.errors import InputError
 
 RESOLVED_NAME = "run_config.yaml"
 LAUNCH = "launch"  # the resolved file's record of how the run was launched: not flags
-# resolved into --train-iters (and --data-path) by the run: writing both would be contradictory
-_RESOLVED_AWAY = {"training": ("train_samples", "train_flops"), "data": ("train_data_path",)}
 
 
 def add_yaml_flag(parser: argparse.ArgumentParser) -> None:
@@ -167,24 +166,23 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return yaml_tokens(known.yaml_cfg[0], parser) + rest
 
 
-def resolved_dict(cfg) -> dict:
+def resolved_dict(config) -> dict:
     """The run's flags by group, as `--yaml-cfg` reads them back (None values left out)."""
     out = {}
-    for group in dataclasses.fields(cfg):
-        values = dataclasses.asdict(getattr(cfg, group.name))
-        skip = _RESOLVED_AWAY.get(group.name, ())
+    for group in dataclasses.fields(config):
+        values = dataclasses.asdict(getattr(config, group.name))
         out[group.name] = {k.replace("_", "-"): list(v) if isinstance(v, tuple) else v
-                           for k, v in values.items() if v is not None and k not in skip}
+                           for k, v in values.items() if v is not None}
     return out
 
 
-def write_resolved(cfg, directories: list[str], world_size: int | None = None) -> list[str]:
+def write_resolved(config, directories: list[str], world_size: int | None = None) -> list[str]:
     """Write the resolved configuration as RESOLVED_NAME into each directory (temp name, then
     rename, so a reader never sees half a file), with the launch's world size in a `launch`
     section that --yaml-cfg skips; returns the paths written."""
     launch = {LAUNCH: {"world-size": world_size}} if world_size else {}
     text = ("# the resolved configuration of this run; re-launch with: tools/relaunch.py THIS_FILE\n"
-            + yaml.safe_dump({**resolved_dict(cfg), **launch}, sort_keys=False))
+            + yaml.safe_dump({**resolved_dict(config), **launch}, sort_keys=False))
     written = []
     for directory in dict.fromkeys(d for d in directories if d):
         os.makedirs(directory, exist_ok=True)

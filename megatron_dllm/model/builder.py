@@ -10,7 +10,6 @@ from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dllm import platform
-from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
 from megatron_dllm.model.fusion import Fusion
@@ -38,20 +37,11 @@ class Architecture:
 
 
 def check_layout(arch: Architecture, tp: int, pp: int, vpp: int | None) -> None:
-    """Impossible parallel layouts stop here, naming the flag."""
-    p = arch.preset
-    if p.num_attention_heads % tp:
-        raise InputError(f"--tensor-model-parallel-size {tp} does not divide the number of attention "
-                         f"heads {p.num_attention_heads} of this preset")
-    if arch.padded_vocab_size(tp) % tp:
-        raise InputError(f"--tensor-model-parallel-size {tp} does not divide the padded vocabulary "
-                         f"{arch.padded_vocab_size(tp)}")
+    """Impossible parallel layouts stop here, naming the flag (a run's are refused earlier, by
+    config/validate.py)."""
+    arch.preset.check_layout(tp, pp, vpp)
     if arch.gpt is not None:
-        check_gpt_layout(arch.gpt, p.num_attention_heads, tp)
-    chunks = pp * (vpp or 1)
-    if p.num_layers % chunks:
-        raise InputError(f"--pipeline-model-parallel-size {pp} x --virtual-pipeline-model-parallel-size "
-                         f"{vpp or 1} = {chunks} does not divide the {p.num_layers} layers of this preset")
+        check_gpt_layout(arch.gpt, arch.preset.num_attention_heads, tp)
 
 
 def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int | None = None,

@@ -55,12 +55,9 @@ def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bia
                          "(rotary runs megatron-core's unfused code)")
     defaults = platform.fusion_defaults()
     # Only megatron-core's local core attention reads the flag: SDPA and TransformerEngine fuse the
-    # softmax inside their attention kernels whatever it says.
+    # softmax inside their attention kernels whatever it says (config/validate.py refuses the flag
+    # with local attention where apex's kernels are missing).
     local = attention_backend == "local"
-    if masked_softmax and local and not defaults["masked_softmax"]:
-        raise InputError("--masked-softmax-fusion with --attention-backend local needs apex's fused softmax "
-                         "kernels (scaled_masked_softmax_cuda) on a CUDA GPU (not found); use --attention-backend "
-                         "sdpa, whose kernels fuse the softmax, or drop the flag")
     given = {"bias_gelu": bias_gelu, "bias_dropout": bias_dropout, "masked_softmax": masked_softmax,
              "compile_elementwise": compile_elementwise}
     chosen = {name: defaults[name] if value is None else value for name, value in given.items()}

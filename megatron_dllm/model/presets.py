@@ -22,6 +22,17 @@ class Preset:
     def ffn_hidden_size(self) -> int:
         return 4 * self.hidden_size
 
+    def check_layout(self, tp: int, pp: int, vpp: int | None) -> None:
+        """These sizes split over a parallel layout (checked for a run by config/validate.py, and
+        for the converters that write a checkpoint at a chosen layout by model/builder.py)."""
+        if self.num_attention_heads % tp:
+            raise InputError(f"--tensor-model-parallel-size {tp} does not divide the number of attention "
+                             f"heads {self.num_attention_heads} of this preset")
+        chunks = pp * (vpp or 1)
+        if self.num_layers % chunks:
+            raise InputError(f"--pipeline-model-parallel-size {pp} x --virtual-pipeline-model-parallel-size "
+                             f"{vpp or 1} = {chunks} does not divide the {self.num_layers} layers of this preset")
+
 
 # name -> (n_embed, n_layers, n_heads), verbatim from the paper's table.
 PAPER_PRESETS = {

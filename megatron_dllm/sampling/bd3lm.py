@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .base import Sampler
-from .deps import InputError
+from .deps import InputError, KVCache
 from .duo import ancestral as duo_ancestral
 from .duo import uniform_ids
 from .mdlm import ancestral as mdlm_ancestral
@@ -71,14 +71,12 @@ class BD3LMSampler(Sampler):
 
     def generate(self, prompt: torch.Tensor, generator: torch.Generator, length: int) -> torch.Tensor:
         """[b, length]: the prompt, then the generated blocks (EOS after a row's first EOS when stopping)."""
-        from megatron_dllm.hf.modeling_dllm import KVCache
-
         b, p = prompt.shape
         x = torch.full((b, length), self.mask_id, dtype=torch.long, device=prompt.device)
         x[:, :p] = prompt
         if self.uniform:  # the uniform prior, drawn once for the whole canvas
             x[:, p:] = uniform_ids(b, length - p, self.family.inner.num_real, self.mask_id, generator, x.device)
-        cache = KVCache(self.model.config.num_layers) if self.cfg.kv_cache else None
+        cache = KVCache(self.model.config.num_layers, length) if self.cfg.kv_cache else None
         first = p // self.block * self.block  # the block that holds the first generated position
         self.commit(x, 0, first, cache)
         finished = torch.zeros(b, dtype=torch.bool, device=x.device)

@@ -1,5 +1,6 @@
-"""What a run trains, built from its resolved RunConfig: the family, the DiT chunks in megatron's
-DDP with their optimizer and LR schedule, and the train/valid batch schedules. The trainer and
+"""What a run trains, built from its resolved and validated RunConfig (config/validate.py): the
+family, the DiT chunks in megatron's DDP with their optimizer and LR schedule, and the
+train/valid batch schedules. The trainer and
 the benchmarks build through here, so both run the same model and optimizer.
 """
 from __future__ import annotations
@@ -9,9 +10,7 @@ from dataclasses import dataclass
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 
-from megatron_dllm import platform
 from megatron_dllm.config import RunConfig
-from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.model.attention import resolve_backend
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
@@ -30,9 +29,6 @@ class TrainingModel:
 
 
 def build_family(cfg: RunConfig, tokenizer):
-    # cross-flag rule: --shift is MDLM's (Eso-LM's order is shuffled, AR already predicts the next token)
-    if cfg.backbone.shift and cfg.model.family != "mdlm":
-        raise InputError(f"--shift applies to --family mdlm, not {cfg.model.family}")
     options = {"shift": True} if cfg.backbone.shift else {}
     return get_family(cfg.model.family, tokenizer.mask_id, tokenizer.vocab_size, cfg.model.loss,
                       **cfg.model.family_options(), **options)
@@ -44,11 +40,7 @@ def build_training_model(cfg: RunConfig, family, vocab_size: int, timers) -> Tra
     model_cfg, prec, par, t = cfg.model, cfg.precision, cfg.parallel, cfg.training
     arch = Architecture(cfg.preset(), vocab_size, model_cfg.seq_length, family.attention,
                         model_cfg.make_vocab_size_divisible_by, gpt=cfg.gpt_shape())
-    use_te = (platform.HAS_TE if model_cfg.transformer_impl is None
-              else model_cfg.transformer_impl == "transformer_engine")
-    if (use_te or prec.fp8_format) and not platform.HAS_TE:
-        raise InputError("--transformer-impl transformer_engine and --fp8-format need TransformerEngine "
-                         "on a CUDA GPU (not found); use --transformer-impl local without FP8")
+    use_te = model_cfg.uses_te()
     fusion = model_cfg.fusion(use_te)
     config, mlp_config = transformer_config(
         arch, tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
@@ -74,9 +66,6 @@ def build_batches(cfg: RunConfig, family, inputs, sequence_parallel: bool) -> tu
     t, tp = cfg.training, cfg.parallel.tensor_model_parallel_size
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    if t.global_batch_size % (t.micro_batch_size * dp_size):
-        raise InputError(f"--global-batch-size {t.global_batch_size} is not a multiple of "
-                         f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp_size}")
     train = BatchSchedule(inputs.train_dataset, family, t.seed, t.micro_batch_size, t.global_batch_size,
                           dp_rank, dp_size, variable_length_prob=cfg.data.variable_seq_length_prob,
                           length_multiple=tp if sequence_parallel else 1)

@@ -8,7 +8,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
-from megatron_dllm.errors import InputError
 
 
 def wrap_ddp(chunks, config, parallel: ParallelConfig):
@@ -42,10 +41,6 @@ def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfi
     )
     optimizer = get_megatron_optimizer(megatron_config, model, config_overrides=weight_decay_overrides(opt))
     warmup, decay = opt.warmup_iters(train_iters), opt.lr_decay_iters or train_iters
-    if warmup >= decay:
-        raise InputError(f"LR warmup ({warmup} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
-                         f"must be shorter than the decay ({decay} iterations, --lr-decay-iters or "
-                         f"--train-iters)")
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=opt.lr_decay_style,

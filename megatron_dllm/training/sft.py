@@ -13,32 +13,27 @@ from __future__ import annotations
 
 import math
 
-from megatron_dllm.config import RunConfig, resolve_defaults, resolve_iterations
+from megatron_dllm import platform
+from megatron_dllm.config import RunConfig, resolve_iterations, validate
 from megatron_dllm.data.sft import build_sft_datasets
-from megatron_dllm.errors import InputError
 from megatron_dllm.families import FAMILIES
 
 
-def prepare_sft_inputs(cfg: RunConfig):
-    """(resolved cfg, Inputs) of an --sft run."""
+def prepare_sft_inputs(config: RunConfig):
+    """(resolved config, Inputs) of an --sft run, from a config whose defaults are filled
+    (`inputs.check_flags`)."""
     from megatron_dllm.training.inputs import Inputs
 
-    t = cfg.training
-    if cfg.demo:
-        raise InputError("--sft needs --data-path: an SFT dataset written by tools/preprocess_sft_data.py")
-    if t.train_epochs is not None and (t.train_iters or t.train_samples or t.train_flops):
-        raise InputError("--train-epochs sets the run length; give it without --train-iters/--train-samples/"
-                         "--train-flops")
-    cfg = resolve_defaults(cfg)
-    tokenizer = cfg.tokenizer.build()
-    family = FAMILIES[cfg.model.family]
-    t, log = cfg.training, cfg.logging
-    train, valid = build_sft_datasets(cfg.data.data_path, cfg.data.split, cfg.data.valid_data_path,
-                                      cfg.model.seq_length, family.extra_token, t.seed, tokenizer,
-                                      with_valid=bool(log.eval_interval))
-    if t.train_epochs is not None:
-        cfg = cfg.replace(training={"train_iters": math.ceil(t.train_epochs * train.num_rows / t.global_batch_size)})
-    cfg = resolve_iterations(cfg, tokenizer.vocab_size)
-    if cfg.model.loss is None and "nelbo" in family.losses:
-        cfg = cfg.replace(model={"loss": "nelbo"})
-    return cfg, Inputs(tokenizer, train, valid)
+    tokenizer = config.tokenizer.build()
+    family = FAMILIES[config.model.family]
+    training, logging = config.training, config.logging
+    train, valid = build_sft_datasets(config.data.data_path, config.data.split, config.data.valid_data_path,
+                                      config.model.seq_length, family.extra_token, training.seed, tokenizer,
+                                      with_valid=bool(logging.eval_interval))
+    if training.train_epochs is not None:
+        config = config.replace(training={"train_epochs": None, "train_iters": math.ceil(
+            training.train_epochs * train.num_rows / training.global_batch_size)})
+    config = resolve_iterations(config, tokenizer.vocab_size)
+    if config.model.loss is None and "nelbo" in family.losses:
+        config = config.replace(model={"loss": "nelbo"})
+    return validate(config, platform.world_size()), Inputs(tokenizer, train, valid)

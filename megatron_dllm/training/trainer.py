@@ -25,7 +25,7 @@ from megatron_dllm.training.build import build_batches, build_family, build_trai
 from megatron_dllm.training.checkpointer import Checkpointer, claim_save_dir, write_resolved_config
 from megatron_dllm.training.ema import EMA
 from megatron_dllm.training.exit_conditions import ExitConditions
-from megatron_dllm.training.inputs import prepare_inputs
+from megatron_dllm.training.inputs import check_flags, prepare_inputs
 from megatron_dllm.training.logger import Logger
 from megatron_dllm.training.throughput import ThroughputMeter
 
@@ -34,10 +34,11 @@ class Trainer:
     """One training run of a resolved RunConfig: model, optimizer, batches, checkpoints, logs."""
 
     def __init__(self, cfg: RunConfig):
+        cfg = check_flags(cfg)  # every rule against this launch, before any work
         par = cfg.parallel
         platform.init_distributed(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                                   par.virtual_pipeline_model_parallel_size, seed=cfg.training.seed)
-        cfg, inputs = prepare_inputs(cfg)  # defaults, tokenizer, datasets, iterations
+        cfg, inputs = prepare_inputs(cfg)  # demo corpus, tokenizer, iterations (validated again), datasets
         t, log = cfg.training, cfg.logging
         self.cfg, self.tokenizer = cfg, inputs.tokenizer
         claim_save_dir(cfg.checkpoint)

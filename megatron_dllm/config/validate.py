@@ -1,0 +1,242 @@
+"""Every rule that involves two or more flags, in one place: `validate(config) -> config`.
+
+A flag's own form (a positive integer, a fraction, a known choice, a data-path blend) is checked
+when it is parsed (`fields.py`, `run.parse_flags`); whether flags fit together is checked here,
+and nowhere else. Every command that builds a run configuration validates it before any work:
+
+    config = parse_args(argv)                                   # parse_flags + validate
+    config = validate(resolve_defaults(config), world_size)     # defaults filled, the launch known
+    ...
+    config = validate(resolve_iterations(config, vocab_size), world_size)   # the final configuration
+
+`validate` takes a configuration at any stage of resolution. A rule whose operand is still unset
+(None: neither given nor resolved yet) waits for the stage that sets it, so the final, resolved
+configuration (the one logged and written as run_config.yaml) has passed every rule. Resolution
+never contradicts a rule: it fills what was not given and turns --train-samples, --train-flops,
+--train-epochs and --train-data-path into --train-iters and --data-path, clearing them.
+
+`world_size` (the launch's) is given on the machine that runs the command; then the rules about
+the launch apply too: the world size against the layout and the batch, and this machine's
+TransformerEngine and apex kernels. Flags checked ahead of a launch (`parse_args`, `relaunch`)
+leave it None.
+
+Each rule is a function of (config, world_size) that raises one-line `InputError`s naming the
+flags; `RULES` lists them in the order they are checked. Three checks also serve other callers:
+`check_tokenizer_options` (`TokenizerConfig.options()`, for the commands that take tokenizer flags
+without a run configuration), `check_budget` (`resolve_iterations`, which alone knows the
+vocabulary) and `Preset.check_layout` (`model/presets.py`, below this package, so that the
+converters writing a chosen layout share it); `layout` calls the last.
+"""
+from __future__ import annotations
+
+from megatron_dllm.errors import InputError
+
+
+def validate(config, world_size: int | None = None):
+    """`config` (a RunConfig) unchanged if every rule holds, else the first broken rule's InputError."""
+    for rule in RULES:
+        rule(config, world_size)
+    return config
+
+
+# ------------------------------------------------------------------ data and tokenizer
+
+
+def data_paths(config, world_size=None) -> None:
+    data = config.data
+    if data.train_data_path is not None and (data.data_path is not None or data.valid_data_path is None):
+        raise InputError("--train-data-path goes with --valid-data-path and replaces --data-path")
+
+
+def tokenizer_with_data(config, world_size=None) -> None:
+    tokenizer = config.tokenizer
+    if config.demo:
+        if tokenizer.tokenizer_type or tokenizer.tokenizer_model:
+            raise InputError("--tokenizer-type/--tokenizer-model need --data-path (the embedded demo "
+                             "brings its own tokenizer)")
+    elif not (tokenizer.tokenizer_type and tokenizer.tokenizer_model):
+        raise InputError("--data-path needs --tokenizer-type and --tokenizer-model (the tokenizer "
+                         "the data was preprocessed with)")
+
+
+def tokenizer_options(config, world_size=None) -> None:
+    check_tokenizer_options(config.tokenizer)
+
+
+def check_tokenizer_options(tokenizer) -> None:
+    """The TikTokenizer-only flags (`TokenizerConfig.options()`, also checked by the commands that
+    take tokenizer flags without a run configuration: preprocessing, sampling, evaluation)."""
+    given = {"tiktoken-pattern": tokenizer.tiktoken_pattern,
+             "tiktoken-special-tokens": tokenizer.tiktoken_special_tokens,
+             "tiktoken-num-special-tokens": tokenizer.tiktoken_num_special_tokens,
+             "tokenizer-special-tokens": tokenizer.tokenizer_special_tokens, "vocab-size": tokenizer.vocab_size}
+    if tokenizer.tokenizer_type != "TikTokenizer":
+        names = [name for name, value in given.items() if value is not None]
+        if names:
+            raise InputError(f"--{names[0]} applies to --tokenizer-type TikTokenizer only")
+    elif tokenizer.tiktoken_special_tokens is not None and tokenizer.tokenizer_special_tokens is not None:
+        raise InputError("--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them")
+
+
+# ------------------------------------------------------------------ run length and schedule
+
+
+def run_length(config, world_size=None) -> None:
+    training = config.training
+    if training.train_iters is not None and training.train_samples is not None:
+        raise InputError("give --train-iters or --train-samples, not both")
+    if training.train_flops is not None and (training.train_iters is not None or training.train_samples is not None):
+        raise InputError("--train-flops sets the number of iterations; give it without --train-iters/--train-samples")
+    if training.train_epochs is not None:
+        if not training.sft:
+            raise InputError("--train-epochs applies to --sft runs (epochs over the SFT rows); pretraining "
+                             "uses --train-iters, --train-samples or --train-flops")
+        if training.train_iters or training.train_samples or training.train_flops:
+            raise InputError("--train-epochs sets the run length; give it without --train-iters/--train-samples/"
+                             "--train-flops")
+
+
+def sft_data(config, world_size=None) -> None:
+    if config.training.sft and config.demo:
+        raise InputError("--sft needs --data-path: an SFT dataset written by tools/preprocess_sft_data.py")
+
+
+def check_budget(train_flops: float, flops_per_iteration: float, iterations: int, convention: str,
+                 global_batch_size: int) -> None:
+    """--train-flops against the size of one iteration (`resolve_iterations`, which knows the
+    tokenizer's vocabulary, computes both)."""
+    if iterations < 1:
+        raise InputError(f"--train-flops {train_flops:g} pays for no iteration: one costs "
+                         f"{flops_per_iteration:.4g} FLOPs ({convention}) at --global-batch-size {global_batch_size}")
+
+
+def warmup_flags(config, world_size=None) -> None:
+    optimizer = config.optimizer
+    if optimizer.lr_warmup_min_iters and optimizer.lr_warmup_iters is not None:
+        raise InputError("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
+
+
+def warmup_before_decay(config, world_size=None) -> None:
+    optimizer, train_iters = config.optimizer, config.training.train_iters
+    decay = optimizer.lr_decay_iters or train_iters
+    if decay is None or (train_iters is None and optimizer.lr_warmup_iters is None):
+        return  # the run length is resolved later
+    warmup_iters = optimizer.warmup_iters(train_iters or 0)
+    if warmup_iters >= decay:
+        raise InputError(f"LR warmup ({warmup_iters} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
+                         f"must be shorter than the decay ({decay} iterations, --lr-decay-iters or "
+                         f"--train-iters)")
+
+
+# ------------------------------------------------------------------ model
+
+
+def family_loss(config, world_size=None) -> None:
+    from megatron_dllm.families import FAMILIES
+
+    model = config.model
+    losses = FAMILIES[model.family].losses
+    if model.loss is not None and model.loss not in losses:
+        raise InputError(f"--loss {model.loss} is not available for --family {model.family}; "
+                         f"valid: {', '.join(losses)}")
+
+
+def family_settings(config, world_size=None) -> None:
+    """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family
+    (`ModelConfig.family_options` applies them); --shift is MDLM's: Eso-LM's order is shuffled and
+    AR already predicts the next token."""
+    config.model.family_options()
+    if config.backbone.shift and config.model.family != "mdlm":
+        raise InputError(f"--shift applies to --family mdlm, not {config.model.family}")
+
+
+def backbone(config, world_size=None) -> None:
+    """The GPT backbone's flags go with --backbone gpt and with each other (`BackboneConfig.gpt_shape`)."""
+    if config.model.preset is not None:
+        config.gpt_shape()
+
+
+def recompute(config, world_size=None) -> None:
+    model = config.model
+    granularity = model.recompute_granularity or ("selective" if model.recompute_activations else None)
+    if granularity != "full" and (model.recompute_method or model.recompute_num_layers):
+        raise InputError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
+    if granularity == "full" and model.recompute_method is None:
+        raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
+
+
+# ------------------------------------------------------------------ parallel layout
+
+
+def sequence_parallel(config, world_size=None) -> None:
+    tp, seq_length = config.parallel.tensor_model_parallel_size, config.model.seq_length
+    if config.parallel.sequence_parallel and seq_length and seq_length % tp:
+        raise InputError(f"--seq-length {seq_length} must be a multiple of --tensor-model-parallel-size {tp} "
+                         f"under --sequence-parallel")
+
+
+def layout(config, world_size=None) -> None:
+    parallel = config.parallel
+    pp, vpp = parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size
+    if vpp is not None and pp < 2:
+        raise InputError(f"--virtual-pipeline-model-parallel-size {vpp} needs --pipeline-model-parallel-size > 1 "
+                         f"(it interleaves the pipeline's stages)")
+    if config.model.preset is not None:
+        preset = config.preset()
+        preset.check_layout(parallel.tensor_model_parallel_size, pp, vpp)
+
+
+# ------------------------------------------------------------------ the launch
+
+
+def batch(config, world_size=None) -> None:
+    """The global batch splits into micro-batches over the data-parallel ranks (without the
+    launch's world size: over one rank)."""
+    parallel, training = config.parallel, config.training
+    model_parallel = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+    if world_size is not None and world_size % model_parallel:
+        raise InputError(f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size} x "
+                         f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} = "
+                         f"{model_parallel} does not divide the world size {world_size}")
+    if training.global_batch_size is None or training.micro_batch_size is None:
+        return
+    data_parallel = 1 if world_size is None else world_size // model_parallel
+    if training.global_batch_size % (training.micro_batch_size * data_parallel):
+        raise InputError(f"--global-batch-size {training.global_batch_size} is not a multiple of "
+                         f"--micro-batch-size {training.micro_batch_size} x data-parallel size {data_parallel}")
+
+
+def kernels(config, world_size=None) -> None:
+    """TransformerEngine layers, FP8 and apex's fused softmax need this machine to have them."""
+    if world_size is None:  # checked on the machine that runs, not ahead of the launch
+        return
+    from megatron_dllm import platform
+
+    model, precision = config.model, config.precision
+    use_te = model.uses_te()
+    if (use_te or precision.fp8_format) and not platform.HAS_TE:
+        raise InputError("--transformer-impl transformer_engine and --fp8-format need TransformerEngine "
+                         "on a CUDA GPU (not found); use --transformer-impl local without FP8")
+    # Only megatron-core's local core attention reads the flag: SDPA and TransformerEngine fuse the
+    # softmax inside their attention kernels whatever it says.
+    local_attention = (model.attention_backend or ("auto" if use_te else "local")) == "local"
+    if model.masked_softmax_fusion and local_attention and not platform.fusion_defaults()["masked_softmax"]:
+        raise InputError("--masked-softmax-fusion with --attention-backend local needs apex's fused softmax "
+                         "kernels (scaled_masked_softmax_cuda) on a CUDA GPU (not found); use --attention-backend "
+                         "sdpa, whose kernels fuse the softmax, or drop the flag")
+
+
+# ------------------------------------------------------------------ logging
+
+
+def profile(config, world_size=None) -> None:
+    logging = config.logging
+    if logging.profile and (logging.profile_step_end <= logging.profile_step_start
+                            or not logging.tensorboard_dir and not config.demo):
+        raise InputError("--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir for "
+                         "its traces")
+
+
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, recompute, profile, tokenizer_with_data,
+         tokenizer_options, sft_data, family_loss, family_settings, backbone, layout, batch, kernels,
+         warmup_before_decay)

@@ -1,0 +1,164 @@
+"""config/validate.py: every rule between flags is raised by `validate` itself (parsing alone
+accepts the same flags), a configuration that keeps the rules passes at every stage of
+resolution, and the run_config.yaml a run writes is its resolved configuration, read back equal."""
+import pytest
+from conftest import TINY_RUN
+
+from megatron_dllm import platform
+from megatron_dllm.config import parse_args, parse_flags, resolve_defaults, resolve_iterations, validate
+from megatron_dllm.config.validate import RULES
+from megatron_dllm.config.yaml_config import write_resolved
+from megatron_dllm.errors import InputError
+
+DATA = ["--data-path", "/d/x_text_document", "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", "t.model"]
+DEMO = {"data_prefix": "/demo/train_text_document", "valid_prefix": "/demo/valid_text_document",
+        "tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/demo/bpe.model"}
+NO_TE = "--transformer-impl transformer_engine and --fp8-format need TransformerEngine"
+NO_APEX = "--masked-softmax-fusion with --attention-backend local needs apex's fused softmax"
+
+# (rule, flags, world size (None: ahead of the launch), resolve defaults first, the message)
+CASES = [
+    ("data_paths", ["--train-data-path", "/d/a"], None, False,
+     "--train-data-path goes with --valid-data-path and replaces --data-path"),
+    ("data_paths", [*DATA, "--train-data-path", "/d/a", "--valid-data-path", "/d/b"], None, False,
+     "--train-data-path goes with --valid-data-path and replaces --data-path"),
+    ("sequence_parallel", ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], None,
+     False, "--seq-length 33 must be a multiple of --tensor-model-parallel-size 2 under --sequence-parallel"),
+    ("run_length", ["--train-iters", "3", "--train-samples", "24"], None, False,
+     "give --train-iters or --train-samples, not both"),
+    ("run_length", ["--train-flops", "6e18", "--train-iters", "3"], None, False,
+     "--train-flops sets the number of iterations; give it without --train-iters/--train-samples"),
+    ("run_length", ["--train-epochs", "1"], None, False, "--train-epochs applies to --sft runs"),
+    ("run_length", [*DATA, "--sft", "--train-epochs", "1", "--train-iters", "5"], None, False,
+     "--train-epochs sets the run length; give it without --train-iters/--train-samples/--train-flops"),
+    ("warmup_flags", ["--lr-warmup-min-iters", "100", "--lr-warmup-iters", "5"], None, False,
+     "--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters"),
+    ("recompute", ["--recompute-granularity", "full"], None, False,
+     "--recompute-granularity full needs --recompute-method uniform|block"),
+    ("recompute", ["--recompute-activations", "--recompute-num-layers", "2"], None, False,
+     "--recompute-method/--recompute-num-layers apply to --recompute-granularity full"),
+    ("profile", [*DATA, "--profile"], None, False,
+     "--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir"),
+    ("profile", ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], None, False,
+     "--profile needs --profile-step-end > --profile-step-start"),
+    ("tokenizer_with_data", ["--tokenizer-model", "t.model"], None, False,
+     "--tokenizer-type/--tokenizer-model need --data-path (the embedded demo brings its own tokenizer)"),
+    ("tokenizer_with_data", ["--data-path", "/d/x_text_document"], None, False,
+     "--data-path needs --tokenizer-type and --tokenizer-model"),
+    ("tokenizer_options", [*DATA, "--vocab-size", "1000"], None, False,
+     "--vocab-size applies to --tokenizer-type TikTokenizer only"),
+    ("tokenizer_options", ["--data-path", "/d/x", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "v.json",
+                           "--tokenizer-special-tokens", "<unk>", "--tiktoken-special-tokens", "<s>"], None, False,
+     "--tokenizer-special-tokens and --tiktoken-special-tokens: give one of them"),
+    ("sft_data", ["--sft", "--train-iters", "5"], None, False, "--sft needs --data-path: an SFT dataset"),
+    ("family_settings", ["--family", "mdlm", "--block-size", "4"], None, False,
+     "--block-size applies to --family bd3lm only (this run: --family mdlm)"),
+    ("family_settings", ["--family", "bd3lm"], None, False, "--family bd3lm needs --block-size"),
+    ("family_settings", ["--family", "bd3lm", "--block-size", "5", "--seq-length", "128"], None, False,
+     "--block-size 5 must divide --seq-length 128"),
+    ("family_settings", ["--family", "ar", "--shift"], None, False, "--shift applies to --family mdlm, not ar"),
+    ("backbone", ["--swiglu"], None, True, "--swiglu applies to --backbone gpt (this run trains the DiT)"),
+    ("backbone", ["--backbone", "gpt", "--num-query-groups", "2"], None, True,
+     "--num-query-groups needs --group-query-attention"),
+    ("family_loss", ["--family", "ar", "--loss", "low-var"], None, False,
+     "--loss low-var is not available for --family ar; valid: nll"),
+    ("family_loss", ["--family", "duo", "--loss", "low-var"], None, False,
+     "--loss low-var is not available for --family duo; valid: nelbo"),
+    ("layout", ["--virtual-pipeline-model-parallel-size", "2"], None, False,
+     "--virtual-pipeline-model-parallel-size 2 needs --pipeline-model-parallel-size > 1"),
+    ("layout", ["--preset", "cpu-tiny", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"], None,
+     False, "--tensor-model-parallel-size 2 does not divide the number of attention heads 3 of this preset"),
+    ("layout", ["--tensor-model-parallel-size", "3"], None, True,  # the demo's default preset, cpu-small: 4 heads
+     "--tensor-model-parallel-size 3 does not divide the number of attention heads 4 of this preset"),
+    ("layout", ["--preset", "cpu-tiny", "--pipeline-model-parallel-size", "2",
+                "--virtual-pipeline-model-parallel-size", "2"], None, False,
+     "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2 = 4 does not divide the 2 layers"),
+    ("batch", ["--tensor-model-parallel-size", "2"], 3, False,
+     "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 = 2 does not divide the world size 3"),
+    ("batch", ["--micro-batch-size", "4", "--global-batch-size", "6"], None, False,
+     "--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
+    ("batch", ["--global-batch-size", "24"], 2, True,  # the demo's default micro-batch: 8
+     "--global-batch-size 24 is not a multiple of --micro-batch-size 8 x data-parallel size 2"),
+    ("warmup_before_decay", ["--train-iters", "10", "--lr-warmup-iters", "10"], None, False,
+     "LR warmup (10 iterations from --lr-warmup-iters/--lr-warmup-fraction) must be shorter than the decay "
+     "(10 iterations"),
+    ("warmup_before_decay", ["--train-iters", "100", "--lr-warmup-iters", "8", "--lr-decay-iters", "8"], None, False,
+     "must be shorter than the decay (8 iterations"),
+]
+if not platform.HAS_TE:
+    CASES += [("kernels", ["--transformer-impl", "transformer_engine"], 1, False, NO_TE),
+              ("kernels", ["--fp8-format", "hybrid"], 1, False, NO_TE)]
+if not platform.fusion_defaults()["masked_softmax"]:
+    CASES += [("kernels", ["--masked-softmax-fusion", "--transformer-impl", "local"], 1, False, NO_APEX)]
+
+
+@pytest.mark.parametrize("rule, flags, world_size, resolved, message", CASES,
+                         ids=[f"{case[0]}-{i}" for i, case in enumerate(CASES)])
+def test_each_rule_is_raised_by_validate(rule, flags, world_size, resolved, message):
+    config = parse_flags(flags)  # each flag's own value is fine
+    if resolved:
+        config = resolve_defaults(config)
+    with pytest.raises(InputError) as err:
+        validate(config, world_size)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    broken = []  # the rule named is the one that refuses it
+    for candidate in RULES:
+        try:
+            candidate(config, world_size)
+        except InputError:
+            broken.append(candidate.__name__)
+    assert rule in broken, broken
+
+
+def test_every_rule_has_a_case():
+    covered = {case[0] for case in CASES} | ({"kernels"} if platform.HAS_TE else set())
+    assert {rule.__name__ for rule in RULES} <= covered
+
+
+@pytest.mark.parametrize("flags, world_size", [
+    ([], 1), ([], None), (DATA + ["--train-iters", "5"], 4), (["--train-data-path", "/d/a", "--valid-data-path",
+                                                                "/d/b", *DATA[2:], "--train-samples", "640"], 2),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+      "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "64"], 8),
+    (["--family", "duo", "--loss", "nelbo", "--recompute-granularity", "full", "--recompute-method", "block",
+      "--lr-warmup-min-iters", "3", "--lr-warmup-fraction", "0.1", "--train-flops", "1e13"], 1),
+    ([*DATA, "--sft", "--train-epochs", "2"], 2),
+])
+def test_a_good_configuration_passes_at_every_stage(flags, world_size):
+    config = validate(parse_flags(flags), world_size)
+    config = validate(resolve_defaults(config, DEMO), world_size)
+    if not config.training.sft:
+        config = validate(resolve_iterations(config, vocab_size=4097), world_size)
+        assert config.training.train_iters >= 1 and config.training.train_flops is None
+        assert config.training.train_samples is None and config.data.train_data_path is None
+
+
+def test_parse_args_reports_a_broken_rule_as_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--family", "ar", "--loss", "low-var"])
+    lines = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and lines == ["error: --loss low-var is not available for --family ar; valid: nll"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--family", "esolm", "--train-flops", "2e12", "--keep-last-n-checkpoints", "2", "--async-save"],
+    ["--train-data-path", "/d/a", "--valid-data-path", "/d/b", *DATA[2:], "--train-samples", "100", "--bf16",
+     "--recompute-granularity", "full", "--recompute-method", "uniform", "--profile-ranks", "0", "1"],
+])
+def test_the_written_run_config_is_the_resolved_configuration(tmp_path, flags):
+    config = validate(resolve_iterations(resolve_defaults(parse_args(flags), DEMO), vocab_size=4097), 2)
+    (path,) = write_resolved(config, [str(tmp_path)], world_size=2)
+    assert parse_args(["--yaml-cfg", path]) == config  # nothing added, nothing left out
+
+
+def test_a_run_writes_its_validated_resolved_configuration(demo_cache, tmp_path):
+    """prepare_inputs, as the trainer calls it: the configuration it returns is final (defaults,
+    the demo corpus, --train-samples turned into iterations) and is what run_config.yaml holds."""
+    from megatron_dllm.training.inputs import prepare_inputs
+
+    config, _ = prepare_inputs(parse_args(["--demo-cache-dir", demo_cache, *TINY_RUN, "--train-samples", "20",
+                                           "--data-cache-path", str(tmp_path / "cache")]))
+    assert config.training.train_iters == 3 and config.training.train_samples is None and not config.demo
+    (path,) = write_resolved(config, [str(tmp_path)])
+    assert validate(parse_args(["--yaml-cfg", path]), 1) == config
