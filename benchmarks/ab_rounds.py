@@ -18,7 +18,7 @@ def forward_backward(step: MegatronStep) -> float:
     from megatron_dllm.training import step as training_step
 
     step.model[0].zero_grad_buffer()
-    loss = training_step.forward_backward(step.model, step.family, step.batches, 0, step.cfg, step.timers,
+    loss = training_step.forward_backward(step.model, step.family, step.batches, 0, step.config, step.timers,
                                           training=True)
     platform.synchronize()  # a GPU step ends when its kernels have
     return loss
@@ -38,8 +38,8 @@ def alternating_rounds(steps: dict[str, MegatronStep], rounds: int, warmup: int)
             wall[n].append(seconds)
             cpu[n].append(used)
     stats = {}
-    for what, t in (("wall", wall), ("cpu", cpu)):
-        a, b = t[names[0]], t[names[1]]
+    for what, times in (("wall", wall), ("cpu", cpu)):
+        a, b = times[names[0]], times[names[1]]
         ratios = [y / x for x, y in zip(a, b)]
         stats[what] = (statistics.median(a), statistics.median(b), statistics.median(ratios), min(ratios),
                        max(ratios))

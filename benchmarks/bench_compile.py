@@ -58,7 +58,7 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
     print(f"{preset_name} seq {seq} {family_name}: first loss " +
           "  ".join(f"{v} {first[v]:.6f} ({first_s[v]:.1f} s)" for v in VARIANTS), file=sys.stderr)
     row = {"batch": batch, "compile_s": first_s["fused"] - first_s["eager"],
-           "fusion": steps["fused"].cfg.model.fusion(use_te=False)}
+           "fusion": steps["fused"].config.model.fusion(use_te=False)}
     row.update(alternating_rounds(steps, args.rounds, args.warmup))
     return row
 

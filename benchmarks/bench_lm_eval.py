@@ -71,7 +71,7 @@ def main():
     for item in args.load:
         family, path = item.split("=", 1)
         models[family] = MegatronDLLM(path, num_mc_samples=args.num_mc_samples, batch_size=args.batch_size)
-        assert models[family].inf.family == family, (family, models[family].inf.family)
+        assert models[family].inference_model.family == family, (family, models[family].inference_model.family)
     first = next(iter(models.values()))
     questions = arc_requests(first, args.questions)
     requests = [r for q in questions for r in q]
@@ -100,7 +100,7 @@ def main():
         for n in args.grid:
             runs = []
             for seed in (1, 2) if args.flips else (1,):
-                est = LikelihoodEstimator(lm.inf, n, "conditional", args.batch_size, seed)
+                est = LikelihoodEstimator(lm.inference_model, n, "conditional", args.batch_size, seed)
                 runs.append([est.score(q) for q in questions])
             se = statistics.fmean(s.stderr for q in runs[0] for s in q)
             flips = flip_rate(*[[[s.ll for s in q] for q in run] for run in runs]) if args.flips else None

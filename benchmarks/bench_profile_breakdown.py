@@ -11,7 +11,7 @@ optimizer, communication, input wait, other, as a markdown table of ms per step 
         --micro-batch-size 1 --global-batch-size 8 --attention-backend sdpa
 
 Every flag other than the three above is a `pretrain_dllm.py` flag and goes through the same
-parser, and the run is built exactly as `pretrain_dllm.py` builds it (`Trainer(cfg)`); with no
+parser, and the run is built exactly as `pretrain_dllm.py` builds it (`Trainer(config)`); with no
 data flags that is the embedded demo corpus. `--train-iters` defaults to the steps run here, and
 `--save`/`--tensorboard-dir` to a temporary directory (nothing is saved). After `--warmup` steps,
 `--steps` steps are timed without the profiler, then `--steps` more run under torch.profiler
@@ -57,20 +57,20 @@ def main(argv=None) -> int:
             given = ITERATION_FLAGS if flag == "--train-iters" else (flag,)
             if not any(a == f or a.startswith(f + "=") for a in pretrain_argv for f in given):
                 pretrain_argv += [flag, value]
-        cfg = parse_args(pretrain_argv)  # a bad pretrain flag: one `error:` line, exit 2
+        config = parse_args(pretrain_argv)  # a bad pretrain flag: one `error:` line, exit 2
         try:
-            return _run(cfg, args, needed)
+            return _run(config, args, needed)
         except ValueError as err:
             return fail(str(err))
         finally:
             platform.destroy_distributed()
 
 
-def _run(cfg, args, needed: int) -> int:
+def _run(config, args, needed: int) -> int:
     from megatron_dllm.training.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    iters = trainer.cfg.training.train_iters
+    trainer = Trainer(config)
+    iters = trainer.config.training.train_iters
     if iters < needed:  # the datasets hold no more samples than the iterations ask for
         return fail(f"--train-iters {iters} is fewer than --warmup + 2 x --steps = {needed}, the steps run here")
     for _ in range(args.warmup):
@@ -85,12 +85,13 @@ def _run(cfg, args, needed: int) -> int:
     result = profile_steps(trainer, args.steps, trace=args.trace)
     if dist.get_rank() != 0:
         return 0
-    c, t = trainer.cfg, trainer.cfg.training
+    config, training = trainer.config, trainer.config.training
     print(f"{platform.device_name() or f'CPU, {torch.get_num_threads()} threads'}, torch {torch.__version__} | "
-          f"{trainer.family.name}, preset {c.model.preset}, seq {c.model.seq_length}, micro-batch "
-          f"{t.micro_batch_size} x {trainer.train_batches.num_microbatches} per step, vocab {trainer.arch.vocab_size}, "
-          f"{'bf16' if c.precision.bf16 and platform.HAS_CUDA else 'fp32'}, layers {trainer.layer_impl}, "
-          f"recompute {c.model.recompute()['recompute_granularity'] or 'off'}, world size {dist.get_world_size()} "
+          f"{trainer.family.name}, preset {config.model.preset}, seq {config.model.seq_length}, micro-batch "
+          f"{training.micro_batch_size} x {trainer.train_batches.num_microbatches} per step, "
+          f"vocab {trainer.arch.vocab_size}, "
+          f"{'bf16' if config.precision.bf16 and platform.HAS_CUDA else 'fp32'}, layers {trainer.layer_impl}, "
+          f"recompute {config.model.recompute()['recompute_granularity'] or 'off'}, world size {dist.get_world_size()} "
           f"(rank 0 shown)")
     print(f"{args.warmup} warm-up steps; step {statistics.median(plain) * 1e3:.1f} ms without the profiler "
           f"(median of {args.steps}), {result.total_us / result.steps / 1e3:.1f} ms under it "

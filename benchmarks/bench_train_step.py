@@ -123,10 +123,10 @@ class MegatronStep:
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
-        self.cfg = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8, fp8_recipe,
-                              fusion)
-        self.timers = observability.make_timers(self.cfg.logging.timing_log_level)  # as the trainer's
-        built = build_training_model(self.cfg, family, vocab, self.timers)
+        self.config = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8,
+                                 fp8_recipe, fusion)
+        self.timers = observability.make_timers(self.config.logging.timing_log_level)  # as the trainer's
+        built = build_training_model(self.config, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \
             built.scheduler
         self.initial_state = ({k: v.clone() for k, v in self.model[0].module.state_dict().items()
@@ -136,7 +136,7 @@ class MegatronStep:
     def __call__(self) -> float:
         from megatron_dllm.training.step import train_step
 
-        loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.cfg,
+        loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.config,
                              self.timers)
         return loss
 

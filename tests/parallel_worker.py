@@ -41,7 +41,7 @@ def run_case(argv: list[str]) -> dict:
     same_noise = all(a[1] == b[1] for a in prints for b in prints if a[0] == b[0])
     for chunk in trainer.model:
         initialize_weights(chunk.module, seed=7, adaln_zero=False)
-    records = [trainer.train_step() for _ in range(trainer.cfg.training.train_iters)]
+    records = [trainer.train_step() for _ in range(trainer.config.training.train_iters)]
     valid = trainer.evaluate()
     trainer.logger.close()
     return {"loss": [r[0] for r in records], "grad_norm": [r[1] for r in records], "valid": valid,

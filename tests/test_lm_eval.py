@@ -139,8 +139,8 @@ def _tiny_lm(family, length=16, **model_args):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.copy_(torch.randn_like(p) * 0.5)
-    inf = InferenceModel(model.double().eval(), family, 11, 12, length, WordTokenizer(), "hf")
-    return MegatronDLLM(None, inference_model=inf, num_mc_samples=32, batch_size=32, seed=0, **model_args)
+    inference_model = InferenceModel(model.double().eval(), family, 11, 12, length, WordTokenizer(), "hf")
+    return MegatronDLLM(None, inference_model=inference_model, num_mc_samples=32, batch_size=32, seed=0, **model_args)
 
 
 def _instances(kind, args):
@@ -161,7 +161,7 @@ def test_loglikelihood_rolling(world_of_one):
     text = [5, 3, 9, 9, 2, 7, 4]
     ll, = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(" ".join(map(str, text)),)]))
     ids = [1] + text  # documents start after an EOD
-    expected = _dense_logp(lm.inf.model, ids[:-1]).gather(1, torch.tensor(text)[:, None]).sum().item()
+    expected = _dense_logp(lm.inference_model.model, ids[:-1]).gather(1, torch.tensor(text)[:, None]).sum().item()
     assert ll == pytest.approx(expected, abs=1e-9)
     # diffusion: a 40-token text spans three 16-token windows, each a conditional bound; they add up
     lm = _tiny_lm("mdlm")
@@ -180,7 +180,7 @@ def test_generate_until_is_greedy_left_to_right_and_stops(world_of_one):
     prompt = [4, 6, 2]
     ids, greedy = list(prompt), []
     for _ in range(6):  # dense greedy decoding, [MASK] excluded
-        nxt = int(_dense_logp(lm.inf.model, ids)[-1].argmax())
+        nxt = int(_dense_logp(lm.inference_model.model, ids)[-1].argmax())
         if nxt == 1:
             break
         ids.append(nxt)
@@ -222,7 +222,7 @@ def test_generate_until_with_a_remasking_predictor(world_of_one):
     one = lm.generate_until(_instances("generate_until", requests))
     expected = []
     for i, (context, _) in enumerate(requests):
-        ids = generate_native(lm.inf, lm.tok_encode(context), 5, 1, steps=64, greedy=True, seed=lm.seed + i,
+        ids = generate_native(lm.inference_model, lm.tok_encode(context), 5, 1, steps=64, greedy=True, seed=lm.seed + i,
                               predictor="threshold", confidence_threshold=0.3, block_length=2)
         expected.append(lm.tok_decode(ids[:-1] if ids and ids[-1] == 1 else ids))
     assert one == expected
@@ -240,7 +240,7 @@ def test_generate_until_native_with_an_approximate_cache(world_of_one):
                   approx_kv_cache="dual")
     requests = [("4 6 2", {"until": ["none"], "max_gen_toks": 6}), ("3 8", {"until": ["none"], "max_gen_toks": 6})]
     out = lm.generate_until(_instances("generate_until", requests))
-    ids = generate_native_batch(lm.inf, [[4, 6, 2], [3, 8]], 6, lm.eot_token_id, steps=3, greedy=True,
+    ids = generate_native_batch(lm.inference_model, [[4, 6, 2], [3, 8]], 6, lm.eot_token_id, steps=3, greedy=True,
                                 seeds=[lm.seed, lm.seed + 1], block_length=2, approx_kv_cache="dual")
     assert out == [lm.tok_decode([i for i in r if i != lm.eot_token_id]) for r in ids]
     with pytest.raises(InputError, match="--approx-kv-cache applies to --predictor ancestral only"):

@@ -50,16 +50,16 @@ def build(argv=None) -> dict:
     from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
     from megatron_dllm.training.inputs import prepare_inputs
 
-    cfg = parse_args(argv)
+    config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.getLogger("megatron.core.datasets").setLevel(logging.INFO)
 
     def cache_of(data_path):
-        if cfg.data.data_cache_path or not data_path:
-            return cfg.data.data_cache_path
+        if config.data.data_cache_path or not data_path:
+            return config.data.data_cache_path
         return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(data_path)[0][0])), "cache")
 
-    cache = cache_of(cfg.data.data_path or cfg.data.train_data_path)
+    cache = cache_of(config.data.data_path or config.data.train_data_path)
     before = _cache_files(cache)
     lock = None
     if cache:  # two builders never write one cache directory at once
@@ -67,20 +67,20 @@ def build(argv=None) -> dict:
         lock = OutputLock(lock_path_for_dir(cache), f"--data-cache-path {cache}").acquire()
     try:
         t0 = time.perf_counter()
-        cfg, inputs = prepare_inputs(cfg)
+        config, inputs = prepare_inputs(config)
         elapsed = time.perf_counter() - t0
     finally:
         if lock is not None:
             lock.release()
-    cache = cache or cache_of(cfg.data.data_path)  # the embedded demo: its prefixes are known only now
+    cache = cache or cache_of(config.data.data_path)  # the embedded demo: its prefixes are known only now
     after = _cache_files(cache)
     new = sorted(n for n, m in after.items() if before.get(n) != m)
 
-    t = cfg.training
+    training = config.training
     backend = "C++" if index_builders.HAVE_CPP else "numpy (extension not built)"
-    print(f"build_indexes: family {cfg.model.family}, seq_length {cfg.model.seq_length}, seed {t.seed}, "
-          f"{t.train_iters} iterations x {t.global_batch_size} = "
-          f"{t.train_iters * t.global_batch_size} training samples; index builders: {backend}")
+    print(f"build_indexes: family {config.model.family}, seq_length {config.model.seq_length}, seed {training.seed}, "
+          f"{training.train_iters} iterations x {training.global_batch_size} = "
+          f"{training.train_iters * training.global_batch_size} training samples; index builders: {backend}")
     print(f"build_indexes: train dataset {len(inputs.train_dataset)} samples"
           + (f", valid dataset {len(inputs.valid_dataset)} samples" if inputs.valid_dataset is not None else ""))
     print(f"build_indexes: cache {cache}: {len(new)} files written, "

@@ -53,39 +53,40 @@ def run_nelbo(args) -> dict:
     from megatron_dllm.evaluation.nelbo import evaluate_nelbo, validation_run
 
     _check_load(args.load)
-    inf = _load_model(args, platform.device())
+    inference_model = _load_model(args, platform.device())
     from megatron_dllm.config.data import DataConfig, TokenizerConfig
 
     # the flags' tokenizer, completed from (or, without flags, taken from) the checkpoint's record
     tokenizer = TokenizerConfig.from_args(args)
-    if args.data_path and inf.tokenizer_config is not None:
-        tokenizer = inf.tokenizer_config
-    resolved, inputs = validation_run(inf.family, args.seq_length or inf.seq_length, DataConfig.from_args(args),
-                                      tokenizer, global_batch_size=args.global_batch_size,
+    if args.data_path and inference_model.tokenizer_config is not None:
+        tokenizer = inference_model.tokenizer_config
+    resolved, inputs = validation_run(inference_model.family, args.seq_length or inference_model.seq_length,
+                                      DataConfig.from_args(args), tokenizer, global_batch_size=args.global_batch_size,
                                       eval_iters=args.eval_iters, seed=args.seed)
     tok = inputs.tokenizer
-    if (tok.vocab_size, tok.mask_id) != (inf.vocab_size, inf.mask_id):
-        raise InputError(f"--load {args.load}: the model's vocabulary ({inf.vocab_size}, [MASK] {inf.mask_id}) "
+    if (tok.vocab_size, tok.mask_id) != (inference_model.vocab_size, inference_model.mask_id):
+        raise InputError(f"--load {args.load}: the model's vocabulary ({inference_model.vocab_size}, "
+                         f"[MASK] {inference_model.mask_id}) "
                          f"does not match the data's tokenizer ({tok.vocab_size}, [MASK] {tok.mask_id}); "
                          f"give the --tokenizer-model the model was trained with")
-    t, data = resolved.training, resolved.data
-    gbs = t.global_batch_size
+    training, data = resolved.training, resolved.data
+    gbs = training.global_batch_size
     mbs = args.micro_batch_size or math.gcd(gbs, 8)  # any divisor of gbs gives the same figure
-    family = inf.make_family()
+    family = inference_model.make_family()
     draws = 1 if family.next_token else args.num_t_draws  # an exact NLL has no t to draw
-    result = evaluate_nelbo(inf.model, family, inputs.valid_dataset, t.seed, gbs, mbs,
+    result = evaluate_nelbo(inference_model.model, family, inputs.valid_dataset, training.seed, gbs, mbs,
                             resolved.logging.eval_iters, draws)
     return {
-        "metric": "nelbo", "family": inf.family, "bound": family.bound,
+        "metric": "nelbo", "family": inference_model.family, "bound": family.bound,
         "nelbo": result.nelbo, "ppl": result.ppl, "bpd": result.bpd, "nelbo_per_draw": result.per_draw,
         "tokens": result.tokens, "samples": result.samples,
         "settings": {
-            "load": os.path.abspath(args.load), "source": inf.source, "use_ema": args.use_ema,
+            "load": os.path.abspath(args.load), "source": inference_model.source, "use_ema": args.use_ema,
             "demo": args.data_path is None, "data_path": data.data_path, "valid_data_path": data.valid_data_path,
             "split": data.split if not data.valid_data_path else None,
             "tokenizer_type": resolved.tokenizer.tokenizer_type, "tokenizer_model": resolved.tokenizer.tokenizer_model,
             "seq_length": resolved.model.seq_length, "global_batch_size": gbs, "micro_batch_size": mbs,
-            "eval_iters": resolved.logging.eval_iters, "seed": t.seed, "noise_seed": t.seed + 1,
+            "eval_iters": resolved.logging.eval_iters, "seed": training.seed, "noise_seed": training.seed + 1,
             "num_t_draws": draws, "dtype": args.dtype, "device": str(platform.device()),
         },
     }
@@ -137,17 +138,17 @@ def run_throughput(args) -> dict:
         raise InputError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
                          "kills the process instead of raising an error)")
     # stop_at_eos off: every call generates the full length, so tokens/s counts real work
-    cfg = sampling_config(args, stop_at_eos=False)
-    cfg.check()
-    inf = _load_model(args, platform.device())
-    batch = auto_batch_size(inf, cfg, args.max_batch_size, args.seed) if auto else int(args.batch_size)
-    result = measure_throughput(inf, cfg, batch, args.repeats, args.seed)
+    sampling = sampling_config(args, stop_at_eos=False)
+    sampling.check()
+    inference_model = _load_model(args, platform.device())
+    batch = auto_batch_size(inference_model, sampling, args.max_batch_size, args.seed) if auto else int(args.batch_size)
+    result = measure_throughput(inference_model, sampling, batch, args.repeats, args.seed)
     return {
-        "metric": "throughput", "family": inf.family, "steps": args.steps, **result,
-        "settings": {"load": os.path.abspath(args.load), "source": inf.source, "use_ema": args.use_ema,
+        "metric": "throughput", "family": inference_model.family, "steps": args.steps, **result,
+        "settings": {"load": os.path.abspath(args.load), "source": inference_model.source, "use_ema": args.use_ema,
                      "batch_size_requested": args.batch_size, "max_batch_size": args.max_batch_size,
                      "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,
-                     "sampling": dataclasses.asdict(cfg), "dtype": args.dtype,
+                     "sampling": dataclasses.asdict(sampling), "dtype": args.dtype,
                      "device": str(platform.device())},
     }
 
@@ -172,17 +173,17 @@ def run_downstream(args) -> dict:
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = evaluate_downstream(lm, names, args.output_path, limit, args.race_data, args.seed)
     return {
-        "metric": "downstream", "family": lm.inf.family,
+        "metric": "downstream", "family": lm.inference_model.family,
         "results": {task: {k: v for k, v in metrics.items() if k.split(",")[0] in
                            ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
                     for task, metrics in results["results"].items()},
         "results_json": os.path.abspath(args.output_path),
         "table_md": os.path.abspath(os.path.splitext(args.output_path)[0] + ".md"),
         "mc_stderr_mean": results["megatron_dllm"]["mc_stderr_mean"],
-        "settings": {"load": os.path.abspath(args.load), "source": lm.inf.source, "use_ema": args.use_ema,
+        "settings": {"load": os.path.abspath(args.load), "source": lm.inference_model.source, "use_ema": args.use_ema,
                      "tasks": names, "limit": limit, "num_mc_samples": args.num_mc_samples,
                      "likelihood_mode": args.likelihood_mode, "batch_size": args.batch_size, "seed": args.seed,
-                     "dtype": args.dtype, "device": str(lm.inf.device)},
+                     "dtype": args.dtype, "device": str(lm.inference_model.device)},
     }
 
 

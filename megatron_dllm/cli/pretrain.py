@@ -17,7 +17,7 @@ NONFINITE_EXIT = 3  # a scheduler's resubmit loop must not restart a diverged ru
 
 
 def main(argv=None) -> int:
-    cfg = parse_args(argv)
+    config = parse_args(argv)
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's ranks stop when torchrun dies
         from megatron_dllm.parent_watch import exit_when_parent_dies
 
@@ -26,18 +26,18 @@ def main(argv=None) -> int:
     if note and os.environ.get("RANK", "0") == "0":  # once per run, not per rank
         print(note, flush=True)
     try:
-        return _train(cfg)
+        return _train(config)
     finally:
         platform.destroy_distributed()
 
 
 @reports_bad_input()
-def _train(cfg) -> int:
+def _train(config) -> int:
     from megatron_dllm.training.nan_guard import NonFiniteStop
     from megatron_dllm.training.trainer import Trainer
 
     try:
-        Trainer(cfg).train()
+        Trainer(config).train()
     except NonFiniteStop as err:  # not bad input: the run diverged (its last good state is saved)
         print(f"error: {err}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT

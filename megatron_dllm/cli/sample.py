@@ -62,29 +62,31 @@ def main(argv=None):
 
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
-    cfg = sampling_config(args, stop_at_eos=args.stop_at_eos)
+    sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
     try:
-        cfg.check()  # before the (slow) load
+        sampling.check()  # before the (slow) load
         if not os.path.exists(args.load):
             raise FileNotFoundError(f"--load {args.load}: no such file or directory")
         device = platform.tool_device(args.device)
-        inf = load_inference_model(args.load, device, use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
-                                   tokenizer_model=args.tokenizer_model,
-                                   tokenizer_options=TokenizerConfig.from_args(args).options())
+        inference_model = load_inference_model(args.load, device, use_ema=args.use_ema,
+                                               tokenizer_type=args.tokenizer_type,
+                                               tokenizer_model=args.tokenizer_model,
+                                               tokenizer_options=TokenizerConfig.from_args(args).options())
         prompt_ids = None
         if args.prompt is not None:
-            if inf.tokenizer is None:
+            if inference_model.tokenizer is None:
                 raise InputError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
-            prompt_ids = inf.tokenizer.tokenize(args.prompt)
+            prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
         start = time.perf_counter()
-        tokens = generate(inf, cfg, num_samples=args.num_samples, batch_size=args.batch_size, seed=args.seed,
-                          prompt_ids=prompt_ids)
+        tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
+                          seed=args.seed, prompt_ids=prompt_ids)
         wall = time.perf_counter() - start
     except BAD_INPUT as err:
         return fail(str(err))
-    texts = decode(inf, tokens, cut_at_eod=args.cut_at_eod) if inf.tokenizer is not None else None
+    texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
+             else None)
     record = {
-        "settings": {**vars(args), "device": device, "family": inf.family, "source": inf.source,
+        "settings": {**vars(args), "device": device, "family": inference_model.family, "source": inference_model.source,
                      "seq_length": tokens.shape[1], "prompt_ids": prompt_ids},
         "wall_time_s": wall,
         "samples_per_s": args.num_samples / wall,
@@ -93,7 +95,7 @@ def main(argv=None):
     }
     with open(args.output, "w") as f:
         json.dump(record, f, indent=1)
-    print(f"wrote {args.output}: {args.num_samples} {inf.family} samples of {tokens.shape[1]} tokens "
+    print(f"wrote {args.output}: {args.num_samples} {inference_model.family} samples of {tokens.shape[1]} tokens "
           f"in {wall:.2f} s ({args.predictor}, T={args.steps})")
     return 0
 

@@ -69,9 +69,9 @@ def _generate(lm, prompts, members: list[int], max_gen: int, greedy: bool, tempe
 
     def run(chunk: list[int]) -> list[list[int]]:
         out = generator(
-            lm.inf, [prompts[members[j]] for j in chunk], max_new_tokens=max_gen, eos_id=lm.eot_token_id,
+            lm.inference_model, [prompts[members[j]] for j in chunk], max_new_tokens=max_gen, eos_id=lm.eot_token_id,
             greedy=greedy, temperature=temperature, seeds=[lm.seed + members[j] for j in chunk], **options)
         bar.update(len(chunk))
         return out
 
-    return in_batches([len(prompts[i]) for i in members], lm.generation_batch_size, lm.inf.device, run)
+    return in_batches([len(prompts[i]) for i in members], lm.generation_batch_size, lm.inference_model.device, run)

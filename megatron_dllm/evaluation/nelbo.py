@@ -38,15 +38,15 @@ def validation_run(family: str, seq_length: int, data: DataConfig, tokenizer: To
     from megatron_dllm.config import parse_args
     from megatron_dllm.training.inputs import prepare_inputs
 
-    cfg = dataclasses.replace(parse_args([]), data=data, tokenizer=tokenizer)
+    config = dataclasses.replace(parse_args([]), data=data, tokenizer=tokenizer)
     training = {"global_batch_size": global_batch_size, "seed": seed}
-    cfg = cfg.replace(model={"family": family, "seq_length": seq_length},
-                      # the train split is built too (prepare_inputs always does): keep it one batch;
-                      # the evaluation chooses its own micro-batches (1 divides any global batch)
-                      training={"train_iters": 1, "micro_batch_size": 1,
-                                **{k: v for k, v in training.items() if v is not None}},
-                      logging={"eval_interval": 1, **({"eval_iters": eval_iters} if eval_iters else {})})
-    return prepare_inputs(cfg)
+    config = config.replace(model={"family": family, "seq_length": seq_length},
+                            # the train split is built too (prepare_inputs always does): keep it one batch;
+                            # the evaluation chooses its own micro-batches (1 divides any global batch)
+                            training={"train_iters": 1, "micro_batch_size": 1,
+                                      **{k: v for k, v in training.items() if v is not None}},
+                            logging={"eval_interval": 1, **({"eval_iters": eval_iters} if eval_iters else {})})
+    return prepare_inputs(config)
 
 
 @dataclass

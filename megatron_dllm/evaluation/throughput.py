@@ -18,12 +18,12 @@ from megatron_dllm import platform
 from megatron_dllm.errors import InputError
 
 
-def _generate_once(inf, cfg, batch_size: int, seed: int) -> tuple[torch.Tensor, float]:
+def _generate_once(inference_model, sampling, batch_size: int, seed: int) -> tuple[torch.Tensor, float]:
     from megatron_dllm.sampling import generate
 
     platform.synchronize()
     tick = time.perf_counter()
-    tokens = generate(inf, cfg, num_samples=batch_size, batch_size=batch_size, seed=seed)
+    tokens = generate(inference_model, sampling, num_samples=batch_size, batch_size=batch_size, seed=seed)
     platform.synchronize()
     return tokens, time.perf_counter() - tick
 
@@ -32,15 +32,15 @@ def _out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
+def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed: int = 0) -> int:
     """The largest power of two <= max_batch_size for which one generate call fits in memory."""
-    if max_batch_size is None and inf.device.type == "cpu":
+    if max_batch_size is None and inference_model.device.type == "cpu":
         raise InputError("--batch-size auto on CPU needs --max-batch-size (host OOM kills the process "
                          "instead of raising an error)")
     best, b = None, 1
     while max_batch_size is None or b <= max_batch_size:
         try:
-            _generate_once(inf, cfg, b, seed)
+            _generate_once(inference_model, sampling, b, seed)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not _out_of_memory(err):
                 raise
@@ -52,13 +52,13 @@ def auto_batch_size(inf, cfg, max_batch_size: int | None, seed: int = 0) -> int:
     return best
 
 
-def measure_throughput(inf, cfg, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:
+def measure_throughput(inference_model, sampling, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:
     """Generated tokens/s and samples/s over `repeats` timed calls after one warm-up call."""
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: expected at least 1")
-    tokens, _ = _generate_once(inf, cfg, batch_size, seed)  # warm-up, not timed
+    tokens, _ = _generate_once(inference_model, sampling, batch_size, seed)  # warm-up, not timed
     length = tokens.shape[1]
-    times = [_generate_once(inf, cfg, batch_size, seed + 1 + r)[1] for r in range(repeats)]
+    times = [_generate_once(inference_model, sampling, batch_size, seed + 1 + r)[1] for r in range(repeats)]
     total = sum(times)
     return {"batch_size": batch_size, "seq_length": length, "tokens_per_s": repeats * batch_size * length / total,
             "samples_per_s": repeats * batch_size / total, "seconds_per_batch": times}

@@ -21,12 +21,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ExitConditions:
-    def __init__(self, t: TrainingConfig):
-        self.t = t
+    def __init__(self, training: TrainingConfig):
+        self.training = training
         # the wall clock counts from process start (imports, data, load): what a scheduler counts
         self.start = psutil.Process().create_time()
         self.received: int | None = None
-        if t.exit_signal_handler:
+        if training.exit_signal_handler:
             for sig in SIGNALS:
                 signal.signal(sig, self._on_signal)
 
@@ -39,11 +39,11 @@ class ExitConditions:
     def reason(self, iteration: int) -> str | None:
         """Why the run should save and exit after `iteration` (the same answer on every rank),
         or None. Collective when a signal handler or a duration is set."""
-        t = self.t
+        training = self.training
         # 0 minutes means off, as in Megatron-LM (`if args.exit_duration_in_mins:`)
         local = [self.received is not None,
-                 bool(t.exit_duration_in_mins) and self.minutes_up() > t.exit_duration_in_mins]
-        if t.exit_signal_handler or t.exit_duration_in_mins:
+                 bool(training.exit_duration_in_mins) and self.minutes_up() > training.exit_duration_in_mins]
+        if training.exit_signal_handler or training.exit_duration_in_mins:
             flags = torch.tensor(local, dtype=torch.int)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             local = [bool(f) for f in flags.tolist()]
@@ -51,7 +51,8 @@ class ExitConditions:
             name = signal.Signals(self.received).name if self.received else "a signal (on another rank)"
             return f"received {name}"
         if local[1]:
-            return f"--exit-duration-in-mins {t.exit_duration_in_mins:g} reached ({self.minutes_up():.1f} min up)"
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            return f"--exit-interval {t.exit_interval}"
+            return (f"--exit-duration-in-mins {training.exit_duration_in_mins:g} reached "
+                    f"({self.minutes_up():.1f} min up)")
+        if training.exit_interval and iteration % training.exit_interval == 0:
+            return f"--exit-interval {training.exit_interval}"
         return None

@@ -77,15 +77,15 @@ class WandbWriter:
     """TensorBoard's add_scalar onto a W&B run (last rank), with the resolved config attached.
     wandb is an optional extra; WANDB_MODE=offline works without a network."""
 
-    def __init__(self, log: LoggingConfig, config: dict, default_dir: str):
+    def __init__(self, logging: LoggingConfig, config: dict, default_dir: str):
         try:
             import wandb
         except ImportError:
             raise InputError("--wandb-project needs the wandb package (pip install -e '.[wandb]')") from None
-        directory = log.wandb_save_dir or default_dir
+        directory = logging.wandb_save_dir or default_dir
         os.makedirs(directory, exist_ok=True)
         self.wandb = wandb
-        self.run = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=directory, config=config)
+        self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=directory, config=config)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.run.log({tag: value}, step=step)
@@ -99,10 +99,10 @@ class Profiler:
     --profile-ranks, as Megatron-LM's --use-pytorch-profiler: a trace per rank into
     --tensorboard-dir, plus a CUDA memory snapshot there on GPU."""
 
-    def __init__(self, log: LoggingConfig, log_fn=print):
-        self.active = log.profile and dist.get_rank() in (log.profile_ranks or [0])
-        self.start, self.end, self.dir, self.log = log.profile_step_start, log.profile_step_end, \
-            log.tensorboard_dir, log_fn
+    def __init__(self, logging: LoggingConfig, report=print):
+        self.active = logging.profile and dist.get_rank() in (logging.profile_ranks or [0])
+        self.start, self.end, self.dir, self.report = logging.profile_step_start, logging.profile_step_end, \
+            logging.tensorboard_dir, report
         self.prof = None
 
     def before_iteration(self, iteration: int) -> None:
@@ -125,6 +125,6 @@ class Profiler:
         self.prof = None
         snapshot = os.path.join(self.dir, f"memory_snapshot_rank{dist.get_rank()}.pickle")
         if platform.dump_memory_snapshot(snapshot):
-            self.log(f"wrote CUDA memory snapshot {snapshot}")
+            self.report(f"wrote CUDA memory snapshot {snapshot}")
         platform.record_memory_history(False)
-        self.log(f"wrote torch profiler trace of iterations {self.start}-{self.end - 1} into {self.dir}")
+        self.report(f"wrote torch profiler trace of iterations {self.start}-{self.end - 1} into {self.dir}")

@@ -204,11 +204,11 @@ def exclusive_timeline(windows, intervals, order, idle: str) -> dict:
             if s < e:
                 points += [(s, rank[c], 1), (e, rank[c], -1)]
         points.sort(key=lambda p: p[0])
-        active, t = [0] * len(order), w0
-        for time, r, delta in points:
-            if time > t:
-                out[next((order[i] for i, n in enumerate(active) if n), idle)] += time - t
-                t = time
-            if r is not None:
-                active[r] += delta
+        active, previous = [0] * len(order), w0
+        for time, category, delta in points:
+            if time > previous:
+                out[next((order[i] for i, n in enumerate(active) if n), idle)] += time - previous
+                previous = time
+            if category is not None:
+                active[category] += delta
     return out

@@ -2,7 +2,7 @@
 measures the real step): megatron-core's schedule over one global batch with the family loss,
 then the optimizer and LR-schedule step.
 
-    loss, grad_norm = train_step(model, optimizer, scheduler, family, batches, consumed, cfg, timers)
+    loss, grad_norm = train_step(model, optimizer, scheduler, family, batches, consumed, config, timers)
 
 `batches` is anything with `num_microbatches`, `mbs` and `iteration(consumed)` yielding that many
 ModelInputs (training.batches.BatchSchedule, or a benchmark's fixed batch).
@@ -36,7 +36,7 @@ def forward_step(family, training: bool, timers, data_iterator, model):
     return logits, partial(loss_func, family, training, inp)  # looked up per call: tests patch loss_func
 
 
-def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig, timers,
+def forward_backward(model: list, family, batches, consumed: int, config: RunConfig, timers,
                      training: bool) -> float | None:
     """Forward (and, training, backward) over one global batch; returns the token-weighted mean
     loss on the last pipeline stage (None elsewhere)."""
@@ -46,7 +46,7 @@ def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig
         forward_step_func=partial(forward_step, family, training, timers),
         data_iterator=iterators if chunks > 1 else iterators[0],
         model=model if chunks > 1 else model[0],
-        num_microbatches=batches.num_microbatches, seq_length=cfg.model.backbone_length(),
+        num_microbatches=batches.num_microbatches, seq_length=config.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -56,7 +56,7 @@ def forward_backward(model: list, family, batches, consumed: int, cfg: RunConfig
     return (summed[0] / summed[1]).item()
 
 
-def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, cfg: RunConfig, timers,
+def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, config: RunConfig, timers,
                ema=None) -> tuple[float | None, float | None]:
     """One iteration: (loss on the last stage, total gradient norm). A None norm means the weights
     did not move: under --check-for-nan-in-loss-and-grad the loss or norm was not finite."""
@@ -64,9 +64,9 @@ def train_step(model: list, optimizer, scheduler, family, batches, consumed: int
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = forward_backward(model, family, batches, consumed, cfg, timers, training=True)
+    loss = forward_backward(model, family, batches, consumed, config, timers, training=True)
     timers("optimizer", log_level=1).start()
-    if cfg.training.check_for_nan_in_loss_and_grad:
+    if config.training.check_for_nan_in_loss_and_grad:
         # megatron-core's step in two halves, so a non-finite norm never reaches Adam
         grad_norm = nan_guard.finite_grad_norm(optimizer, loss)
         ok = grad_norm is not None and nan_guard.step_with_norm(optimizer, grad_norm)

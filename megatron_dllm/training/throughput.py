@@ -40,16 +40,17 @@ class Report:
 
 
 class ThroughputMeter:
-    def __init__(self, cfg: RunConfig, vocab_size: int, world_size: int, clock=time.perf_counter):
-        t, seq, preset = cfg.training, cfg.model.backbone_length(), cfg.preset()
-        self.tokens_per_iteration = t.global_batch_size * cfg.model.seq_length
+    def __init__(self, config: RunConfig, vocab_size: int, world_size: int, clock=time.perf_counter):
+        training, seq, preset = config.training, config.model.backbone_length(), config.preset()
+        self.tokens_per_iteration = training.global_batch_size * config.model.seq_length
         # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
-        self.flops_per_iteration = t.global_batch_size * train_flops_per_sequence(preset, vocab_size, seq, "full")
-        self.budget_flops_per_sample = train_flops_per_sequence(preset, vocab_size, seq, t.flops_convention)
-        self.peak_flops, self.peak_source = observability.peak_flops(cfg.logging.peak_flops,
-                                                                     cfg.precision.fp8_format is not None)
-        self.timers = observability.make_timers(cfg.logging.timing_log_level)
-        self.world_size, self.total_iterations, self.clock = world_size, t.train_iters, clock
+        self.flops_per_iteration = (training.global_batch_size
+                                    * train_flops_per_sequence(preset, vocab_size, seq, "full"))
+        self.budget_flops_per_sample = train_flops_per_sequence(preset, vocab_size, seq, training.flops_convention)
+        self.peak_flops, self.peak_source = observability.peak_flops(config.logging.peak_flops,
+                                                                     config.precision.fp8_format is not None)
+        self.timers = observability.make_timers(config.logging.timing_log_level)
+        self.world_size, self.total_iterations, self.clock = world_size, training.train_iters, clock
         self.first = self.last = 0
         self.loop_start = self.tick = clock()
 

@@ -33,32 +33,33 @@ from megatron_dllm.training.throughput import ThroughputMeter
 class Trainer:
     """One training run of a resolved RunConfig: model, optimizer, batches, checkpoints, logs."""
 
-    def __init__(self, cfg: RunConfig):
-        cfg = check_flags(cfg)  # every rule against this launch, before any work
-        par = cfg.parallel
-        platform.init_distributed(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                                  par.virtual_pipeline_model_parallel_size, seed=cfg.training.seed)
-        cfg, inputs = prepare_inputs(cfg)  # demo corpus, tokenizer, iterations (validated again), datasets
-        t, log = cfg.training, cfg.logging
-        self.cfg, self.tokenizer = cfg, inputs.tokenizer
-        claim_save_dir(cfg.checkpoint)
-        self.family = build_family(cfg, self.tokenizer)
-        self.meter = ThroughputMeter(cfg, self.tokenizer.vocab_size, dist.get_world_size())
-        built = build_training_model(cfg, self.family, self.tokenizer.vocab_size, self.meter.timers)
-        self.arch, self.config, self.layer_impl = built.arch, built.config, built.layer_impl
+    def __init__(self, config: RunConfig):
+        config = check_flags(config)  # every rule against this launch, before any work
+        parallel = config.parallel
+        platform.init_distributed(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                                  parallel.virtual_pipeline_model_parallel_size, seed=config.training.seed)
+        config, inputs = prepare_inputs(config)  # demo corpus, tokenizer, iterations (validated again), datasets
+        training, logging = config.training, config.logging
+        self.config, self.tokenizer = config, inputs.tokenizer
+        claim_save_dir(config.checkpoint)
+        self.family = build_family(config, self.tokenizer)
+        self.meter = ThroughputMeter(config, self.tokenizer.vocab_size, dist.get_world_size())
+        built = build_training_model(config, self.family, self.tokenizer.vocab_size, self.meter.timers)
+        self.arch, self.transformer_config, self.layer_impl = built.arch, built.transformer_config, built.layer_impl
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
-        self.train_batches, self.valid_batches = build_batches(cfg, self.family, inputs, self.config.sequence_parallel)
-        self.logger = Logger(log.tensorboard_dir, log.metrics_file)
+        self.train_batches, self.valid_batches = build_batches(config, self.family, inputs,
+                                                               self.transformer_config.sequence_parallel)
+        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file)
         if self.meter.peak_flops or platform.HAS_CUDA:  # a CPU has no peak: no MFU line at all
             self.logger.info(f"MFU against {self.meter.peak_source}")
-        self.exits = ExitConditions(t)
-        self.nonfinite = nan_guard.NonFiniteCounter(t.max_consecutive_nonfinite_iters)
-        self.spikes = nan_guard.LossSpikes(t.loss_spike_factor)
-        self.profiler = observability.Profiler(log)
-        write_resolved_config(cfg, log.tensorboard_dir, self.logger)  # beside the logs now
+        self.exits = ExitConditions(training)
+        self.nonfinite = nan_guard.NonFiniteCounter(training.max_consecutive_nonfinite_iters)
+        self.spikes = nan_guard.LossSpikes(training.loss_spike_factor)
+        self.profiler = observability.Profiler(logging)
+        write_resolved_config(config, logging.tensorboard_dir, self.logger)  # beside the logs now
         self._add_wandb()
-        self.ema = EMA(self.model, t.ema_decay) if t.ema_decay is not None else None
-        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, self.ema,
+        self.ema = EMA(self.model, training.ema_decay) if training.ema_decay is not None else None
+        self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, self.ema,
                                          self.identity(), self.train_batches, self.logger)
         self.iteration, self.consumed_samples = self.checkpointer.load()
 
@@ -67,25 +68,25 @@ class Trainer:
         return ModelIdentity.of(self.family, self.arch)
 
     def _add_wandb(self) -> None:
-        log = self.cfg.logging
-        if not log.wandb_project:
+        logging = self.config.logging
+        if not logging.wandb_project:
             return
         if importlib.util.find_spec("wandb") is None:  # checked on every rank: none waits for another
             raise InputError("--wandb-project needs the wandb package (pip install -e '.[wandb]')")
         if self.logger.active:
-            default = os.path.join(self.cfg.checkpoint.save or log.tensorboard_dir or ".", "wandb")
-            self.logger.add_writer(observability.WandbWriter(log, resolved_dict(self.cfg), default))
+            default = os.path.join(self.config.checkpoint.save or logging.tensorboard_dir or ".", "wandb")
+            self.logger.add_writer(observability.WandbWriter(logging, resolved_dict(self.config), default))
 
     # ------------------------------------------------------------------ steps
 
     def train_step(self) -> tuple[float | None, float | None]:
         """One iteration (the shared step); (loss, grad norm), None for a skipped step's norm."""
         loss, grad_norm = step.train_step(self.model, self.optimizer, self.scheduler, self.family,
-                                          self.train_batches, self.consumed_samples, self.cfg,
+                                          self.train_batches, self.consumed_samples, self.config,
                                           self.meter.timers, self.ema)
         self.iteration += 1  # a skipped batch is consumed too; weights and optimizer stay as they were
-        self.consumed_samples += self.cfg.training.global_batch_size
-        if self.cfg.training.check_for_nan_in_loss_and_grad:
+        self.consumed_samples += self.config.training.global_batch_size
+        if self.config.training.check_for_nan_in_loss_and_grad:
             self._count_nonfinite(grad_norm is not None)
         return loss, grad_norm
 
@@ -101,37 +102,37 @@ class Trainer:
             self.profiler.stop()
             self.logger.close()
             kept = (f"the last good weights and optimizer state are saved at iteration {self.iteration}"
-                    if self.cfg.checkpoint.save else "nothing saved (no --save)")
+                    if self.config.checkpoint.save else "nothing saved (no --save)")
             raise nan_guard.NonFiniteStop(
                 f"{self.nonfinite.consecutive} consecutive iterations with a non-finite loss or gradient "
                 f"(up to iteration {self.iteration}, --max-consecutive-nonfinite-iters "
-                f"{self.cfg.training.max_consecutive_nonfinite_iters}); {kept}")
+                f"{self.config.training.max_consecutive_nonfinite_iters}); {kept}")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Validation NELBO per token (exact NLL for AR) over --eval-iters global batches."""
         for chunk in self.model:
             chunk.eval()
-        gbs = self.cfg.training.global_batch_size
-        total = [step.forward_backward(self.model, self.family, self.valid_batches, i * gbs, self.cfg,
+        gbs = self.config.training.global_batch_size
+        total = [step.forward_backward(self.model, self.family, self.valid_batches, i * gbs, self.config,
                                        self.meter.timers, training=False)
-                 for i in range(self.cfg.logging.eval_iters)]
+                 for i in range(self.config.logging.eval_iters)]
         return None if total[0] is None else sum(total) / len(total)
 
     # ------------------------------------------------------------------ loop
 
     def train(self) -> None:
-        cfg, t, log = self.cfg, self.cfg.training, self.cfg.logging
-        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-        iters = t.train_iters
-        self.logger.info(f"family {self.family.name} (loss {self.family.loss_type}) | preset {cfg.model.preset} | "
+        config, training, logging = self.config, self.config.training, self.config.logging
+        tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+        iters = training.train_iters
+        self.logger.info(f"family {self.family.name} (loss {self.family.loss_type}) | preset {config.model.preset} | "
                          f"vocab {self.arch.vocab_size} (padded {self.arch.padded_vocab_size(tp)}) | "
                          f"TP {tp} PP {pp} DP {parallel_state.get_data_parallel_world_size()} | "
                          f"device {platform.device()} | layers {self.layer_impl} | "
-                         f"{iters} iterations of {t.global_batch_size} x {cfg.model.seq_length} tokens | "
-                         f"{self.meter.cumulative_flops(iters * t.global_batch_size):.4g} training FLOPs "
-                         f"({t.flops_convention})")
-        self.checkpointer.check_disk(self.iteration, self.config.bf16)
+                         f"{iters} iterations of {training.global_batch_size} x {config.model.seq_length} tokens | "
+                         f"{self.meter.cumulative_flops(iters * training.global_batch_size):.4g} training FLOPs "
+                         f"({training.flops_convention})")
+        self.checkpointer.check_disk(self.iteration, self.transformer_config.bf16)
         if self.iteration >= iters:  # loaded a checkpoint at (or past) the end: evaluate only
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: evaluating only")
             self._validate()
@@ -144,14 +145,14 @@ class Trainer:
             loss, grad_norm = self.train_step()
             if (mean := self.spikes.check(loss)) is not None:
                 self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
-                                 f"{t.loss_spike_factor:g} x the recent mean {mean:.4f}")
-            if self.iteration % log.log_interval == 0 or self.iteration == iters:
+                                 f"{training.loss_spike_factor:g} x the recent mean {mean:.4f}")
+            if self.iteration % logging.log_interval == 0 or self.iteration == iters:
                 report = self.meter.measure(self.iteration)
                 self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"], grad_norm,
                                   report.rates.tokens_per_s, report.rates.tflops, self.consumed_samples,
                                   self.meter.cumulative_flops(self.consumed_samples), extra_text=report.text,
                                   extra=report.extra, scalars=report.scalars)
-            if log.eval_interval and (self.iteration % log.eval_interval == 0 or self.iteration == iters):
+            if logging.eval_interval and (self.iteration % logging.eval_interval == 0 or self.iteration == iters):
                 self._validate()
                 self.meter.restart_interval(discard_phase_times=True)  # validation's schedule is not training's
             if self.checkpointer.after_iteration(self.iteration, self.consumed_samples):
