@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate
 
 FAMILIES = ("ar", "mdlm", "duo", "esolm")
@@ -33,16 +32,8 @@ VOCAB = 4097
 
 
 def build(family: str, length: int) -> InferenceModel:
-    config = DLLMConfig(family=family, hidden_size=128, num_layers=4, num_heads=4, vocab_size=VOCAB,
-                        mask_token_id=VOCAB - 1, max_position_embeddings=length,
-                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
-    torch.manual_seed(0)
-    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-    return InferenceModel(model.eval(), family, VOCAB - 1, VOCAB, length, None, "random")
+    model = random_dense_model(family, VOCAB, length, hidden_size=128, num_layers=4, num_heads=4, cond_dim=128)
+    return InferenceModel(model, family, VOCAB - 1, VOCAB, length, None, "random")
 
 
 def run(inf: InferenceModel, **cfg) -> dict:

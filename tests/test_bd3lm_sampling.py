@@ -7,8 +7,8 @@ import torch
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
-from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import DLLMForMaskedLM, KVCache
+from megatron_dllm.hf.modeling_dllm import KVCache
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
 from megatron_dllm.sampling.prompt_batch import PromptBatch
 
@@ -18,16 +18,8 @@ PROMPT = [5, 6, 7, 8, 9]  # ends inside the second block: a partial first block 
 
 def model_for(noise: str, seed: int = 0) -> InferenceModel:
     options = {"block_size": BLOCK, "noise": noise}
-    config = DLLMConfig(family="bd3lm", hidden_size=32, num_layers=2, num_heads=2, vocab_size=V,
-                        mask_token_id=MASK, cond_dim=16, max_position_embeddings=L, attention="block_diffusion",
-                        family_options=options)
-    torch.manual_seed(seed)
-    model = DLLMForMaskedLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.3)
-    return InferenceModel(model.double().eval(), "bd3lm", MASK, V, L, None, "hf", family_options=options)
+    model = random_dense_model("bd3lm", V, L, scale=0.3, seed=seed, family_options=options)
+    return InferenceModel(model.double(), "bd3lm", MASK, V, L, None, "hf", family_options=options)
 
 
 def tokens_run(inf):

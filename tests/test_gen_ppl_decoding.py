@@ -6,8 +6,7 @@ import torch.nn.functional as F
 
 from megatron_dllm.evaluation.gen_ppl import generative_perplexity
 from megatron_dllm.evaluation.judge import Judge
-from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, decode
 
 V, EOD, MASK = 40, 1, 39
@@ -25,15 +24,7 @@ class WordTokenizer:
 
 
 def tiny_judge():
-    config = DLLMConfig(family="ar", hidden_size=32, num_layers=1, num_heads=2, vocab_size=V, mask_token_id=MASK,
-                        cond_dim=16, max_position_embeddings=64, attention="causal")
-    torch.manual_seed(0)
-    model = DLLMForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-    return Judge(model.eval(), WordTokenizer(), 64, EOD, [MASK], {})
+    return Judge(random_dense_model("ar", V, 64, num_layers=1), WordTokenizer(), 64, EOD, [MASK], {})
 
 
 def dense_nll(model, ids):

@@ -18,8 +18,7 @@ import torch
 from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
 from megatron_dllm.families import get_family
 from megatron_dllm.families.base import ModelInput
-from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.model.constants import T_EPS
 from megatron_dllm.sampling import InferenceModel
 
@@ -27,16 +26,8 @@ V, MASK = 5, 4  # 4 real ids + [MASK]
 
 
 def tiny(family, vocab=V, length=8, seed=0):
-    config = DLLMConfig(family=family, hidden_size=32, num_layers=1, num_heads=2, vocab_size=vocab,
-                        mask_token_id=vocab - 1, cond_dim=16, max_position_embeddings=length,
-                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
-    torch.manual_seed(seed)
-    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.3)
-    return InferenceModel(model.double().eval(), family, vocab - 1, vocab, length, None, "hf")
+    model = random_dense_model(family, vocab, length, num_layers=1, scale=0.3, seed=seed)
+    return InferenceModel(model.double(), family, vocab - 1, vocab, length, None, "hf")
 
 
 pytestmark = pytest.mark.usefixtures("world_of_one")  # conftest

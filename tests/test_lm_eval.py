@@ -18,20 +18,15 @@ from megatron_dllm.errors import InputError
 from megatron_dllm.hf import export
 from megatron_dllm.hf.configuration_dllm import DLLMConfig
 from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+from megatron_dllm.hf.random_model import random_dense_model
 
 VOCAB, MASK, LENGTH = 4097, 4096, 128
 
 
 def _export(family, out, tokenizer_model):
-    config = DLLMConfig(family=family, hidden_size=32, num_layers=2, num_heads=2, vocab_size=VOCAB,
-                        mask_token_id=MASK, cond_dim=16, max_position_embeddings=LENGTH,
-                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
-    torch.manual_seed(0)
-    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
+    model = random_dense_model(family, VOCAB, LENGTH)
+    config = model.config
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
         # [MASK] is never a training target, so a trained model gives it ~0 probability; lm-eval's
         # hf backend normalises over every id, this class (as the AR family) excludes [MASK]
         model.backbone.output_layer.linear.bias[MASK] = -1e4

@@ -15,8 +15,7 @@ import torch
 from conftest import REPO, run_pretrain
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
-from megatron_dllm.hf.configuration_dllm import DLLMConfig  # noqa: E402
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM  # noqa: E402
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, categorical, decode, generate, get_sampler  # noqa: E402
 
 V, MASK, EOS, L = 33, 32, 0, 24
@@ -25,16 +24,7 @@ PROMPT = [5, 6, 7, 8]
 
 
 def random_model(family, vocab=V, length=L, hidden=32, seed=0):
-    config = DLLMConfig(family=family, hidden_size=hidden, num_layers=2, num_heads=2, vocab_size=vocab,
-                        mask_token_id=vocab - 1, cond_dim=16, max_position_embeddings=length,
-                        attention="causal" if family in ("ar", "esolm") else "bidirectional")
-    torch.manual_seed(seed)
-    model = (DLLMForCausalLM if family == "ar" else DLLMForMaskedLM)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn_like(p) * 0.2)
-    return model.eval()
+    return random_dense_model(family, vocab, length, hidden_size=hidden, seed=seed)
 
 
 @pytest.fixture(scope="module")
