@@ -253,18 +253,40 @@ def _noop():
 _cpu_mode: _CpuDeviceMode | None = None
 
 
+def _import_with_real_cuda(real_cuda: dict, dynamo, run) -> None:
+    """TorchDynamo maps torch.cuda's functions while it is imported and when it first builds its
+    trace rules (cached): both happen with the real functions in place, the CPU stand-ins after."""
+    stand_ins = {module: {name: value for name, value in vars(module).items()
+                          if name in real and real[name] is not value} for module, real in real_cuda.items()}
+    for module, replaced in stand_ins.items():
+        for name in replaced:
+            setattr(module, name, real_cuda[module][name])
+    try:
+        if run is not None:
+            run(dynamo)
+        import torch._dynamo.trace_rules
+
+        torch._dynamo.trace_rules.get_torch_obj_rule_map()
+    finally:
+        for module, replaced in stand_ins.items():
+            for name, value in replaced.items():
+                setattr(module, name, value)
+
+
 def install_cpu_compat() -> None:
     """Make megatron-core run on CPU. Idempotent; does nothing when CUDA is present."""
     global _cpu_mode
     if HAS_CUDA or _cpu_mode is not None:
         return
-    # Import what maps torch.cuda's functions (dynamo's trace rules, megatron) before patching.
-    import torch._dynamo.trace_rules
-
-    torch._dynamo.trace_rules.get_torch_obj_rule_map()  # cached: built from the real functions
+    # What maps torch.cuda's functions must see the real ones: megatron's RNG module is imported
+    # before patching, TorchDynamo whenever something first imports it (`_import_with_real_cuda`).
     from megatron.core.tensor_parallel import random as mcore_random
 
+    from megatron_dllm import lazy_imports
+
     cuda = torch.cuda
+    real_cuda = {module: dict(vars(module)) for module in (cuda, cuda.random)}
+    lazy_imports.around_import("torch._dynamo", functools.partial(_import_with_real_cuda, real_cuda))
     cuda.current_device = lambda: "cpu"
     cuda.device_count = lambda: 1
     cuda.set_device = _noop()

@@ -63,7 +63,7 @@ def save(root: str, iteration: int, state: dict, async_queue=None, on_complete=N
     """
     from megatron.core import dist_checkpointing
 
-    writer_processes.watch()
+    writer_processes.watch(background=async_queue is not None)
     run = writers.run_id()
     staging, final = layout.staging_dir(root, iteration, run), layout.iteration_dir(root, iteration)
     state = {**state, writers.RECORD_KEY: writers.sharded_record()}  # lands in this rank's own shard file

@@ -38,18 +38,21 @@ def _results_server_init() -> None:
     watch_parent("checkpoint results queue")
 
 
-def watch() -> None:
+def watch(background: bool = True) -> None:
     """Make every process megatron-core starts to write a checkpoint die with this rank (once per
     process). Its writer workers are forked (from this rank, or from the --async-save writer): each
-    fork now starts a watch of its parent. Its results queue is served by a manager process that
-    megatron-core (0.16) spawns, in the rank's process group, with neither a watch nor a signal
-    handler: a SIGKILLed rank left it running, and a SIGTERM to the group killed it and crashed the
-    rank's save. It is started here instead, and put into megatron-core's cache."""
+    fork now starts a watch of its parent.
+
+    The results of a synchronous save (`background=False`) are put and taken in the rank itself: a
+    plain in-process queue serves them. Those of a background save come from the forked writer,
+    through a queue served by a manager process that megatron-core (0.16) spawns, in the rank's
+    process group, with neither a watch nor a signal handler: a SIGKILLed rank left it running, and
+    a SIGTERM to the group killed it and crashed the rank's save. It is started here instead, and
+    put into megatron-core's cache. Starting it costs a spawned interpreter that imports torch to
+    read the results (2 to 3 s of CPU per rank), which is why a synchronous save does without."""
     global _watched, _results_manager
-    if _watched:
-        return
-    _watched = True
     import multiprocessing
+    import queue
     from multiprocessing import resource_tracker
     from multiprocessing.managers import SyncManager
 
@@ -57,8 +60,14 @@ def watch() -> None:
 
     from megatron_dllm.parent_watch import watch_forked_children
 
-    watch_forked_children("checkpoint writer")
-    if filesystem_async._results_queue is None:
+    if not _watched:
+        _watched = True
+        watch_forked_children("checkpoint writer")
+    if not background:
+        if filesystem_async._results_queue is None:
+            filesystem_async._results_queue = queue.Queue()
+        return
+    if _results_manager is None:
         # Starting the spawn context's resource tracker unblocks SIGTERM (multiprocessing does so
         # after its own start): have it running first, so the mask below holds while the server starts.
         resource_tracker.ensure_running()
