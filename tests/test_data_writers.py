@@ -19,7 +19,6 @@ from conftest import REPO, tmpfs
 
 from megatron_dllm.data.indexed_dataset import meta_path, open_indexed_dataset, read_metadata, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 
 SP = "SentencePieceTokenizer"
@@ -33,17 +32,6 @@ print("held", flush=True)
 sys.stdin.read()
 lock.release()
 """
-
-
-@pytest.fixture(scope="module")
-def sp_model(demo_cache):
-    return prepare_demo_corpus(demo_cache)["tokenizer_model"]
-
-
-@pytest.fixture(scope="module")
-def paragraphs():
-    text = open(shakespeare_files()[0], encoding="utf-8").read()
-    return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
 def _jsonl(records) -> bytes:
