@@ -44,6 +44,19 @@ def paragraphs() -> list[str]:
     return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
+def tekken_vocab(directory, size: int | None = None) -> str:
+    """mistral_common's tekken vocabulary (its first `size` tokens), written as `directory`/vocab.json."""
+    import mistral_common
+
+    src = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+    with open(src, encoding="utf-8") as f:
+        records = json.load(f)["vocab"]
+    path = os.path.join(str(directory), "vocab.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(records[:size]))
+    return path
+
+
 @pytest.fixture(scope="module")
 def world_of_one():
     """torch.distributed and megatron's parallel state as one process (TP = PP = DP = 1), seeded:
