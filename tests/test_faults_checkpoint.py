@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+from megatron_dllm.cli.chaos_resume import running as _alive
 from megatron_dllm.config import parse_args
 
 RUN = [*TINY_RUN, "--eval-interval", "100", "--eval-iters", "1"]
@@ -257,14 +258,6 @@ def _children(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids += [int(k) for k in f.read().split()]
     return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from conftest import REPO, tmpfs
 
 from megatron_dllm.data.datasets import build_datasets, check_prefix
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
-from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
+from megatron_dllm.data.prep.demo import prepare_demo_corpus
 from megatron_dllm.data.prep.preprocess import preprocess, shard_prefix
 from megatron_dllm.data.tokenizers import build_tokenizer, tokenizer_fingerprint
 
@@ -33,17 +33,6 @@ QUIET = dict(log=lambda m: None)
 
 
 # ---------------------------------------------------------------- helpers and fixtures
-
-
-@pytest.fixture(scope="module")
-def sp_model(demo_cache):
-    return prepare_demo_corpus(demo_cache)["tokenizer_model"]
-
-
-@pytest.fixture(scope="module")
-def paragraphs():
-    text = open(shakespeare_files()[0], encoding="utf-8").read()
-    return [p.strip() for p in text.split("\n\n") if p.strip()]  # ~1100 short documents
 
 
 def _jsonl(records, key="text") -> bytes:

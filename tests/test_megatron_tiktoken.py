@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+from conftest import tekken_vocab
 
 from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord, recorded_tokenizer_config
 from megatron_dllm.cli.preprocess_data import main as preprocess_main
@@ -26,14 +27,7 @@ RECORDED = json.load(open(os.path.join(DATA, "recorded.json")))
 
 @pytest.fixture(scope="module")
 def vocab(tmp_path_factory):
-    import mistral_common
-
-    src = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
-    with open(src, encoding="utf-8") as f:
-        records = json.load(f)["vocab"]
-    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
-    path.write_text(json.dumps(records), encoding="utf-8")
-    return str(path)
+    return tekken_vocab(tmp_path_factory.mktemp("vocab"))
 
 
 @pytest.fixture(scope="module")

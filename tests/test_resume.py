@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
-from megatron_dllm.cli.chaos_resume import children as _children
+from megatron_dllm.cli.chaos_resume import signal_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -50,27 +50,6 @@ def full(demo_cache, tmp_path_factory):
     return work / "ckpt", records
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL torchrun and its workers (which torchrun starts in sessions of their own), as a
-    node failure would: every process group in the tree at once."""
-    tree, todo = [pid], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        tree += kids
-        todo += kids
-    groups = set()
-    for p in tree:
-        try:
-            groups.add(os.getpgid(p))
-        except ProcessLookupError:
-            pass
-    for group in groups:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _copy_checkpoint(src, iteration, dst):
     dst.mkdir()
     shutil.copytree(src / f"iter_{iteration:07d}", dst / f"iter_{iteration:07d}")
@@ -91,12 +70,12 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
         while proc.poll() is None and time.time() < deadline:
             caught = condition()
             if caught:
-                _kill_tree(proc.pid)
+                signal_tree(proc.pid, signal.SIGKILL)  # a node failure: the whole tree at once
                 break
             time.sleep(0.001)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            signal_tree(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
     return caught

@@ -99,6 +99,15 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (an ended child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def process_tree(pid: int) -> list[int]:
     tree, todo = [pid], [pid]
     while todo:

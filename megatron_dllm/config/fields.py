@@ -25,6 +25,11 @@ def flag(default: Any = None, help: str | None = None, **argparse_kwargs) -> Any
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+
+def switch(help: str) -> Any:
+    """A --x / --no-x flag; absent, the field is None (its consumer's default)."""
+    return flag(action=argparse.BooleanOptionalAction, help=help)
+
 class FlagGroup:
     """Mixin for frozen config dataclasses whose fields are flags."""
 

@@ -1,10 +1,9 @@
 """What model is trained: family, size, layer implementation, precision."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int
+from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, switch
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
@@ -70,21 +69,16 @@ class ModelConfig(FlagGroup):
                                                                     "or recomputed layers per stage (block)")
     # Megatron-LM's fusion flags (it spells the --no- forms; both forms here, absent = the platform's
     # default) and the DiT's own compiled regions; their meanings: model/fusion.py.
-    bias_gelu_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
-                                         help="the MLP's bias + tanh-GELU as megatron-core's fused kernel "
-                                              "(default: on with CUDA, off on CPU)")
-    bias_dropout_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
-                                            help="the MLP's bias added inside the bias + gate + residual region "
-                                                 "(no dropout in the DiT; default on)")
-    masked_softmax_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
-                                              help="--attention-backend local: apex's fused scale + mask + softmax "
-                                                   "(default: on where apex's kernels are installed)")
-    rope_fusion: bool | None = flag(action=argparse.BooleanOptionalAction,
-                                    help="TransformerEngine's fused RoPE: not for the DiT's per-sample positions "
-                                         "(--no-rope-fusion is accepted, --rope-fusion is an error)")
-    compile_elementwise: bool | None = flag(action=argparse.BooleanOptionalAction,
-                                            help="torch.compile the DiT's LayerNorm + modulation and bias + gate + "
-                                                 "residual (default: on with CUDA, off on CPU)")
+    bias_gelu_fusion: bool | None = switch("the MLP's bias + tanh-GELU as megatron-core's fused kernel "
+                                           "(default: on with CUDA, off on CPU)")
+    bias_dropout_fusion: bool | None = switch("the MLP's bias added inside the bias + gate + residual region "
+                                              "(no dropout in the DiT; default on)")
+    masked_softmax_fusion: bool | None = switch("--attention-backend local: apex's fused scale + mask + softmax "
+                                                "(default: on where apex's kernels are installed)")
+    rope_fusion: bool | None = switch("TransformerEngine's fused RoPE: not for the DiT's per-sample positions "
+                                      "(--no-rope-fusion is accepted, --rope-fusion is an error)")
+    compile_elementwise: bool | None = switch("torch.compile the DiT's LayerNorm + modulation and bias + gate + "
+                                              "residual (default: on with CUDA, off on CPU)")
 
     def recompute(self) -> dict:
         """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them (the

@@ -26,7 +26,7 @@ import os
 
 import yaml
 
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, read_text
 
 RESOLVED_NAME = "run_config.yaml"
 LAUNCH = "launch"  # the resolved file's record of how the run was launched: not flags
@@ -45,16 +45,7 @@ class YamlFile:
 
     def __init__(self, path: str, what: str | None = "--yaml-cfg"):
         self.path, self.what = path, what
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as err:
-            raise InputError(f"{self.at(None)}: cannot read it ({err.strerror or err})") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:  # a binary file: yaml would report it without its name
-            line = raw[:err.start].count(b"\n") + 1
-            raise InputError(f"{self.at(line)}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x})") from None
+        text = read_text(path, self.at)
         self._loader = yaml.SafeLoader(text)
         try:
             self.root = self._loader.get_single_node()

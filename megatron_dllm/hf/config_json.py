@@ -3,24 +3,16 @@ from __future__ import annotations
 
 import json
 
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, read_text
 
 
 def read_config_json(path: str, flag: str, dllm: bool = True) -> dict:
     """The settings in `path` (a config.json of a dllm export, or with `dllm=False` any model's);
     ValueError `{flag} PATH[:LINE]: ...` for a file that cannot be read, is not UTF-8 JSON, not an
     object, or not a dllm model's."""
+    text = read_text(path, lambda line: f"{flag} {path}" + (f":{line}" if line else ""))
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as err:
-        raise InputError(f"{flag} {path}: cannot read it ({err.strerror or err})") from None
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        line = raw[:err.start].count(b"\n") + 1
-        raise InputError(f"{flag} {path}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}, "
-                         f"line {line})") from None
+        config = json.loads(text)
     except json.JSONDecodeError as err:
         raise InputError(f"{flag} {path}: not valid JSON ({err.msg} at line {err.lineno}, "
                          f"column {err.colno})") from None

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from . import categorical
+from .approx_kv_cache import BlockDenoiser
+from .blocks import block_spans, each_block, end_at_eos
 from .config import SamplingConfig
 from .deps import InputError
 from .prompt_batch import PromptBatch
@@ -141,6 +143,22 @@ class Sampler:
                 going &= last != self.eos_id
             rows, pos, last = rows[going], pos[going] + 1, last[going]
         return out
+
+    def batch_blocks(self, batch, x: torch.Tensor, real: torch.Tensor):
+        """Block-wise decoding of a `PromptBatch`'s canvas `x` (positions `real`): yields each block
+        in turn as (rows, span, denoiser): the rows that reach it, their (lo, hi) per row and the
+        denoiser, its cache started for the block. Once the caller has decoded the block, a row whose
+        block holds an EOS ends there (stop_at_eos)."""
+        plen = batch.prompt_lengths().tolist()
+        spans = [block_spans(p, n, self.cfg.block_length) for p, n in zip(plen, batch.lengths)]
+        denoiser = BlockDenoiser(self.model, self.cfg.approx_kv_cache, x, real)
+        ended = [False] * batch.size
+        for k, rows in each_block(spans, ended):
+            span = {r: spans[r][k] for r in rows}
+            denoiser.start_block(rows)
+            yield rows, span, denoiser
+            for r in rows:
+                ended[r] = self.cfg.stop_at_eos and end_at_eos(x, r, *span[r], batch.lengths[r], self.eos_id)
 
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         raise NotImplementedError

@@ -22,9 +22,7 @@ import math
 import torch
 
 from . import categorical
-from .approx_kv_cache import BlockDenoiser
 from .base import Sampler
-from .blocks import block_spans, each_block, end_at_eos
 
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
@@ -98,13 +96,8 @@ class DuoSampler(Sampler):
                 return self.batch_logits(x, real, rows, alphas)[torch.arange(len(rows), device=x.device), pos]
 
             return self.fill_batch_left_to_right(batch, next_logits)
-        spans = [block_spans(p, n, self.cfg.block_length) for p, n in zip(plen, lengths)]
-        denoiser = BlockDenoiser(self.model, self.cfg.approx_kv_cache, x, real)
-        ended = [False] * batch.size
         ts = self.timesteps()
-        for k, rows in each_block(spans, ended):
-            span = {r: spans[r][k] for r in rows}
-            denoiser.start_block(rows)
+        for rows, span, denoiser in self.batch_blocks(batch, x, real):
             for t, s in zip(ts[:-1], ts[1:]):
                 a_t, a_s = self.alpha(t), self.alpha(s)
                 logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
@@ -116,5 +109,4 @@ class DuoSampler(Sampler):
             logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
             for r in rows:  # greedy tail
                 x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
-                ended[r] = self.cfg.stop_at_eos and end_at_eos(x, r, span[r][0], span[r][1], lengths[r], self.eos_id)
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

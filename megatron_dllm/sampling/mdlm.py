@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import categorical
-from .approx_kv_cache import BlockDenoiser
 from .base import Sampler
-from .blocks import block_spans, each_block, end_at_eos
 
 
 def ancestral(sampler: Sampler, x: torch.Tensor, denoise, generator: torch.Generator) -> torch.Tensor:
@@ -76,13 +74,8 @@ class MDLMSampler(Sampler):
                 return self.batch_logits(x, real, rows)[torch.arange(len(rows), device=x.device), pos]
 
             return self.fill_batch_left_to_right(batch, next_logits)
-        spans = [block_spans(int(p), n, self.cfg.block_length) for p, n in zip(plen, batch.lengths)]
-        denoiser = BlockDenoiser(self.model, self.cfg.approx_kv_cache, x, real)
-        ended = [False] * batch.size
         ts = self.timesteps()
-        for k, rows in each_block(spans, ended):
-            span = {r: spans[r][k] for r in rows}
-            denoiser.start_block(rows)
+        for rows, span, denoiser in self.batch_blocks(batch, x, real):
             p_x0: dict[int, torch.Tensor] = {}  # per row, as `sample` keeps it
             for t, s in zip(ts[:-1], ts[1:]):
                 live = [r for r in rows if self.block_masks(x, r, span).any()]
@@ -101,9 +94,6 @@ class MDLMSampler(Sampler):
             self.denoise_block(x, denoiser, [r for r in left if r not in p_x0], span, p_x0)
             for r in left:  # greedy final step at t = 1e-5
                 x[r, span[r][0]:span[r][1]][self.block_masks(x, r, span)] = p_x0[r].argmax(-1)
-            for r in rows:
-                ended[r] = self.cfg.stop_at_eos and end_at_eos(x, r, span[r][0], span[r][1], batch.lengths[r],
-                                                               self.eos_id)
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
 
     def block_masks(self, x: torch.Tensor, r: int, span: dict) -> torch.Tensor:
