@@ -93,13 +93,14 @@ class GPTBackbone(GPTModel):
         self.padded_vocab_size = padded_vocab_size
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                sigma: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, position_ids: [b, s]; sigma is ignored (no time conditioning). Returns logits
-        [s, b, V/tp] on the last stage, hidden states [s, b, h] elsewhere."""
+                sigma: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, position_ids: [b, s]; sigma is ignored (no time conditioning); attention_mask as
+        the DiT's (None: the layer spec's layout). Returns logits [s, b, V/tp] on the last stage,
+        hidden states [s, b, h] elsewhere."""
         del sigma
         x = self.embedding(input_ids=input_ids, position_ids=position_ids) if self.pre_process else None
         rotary = self.rotary_freqs(position_ids) if self.position_embedding_type == "rope" else None
-        x = self.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=rotary)
+        x = self.decoder(hidden_states=x, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return x
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
