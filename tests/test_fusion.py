@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import FAMILIES, MASK_ID, VOCAB, batch, build, rel_diff, train_step
+from attention_cases import FAMILIES, MASK_ID, OPTIONS, VOCAB, batch, build, rel_diff, train_step
 from megatron.core.transformer import mlp as megatron_mlp
 
 from megatron_dllm import platform
@@ -32,7 +32,7 @@ def distributed():
 
 def compare(name: str, fusion: Fusion, recompute: dict | None = None, reference_fault=None) -> dict:
     """One training step of the eager model and of the fused one, same weights and batch."""
-    family = get_family(name, MASK_ID, VOCAB)
+    family = get_family(name, MASK_ID, VOCAB, **OPTIONS.get(name, {}))
     inp = batch(family)
     eager = build(family.attention, "local", recompute=recompute)
     fused = build(family.attention, "local", recompute=recompute, fusion=fusion)

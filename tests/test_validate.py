@@ -61,6 +61,8 @@ CASES = [
     ("backbone", ["--swiglu"], None, True, "--swiglu applies to --backbone gpt (this run trains the DiT)"),
     ("backbone", ["--backbone", "gpt", "--num-query-groups", "2"], None, True,
      "--num-query-groups needs --group-query-attention"),
+    ("family_loss", ["--family", "esolm", "--loss", "sequential"], None, False,
+     "--loss sequential is not available for --family esolm"),
     ("family_loss", ["--family", "ar", "--loss", "low-var"], None, False,
      "--loss low-var is not available for --family ar; valid: nll"),
     ("family_loss", ["--family", "duo", "--loss", "low-var"], None, False,
