@@ -58,6 +58,8 @@ CASES = [
     ("family_settings", ["--family", "bd3lm", "--block-size", "5", "--seq-length", "128"], None, False,
      "--block-size 5 must divide --seq-length 128"),
     ("family_settings", ["--family", "ar", "--shift"], None, False, "--shift applies to --family mdlm, not ar"),
+    ("family_settings", ["--family", "bd3lm", "--block-size", "4", "--sampling-eps-min", "0.6",
+                         "--sampling-eps-max", "0.5"], None, False, "need 0 < min <= max <= 1"),
     ("backbone", ["--swiglu"], None, True, "--swiglu applies to --backbone gpt (this run trains the DiT)"),
     ("backbone", ["--backbone", "gpt", "--num-query-groups", "2"], None, True,
      "--num-query-groups needs --group-query-attention"),

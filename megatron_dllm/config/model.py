@@ -41,6 +41,9 @@ class ModelConfig(FlagGroup):
             raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
         if self.seq_length and self.seq_length % self.block_size:
             raise InputError(f"--block-size {self.block_size} must divide --seq-length {self.seq_length}")
+        if not 0 < self.sampling_eps_min <= self.sampling_eps_max <= 1:
+            raise InputError(f"--sampling-eps-min {self.sampling_eps_min} --sampling-eps-max {self.sampling_eps_max}: "
+                             f"need 0 < min <= max <= 1")
         return {"block_size": self.block_size, "noise": self.noise,
                 "sampling_eps_min": self.sampling_eps_min, "sampling_eps_max": self.sampling_eps_max}
     preset: str | None = flag(help=f"model size: {', '.join([*PRESETS, *ALIASES])}; default cpu-small on the "

@@ -68,7 +68,7 @@ class BD3LM(Family):
             raise InputError(f"--family bd3lm needs --block-size, a positive number of tokens (got {block_size})")
         if noise not in NOISES:
             raise InputError(f"--noise {noise!r}: choose one of {', '.join(NOISES)}")
-        if not 0 < sampling_eps_min <= sampling_eps_max <= 1:  # cross-flag rule
+        if not 0 < sampling_eps_min <= sampling_eps_max <= 1:  # a run's flags: validate() refuses them first
             raise InputError(f"--sampling-eps-min {sampling_eps_min} --sampling-eps-max {sampling_eps_max}: "
                              f"need 0 < min <= max <= 1")
         self.block_size, self.noise = block_size, noise
@@ -77,7 +77,7 @@ class BD3LM(Family):
         self.schedule = self.inner.schedule
 
     def num_blocks(self, length: int) -> int:
-        if length % self.block_size:  # cross-flag rule (--seq-length, --block-size)
+        if length % self.block_size:  # a run's --seq-length: validate() refuses it first
             raise InputError(f"--block-size {self.block_size} must divide the sequence length ({length})")
         return length // self.block_size
 
