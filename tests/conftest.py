@@ -98,21 +98,47 @@ def launch_env(nproc: int) -> dict:
     return env
 
 
+_server = None  # the session's prewarmed server (tests/prewarmed.py), started on first use
+
+
+def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):
+    """`python SCRIPT ARGS...` (nproc = 1) or `torchrun --standalone --nproc-per-node NPROC SCRIPT
+    ARGS...`, capturing text output like `subprocess.run`, started from the prewarmed server (which
+    has imported torch and megatron-core already) where the environment allows; a plain process
+    where it does not, or with DLLM_TEST_PREWARMED=0."""
+    global _server
+    if os.environ.get("DLLM_TEST_PREWARMED", "1") != "0":
+        from prewarmed import Server
+
+        if _server is None:
+            _server = Server(launch_env(1))
+        if _server.serves(env):
+            return (_server.run(argv, cwd, env, timeout) if nproc == 1 else
+                    _server.launch(nproc, argv, cwd, env, timeout))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run([sys.executable, *launcher, *argv], cwd=str(cwd), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_prewarmed_server():
+    yield
+    if _server is not None:
+        _server.close()
+
+
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
-    """Run pretrain_dllm.py under torchrun (one process: directly, with the environment torchrun
-    would give it, which saves torchrun's 3 s); returns (completed process, metrics JSON lines)."""
+    """Run pretrain_dllm.py as `torchrun --nproc-per-node NPROC` would (one process: with the
+    environment torchrun would give it); returns (completed process, metrics JSON lines)."""
     metrics = os.path.join(str(workdir), f"metrics-{len(os.listdir(str(workdir)))}.jsonl")
     script = [os.path.join(REPO, "pretrain_dllm.py"), *args, "--metrics-file", metrics]
     env = launch_env(nproc)
-    # Ports are chosen by the process that listens on them (port 0), never handed over from here:
-    # a port found free here can be taken by a concurrent launch before the child binds it.
     if nproc == 1:
-        cmd = [sys.executable, *script]
+        # Ports are chosen by the process that listens on them (port 0), never handed over from
+        # here: a port found free here can be taken by a concurrent launch before the child binds it.
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
-    proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_python(script, workdir, env, timeout, nproc)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain_dllm.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
