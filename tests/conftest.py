@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -99,25 +100,47 @@ def launch_env(nproc: int) -> dict:
 
 
 _server = None  # the session's prewarmed server (tests/prewarmed.py), started on first use
+_server_lock = threading.Lock()
+
+
+def _prewarmed(env: dict):
+    """The session's prewarmed server if it can start a process with `env`, else None."""
+    global _server
+    if os.environ.get("DLLM_TEST_PREWARMED", "1") == "0":
+        return None
+    from prewarmed import Server
+
+    with _server_lock:  # tests launch from threads too
+        if _server is None:
+            _server = Server(launch_env(1))
+    return _server if _server.serves(env) else None
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):
-    """`python SCRIPT ARGS...` (nproc = 1) or `torchrun --standalone --nproc-per-node NPROC SCRIPT
-    ARGS...`, capturing text output like `subprocess.run`, started from the prewarmed server (which
-    has imported torch and megatron-core already) where the environment allows; a plain process
-    where it does not, or with DLLM_TEST_PREWARMED=0."""
-    global _server
-    if os.environ.get("DLLM_TEST_PREWARMED", "1") != "0":
-        from prewarmed import Server
-
-        if _server is None:
-            _server = Server(launch_env(1))
-        if _server.serves(env):
-            return (_server.run(argv, cwd, env, timeout) if nproc == 1 else
-                    _server.launch(nproc, argv, cwd, env, timeout))
+    """`python SCRIPT ARGS...` or `python -c CODE ARGS...` (nproc = 1), or `torchrun --standalone
+    --nproc-per-node NPROC SCRIPT ARGS...`, capturing text output like `subprocess.run`: started from
+    the prewarmed server (tests/prewarmed.py: torch and megatron-core already imported) where the
+    environment allows, as a plain process where it does not or with DLLM_TEST_PREWARMED=0."""
+    server = _prewarmed(env)
+    if server is not None:
+        return server.run(argv, cwd, env, timeout) if nproc == 1 else server.launch(nproc, argv, cwd, env, timeout)
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.run([sys.executable, *launcher, *argv], cwd=str(cwd), env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def popen_python(argv: list[str], cwd, env: dict, stdout, stderr=None, stdin=subprocess.DEVNULL,
+                 start_new_session: bool = False):
+    """`subprocess.Popen([sys.executable, *argv], ...)` left running, from the prewarmed server
+    where `run_python` would use it. stdout and stderr are open files (stderr None: stdout's)."""
+    stderr = stdout if stderr is None else stderr
+    server = _prewarmed(env)
+    if server is None:
+        return subprocess.Popen([sys.executable, *argv], cwd=str(cwd), env=env, stdin=stdin, stdout=stdout,
+                                stderr=stderr, start_new_session=start_new_session)
+    with open(os.devnull) as null:
+        return server.popen(argv, cwd, env, null if stdin == subprocess.DEVNULL else stdin, stdout, stderr,
+                            start_new_session)
 
 
 @pytest.fixture(scope="session", autouse=True)

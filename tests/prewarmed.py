@@ -89,20 +89,27 @@ def _serve(path: str) -> dict:
 
 
 def _run_child(request: dict) -> None:
-    """Become the launched program: `python SCRIPT ARGS...` from here on."""
+    """Become the launched program, `python SCRIPT ARGS...` or `python -c CODE ARGS...`, from here on."""
     import runpy
 
+    if request["new_session"]:
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as the interpreter sets it for a script
+    argv = request["argv"]
     # Python's streams were built on the server's fds; rebuild them on the ones handed over.
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")  # as the interpreter sets it for -c
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as the interpreter sets it for a script
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 class PrewarmedProcess:
@@ -168,11 +175,15 @@ class Server:
     def serves(self, env: dict) -> bool:
         return all(env.get(k) == self.env.get(k) for k in READ_AT_IMPORT)
 
-    def popen(self, argv: list[str], cwd, env: dict, stdin=None, stdout=None, stderr=None) -> PrewarmedProcess:
+    def popen(self, argv: list[str], cwd, env: dict, stdin, stdout, stderr, start_new_session: bool = False
+              ) -> PrewarmedProcess:
+        """`subprocess.Popen([sys.executable, *argv], ...)`; stdin, stdout and stderr are open files
+        (or fds) the child gets as its own."""
         fds = [f if isinstance(f, int) else f.fileno() for f in (stdin, stdout, stderr)]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        socket.send_fds(conn, [json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()], fds)
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "new_session": start_new_session}
+        socket.send_fds(conn, [json.dumps(request).encode()], fds)
         return PrewarmedProcess(conn, argv)
 
     def run(self, argv: list[str], cwd, env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:

@@ -11,12 +11,10 @@
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import launch_env
+from conftest import launch_env, run_python
 from test_parallel_equivalence import SMALL, run_worker
 
 from megatron_dllm.errors import InputError
@@ -111,9 +109,8 @@ def test_import_keeps_the_tokenizer_and_appends_mask(tmp_path, world_of_one, cap
 def test_imported_checkpoints_equal_transformers_at_tp2_and_pp2(tmp_path):
     dirs = [tiny_hf("llama", tmp_path), tiny_hf("qwen2", tmp_path)]
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "pretrained_ar_worker.py"), str(out), *dirs]
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=launch_env(2), capture_output=True, text=True, timeout=600)
+    proc = run_python([os.path.join(HERE, "pretrained_ar_worker.py"), str(out), *dirs], tmp_path, launch_env(2), 600,
+                      nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads(out.read_text())
     for hf in dirs:
