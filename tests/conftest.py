@@ -1,5 +1,5 @@
 """Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
-megatron's world of one, the flags of a tiny training run, a torchrun launcher, and small file
+megatron's world of one, the flags of a tiny training run, torchrun launchers, and small file
 systems of their own (read-only, full) for fault injection."""
 from __future__ import annotations
 
@@ -96,6 +96,18 @@ def launch_env(nproc: int) -> dict:
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
+
+
+def run_worker_on_two_ranks(worker: str, workdir, *args: str, timeout: int = 300):
+    """Launch `tests/{worker}` on two ranks as `worker RESULT_JSON *args` in `workdir`; returns the
+    JSON it wrote, or fails the test with the output's tail."""
+    out = os.path.join(str(workdir), "result.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(REPO, "tests", worker), out, *args]
+    proc = subprocess.run(cmd, cwd=str(workdir), env=launch_env(2), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        return json.load(f)
 
 
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
