@@ -149,8 +149,8 @@ def main():
         print(f"## {title}: {args.batch} prompts ({args.min_prompt}-{args.max_prompt} tokens), context "
               f"{args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
               f"torch threads {args.threads}")
-        compare = compare_static_caches if args.caches == "static" else compare_approx_caches
-        results = compare(prompts, seeds, tokens, args)
+        compare_caches = compare_static_caches if args.caches == "static" else compare_approx_caches
+        results = compare_caches(prompts, seeds, tokens, args)
         harness.write_json(args, prompt_lengths=lengths, results=results)
         return
     print(f"## batch {args.batch} (prompts {args.min_prompt}-{args.max_prompt} tokens) vs {args.batch} batch-1 calls, "
