@@ -1,5 +1,5 @@
 """Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
-megatron's world of one, the flags of a tiny training run, a torchrun launcher, and small file
+megatron's world of one, the flags of a tiny training run, torchrun launchers, and small file
 systems of their own (read-only, full) for fault injection."""
 from __future__ import annotations
 
@@ -148,6 +148,16 @@ def _close_prewarmed_server():
     yield
     if _server is not None:
         _server.close()
+
+
+def run_worker_on_two_ranks(worker: str, workdir, *args: str, timeout: int = 300):
+    """Launch `tests/{worker}` on two ranks as `worker RESULT_JSON *args` in `workdir`; returns the
+    JSON it wrote, or fails the test with the output's tail."""
+    out = os.path.join(str(workdir), "result.json")
+    proc = run_python([os.path.join(REPO, "tests", worker), out, *args], workdir, launch_env(2), timeout, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        return json.load(f)
 
 
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
