@@ -1,0 +1,137 @@
+"""Hugging Face export, re-import and sampling of the GPT (Llama-style) backbone, in process on
+random-weight models that transformers itself builds (tests/test_gpt_backbone.py's `tiny_hf`),
+imported as megatron checkpoints with tools/convert_from_hf.py:
+
+- family ar exports as transformers' own LlamaForCausalLM / Qwen2ForCausalLM (no remote code) and
+  the diffusion families as modeling_dllm's dense GPT (remote code with `generate`); both give the
+  megatron model's logits (fp32, 1e-5 relative), Eso-LM at permuted positions;
+- convert_from_hf.py on the export gives back the same megatron tensors, bit for bit;
+- the checkpoint's tokenizer travels with the export and back;
+- an export's `generate` and tools/sample.py on the megatron checkpoint draw the same samples.
+"""
+import json
+import os
+
+import pytest
+import torch
+from test_gpt_backbone import tiny_hf
+
+V = 101  # tiny_hf's 100 rows + the appended [MASK]
+CASES = [("llama", "ar"), ("qwen2", "ar"), ("llama", "mdlm"), ("qwen2", "duo"), ("llama", "esolm")]
+
+
+def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megatron_dllm.cli import convert_from_hf
+
+    hf = tiny_hf(kind, root)
+    if tokenizer:  # a word-level tokenizer of the model's 100 rows, EOS last
+        vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
+        words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        words.save(os.path.join(hf, "tokenizer.json"))
+        with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
+            json.dump({"eos_token": "</s>"}, f)
+    save = str(root / f"{kind}-{family}")
+    assert convert_from_hf.main(["--hf", hf, "--save", save, "--family", family, "--seq-length", "16"]) == 0
+    return save
+
+
+def _megatron_tensors(path: str) -> dict:
+    from megatron_dllm.hf import export
+
+    model, identity, _, _ = export.load_megatron_model(path)
+    return {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}, model, identity
+
+
+@pytest.mark.parametrize("kind,family", CASES)
+def test_export_equals_megatron_and_reimports_exactly(kind, family, tmp_path, world_of_one, capsys):
+    import transformers
+
+    from megatron_dllm.cli import convert_from_hf, convert_to_hf
+
+    ckpt = _import(kind, family, tmp_path)
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", ckpt, "--out", out]) == 0
+    tensors, model, identity = _megatron_tensors(ckpt)
+    files = set(os.listdir(out))
+    if family == "ar":  # transformers' own architecture, no python file shipped
+        assert files == {"config.json", "model.safetensors"}
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind]
+        assert hf.config.mask_token_id == identity.mask_id
+    else:
+        assert {"modeling_dllm.py", "hf_generation.py"} <= files
+        hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True,
+                                                               dtype=torch.float32).eval()
+        assert hf.config.family == family and hf.config.gpt == identity.gpt
+    assert hf.config.vocab_size == V
+    gen = torch.Generator().manual_seed(1)
+    b, s = 3, 16
+    ids = torch.randint(0, V, (b, s), generator=gen)
+    pos = torch.arange(s).expand(b, s)
+    if family == "esolm":  # the shuffled order at the original positions, causal over that order
+        pos = torch.stack([torch.randperm(s, generator=gen) for _ in range(b)])
+    with torch.no_grad():
+        ref = model(ids, pos, torch.full((b,), 0.7)).transpose(0, 1)[..., :V]
+        got = hf(input_ids=ids, position_ids=pos).logits
+    assert ref.abs().max() > 0.5  # not a degenerate comparison
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+    back = str(tmp_path / "back")
+    assert convert_from_hf.main(["--hf", out, "--save", back, "--family", family]) == 0
+    again, _, identity_again = _megatron_tensors(back)
+    assert identity_again == identity
+    assert sorted(again) == sorted(tensors)
+    for name, value in tensors.items():
+        assert torch.equal(again[name], value), name
+    capsys.readouterr()
+
+
+def test_tokenizer_travels_with_the_export(tmp_path, world_of_one):
+    """The imported tokenizer.json (with [MASK] appended) is exported by default and imported back
+    with the same vocabulary and [MASK]."""
+    import transformers
+    from megatron.core import dist_checkpointing
+
+    from megatron_dllm.checkpoint import locate
+    from megatron_dllm.cli import convert_from_hf, convert_to_hf
+
+    ckpt = _import("llama", "ar", tmp_path, tokenizer=True)
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", ckpt, "--out", out]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.mask_token, tok.mask_token_id, len(tok)) == ("[MASK]", V - 1, V)
+    assert tok.encode("w3 w7 </s>", add_special_tokens=False) == [3, 7, 99]
+    back = str(tmp_path / "back")
+    assert convert_from_hf.main(["--hf", out, "--save", back]) == 0
+    identity = dist_checkpointing.load_common_state_dict(locate(back, None).path)["identity"]
+    assert (identity["vocab_size"], identity["mask_id"]) == (V, V - 1)
+
+
+def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_one):
+    """An MDLM export's `generate` (remote code) equals megatron_dllm's sampler on the megatron
+    checkpoint; tools/sample.py runs on the checkpoint for MDLM and AR (KV cache on)."""
+    import transformers
+
+    from megatron_dllm.cli import convert_to_hf, sample
+    from megatron_dllm.sampling import SamplingConfig, generate, load_inference_model
+
+    ckpt = _import("llama", "mdlm", tmp_path)
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", ckpt, "--out", out]) == 0
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    got = hf.generate(num_return_sequences=3, max_new_tokens=12, steps=6, seed=0)
+    inf = load_inference_model(ckpt)
+    want = generate(inf, SamplingConfig(steps=6, seq_length=12), num_samples=3, seed=0)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert not (want == inf.mask_id).any() and len(set(want.flatten().tolist())) > 3
+
+    ar = _import("qwen2", "ar", tmp_path, tokenizer=True)  # AR samples start after its EOS
+    for load in (ckpt, ar):
+        record = tmp_path / f"{os.path.basename(load)}.json"
+        assert sample.main(["--load", load, "--num-samples", "2", "--steps", "4", "--seq-length", "10",
+                            "--device", "cpu", "--output", str(record)]) == 0
+        tokens = torch.tensor(json.loads(record.read_text())["tokens"])
+        assert tokens.shape == (2, 10) and not (tokens == V - 1).any()
