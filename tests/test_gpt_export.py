@@ -135,3 +135,43 @@ def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_on
                             "--device", "cpu", "--output", str(record)]) == 0
         tokens = torch.tensor(json.loads(record.read_text())["tokens"])
         assert tokens.shape == (2, 10) and not (tokens == V - 1).any()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_flops_and_parameters_of_the_gpt_backbone(kind, tmp_path, world_of_one):
+    """The `full` FLOPs convention equals FlopCounterMode on a forward pass of the megatron model
+    and of the exported dense model (GQA, SwiGLU; tied and untied); the parameter count equals
+    transformers' own model's, and the released presets' counts are the published ones."""
+    import transformers
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_dllm.cli import convert_to_hf
+    from megatron_dllm.hf import export, load_export
+    from megatron_dllm.model.params import count_parameters
+    from megatron_dllm.model.presets import get_preset, gpt_shape_of
+    from megatron_dllm.scaling.flops import forward_flops_per_sequence
+
+    ckpt = _import(kind, "mdlm", tmp_path)
+    model, identity, _, arch = export.load_megatron_model(ckpt)
+    assert convert_to_hf.main(["--load", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    dense = load_export.load_model(str(tmp_path / "hf")).eval()
+    b, s = 2, 16
+    ids = torch.randint(0, V, (b, s))
+    pos = torch.arange(s).expand(b, s)
+    full = forward_flops_per_sequence(arch.preset, V, s, "full", arch.gpt)
+    for name, forward in (("megatron", lambda: model(ids, pos, None)), ("dense", lambda: dense(input_ids=ids))):
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+            forward()
+        padding = 2 * b * s * arch.preset.hidden_size * (arch.padded_vocab_size(1) - V) if name == "megatron" else 0
+        assert counter.get_total_flops() == b * full + padding, name
+    calflops = forward_flops_per_sequence(arch.preset, V, s, "calflops", arch.gpt)
+    assert full - calflops == arch.preset.num_layers * 4 * s * s * arch.preset.hidden_size  # attention only
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / kind))  # tiny_hf's model
+    counted = count_parameters(arch.preset, 100, arch.gpt)
+    assert counted["params"] == reference.num_parameters()
+    assert counted["non_embedding_params"] == reference.num_parameters() - 100 * arch.preset.hidden_size
+    # SmolLM2-135M and Qwen2.5-0.5B as their model cards count them (vocabularies as released)
+    assert count_parameters(get_preset("smollm2-135m"), 49152, gpt_shape_of("smollm2-135m"))["params"] == 134515008
+    assert count_parameters(get_preset("qwen2.5-0.5b"), 151936, gpt_shape_of("qwen2.5-0.5b"))["params"] == 494032768
