@@ -112,7 +112,8 @@ def test_tokenizer_travels_with_the_export(tmp_path, world_of_one):
 
 def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_one):
     """An MDLM export's `generate` (remote code) equals megatron_dllm's sampler on the megatron
-    checkpoint; tools/sample.py runs on the checkpoint for MDLM and AR (KV cache on)."""
+    checkpoint; tools/sample.py runs on the checkpoint for MDLM and AR (KV cache on), and on the
+    AR export (transformers' Qwen2 directory) draws the checkpoint's samples."""
     import transformers
 
     from megatron_dllm.cli import convert_to_hf, sample
@@ -129,12 +130,16 @@ def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_on
     assert not (want == inf.mask_id).any() and len(set(want.flatten().tolist())) > 3
 
     ar = _import("qwen2", "ar", tmp_path, tokenizer=True)  # AR samples start after its EOS
-    for load in (ckpt, ar):
+    ar_export = str(tmp_path / "hf-ar")  # transformers' Qwen2: sampled from its tensors alone
+    assert convert_to_hf.main(["--load", ar, "--out", ar_export]) == 0
+    samples = {}
+    for load in (ckpt, ar, ar_export):
         record = tmp_path / f"{os.path.basename(load)}.json"
         assert sample.main(["--load", load, "--num-samples", "2", "--steps", "4", "--seq-length", "10",
                             "--device", "cpu", "--output", str(record)]) == 0
-        tokens = torch.tensor(json.loads(record.read_text())["tokens"])
-        assert tokens.shape == (2, 10) and not (tokens == V - 1).any()
+        samples[load] = torch.tensor(json.loads(record.read_text())["tokens"])
+        assert samples[load].shape == (2, 10) and not (samples[load] == V - 1).any()
+    assert torch.equal(samples[ar], samples[ar_export])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

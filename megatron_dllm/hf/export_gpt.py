@@ -90,3 +90,21 @@ def write_transformers_dir(out: str, state_dict: dict, identity: ModelIdentity, 
     config.save_pretrained(out)
     save_file(dict(sorted(weights.items())), os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     return len(weights)
+
+
+def dense_from_transformers_dir(path: str):
+    """A transformers Llama/Mistral/Qwen2 directory (this project's AR export, or a released model)
+    as the dense AR model sampling and evaluation run (`DLLMForCausalLM` with the GPT backbone).
+    Its [MASK] is config.json's `mask_token_id` (an export's); a released model has none, so the id
+    after its last row stands in (never sampled: the AR sampler draws only real rows)."""
+    from megatron_dllm.hf import export
+
+    source = f"--load {os.path.join(path, 'config.json')}"
+    config = pretrained_ar.read_config(path)
+    preset, shape, rows = pretrained_ar.shape_of(config, source)
+    whole = pretrained_ar.to_megatron(pretrained_ar.read_weights(path), preset, shape, f"--load {path}")
+    mask_id = config.get("mask_token_id")
+    mask_id = mask_id if isinstance(mask_id, int) and 0 <= mask_id < rows else rows
+    identity = ModelIdentity("ar", preset.hidden_size, preset.num_layers, preset.num_attention_heads, rows, mask_id,
+                             shape.as_dict())
+    return export.hf_model(whole, identity, "causal", int(config.get("max_position_embeddings", 2048)))
