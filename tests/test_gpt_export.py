@@ -4,7 +4,8 @@ imported as megatron checkpoints with tools/convert_from_hf.py:
 
 - family ar exports as transformers' own LlamaForCausalLM / Qwen2ForCausalLM (no remote code) and
   the diffusion families as modeling_dllm's dense GPT (remote code with `generate`); both give the
-  megatron model's logits (fp32, 1e-5 relative), Eso-LM at permuted positions;
+  megatron model's logits (fp32, 1e-5 relative), Eso-LM at permuted positions, BD3-LM on its
+  [x_t ; x_0] input under the block mask;
 - convert_from_hf.py on the export gives back the same megatron tensors, bit for bit;
 - the checkpoint's tokenizer travels with the export and back;
 - an export's `generate` and tools/sample.py on the megatron checkpoint draw the same samples.
@@ -17,7 +18,8 @@ import torch
 from test_gpt_backbone import tiny_hf
 
 V = 101  # tiny_hf's 100 rows + the appended [MASK]
-CASES = [("llama", "ar"), ("qwen2", "ar"), ("llama", "mdlm"), ("qwen2", "duo"), ("llama", "esolm")]
+CASES = [("llama", "ar"), ("qwen2", "ar"), ("llama", "mdlm"), ("qwen2", "duo"), ("llama", "esolm"),
+         ("qwen2", "bd3lm")]
 
 
 def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
@@ -26,6 +28,8 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
     from megatron_dllm.cli import convert_from_hf
 
     hf = tiny_hf(kind, root)
+    if family == "bd3lm":  # not an import target: the same tensors written as a BD3-LM checkpoint
+        return _bd3lm_checkpoint(hf, str(root / f"{kind}-{family}"))
     if tokenizer:  # a word-level tokenizer of the model's 100 rows, EOS last
         vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
         words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -35,6 +39,25 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
             json.dump({"eos_token": "</s>"}, f)
     save = str(root / f"{kind}-{family}")
     assert convert_from_hf.main(["--hf", hf, "--save", save, "--family", family, "--seq-length", "16"]) == 0
+    return save
+
+
+def _bd3lm_checkpoint(hf: str, save: str) -> str:
+    from types import SimpleNamespace
+
+    from megatron_dllm.checkpoint.identity import ModelIdentity
+    from megatron_dllm.families import get_family
+    from megatron_dllm.hf import pretrained_ar
+    from megatron_dllm.hf.import_ar import write_gpt_checkpoint
+    from megatron_dllm.model.builder import Architecture
+
+    preset, shape, rows = pretrained_ar.shape_of(pretrained_ar.read_config(hf), hf)
+    whole = pretrained_ar.to_megatron(pretrained_ar.read_weights(hf), preset, shape, hf)
+    arch = Architecture(preset, V, 16, "block_diffusion", 128, gpt=shape)
+    identity = ModelIdentity.of(get_family("bd3lm", V - 1, V, block_size=4), arch)
+    args = SimpleNamespace(save=save, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, iteration=0,
+                           overwrite=False)
+    write_gpt_checkpoint(whole, identity, arch, args, None, hf)
     return save
 
 
@@ -71,16 +94,23 @@ def test_export_equals_megatron_and_reimports_exactly(kind, family, tmp_path, wo
     b, s = 3, 16
     ids = torch.randint(0, V, (b, s), generator=gen)
     pos = torch.arange(s).expand(b, s)
+    mask = attend = None
     if family == "esolm":  # the shuffled order at the original positions, causal over that order
         pos = torch.stack([torch.randperm(s, generator=gen) for _ in range(b)])
+    if family == "bd3lm":  # the training input [x_t ; x_0] under BD3-LM's block mask
+        from megatron_dllm.families import get_family
+
+        noised = torch.where(torch.rand(b, s, generator=gen) < 0.5, V - 1, ids)
+        inp = get_family("bd3lm", V - 1, V, **identity.family_options).model_input(ids, noised, torch.full((b,), 0.5))
+        ids, pos, mask, attend = inp.input_ids, inp.position_ids, inp.attention_mask, inp.attend()
     with torch.no_grad():
-        ref = model(ids, pos, torch.full((b,), 0.7)).transpose(0, 1)[..., :V]
-        got = hf(input_ids=ids, position_ids=pos).logits
+        ref = model(ids, pos, torch.full((b,), 0.7), mask).transpose(0, 1)[..., :V]
+        got = hf(input_ids=ids, position_ids=pos, attention_mask=attend).logits
     assert ref.abs().max() > 0.5  # not a degenerate comparison
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
     back = str(tmp_path / "back")
-    assert convert_from_hf.main(["--hf", out, "--save", back, "--family", family]) == 0
+    assert convert_from_hf.main(["--hf", out, "--save", back]) == 0
     again, _, identity_again = _megatron_tensors(back)
     assert identity_again == identity
     assert sorted(again) == sorted(tensors)
@@ -180,3 +210,29 @@ def test_flops_and_parameters_of_the_gpt_backbone(kind, tmp_path, world_of_one):
     # SmolLM2-135M and Qwen2.5-0.5B as their model cards count them (vocabularies as released)
     assert count_parameters(get_preset("smollm2-135m"), 49152, gpt_shape_of("smollm2-135m"))["params"] == 134515008
     assert count_parameters(get_preset("qwen2.5-0.5b"), 151936, gpt_shape_of("qwen2.5-0.5b"))["params"] == 494032768
+
+
+def test_shapes_that_are_not_llama_are_refused_in_one_line(tmp_path, world_of_one, capsys):
+    """Megatron-LM's default GPT (LayerNorm, GELU, biases, learned positions) is neither a Llama nor a
+    Qwen2: export and sampling name what differs, in one line each."""
+    from megatron_dllm.checkpoint.identity import ModelIdentity
+    from megatron_dllm.cli import convert_to_hf, sample
+    from megatron_dllm.families import get_family
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.gpt_shape import GPTShape
+    from megatron_dllm.model.presets import Preset
+
+    arch = Architecture(Preset(32, 1, 2), V, 16, "bidirectional", 128, gpt=GPTShape(ffn_hidden_size=64))
+    config, _ = transformer_config(arch)
+    model = build_model(arch, config, config, seed=0)[0]
+    save = str(tmp_path / "gpt2-like")
+    export.save_megatron_checkpoint(save, model, ModelIdentity.of(get_family("mdlm", V - 1, V), arch), 0, 16)
+    capsys.readouterr()
+    assert convert_to_hf.main(["--load", save, "--out", str(tmp_path / "hf")]) == 2
+    assert sample.main(["--load", save, "--device", "cpu", "--output", str(tmp_path / "s.json")]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert line.startswith(f"error: {save}/iter_0000000: a --backbone gpt model with --normalization "
+                               f"LayerNorm"), line
+        assert "no --swiglu" in line and "learned_absolute" in line and "biases" in line
+    assert not (tmp_path / "hf").exists()

@@ -136,6 +136,11 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     path = found.path
     meta = CheckpointMeta.read(path)
     identity = meta.identity
+    if identity.gpt is not None:  # the dense model and the export are Llama/Qwen2-shaped
+        from megatron_dllm.hf.pretrained_ar import transformers_kind
+        from megatron_dllm.model.gpt_shape import GPTShape
+
+        transformers_kind(GPTShape.from_dict(identity.gpt), path)
     tensors = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
     emb = [k for k in tensors if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]

@@ -237,13 +237,8 @@ def layout_mask(config, n, s, device):
     return k <= q
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMS norm, computed in fp32."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+class RMSNorm(LayerNorm):
+    """Llama's RMS norm, computed in fp32 (weight only)."""
 
     def forward(self, x):
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -378,7 +373,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
             nn.init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, nn.Linear):
             module.reset_parameters()
-        elif isinstance(module, (LayerNorm, RMSNorm)):
+        elif isinstance(module, LayerNorm):  # RMSNorm too
             nn.init.ones_(module.weight)
         if isinstance(module, (DiTBlock, FinalLayer)):
             for m in [module.adaLN_modulation] + ([module.linear] if isinstance(module, FinalLayer) else []):
