@@ -142,8 +142,8 @@ def test_tokenizer_travels_with_the_export(tmp_path, world_of_one):
 
 def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_one):
     """An MDLM export's `generate` (remote code) equals megatron_dllm's sampler on the megatron
-    checkpoint; tools/sample.py runs on the checkpoint for MDLM and AR (KV cache on), and on the
-    AR export (transformers' Qwen2 directory) draws the checkpoint's samples."""
+    checkpoint; tools/sample.py runs on MDLM, AR and BD3-LM checkpoints, its KV caches change no
+    sample, and on the AR export (transformers' Qwen2 directory) it draws the checkpoint's samples."""
     import transformers
 
     from megatron_dllm.cli import convert_to_hf, sample
@@ -162,14 +162,18 @@ def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_on
     ar = _import("qwen2", "ar", tmp_path, tokenizer=True)  # AR samples start after its EOS
     ar_export = str(tmp_path / "hf-ar")  # transformers' Qwen2: sampled from its tensors alone
     assert convert_to_hf.main(["--load", ar, "--out", ar_export]) == 0
+    bd3lm = _import("llama", "bd3lm", tmp_path)
     samples = {}
-    for load in (ckpt, ar, ar_export):
-        record = tmp_path / f"{os.path.basename(load)}.json"
-        assert sample.main(["--load", load, "--num-samples", "2", "--steps", "4", "--seq-length", "10",
-                            "--device", "cpu", "--output", str(record)]) == 0
-        samples[load] = torch.tensor(json.loads(record.read_text())["tokens"])
-        assert samples[load].shape == (2, 10) and not (samples[load] == V - 1).any()
-    assert torch.equal(samples[ar], samples[ar_export])
+    for load, flags in ((ckpt, ()), (ar, ()), (ar_export, ()), (ar, ("--no-kv-cache",)), (bd3lm, ()),
+                        (bd3lm, ("--no-kv-cache",))):
+        record = tmp_path / "samples.json"
+        assert sample.main(["--load", load, "--num-samples", "2", "--steps", "4", "--seq-length", "12",
+                            "--device", "cpu", "--output", str(record), *flags]) == 0
+        samples[load, flags] = torch.tensor(json.loads(record.read_text())["tokens"])
+        assert samples[load, flags].shape == (2, 12) and not (samples[load, flags] == V - 1).any()
+    assert torch.equal(samples[ar, ()], samples[ar_export, ()])
+    for load in (ar, bd3lm):  # the KV caches (grouped-query heads, BD3-LM's blocks) change nothing
+        assert torch.equal(samples[load, ()], samples[load, ("--no-kv-cache",)])
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
