@@ -240,3 +240,43 @@ def test_shapes_that_are_not_llama_are_refused_in_one_line(tmp_path, world_of_on
                                f"LayerNorm"), line
         assert "no --swiglu" in line and "learned_absolute" in line and "biases" in line
     assert not (tmp_path / "hf").exists()
+
+
+def test_llama3_rope_scaling_exports_to_transformers(tmp_path, world_of_one):
+    """A Llama-3.2-like shape (rope scaling x32, untied here) trained from scratch exports as a
+    LlamaForCausalLM whose rope_scaling gives the megatron logits, at positions where the scaling
+    changes the angles."""
+    import dataclasses
+
+    import transformers
+
+    from megatron_dllm.checkpoint.identity import ModelIdentity
+    from megatron_dllm.cli import convert_to_hf
+    from megatron_dllm.families import get_family
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.presets import Preset, gpt_shape_of
+
+    shape = dataclasses.replace(gpt_shape_of("llama-3.2-1b"), ffn_hidden_size=96, num_query_groups=2,
+                                untie_embeddings_and_output_weights=True)
+    arch = Architecture(Preset(64, 2, 4), V, 16, "causal", 128, gpt=shape)
+    config, _ = transformer_config(arch)
+    model = build_model(arch, config, config, seed=3)[0].eval()
+    with torch.no_grad():  # logits that differ from token to token
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 1.0)
+    save, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    export.save_megatron_checkpoint(save, model, ModelIdentity.of(get_family("ar", V - 1, V), arch), 0, 16)
+    assert convert_to_hf.main(["--load", save, "--out", out]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    pos = (torch.arange(16) + 20000).expand(2, 16)
+    with torch.no_grad():
+        ref = model(ids, pos, None).transpose(0, 1)[..., :V]
+        got = hf(input_ids=ids, position_ids=pos).logits
+        unscaled = dataclasses.replace(shape, rope_scaling_factor=None)
+        model.rotary_pos_emb = type(model.rotary_pos_emb)(kv_channels=16, rotary_percent=1.0,
+                                                          rotary_base=unscaled.rotary_base)
+        plain = model(ids, pos, None).transpose(0, 1)[..., :V]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((plain - ref).abs().max() / ref.abs().max()).item() > 1e-3  # the scaling matters here
