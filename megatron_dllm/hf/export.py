@@ -192,12 +192,12 @@ def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> 
     arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
     auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
+    dit = {"cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
+           "time_max_period": constants.TIME_MAX_PERIOD, "rope_theta": constants.ROTARY_BASE,
+           "layer_norm_eps": constants.LAYER_NORM_EPS}  # the GPT backbone's own sizes are in its `gpt` field
     return {"model_type": "dllm", "architectures": [arch_name], "auto_map": auto,
-            **identity.hf_config_fields(),
-            "cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
-            "time_max_period": constants.TIME_MAX_PERIOD, "noise_schedule": LogLinear.name,
-            "noise_eps": constants.T_EPS, "attention": attention, "rope_theta": constants.ROTARY_BASE,
-            "layer_norm_eps": constants.LAYER_NORM_EPS,
+            **identity.hf_config_fields(), **({} if identity.gpt else dit),
+            "noise_schedule": LogLinear.name, "noise_eps": constants.T_EPS, "attention": attention,
             "max_position_embeddings": int(max_length), "tie_word_embeddings": False,
             "use_cache": False, "torch_dtype": "float32"}
 
