@@ -75,9 +75,19 @@ class ModelIdentity:
             raise InputError(f"{source}: missing {', '.join(missing)}")
         if config["family"] not in FAMILIES:
             raise InputError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
-        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()},
+        gpt = config.get("gpt")
+        if gpt is not None:
+            from megatron_dllm.model.gpt_shape import GPTShape
+
+            try:
+                gpt = GPTShape.from_dict(gpt).as_dict()
+            except (TypeError, InputError) as err:
+                raise InputError(f"{source}: gpt {gpt!r} is not a GPT backbone shape ({err})") from None
+        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()}, gpt=gpt,
                    family_options=dict(config.get("family_options") or {}))
 
     def hf_config_fields(self) -> dict:
+        """config.json's fields; `gpt` (the GPT backbone's shape) and `family_options` when set."""
         fields = {theirs: getattr(self, ours) for theirs, ours in _HF_FIELDS.items()}
-        return {**fields, "family_options": self.family_options} if self.family_options else fields
+        optional = {"gpt": self.gpt, "family_options": self.family_options}
+        return {**fields, **{k: v for k, v in optional.items() if v}}
