@@ -14,6 +14,7 @@ from megatron_dllm.config import RunConfig
 from megatron_dllm.families import get_family
 from megatron_dllm.model.attention import resolve_backend
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+from megatron_dllm.training.attention_anneal import AttentionAnneal
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
@@ -68,11 +69,14 @@ def build_batches(config: RunConfig, family, inputs, sequence_parallel: bool) ->
     training, tp = config.training, config.parallel.tensor_model_parallel_size
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    anneal_iters = config.model.attention_mask_anneal_iters
     train = BatchSchedule(inputs.train_dataset, family, training.seed, training.micro_batch_size,
                           training.global_batch_size, dp_rank, dp_size,
                           variable_length_prob=config.data.variable_seq_length_prob,
-                          length_multiple=tp if sequence_parallel else 1)
-    # Validation draws fixed noise (its own seed stream) at full length so evaluations compare.
+                          length_multiple=tp if sequence_parallel else 1,
+                          attention_anneal=AttentionAnneal(anneal_iters, training.seed) if anneal_iters else None)
+    # Validation draws fixed noise (its own seed stream) at full length, with the family's own
+    # attention (never annealed), so evaluations compare.
     valid = BatchSchedule(inputs.valid_dataset, family.evaluation(), training.seed + 1, training.micro_batch_size,
                           training.global_batch_size, dp_rank, dp_size)
     return train, valid
