@@ -3,7 +3,7 @@ schedule against its definition, written out pair by pair; the annealed mask thr
 backbones against dense references (the dense DiT of every HF export, and transformers' Llama with
 eager attention and an additive 4D mask, DiffuLLaMA's form); from iteration N on, the batches are
 those of the plain bidirectional run bit for bit. The flag rules are rows of tests/test_validate.py;
-the exact resume of an annealed run is tests/test_attention_anneal_training.py."""
+the exact resume of an annealed run is tests/test_ar_adaptation.py."""
 import pytest
 import torch
 from test_gpt_backbone import tiny_hf

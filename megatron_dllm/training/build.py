@@ -59,8 +59,10 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
     ddp_chunks = wrap_ddp(chunks, block_config, parallel)
     optimizer, scheduler = build_optimizer(ddp_chunks, block_config, config.optimizer, parallel,
                                            config.training.train_iters)
+    anneal = model.attention_mask_anneal_iters
+    annealed = f" (causal to bidirectional over {anneal} iterations)" if anneal else ""
     layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
-                  f"attention {attention}, {fusion.describe()}")
+                  f"attention {attention}{annealed}, {fusion.describe()}")
     return TrainingModel(arch, block_config, ddp_chunks, optimizer, scheduler, layer_impl)
 
 

@@ -1,7 +1,10 @@
-"""An annealed run (`--attention-mask-anneal-iters`) in process, on real Trainers over the demo
-corpus: iteration k's micro-batches get the schedule's mask of k (Megatron's numbering, the first
-step is 1), none from N on; a run resumed from its iteration-2 checkpoint attends and trains
-exactly as the uninterrupted run (masks and losses bit for bit); validation is never annealed."""
+"""Adapting an AR model, in process, on real Trainers over the demo corpus (docs/pretrained-ar.md).
+
+An annealed run (`--attention-mask-anneal-iters`): iteration k's micro-batches get the schedule's
+mask of k (Megatron's numbering, the first step is 1), none from N on; a run resumed from its
+iteration-2 checkpoint attends and trains exactly as the uninterrupted run (masks and losses bit
+for bit); validation is never annealed. An imported AR checkpoint fine-tunes as Eso-LM and MDLM."""
+import pytest
 import torch
 from conftest import TINY_RUN
 
@@ -36,6 +39,7 @@ def train(flags: list, monkeypatch) -> tuple[list, list]:
     return calls, valid
 
 
+@pytest.mark.slow
 def test_annealed_run_resumes_with_the_uninterrupted_masks_and_losses(demo_cache, tmp_path, monkeypatch):
     common = ["--demo-cache-dir", demo_cache, *TINY_RUN, "--seed", str(SEED), "--train-iters", str(ITERS),
               "--attention-mask-anneal-iters", str(N), "--attention-backend", "sdpa", "--eval-iters", "1",
@@ -57,3 +61,34 @@ def test_annealed_run_resumes_with_the_uninterrupted_masks_and_losses(demo_cache
         assert loss == want_loss  # bit for bit
         assert (mask is None and want_mask is None) or torch.equal(mask, want_mask)
     assert later[0][0] is not None  # iteration 3 is still annealed: the resume is not trivially mask-free
+
+
+@pytest.mark.slow
+def test_an_imported_ar_model_fine_tunes_as_eso_lm_and_as_annealed_mdlm(demo_cache, tmp_path, monkeypatch, capsys):
+    """A Llama imported as an AR checkpoint (tools/convert_from_hf.py's default family) trains as
+    Eso-LM with --finetune, and as MDLM with --shift and annealing: both start from the imported
+    weights (the embedding equals the Llama's), their losses are finite and the family change is
+    logged (a --finetune of another size is still refused: tests/test_checkpoint_meta.py)."""
+    from test_gpt_backbone import tiny_hf
+
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.hf import pretrained_ar
+
+    hf = tiny_hf("llama", tmp_path, vocab_size=4096)  # + the appended [MASK]: the demo tokenizer's 4097
+    assert convert_from_hf.main(["--hf", hf, "--save", str(tmp_path / "ar"), "--seq-length", "32"]) == 0
+    platform.destroy_distributed()
+    gpt = capsys.readouterr().out.split("train it with: ")[1].split()
+    embedding = pretrained_ar.read_weights(hf)["model.embed_tokens.weight"]
+    common = ["--demo-cache-dir", demo_cache, *TINY_RUN, *gpt, "--train-iters", "2", "--eval-iters", "1",
+              "--load", str(tmp_path / "ar"), "--finetune", "--tensorboard-dir", str(tmp_path / "tb")]
+    for family in (["--family", "esolm"], ["--family", "mdlm", "--shift", "--attention-mask-anneal-iters", "2",
+                                           "--attention-backend", "sdpa"]):
+        trainer = Trainer(parse_args([*common, *family, "--save", str(tmp_path / family[1])]))
+        try:
+            loaded = trainer.model[0].module.embedding.word_embeddings.weight[:4096].detach().cpu()
+            assert torch.equal(loaded, embedding)
+            losses = [trainer.train_step()[0] for _ in range(2)]
+        finally:
+            platform.destroy_distributed()
+        assert all(loss == loss and 0 < loss < 20 for loss in losses), losses
+        assert f"the weights of a --family ar model, trained as --family {family[1]}" in capsys.readouterr().out
