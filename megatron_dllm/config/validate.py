@@ -142,9 +142,9 @@ def family_loss(config, world_size=None) -> None:
 
 
 def family_settings(config, world_size=None) -> None:
-    """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family
-    (`ModelConfig.family_options` applies them); --shift is MDLM's: Eso-LM's order is shuffled and
-    AR already predicts the next token."""
+    """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family, which
+    checks them (`Family.options_from_flags`, through `ModelConfig.family_options`); --shift is
+    MDLM's: Eso-LM's order is shuffled and AR already predicts the next token."""
     config.model.family_options()
     if config.backbone.shift and config.model.family != "mdlm":
         raise InputError(f"--shift applies to --family mdlm, not {config.model.family}")
