@@ -24,13 +24,13 @@ LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "-
                "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"]
 
 
-def tiny_hf(kind: str, directory) -> str:
+def tiny_hf(kind: str, directory, vocab_size: int = 100) -> str:
     """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied), Qwen2
     (GQA, q/k/v biases, untied) or Mistral (untied, saved in safetensors shards with an index)."""
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=500.0,

@@ -2,7 +2,8 @@
 
 One object converts between the forms this identity takes: the run's architecture, the dict a
 checkpoint stores under "identity" in its common state, and the fields of an exported Hugging
-Face `config.json`. A checkpoint loads only into a run of the same identity.
+Face `config.json`. A checkpoint loads only into a run of the same identity; a `--finetune` may
+change the family (the weights' shapes do not depend on it).
 """
 from __future__ import annotations
 
@@ -60,11 +61,15 @@ class ModelIdentity:
         return cls(**{k: saved[k] for k in fields}, gpt=saved.get("gpt"),
                    family_options=dict(saved.get("family_options") or {}))
 
-    def differences(self, saved: dict) -> list[str]:
-        """`key: checkpoint X vs this run Y` for every field where `saved` differs."""
+    def differences(self, saved: dict, weights_only: bool = False) -> list[str]:
+        """`key: checkpoint X vs this run Y` for every field where `saved` differs. `weights_only`
+        (--finetune) compares only what shapes the weights: the family and its options are the
+        objective trained on them, which a fine-tune may change (an AR model adapted to Eso-LM,
+        MDLM or Duo: every family has the same parameters on a backbone)."""
         saved = {"family_options": {}, **saved}  # checkpoints written before the field: no options
+        objective = ("family", "family_options") if weights_only else ()
         return [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in self.as_dict().items()
-                if saved.get(k) != v]
+                if saved.get(k) != v and k not in objective]
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str) -> "ModelIdentity":

@@ -50,6 +50,10 @@ class ModelConfig(FlagGroup):
                                          help="core attention: local (megatron-core) | sdpa (PyTorch's fused "
                                               "kernels, cuDNN/flash on GPU) | unfused, fused, flash, auto "
                                               "(TransformerEngine); default: auto with TE layers, else local")
+    attention_mask_anneal_iters: int | None = flag(
+        type=positive_int, help="--family mdlm/duo adapted from an AR model (DiffuLLaMA): attention goes from causal "
+                                "to bidirectional over this many iterations, iteration k also opening each later "
+                                "token with probability k/N; --attention-backend local or sdpa")
     recompute_activations: bool = flag(False, action="store_true",
                                        help="selective activation recompute (Megatron-LM: = --recompute-granularity "
                                             "selective)")
