@@ -58,6 +58,20 @@ def tekken_vocab(directory, size: int | None = None) -> str:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_distributed_state_left_behind():
+    """A test module that initialised torch.distributed in this process (in a test, not through
+    `world_of_one`) leaves it to the next module on the same worker, whose forked children would
+    inherit it: end it with the module."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from megatron_dllm import platform
+
+        platform.destroy_distributed()
+
+
 @pytest.fixture(scope="module")
 def world_of_one():
     """torch.distributed and megatron's parallel state as one process (TP = PP = DP = 1), seeded:
@@ -117,7 +131,7 @@ def _prewarmed(env: dict):
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):
-    """`python SCRIPT ARGS...` or `python -c CODE ARGS...` (nproc = 1), or `torchrun --standalone
+    """`python SCRIPT ARGS...` (nproc = 1) or `torchrun --standalone
     --nproc-per-node NPROC SCRIPT ARGS...`, capturing text output like `subprocess.run`: started from
     the prewarmed server (tests/prewarmed.py: torch and megatron-core already imported) where the
     environment allows, as a plain process where it does not or with DLLM_TEST_PREWARMED=0."""

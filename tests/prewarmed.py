@@ -89,7 +89,7 @@ def _serve(path: str) -> dict:
 
 
 def _run_child(request: dict) -> None:
-    """Become the launched program, `python SCRIPT ARGS...` or `python -c CODE ARGS...`, from here on."""
+    """Become the launched program, `python SCRIPT ARGS...`, from here on."""
     import runpy
 
     if request["new_session"]:
@@ -97,19 +97,13 @@ def _run_child(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
     # Python's streams were built on the server's fds; rebuild them on the ones handed over.
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")
-    if argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        sys.path.insert(0, "")  # as the interpreter sets it for -c
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-    else:
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as the interpreter sets it for a script
-        runpy.run_path(argv[0], run_name="__main__")
+    sys.argv = list(request["argv"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # as the interpreter sets it for a script
+    runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 class PrewarmedProcess:
