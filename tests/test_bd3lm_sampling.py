@@ -1,7 +1,8 @@
 """BD3-LM's block sampler (megatron_dllm/sampling/bd3lm.py) on small random dense models in float64:
 the exact block KV cache gives the no-cache recompute's samples at a fraction of the tokens run, a
-block's logits are those of the training layout [x_t ; x_0] under the block mask, and the output
-ends at --max-new-tokens or after the first EOS."""
+block's logits are those of the training layout [x_t ; x_0] under the block mask, the output
+ends at --max-new-tokens or after the first EOS, and a batch of prompts of different lengths gives
+each prompt its batch-1 output, padding never attended."""
 import pytest
 import torch
 
