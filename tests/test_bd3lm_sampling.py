@@ -11,7 +11,7 @@ from megatron_dllm.families import get_family
 from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
 from megatron_dllm.sampling.bd3lm import CommittedBlocks
-from megatron_dllm.sampling.conditional import generate_native, generate_native_batch
+from megatron_dllm.sampling.conditional import generate_left_to_right, generate_native, generate_native_batch
 
 V, MASK, L, BLOCK = 33, 32, 24, 4
 PROMPT = [5, 6, 7, 8, 9]  # ends inside the second block: a partial first block to generate
@@ -112,19 +112,44 @@ def test_max_new_tokens_and_stop_at_eos():
 PROMPTS, SEEDS, EOS = [[20], [4, 5, 6], PROMPT, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]], [11, 3, 7, 5], 0
 
 
-@pytest.mark.parametrize("noise", ["mask", "uniform"])
-@pytest.mark.parametrize("kv_cache", [True, False])
-def test_batch_rows_equal_batch_of_one(noise, kv_cache):
+@pytest.mark.parametrize("noise,kv_cache,predictor", [("mask", True, "ancestral"), ("uniform", True, "ancestral"),
+                                                      ("mask", False, "ancestral"), ("uniform", False, "ancestral"),
+                                                      ("mask", True, "left-to-right"),
+                                                      ("uniform", True, "left-to-right")])
+def test_batch_rows_equal_batch_of_one(noise, kv_cache, predictor):
     """Batched conditional generation: row i = the batch-1 run of prompt i with seed i, token for
     token, with rows stopping at their own EOS (made likely) in different blocks."""
     inf = model_for(noise, seed=2)
     with torch.no_grad():
         inf.model.backbone.output_layer.linear.bias[EOS] += 5.0
-    kw = dict(steps=4, kv_cache=kv_cache)
+    kw = dict(steps=4, kv_cache=kv_cache, predictor=predictor)
     expected = [generate_native(inf, p, 9, EOS, seed=s, **kw) for p, s in zip(PROMPTS, SEEDS)]
     assert generate_native_batch(inf, PROMPTS, 9, EOS, seeds=SEEDS, **kw) == expected
     assert generate_native_batch(inf, PROMPTS[::-1], 9, EOS, seeds=SEEDS[::-1], pad_id=7, **kw) == expected[::-1]
     assert len({len(r) for r in expected}) > 1 and any(r[-1] == EOS for r in expected)
+
+
+def test_left_to_right_fills_one_position_per_call_from_the_block_logits():
+    """Left to right: each call's draw at the next position is a categorical draw from the block's
+    logits there (checked against the block logits the cache gives at every step, greedy), one
+    model call per generated token plus one commit per finished block."""
+    inf = model_for("mask", seed=1)
+    prompt, new = PROMPT, 7  # positions 5..11: blocks [4, 8) and [8, 12)
+    stats, handle = tokens_run(inf)
+    out = generate_left_to_right(inf, prompt, new, eos_id=MASK + 1)  # an EOS never drawn: full length
+    handle.remove()
+    x = torch.tensor([prompt + [MASK] * new])
+    with torch.no_grad():
+        for pos in range(len(prompt), len(prompt) + new):
+            start = pos // BLOCK * BLOCK
+            blocks = CommittedBlocks(inf.model, BLOCK, x, torch.ones_like(x, dtype=torch.bool), True)
+            blocks.commit([0], start)
+            logits = blocks.logits([0], {0: (pos, min(start + BLOCK, x.shape[1]))})[0][0]
+            logits[MASK] = -float("inf")
+            x[0, pos] = int(logits.argmax())
+    assert out == x[0, len(prompt):].tolist()
+    # prefix [0, 4) once, 7 block calls of 4 tokens (3 + 4 positions), the block [4, 8) committed
+    assert stats["tokens"] == 4 + 7 * 4 + 4
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -151,5 +176,5 @@ def test_padding_is_never_attended(cached):
 
 
 def test_other_predictors_are_refused():
-    with pytest.raises(InputError, match="--predictor left-to-right is not available for --family bd3lm"):
-        get_sampler(model_for("mask"), SamplingConfig(predictor="left-to-right"))
+    with pytest.raises(InputError, match="--predictor block is not available for --family bd3lm"):
+        get_sampler(model_for("mask"), SamplingConfig(predictor="block"))

@@ -25,6 +25,10 @@ a row whose canvas ends inside it decodes the shorter block (its padding is a ke
 never attended), and every draw of a row comes from its own generator in the order and shape of
 its batch-1 run, so row i is the batch-1 sample of prompt i with generator i.
 
+`--predictor left-to-right` (the GSM8K protocol): the same blocks and cache, one position per
+model call in sequence order, drawn from the block's logits at that position (the rest of the
+block still [MASK] or noise); a row stops at its EOS.
+
 Variable length: the canvas ends at the prompt plus --max-new-tokens (default: the model's
 context); with stop-at-EOS a row is finished at its first EOS (everything after it becomes EOS)
 and leaves the batch, and its cache rows, after that block.
@@ -90,7 +94,7 @@ class CommittedBlocks:
 class BD3LMSampler(Sampler):
     """The family's sampler; constructing it gives the subclass of the model's in-block noise."""
 
-    predictors = ("ancestral",)
+    predictors = ("ancestral", "left-to-right")
     block_wise = False  # MDLM/Duo's --block-length and approximate caches: BD3-LM has exact blocks
 
     def __new__(cls, family, inf, cfg):
@@ -114,6 +118,21 @@ class BD3LMSampler(Sampler):
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """[b, length]: the prompt, then the generated blocks (EOS after a row's first EOS when stopping)."""
         return self.sample_rows(prompt, generator, self.canvas_length(prompt.shape[1]))
+
+    def sample_batch(self, batch) -> list[list[int]]:
+        if self.cfg.predictor != "left-to-right":  # the in-block family's batched ancestral loop
+            return super().sample_batch(batch)
+        x, real = batch.canvas(self.filler(batch))
+        stop_at_eos = self.cfg.stop_at_eos and self.eos_id is not None
+        for rows, span, blocks in self.batch_blocks(batch, x, real):
+            at = {r: span[r][0] for r in rows}  # each row's next position in the block
+            while rows:  # one position per row and model call, drawn from the block's logits there
+                logits = blocks.logits(rows, span)
+                for r in rows:
+                    x[r, at[r]] = batch.draw(self.probs(logits[r][at[r] - span[r][0]][None]), r)[0]
+                    at[r] += 1
+                rows = [r for r in rows if at[r] < span[r][1] and not (stop_at_eos and x[r, at[r] - 1] == self.eos_id)]
+        return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(batch.prompt_lengths().tolist(), batch.lengths))]
 
     def batch_blocks(self, batch, x: torch.Tensor, real: torch.Tensor):
         """Yields, block after block, (rows, span, denoiser): the rows generating in the block, their
@@ -140,6 +159,12 @@ class BD3LMSampler(Sampler):
 class BD3LMMaskSampler(BD3LMSampler, MDLMSampler):
     """--noise mask: MDLM's ancestral block loop over BD3-LM's blocks."""
 
+    def filler(self, batch) -> int:
+        return self.mask_id
+
 
 class BD3LMUniformSampler(BD3LMSampler, DuoSampler):
     """--noise uniform: Duo's posterior block loop over BD3-LM's blocks."""
+
+    def filler(self, batch) -> list[torch.Tensor]:
+        return self.uniform_prior(batch)
