@@ -7,8 +7,8 @@ vocabulary of 4097 ids; context `--seq-length`) answers `--batch` prompts of len
 stops at, so every row generates exactly that many. Protocols: left to right (the GSM8K / lm-eval
 protocol, one token per model call) and native (MDLM/Duo ancestral, Eso-LM ancestral with its KV
 cache, `--steps` steps; AR's native sampler is left to right, so only its left-to-right row is
-run). BD3-LM (`--bd3lm-block-size B`, mask noise; 0 leaves it out) has only its native block
-sampler: `--steps` per block, its exact block KV cache. For each family and protocol the batch-1
+run). BD3-LM (`--bd3lm-block-size B`, mask noise; 0 leaves it out) runs both protocols inside
+its blocks over its exact block KV cache, native with `--steps` per block. For each family and protocol the batch-1
 loop and the batched call alternate over `--repeats` rounds; medians are reported and the
 speed-up is the ratio within one run. Wall and process CPU time are both given (CPU time is the
 steadier figure on a shared machine). The
@@ -192,14 +192,10 @@ def main():
     results = {}
     families = [f for f in FAMILIES if args.families is None or f in args.families]
     for family in families + ["bd3lm"] * bool(args.bd3lm_block_size):
-        if family == "bd3lm":
-            inf = build_bd3lm(args.seq_length, args.bd3lm_block_size)
-            generate_native_batch(inf, prompts[:2], 2, NO_EOS, steps=2)  # warm-up
-            protocols = []
-        else:
-            inf = build(family, args.seq_length)
-            generate_left_to_right_batch(inf, prompts[:2], 2, NO_EOS)  # warm-up
-            protocols = [("left-to-right", generate_left_to_right, generate_left_to_right_batch, {"greedy": False})]
+        inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
+               else build(family, args.seq_length))
+        generate_left_to_right_batch(inf, prompts[:2], 2, NO_EOS)  # warm-up
+        protocols = [("left-to-right", generate_left_to_right, generate_left_to_right_batch, {"greedy": False})]
         if family != "ar":
             protocols.append(("native", generate_native, generate_native_batch, {"steps": args.steps}))
         for name, one, batched, kw in protocols:
