@@ -1,15 +1,68 @@
 """Two variants of the training step's forward + backward, timed side by side in one process:
 warm-up rounds, then alternating rounds (A B, B A, ...) so drift on a shared machine falls on
-both. Used by bench_attention_backend.py (local vs sdpa) and bench_compile.py (eager vs fused).
+both. Used by bench_attention_backend.py (local vs sdpa) and bench_compile.py (eager vs fused),
+which share their flags, their (preset, seq, family) grid and the way each case is built here.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 import statistics
+from typing import Callable
 
-from bench_train_step import MegatronStep, timed
+import torch
+from bench_train_step import MegatronStep, make_batch, timed
 
 from megatron_dllm import platform
+from megatron_dllm.families import get_family
+from megatron_dllm.model.init import initialize_weights
+from megatron_dllm.model.presets import get_preset
+
+
+def add_grid_arguments(p: argparse.ArgumentParser, families: list[str], families_help: str | None = None) -> None:
+    """The flags of the (preset, seq, family) grid, of the rounds and of the precision."""
+    p.add_argument("--presets", nargs="+", default=["cpu-small", "cpu-base"])
+    p.add_argument("--seqs", nargs="+", type=int, default=[128, 512])
+    p.add_argument("--families", nargs="+", default=families, help=families_help)
+    p.add_argument("--vocab", type=int, default=4097, help="real vocabulary including [MASK]")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (batch = tokens / seq)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--bf16", action="store_true", help="bf16 (GPU; the CPU runs fp32)")
+
+
+def build_variants(preset_name: str, seq: int, family_name: str, args,
+                   variants: dict[str, dict]) -> tuple[int, dict[str, MegatronStep]]:
+    """(batch, {variant: step}): one step per variant (`variants` maps its name to MegatronStep's
+    options), all with the same weights and batch. The adaLN gates are drawn, not zero: with zero
+    gates the attention and MLP regions would not reach the loss."""
+    preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
+    family = get_family(family_name, args.vocab - 1, args.vocab)
+    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
+    steps = {name: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
+                                bf16=args.bf16, **options) for name, options in variants.items()}
+    for s in steps.values():
+        initialize_weights(s.model[0].module, seed=7, adaln_zero=False)
+    return batch, steps
+
+
+def run_grid(args, setting: str, table_head: str, case: Callable[..., dict]) -> list[dict]:
+    """Print the run's setting and `table_head`, then call `case(preset, seq, family, args)` for the
+    whole grid in a world of one; returns the rows it gave."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    platform.init_distributed(1, 1, seed=0)
+    print(f"{platform.device_name() or 'CPU'}, {'bf16' if args.bf16 else 'fp32'}, {setting}{args.rounds} "
+          f"alternating rounds after {args.warmup} warm-up, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; 1-min load average {os.getloadavg()[0]:.1f} at the start\n")
+    print(table_head, flush=True)
+    try:
+        return [case(preset, seq, family, args) for preset in args.presets for seq in args.seqs
+                for family in args.families]
+    finally:
+        platform.destroy_distributed()
 
 
 def forward_backward(step: MegatronStep) -> float:
@@ -44,6 +97,13 @@ def alternating_rounds(steps: dict[str, MegatronStep], rounds: int, warmup: int)
         stats[what] = (statistics.median(a), statistics.median(b), statistics.median(ratios), min(ratios),
                        max(ratios))
     return stats
+
+
+def ratio_head(names: tuple[str, str]) -> tuple[str, str]:
+    """The table head over `ratio_cells` for variants `names` (A, B): (titles, alignment row)."""
+    a, b = names
+    titles = " | ".join(f"{what} ms {a} | {what} ms {b} | **{what} {b} / {a}** | range" for what in ("wall", "CPU"))
+    return titles, "---:|---:|---:|---|" * 2
 
 
 def ratio_cells(stats: dict) -> str:

@@ -11,36 +11,25 @@ round of each first; medians of per-round ratios are reported.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint_manifest import _state  # noqa: E402  (the same weights + AdamW stand-in)
+from checkpoint_world import checkpoint_world, parse_args  # noqa: E402
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="116M")
-    p.add_argument("--vocab", type=int, default=32001)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = p.parse_args(argv)
-
+    args = parse_args(__doc__, argv)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from megatron_dllm import checkpoint, platform
+    from megatron_dllm import checkpoint
 
-    platform.init_distributed(1, 1)
-    state, nbytes = _state(args.preset, args.vocab)
-    queue = AsyncCallsQueue()
-    root = tempfile.mkdtemp(dir=args.dir, prefix="bench-async-")
     rows = {"sync": [], "async_pause": [], "async_total": []}
-    try:
+    with checkpoint_world(args, "bench-async-") as (state, nbytes, root):
+        queue = AsyncCallsQueue()
         for r in range(args.rounds + 1):
             start = time.perf_counter()
             checkpoint.save(os.path.join(root, "sync"), r, state)
@@ -56,9 +45,6 @@ def main(argv=None) -> None:
                 rows["async_total"].append(total)
             for kind in ("sync", "async"):
                 shutil.rmtree(os.path.join(root, kind))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        platform.destroy_distributed()
     med = {k: statistics.median(v) for k, v in rows.items()}
     pause_ratio = statistics.median(a / s for a, s in zip(rows["async_pause"], rows["sync"]))
     total_ratio = statistics.median(a / s for a, s in zip(rows["async_total"], rows["sync"]))

@@ -28,65 +28,32 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from ab_rounds import alternating_rounds, forward_backward, ratio_cells  # noqa: E402
-from bench_train_step import MegatronStep, make_batch  # noqa: E402
-
-from megatron_dllm import platform  # noqa: E402
-from megatron_dllm.families import get_family  # noqa: E402
-from megatron_dllm.model.init import initialize_weights  # noqa: E402
-from megatron_dllm.model.presets import get_preset  # noqa: E402
+import ab_rounds  # noqa: E402
 
 BACKENDS = ("local", "sdpa")
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
-    preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
-    family = get_family(family_name, args.vocab - 1, args.vocab)
-    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
-    steps = {b: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
-                             attention_backend=b, bf16=args.bf16) for b in BACKENDS}
-    for s in steps.values():  # live adaLN gates: with zero gates attention would not reach the loss
-        initialize_weights(s.model[0].module, seed=7, adaln_zero=False)
-    first = {b: forward_backward(s) for b, s in steps.items()}
+    batch, steps = ab_rounds.build_variants(preset_name, seq, family_name, args,
+                                            {b: {"attention_backend": b} for b in BACKENDS})
+    first = {b: ab_rounds.forward_backward(s) for b, s in steps.items()}
     print(f"{preset_name} seq {seq} {family_name}: first loss " +
           "  ".join(f"{b} {v:.6f}" for b, v in first.items()), file=sys.stderr)
     row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name}
-    row.update(alternating_rounds(steps, args.rounds, args.warmup))
+    row.update(ab_rounds.alternating_rounds(steps, args.rounds, args.warmup))
+    kind = "causal" if family_name == "ar" else "bidirectional"
+    print(f"| {preset_name} | {seq} x {batch} | {family_name} ({kind}) | {ab_rounds.ratio_cells(row)} | "
+          f"{os.getloadavg()[0]:.1f} |", flush=True)
     return row
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=["cpu-small", "cpu-base"])
-    p.add_argument("--seqs", nargs="+", type=int, default=[128, 512])
-    p.add_argument("--families", nargs="+", default=["mdlm", "ar"], help="mdlm: bidirectional, ar: causal")
-    p.add_argument("--vocab", type=int, default=4097, help="real vocabulary including [MASK]")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (batch = tokens / seq)")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--bf16", action="store_true", help="bf16 (GPU; the CPU runs fp32)")
+    ab_rounds.add_grid_arguments(p, ["mdlm", "ar"], "mdlm: bidirectional, ar: causal")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    platform.init_distributed(1, 1, seed=0)
-    print(f"{platform.device_name() or 'CPU'}, {'bf16' if args.bf16 else 'fp32'}, {args.rounds} alternating "
-          f"rounds after {args.warmup} warm-up, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"1-min load average {os.getloadavg()[0]:.1f} at the start\n")
-    print("| preset | seq x batch | family (attention) | wall ms local | wall ms sdpa | **wall sdpa / local** | "
-          "range | CPU ms local | CPU ms sdpa | **CPU sdpa / local** | range | load average |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|", flush=True)
-    try:
-        for preset in args.presets:
-            for seq in args.seqs:
-                for family in args.families:
-                    r = bench(preset, seq, family, args)
-                    kind = "causal" if family == "ar" else "bidirectional"
-                    print(f"| {preset} | {seq} x {r['batch']} | {family} ({kind}) | {ratio_cells(r)} | "
-                          f"{os.getloadavg()[0]:.1f} |", flush=True)
-    finally:
-        platform.destroy_distributed()
+    titles, rule = ab_rounds.ratio_head(BACKENDS)
+    ab_rounds.run_grid(args, "", f"| preset | seq x batch | family (attention) | {titles} | load average |\n"
+                                 f"|---|---|---|{rule}---:|", bench)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,9 @@ per block) without a cache (exact) vs Fast-dLLM's approximate prefix and dual ca
 """
 from __future__ import annotations
 
-import argparse
-import functools
-import json
 import statistics
-import time
 
+import harness
 import torch
 from bench_samplers import FAMILIES, VOCAB, build
 
@@ -45,13 +42,6 @@ from megatron_dllm.sampling.conditional import (
 )
 
 NO_EOS = -1  # never generated: every row produces exactly --new-tokens tokens
-
-
-def timed(fn) -> tuple[float, float, list]:
-    """(wall s, CPU s of this process, result)."""
-    start, cpu = time.perf_counter(), time.process_time()
-    out = fn()
-    return time.perf_counter() - start, time.process_time() - cpu, out
 
 
 def build_bd3lm(length: int, block_size: int) -> InferenceModel:
@@ -69,10 +59,10 @@ def compare(inf, one, batched, kw, prompts, seeds, args) -> tuple[dict, dict, bo
         outs = {}
         for key in ("one", "batch"):
             if key == "one":
-                w, c, outs[key] = timed(lambda: [one(inf, p, args.new_tokens, NO_EOS, seed=s, **kw)
-                                                 for p, s in zip(prompts, seeds)])
+                w, c, outs[key] = harness.timed(lambda: [one(inf, p, args.new_tokens, NO_EOS, seed=s, **kw)
+                                                         for p, s in zip(prompts, seeds)])
             else:
-                w, c, outs[key] = timed(lambda: batched(inf, prompts, args.new_tokens, NO_EOS, seeds=seeds, **kw))
+                w, c, outs[key] = harness.timed(batched, inf, prompts, args.new_tokens, NO_EOS, seeds=seeds, **kw)
             assert all(len(r) == args.new_tokens for r in outs[key])
             walls[key].append(w)
             cpus[key].append(c)
@@ -104,8 +94,8 @@ def compare_static_caches(prompts, seeds, tokens, args) -> dict:
                 for _ in range(args.repeats):
                     for static in (False, True):
                         Sampler.static_kv_cache = static
-                        w, c, outs[static] = timed(functools.partial(
-                            run_calls, inf, one if calls == "one" else batched, calls, kw, prompts, seeds, args))
+                        w, c, outs[static] = harness.timed(
+                            run_calls, inf, one if calls == "one" else batched, calls, kw, prompts, seeds, args)
                         walls[static].append(w)
                         cpus[static].append(c)
                 Sampler.static_kv_cache = True
@@ -133,8 +123,8 @@ def compare_approx_caches(prompts, seeds, tokens, args) -> dict:
             for _ in range(args.repeats):
                 for mode in modes:
                     kw = {"steps": args.steps, "block_length": args.block_length, "approx_kv_cache": mode}
-                    w, c, _ = timed(functools.partial(run_calls, inf, generate_native if calls == "one" else
-                                                      generate_native_batch, calls, kw, prompts, seeds, args))
+                    w, c, _ = harness.timed(run_calls, inf, generate_native if calls == "one" else
+                                            generate_native_batch, calls, kw, prompts, seeds, args)
                     walls[mode].append(w)
                     cpus[mode].append(c)
             cpu = {m: tokens / statistics.median(v) for m, v in cpus.items()}
@@ -148,16 +138,13 @@ def compare_approx_caches(prompts, seeds, tokens, args) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
     ap.add_argument("--caches", choices=["static", "approx"], default=None,
                     help="static: the static vs growing KV caches of AR and Eso-LM instead; approx: MDLM/Duo "
                          "block-wise decoding without a cache vs the prefix and dual caches")
@@ -165,8 +152,7 @@ def main():
     ap.add_argument("--bd3lm-block-size", type=int, default=0, help="also BD3-LM with blocks of B (0: not run)")
     ap.add_argument("--families", nargs="*", choices=FAMILIES, default=None,
                     help="only these of ar mdlm duo esolm (default: all; the flag alone: none, e.g. BD3-LM alone)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = harness.parse_args(ap)
     g = torch.Generator().manual_seed(0)
     lengths = torch.linspace(args.min_prompt, args.max_prompt, args.batch).round().long().tolist()
     prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in lengths]
@@ -178,11 +164,9 @@ def main():
         print(f"## {title}: {args.batch} prompts ({args.min_prompt}-{args.max_prompt} tokens), context "
               f"{args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
               f"torch threads {args.threads}")
-        comparison = compare_static_caches if args.caches == "static" else compare_approx_caches
-        results = comparison(prompts, seeds, tokens, args)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"args": vars(args), "prompt_lengths": lengths, "results": results}, fh, indent=1)
+        compare_caches = compare_static_caches if args.caches == "static" else compare_approx_caches
+        results = compare_caches(prompts, seeds, tokens, args)
+        harness.write_json(args, prompt_lengths=lengths, results=results)
         return
     print(f"## batch {args.batch} (prompts {args.min_prompt}-{args.max_prompt} tokens) vs {args.batch} batch-1 calls, "
           f"context {args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, "
@@ -206,9 +190,7 @@ def main():
             print(f"| {family} | {name} | {rate['one_wall']:.1f} | {rate['batch_wall']:.1f} | "
                   f"{rate['batch_wall'] / rate['one_wall']:.2f}x | {rate['one_cpu']:.1f} | {rate['batch_cpu']:.1f} | "
                   f"{rate['batch_cpu'] / rate['one_cpu']:.2f}x | {'yes' if same else 'NO'} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "prompt_lengths": lengths, "results": results}, fh, indent=1)
+    harness.write_json(args, prompt_lengths=lengths, results=results)
 
 
 if __name__ == "__main__":

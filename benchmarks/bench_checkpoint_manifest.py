@@ -10,52 +10,25 @@ untimed warm-up round first; medians of per-round ratios are reported.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
-import tempfile
+import sys
 import time
 
-import torch
-
-
-def _state(preset_name: str, vocab: int):
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
-    from megatron_dllm.model.presets import get_preset
-
-    arch = Architecture(get_preset(preset_name), vocab, 2048, "bidirectional")
-    config, mlp_config = transformer_config(arch)
-    model = build_model(arch, config, mlp_config, seed=0)[0]
-    # AdamW keeps two fp32 moments per parameter: random tensors of the same shapes stand in for them
-    state = {"model": model.sharded_state_dict()}
-    for moment in ("exp_avg", "exp_avg_sq"):
-        state[moment] = {name: ShardedTensor.from_rank_offsets(f"{moment}.{name}", torch.randn_like(param.data))
-                         for name, param in model.named_parameters()}
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-    return state, nbytes
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint_world import checkpoint_world, parse_args  # noqa: E402
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="116M")
-    p.add_argument("--vocab", type=int, default=32001)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = p.parse_args(argv)
-
+    args = parse_args(__doc__, argv)
     from megatron.core import dist_checkpointing
 
-    from megatron_dllm import checkpoint, platform
+    from megatron_dllm import checkpoint
     from megatron_dllm.checkpoint import manifest
 
-    platform.init_distributed(1, 1)
-    state, nbytes = _state(args.preset, args.vocab)
-    root = tempfile.mkdtemp(dir=args.dir, prefix="bench-ckpt-")
     rows = {"save": [], "load": []}
-    try:
+    with checkpoint_world(args, "bench-ckpt-") as (state, nbytes, root):
         warm = os.path.join(root, "warm-up")  # first-call costs (thread pools, allocator) out of the figures
         checkpoint.save(warm, 0, state)
         dist_checkpointing.load(state, os.path.join(warm, "iter_0000000"))
@@ -81,9 +54,6 @@ def main(argv=None) -> None:
             rows["load"].append((t_load, t_verify))
             shutil.rmtree(plain)
             shutil.rmtree(os.path.join(root, f"ours-{r}"))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        platform.destroy_distributed()
 
     print(f"preset {args.preset}, vocab {args.vocab}: {nbytes / 2**20:.0f} MiB of weights + AdamW moments, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs")

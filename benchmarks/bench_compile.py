@@ -28,73 +28,41 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from ab_rounds import alternating_rounds, forward_backward, ratio_cells  # noqa: E402
-from bench_train_step import MegatronStep, make_batch  # noqa: E402
-
-from megatron_dllm import platform  # noqa: E402
-from megatron_dllm.families import get_family  # noqa: E402
-from megatron_dllm.model.init import initialize_weights  # noqa: E402
-from megatron_dllm.model.presets import get_preset  # noqa: E402
+import ab_rounds  # noqa: E402
 
 VARIANTS = ("eager", "fused")
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
-    preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
-    family = get_family(family_name, args.vocab - 1, args.vocab)
-    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
     fusions = {"eager": "none", "fused": "all"}
-    steps = {v: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
-                             attention_backend=args.attention_backend, bf16=args.bf16, fusion=fusions[v])
-             for v in VARIANTS}
-    for s in steps.values():  # live adaLN gates: every region reaches the loss
-        initialize_weights(s.model[0].module, seed=7, adaln_zero=False)
+    batch, steps = ab_rounds.build_variants(preset_name, seq, family_name, args,
+                                            {v: {"attention_backend": args.attention_backend, "fusion": fusions[v]}
+                                             for v in VARIANTS})
     first, first_s = {}, {}
     for v, s in steps.items():
         start = time.perf_counter()
-        first[v] = forward_backward(s)
+        first[v] = ab_rounds.forward_backward(s)
         first_s[v] = time.perf_counter() - start
     print(f"{preset_name} seq {seq} {family_name}: first loss " +
           "  ".join(f"{v} {first[v]:.6f} ({first_s[v]:.1f} s)" for v in VARIANTS), file=sys.stderr)
     row = {"batch": batch, "compile_s": first_s["fused"] - first_s["eager"],
            "fusion": steps["fused"].config.model.fusion(use_te=False)}
-    row.update(alternating_rounds(steps, args.rounds, args.warmup))
+    row.update(ab_rounds.alternating_rounds(steps, args.rounds, args.warmup))
+    print(f"| {preset_name} | {seq} x {batch} | {family_name} | {ab_rounds.ratio_cells(row)} | "
+          f"{row['compile_s']:.1f} s | {os.getloadavg()[0]:.1f} |", flush=True)
     return row
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=["cpu-small", "cpu-base"])
-    p.add_argument("--seqs", nargs="+", type=int, default=[128, 512])
-    p.add_argument("--families", nargs="+", default=["mdlm", "esolm"])
-    p.add_argument("--vocab", type=int, default=4097, help="real vocabulary including [MASK]")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (batch = tokens / seq)")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ab_rounds.add_grid_arguments(p, ["mdlm", "esolm"])
     p.add_argument("--attention-backend", default="local", choices=["local", "sdpa"], help="core attention")
-    p.add_argument("--bf16", action="store_true", help="bf16 (GPU; the CPU runs fp32)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    platform.init_distributed(1, 1, seed=0)
-    print(f"{platform.device_name() or 'CPU'}, {'bf16' if args.bf16 else 'fp32'}, attention {args.attention_backend}, "
-          f"{args.rounds} alternating rounds after {args.warmup} warm-up, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; 1-min load average {os.getloadavg()[0]:.1f} at the start\n")
-    print("| preset | seq x batch | family | wall ms eager | wall ms fused | **wall fused / eager** | range | "
-          "CPU ms eager | CPU ms fused | **CPU fused / eager** | range | first step extra (compile) | load average |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|", flush=True)
-    try:
-        for preset in args.presets:
-            for seq in args.seqs:
-                for family in args.families:
-                    r = bench(preset, seq, family, args)
-                    print(f"| {preset} | {seq} x {r['batch']} | {family} | {ratio_cells(r)} | "
-                          f"{r['compile_s']:.1f} s | {os.getloadavg()[0]:.1f} |", flush=True)
-        print(f"\nfused = {r['fusion'].describe()}")
-    finally:
-        platform.destroy_distributed()
+    titles, rule = ab_rounds.ratio_head(VARIANTS)
+    rows = ab_rounds.run_grid(args, f"attention {args.attention_backend}, ",
+                              f"| preset | seq x batch | family | {titles} | first step extra (compile) | "
+                              f"load average |\n|---|---|---|{rule}---:|---:|", bench)
+    print(f"\nfused = {rows[-1]['fusion'].describe()}")
 
 
 if __name__ == "__main__":

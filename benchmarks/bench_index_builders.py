@@ -17,11 +17,11 @@ For context it also times megatron's numpy document-index and shuffle-index buil
 shuffles, not replaced here), and extrapolates everything linearly to 2.1T tokens.
 """
 
-import argparse
 import os
 import sys
 import time
 
+import harness
 import numpy as np
 
 try:
@@ -153,7 +153,7 @@ def fmt_s(s):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--tokens", nargs="+", type=float, default=[1e8, 1e10])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--datasets", nargs="+", type=int, default=[2, 16])
@@ -199,12 +199,8 @@ def main(argv=None):
                              f"{fmt_bytes(peak)} | {same} | {'' if repair is None else repair} | "
                              f"{fmt_s(seconds * scale)} |")
             print("\n".join(lines[-len(rows):]), flush=True)
-    text = "\n".join(lines)
     print()
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    harness.publish(lines, args.markdown)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ continuation " " + choice, `TemplateLM._encode_pair`) and tokenised with the mod
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
-import torch
+import harness
 
 from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
 
@@ -49,7 +48,7 @@ def flip_rate(a: list[list[float]], b: list[list[float]]) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--load", nargs="+", required=True, help="FAMILY=CHECKPOINT_OR_HF_DIR ...")
     ap.add_argument("--only", choices=("speed", "precision"), default=None)
     ap.add_argument("--questions", type=int, default=6)
@@ -57,11 +56,7 @@ def main():
     ap.add_argument("--flips", action="store_true", help="also the decision flip rate between two seeds")
     ap.add_argument("--num-mc-samples", type=int, default=64, help="the default N, for the speed figures")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = harness.parse_args(ap, repeats=1, threads=2)
 
     from megatron_dllm import platform
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM

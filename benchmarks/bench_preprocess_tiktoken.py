@@ -22,7 +22,6 @@ CPU)). CPU time is what a worker core spends per token, and unlike wall time it 
 with the machine's load. The ratios are ours over Megatron-LM's within each round, median over
 rounds. Both tools' outputs are checked to be byte-identical in every round.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -33,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -72,7 +73,7 @@ def _md5(path: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = harness.parser(__doc__)
     p.add_argument("--megatron-lm", required=True, help="Megatron-LM tree at tag core_v0.16.1")
     p.add_argument("--copies", type=int, default=2)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -142,11 +143,7 @@ def _report(args, times, ratios, n_docs, mb, tokens, rounds) -> None:
                 ratio = "| " + " | ".join(f"{statistics.median(x[i] for x in ratios[w]):.2f}x" for i in range(3)) + " |"
             lines.append(f"| {name} | {w} | {wall:.1f} | {tokens / wall / w:,.0f} | {cpu:.1f} | {startup_cpu:.1f} "
                          f"| {tokens / cpu:,.0f} | {steady:,.0f} {ratio}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    harness.publish(lines, args.out)
 
 
 if __name__ == "__main__":

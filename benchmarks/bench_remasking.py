@@ -17,12 +17,10 @@ after one warm-up round; medians reported, with the wall-time ratio to the first
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
-import torch
+import harness
 from bench_samplers import build as random_model
 
 from megatron_dllm import platform
@@ -53,16 +51,12 @@ def run(inf, cfg: SamplingConfig, prompt, seed: int) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--load", default=None, help="checkpoint or HF directory (default: a random model)")
     ap.add_argument("--family", default="mdlm", choices=("mdlm", "duo"), help="the random model's family")
     ap.add_argument("--seq-length", type=int, default=128)
     ap.add_argument("--prompt", default=None, help="text in front of every sample (needs --load's tokenizer)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = harness.parse_args(ap)
     L = args.seq_length
     inf = load_inference_model(args.load, platform.device()) if args.load else random_model(args.family, L)
     prompt = inf.tokenizer.tokenize(args.prompt) if args.prompt else None
@@ -92,9 +86,7 @@ def main():
         ratio = statistics.median(w / b for w, b in zip(walls[label], walls[base]))
         results[label] = {"walls": walls[label], "calls": calls[label], "ratio": ratio}
         print(f"| {label} | {n:g} | {generated / n:.2f} | {wall:.2f} | {generated / wall:.0f} | {ratio:.2f} |")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+    harness.write_json(args, results=results)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,10 @@ One sample per run (batch 1), no prompt, no EOS stopping (every run generates al
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
-import torch
+import harness
 
 from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate
@@ -48,16 +46,12 @@ def run(inf: InferenceModel, **cfg) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--steps", type=int, nargs="+", default=[16, 64, 256, 1024])
     ap.add_argument("--pair-steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--repeat-below", type=float, default=10.0)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = harness.parse_args(ap)
     L = args.seq_length
     models = {f: build(f, L) for f in FAMILIES}
     for f in FAMILIES:  # warm-up
@@ -103,9 +97,7 @@ def main():
         a, b = statistics.median(walls["on"]), statistics.median(walls["off"])
         side[f"{f}/{flag}"] = {"on_s": a, "off_s": b, "calls": calls}
         print(f"| {f} | {flag} | {a:.2f} | {b:.2f} | {a / b:.2f} | {calls['on']} / {calls['off']} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "grid": grid, "side_by_side": side}, fh, indent=1)
+    harness.write_json(args, grid=grid, side_by_side=side)
 
 
 if __name__ == "__main__":

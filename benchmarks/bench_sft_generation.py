@@ -18,11 +18,9 @@ same computation, so their ratio shows the noise of the measurement.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 
+import harness
 import torch
 from bench_samplers import FAMILIES, build
 
@@ -31,24 +29,13 @@ from megatron_dllm.sampling.conditional import generate_left_to_right, generate_
 NO_EOS = -1  # never generated: every run produces exactly --new-tokens tokens
 
 
-def timed(fn, inf, prompt, new, **kw) -> tuple[float, float, int]:
-    """(wall s, CPU s of this process, tokens)."""
-    start, cpu = time.perf_counter(), time.process_time()
-    out = fn(inf, prompt, new, NO_EOS, **kw)
-    return time.perf_counter() - start, time.process_time() - cpu, len(out)
-
-
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.parser(__doc__)
     ap.add_argument("--seq-length", type=int, default=256)
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = harness.parse_args(ap)
     prompt = torch.randint(1, 4000, (args.prompt_length,), generator=torch.Generator().manual_seed(0)).tolist()
     results = {}
     print(f"## batch 1, context {args.seq_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
@@ -63,8 +50,8 @@ def main():
         for _ in range(args.repeats):
             for key, fn, kw in (("l2r", generate_left_to_right, {}),
                                 ("native", generate_native, {"steps": args.steps, "seed": 0})):
-                w, c, n = timed(fn, inf, prompt, args.new_tokens, **kw)
-                assert n == args.new_tokens
+                w, c, out = harness.timed(fn, inf, prompt, args.new_tokens, NO_EOS, **kw)
+                assert len(out) == args.new_tokens
                 walls[key].append(w)
                 cpus[key].append(c)
         rate = {f"{k}_{m}": args.new_tokens / statistics.median(v[k])
@@ -73,9 +60,7 @@ def main():
         print(f"| {family} | {rate['l2r_wall']:.1f} | {rate['native_wall']:.1f} | "
               f"{rate['native_wall'] / rate['l2r_wall']:.2f}x | {rate['l2r_cpu']:.1f} | {rate['native_cpu']:.1f} | "
               f"{rate['native_cpu'] / rate['l2r_cpu']:.2f}x |", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "results": results}, fh, indent=1)
+    harness.write_json(args, results=results)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class FixedBatch:
     def __init__(self, inp, batch: int):
         self.inp, self.mbs, self.num_microbatches = inp, batch, 1
 
-    def iteration(self, consumed: int):
+    def iteration(self, consumed: int, number: int | None = None):
         return iter([self.inp])
 
 

@@ -79,6 +79,26 @@ def release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# `--batch-size auto` (evaluation) searches by running batches until one runs out of memory, which
+# only works where that raises: a GPU's allocator does; on the CPU the OS kills the process instead.
+def out_of_memory_raises(device) -> bool:
+    """Whether running out of memory on `device` raises an error a batch-size search can catch and
+    back off from (a GPU), rather than the OS killing the process (the CPU's host memory)."""
+    return torch.device(device).type != "cpu"
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the device running out of memory (torch.OutOfMemoryError or its message)."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def auto_generation_batch(device) -> int:
+    """The batch size `--batch-size auto` starts conditional generation at on `device`: 64 where
+    running out of memory raises (halved on each such error); 8 on the CPU, which cannot back off
+    and gains little beyond (benchmarks/RESULTS.md, "Batched conditional generation")."""
+    return 64 if out_of_memory_raises(device) else 8
+
+
 def device_name() -> str | None:
     """The accelerator's name (for its peak FLOP/s), or None on a CPU machine."""
     return torch.cuda.get_device_name() if HAS_CUDA else None

@@ -1,5 +1,5 @@
 """Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
-megatron's world of one, the flags of a tiny training run, a torchrun launcher, and small file
+megatron's world of one, the flags of a tiny training run, torchrun launchers, and small file
 systems of their own (read-only, full) for fault injection."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -98,21 +99,79 @@ def launch_env(nproc: int) -> dict:
     return env
 
 
+_server = None  # the session's prewarmed server (tests/prewarmed.py), started on first use
+_server_lock = threading.Lock()
+
+
+def _prewarmed(env: dict):
+    """The session's prewarmed server if it can start a process with `env`, else None."""
+    global _server
+    if os.environ.get("DLLM_TEST_PREWARMED", "1") == "0":
+        return None
+    from prewarmed import Server
+
+    with _server_lock:  # tests launch from threads too
+        if _server is None:
+            _server = Server(launch_env(1))
+    return _server if _server.serves(env) else None
+
+
+def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):
+    """`python SCRIPT ARGS...` or `python -c CODE ARGS...` (nproc = 1), or `torchrun --standalone
+    --nproc-per-node NPROC SCRIPT ARGS...`, capturing text output like `subprocess.run`: started from
+    the prewarmed server (tests/prewarmed.py: torch and megatron-core already imported) where the
+    environment allows, as a plain process where it does not or with DLLM_TEST_PREWARMED=0."""
+    server = _prewarmed(env)
+    if server is not None:
+        return server.run(argv, cwd, env, timeout) if nproc == 1 else server.launch(nproc, argv, cwd, env, timeout)
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return subprocess.run([sys.executable, *launcher, *argv], cwd=str(cwd), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def popen_python(argv: list[str], cwd, env: dict, stdout, stderr=None, stdin=subprocess.DEVNULL,
+                 start_new_session: bool = False):
+    """`subprocess.Popen([sys.executable, *argv], ...)` left running, from the prewarmed server
+    where `run_python` would use it. stdout and stderr are open files (stderr None: stdout's)."""
+    stderr = stdout if stderr is None else stderr
+    server = _prewarmed(env)
+    if server is None:
+        return subprocess.Popen([sys.executable, *argv], cwd=str(cwd), env=env, stdin=stdin, stdout=stdout,
+                                stderr=stderr, start_new_session=start_new_session)
+    with open(os.devnull) as null:
+        return server.popen(argv, cwd, env, null if stdin == subprocess.DEVNULL else stdin, stdout, stderr,
+                            start_new_session)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_prewarmed_server():
+    yield
+    if _server is not None:
+        _server.close()
+
+
+def run_worker_on_two_ranks(worker: str, workdir, *args: str, timeout: int = 300):
+    """Launch `tests/{worker}` on two ranks as `worker RESULT_JSON *args` in `workdir`; returns the
+    JSON it wrote, or fails the test with the output's tail."""
+    out = os.path.join(str(workdir), "result.json")
+    proc = run_python([os.path.join(REPO, "tests", worker), out, *args], workdir, launch_env(2), timeout, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    with open(out) as f:
+        return json.load(f)
+
+
 def run_pretrain(nproc: int, args: list[str], workdir, timeout: int = 300, check: bool = True):
-    """Run pretrain_dllm.py under torchrun (one process: directly, with the environment torchrun
-    would give it, which saves torchrun's 3 s); returns (completed process, metrics JSON lines)."""
+    """Run pretrain_dllm.py as `torchrun --nproc-per-node NPROC` would (one process: with the
+    environment torchrun would give it); returns (completed process, metrics JSON lines)."""
     metrics = os.path.join(str(workdir), f"metrics-{len(os.listdir(str(workdir)))}.jsonl")
     script = [os.path.join(REPO, "pretrain_dllm.py"), *args, "--metrics-file", metrics]
     env = launch_env(nproc)
-    # Ports are chosen by the process that listens on them (port 0), never handed over from here:
-    # a port found free here can be taken by a concurrent launch before the child binds it.
     if nproc == 1:
-        cmd = [sys.executable, *script]
+        # Ports are chosen by the process that listens on them (port 0), never handed over from
+        # here: a port found free here can be taken by a concurrent launch before the child binds it.
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
-    proc = subprocess.run(cmd, cwd=str(workdir), env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_python(script, workdir, env, timeout, nproc)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain_dllm.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")

@@ -3,17 +3,13 @@ DotProductAttention (`local`): the core-attention module on its own, a training 
 family on CPU in fp32 (single process here; TP=2 with and without sequence parallelism under
 torchrun), and checkpoints across backends. The dense DiT comparison is in test_reference_dit.py.
 """
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from attention_cases import FAMILIES, GAIN, MASK_ID, VOCAB, batch, build, compare_backends, rel_diff
-from conftest import launch_env
+from conftest import run_worker_on_two_ranks
 from megatron.core import dist_checkpointing
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -23,7 +19,6 @@ from megatron_dllm import platform
 from megatron_dllm.families import get_family
 from megatron_dllm.model.attention import SDPAttention, resolve_backend
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 REL = 1e-6  # relative (Frobenius) difference allowed between the backends in fp32
 
 
@@ -177,12 +172,7 @@ def test_unsupported_combinations_are_refused():
 @pytest.mark.multiprocess
 def test_sdpa_equals_local_at_tp2_with_and_without_sequence_parallelism(tmp_path):
     """One 2-rank launch: every family at TP=2, then at TP=2 with sequence parallelism."""
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(HERE, "attention_backend_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=launch_env(2), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+    results = run_worker_on_two_ranks("attention_backend_worker.py", tmp_path)
     assert sorted(results) == sorted(f"{f}/{layout}" for f in FAMILIES for layout in ("TP2", "TP2-SP"))
     for case, ranks in results.items():
         assert len(ranks) == 2, case

@@ -104,6 +104,12 @@ def test_plan_data_mix_switch_and_identity_mismatch():
     other = TRAINED.replace(identity=ModelIdentity("ar", 64, 2, 4, 4097, 4096))
     with pytest.raises(CheckpointError, match=r"does not match this run \(family: checkpoint 'ar' vs this run 'mdlm'"):
         _plan(other)
+    # --finetune trains the weights under another objective (AR adapted to MDLM); the shapes still must match
+    plan = _plan(other, finetune=True)
+    assert plan.kind == FINETUNE
+    assert plan.notes == ("--finetune: the weights of a --family ar model, trained as --family mdlm",)
+    with pytest.raises(CheckpointError, match=r"\(hidden_size: checkpoint 96 vs this run 64\)$"):
+        _plan(TRAINED.replace(identity=ModelIdentity("ar", 96, 2, 4, 4097, 4096)), finetune=True)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_pretrain
+from conftest import launch_env, run_pretrain, run_python
 
 from megatron_dllm.checkpoint import CheckpointError, layout, manifest, safe_read, store
 
@@ -107,8 +107,6 @@ def test_a_poisoned_pickle_is_refused_before_anything_runs(poisoned):
 @pytest.mark.slow
 def test_training_and_sampling_refuse_a_poisoned_checkpoint(demo_cache, trained, tmp_path):
     """The real commands: one error line, exit 2, the payload never ran, the checkpoint untouched."""
-    import subprocess
-    import sys
 
     from conftest import REPO
 
@@ -122,9 +120,8 @@ def test_training_and_sampling_refuse_a_poisoned_checkpoint(demo_cache, trained,
     proc, _ = run_pretrain(1, ["--demo-cache-dir", demo_cache, *RUN, "--train-iters", "4", "--load", str(root),
                                "--save", str(root)], tmp_path, check=False)
     assert proc.returncode == 2 and "refused, it names 'posix.system'" in proc.stderr, proc.stderr[-2000:]
-    sample = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sample.py"), "--load", str(root),
-                             "--num-samples", "1", "--steps", "2"], capture_output=True, text=True, cwd=tmp_path,
-                            timeout=300)
+    sample = run_python([os.path.join(REPO, "tools", "sample.py"), "--load", str(root), "--num-samples", "1",
+                         "--steps", "2"], tmp_path, launch_env(1), 300)
     errors = [line for line in sample.stderr.splitlines() if line.startswith("error:")]
     assert sample.returncode == 2 and len(errors) == 1 and "posix.system" in errors[0], sample.stderr[-2000:]
     assert not marker.exists()

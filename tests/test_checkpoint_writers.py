@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY_RUN, launch_env, run_pretrain, tmpfs
+from conftest import REPO, TINY_RUN, launch_env, popen_python, run_pretrain, run_python, tmpfs
 
 from megatron_dllm.checkpoint import layout, manifest
 from megatron_dllm.cli.chaos_resume import children as _kids
@@ -44,13 +44,12 @@ def _start(demo_cache, workdir, *flags, nproc=1, env=None):
     """A training launch left running (one rank: the process itself; else torchrun)."""
     script = [os.path.join(REPO, "pretrain_dllm.py"), "--demo-cache-dir", demo_cache, *RUN, *flags]
     environ = {**launch_env(nproc), **(env or {})}
+    log = open(os.path.join(str(workdir), f"run-{time.time_ns()}.log"), "w+")
     if nproc == 1:
-        cmd = [sys.executable, *script]
         environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT="0")
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
-    log = open(os.path.join(str(workdir), f"run-{time.time_ns()}.log"), "w+")
+        return popen_python(script, workdir, environ, log), log
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     return subprocess.Popen(cmd, cwd=str(workdir), env=environ, stdout=log, stderr=log), log
 
 
@@ -150,15 +149,15 @@ def exported(demo_cache, tmp_path_factory):
     work = tmp_path_factory.mktemp("exported")
     run_pretrain(1, ["--demo-cache-dir", demo_cache, *RUN, "--train-iters", "2", "--save", str(work / "ckpt")], work)
     hf = work / "hf"
-    subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(work / "ckpt"),
-                    "--out", str(hf)], env=launch_env(1), check=True, capture_output=True)
+    done = run_python([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(work / "ckpt"), "--out", str(hf)],
+                      work, launch_env(1))
+    assert done.returncode == 0, done.stderr[-3000:]
     assert not os.path.exists(str(hf) + ".lock") and "dllm-writer" not in " ".join(os.listdir(hf))
     return work / "ckpt", hf
 
 
 def _tool(name, *args, env=None):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *args], capture_output=True,
-                          text=True, env={**launch_env(1), **(env or {})}, timeout=300)
+    return run_python([os.path.join(REPO, "tools", name), *args], os.getcwd(), {**launch_env(1), **(env or {})}, 300)
 
 
 @pytest.mark.parametrize("mode", ["flock"])  # both modes name the holder alike: tests/test_output_lock.py

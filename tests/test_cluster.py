@@ -18,13 +18,11 @@ import pickle
 import re
 import signal
 import struct
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_RUN, run_pretrain
+from conftest import REPO, TINY_RUN, popen_python, run_pretrain, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -45,8 +43,8 @@ def _env():
 def _start(flags, workdir, metrics, script=PRETRAIN, env=None):
     """One training process in a session of its own (its checkpoint writer too)."""
     log = open(os.path.join(str(workdir), "run.log"), "w")
-    proc = subprocess.Popen([sys.executable, script, *flags, "--metrics-file", str(metrics)], cwd=str(workdir),
-                            env={**_env(), **(env or {})}, start_new_session=True, stdout=log, stderr=log)
+    proc = popen_python([script, *flags, "--metrics-file", str(metrics)], workdir, {**_env(), **(env or {})}, log,
+                        start_new_session=True)
     return proc, log
 
 
@@ -317,8 +315,7 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
 
 
 def test_selective_and_full_recompute_equal_no_recompute():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "recompute_worker.py")], env=_env(),
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_python([os.path.join(REPO, "tests", "recompute_worker.py")], REPO, _env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("selective", "full-uniform-1", "full-block-1"):  # the same operations in the same order

@@ -13,7 +13,6 @@ import contextlib
 import copyreg
 import math
 import os
-import subprocess
 import sys
 import types
 import typing
@@ -24,7 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import REPO
+from conftest import REPO, launch_env, run_python
 
 from megatron_dllm.cli import convert_from_ref
 from megatron_dllm.hf import export, reference
@@ -359,11 +358,8 @@ def test_megatron_checkpoint_at_tp2_reproduces_the_paper_logits(tmp_path):
     raw, ema = random_paper_model("mdlm", seed=0), random_paper_model("mdlm", seed=6)
     ckpt = save_lightning(raw, "mdlm", tmp_path / "last.ckpt", ema_model=ema)
     save = tmp_path / "ckpt_tp2"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-                           os.path.join(REPO, "tools", "convert_from_ref.py"), "--ref", ckpt, "--weights", "ema",
-                           "--save", str(save), "--tensor-model-parallel-size", "2"],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_python([os.path.join(REPO, "tools", "convert_from_ref.py"), "--ref", ckpt, "--weights", "ema",
+                       "--save", str(save), "--tensor-model-parallel-size", "2"], REPO, launch_env(2), 300, nproc=2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     from megatron_dllm import platform
 

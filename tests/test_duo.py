@@ -1,18 +1,13 @@
 """Duo (uniform-state diffusion): the vocab-parallel closed-form NELBO against the reference formula
 written densely, at TP=1 and TP=2, in fp32 and bf16; the forward process; real-text training."""
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import launch_env
+from conftest import run_worker_on_two_ranks
 
 from megatron_dllm.families import Noise, get_family
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB, PADDED, MASK = 50, 64, 49  # ids < 50 incl. [MASK] = 49; TP padding 50..63
 V = VOCAB - 1                     # ids a token can take: the real vocabulary minus [MASK]
 EPS = 1e-3
@@ -133,13 +128,7 @@ def test_corrupt_replaces_uniformly_with_real_ids(world_of_one):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_loss_and_grad_equal_dense_reference_tp2(tmp_path):
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(HERE, "duo_worker.py"), str(out)]
-    env = launch_env(2)
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = run_worker_on_two_ranks("duo_worker.py", tmp_path, timeout=180)
     for t_value, r in result.items():
         assert r["loss_rel_err"] <= 1e-5, (t_value, r)
         assert r["grad_err"] <= 1e-5 * r["grad_scale"], (t_value, r)

@@ -11,29 +11,26 @@
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import launch_env
+from conftest import run_worker_on_two_ranks
 from test_parallel_equivalence import SMALL, run_worker
 
 from megatron_dllm.errors import InputError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-base", "500",
                "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"]
 
 
-def tiny_hf(kind: str, directory) -> str:
+def tiny_hf(kind: str, directory, vocab_size: int = 100) -> str:
     """A random-weight transformers model saved with save_pretrained: Llama (GQA, tied), Qwen2
     (GQA, q/k/v biases, untied) or Mistral (untied, saved in safetensors shards with an index)."""
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, rope_theta=500.0,
@@ -110,12 +107,7 @@ def test_import_keeps_the_tokenizer_and_appends_mask(tmp_path, world_of_one, cap
 @pytest.mark.multiprocess
 def test_imported_checkpoints_equal_transformers_at_tp2_and_pp2(tmp_path):
     dirs = [tiny_hf("llama", tmp_path), tiny_hf("qwen2", tmp_path)]
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(HERE, "pretrained_ar_worker.py"), str(out), *dirs]
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=launch_env(2), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+    results = run_worker_on_two_ranks("pretrained_ar_worker.py", tmp_path, *dirs, timeout=600)
     for hf in dirs:
         assert set(results[hf]) == {"tp2->pp2", "pp2->tp2"}
         for layout, err in results[hf].items():

@@ -124,3 +124,31 @@ def test_bad_batch_size_is_one_line_naming_the_flag(value, capsys):
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "--batch-size" in err and value in err
     assert build_parser().parse_args(["gsm8k", "--load", "x", "--batch-size", "auto"]).batch_size == "auto"
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_auto_batch_backs_off_only_where_out_of_memory_raises(device):
+    """`--batch-size auto` (platform.auto_generation_batch): on a GPU from 64, halved on each
+    out-of-memory error down to what fits (16 here), every result kept in input order; on the CPU
+    8 and an out-of-memory error is not retried. A fake `run` stands in for the model."""
+    import torch
+
+    from megatron_dllm.evaluation.generation_batches import in_batches
+
+    fits, tried = 16, []
+
+    def run(indices):
+        tried.append(len(indices))
+        if len(indices) > fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [i * 10 for i in indices]
+
+    lengths = [(7 * i) % 100 for i in range(100)]  # sorted order differs from the input order
+    if device == "cpu":
+        fits = 4
+        with pytest.raises(torch.OutOfMemoryError):
+            in_batches(lengths, "auto", torch.device(device), run)
+        assert tried == [8]
+        return
+    assert in_batches(lengths, "auto", torch.device(device), run) == [i * 10 for i in range(100)]
+    assert tried == [64, 32, *[16] * 6, 4]

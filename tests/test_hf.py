@@ -4,12 +4,11 @@ permuted positions and Duo's non-zero sigma; AR generates; the tokenizer knows [
 megatron (TP=2) -> HF is bit-exact, and training starts from the converted checkpoint. The Eso-LM
 checkpoint is trained at TP=2 (sharded), the AR one at PP=2 with 2 virtual stages (interleaved)."""
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import REPO, launch_env, run_pretrain
+from conftest import REPO, launch_env, run_pretrain, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +40,9 @@ def checkpoints(demo_cache, tmp_path_factory):
         return dict(pool.map(train, FAMILIES))  # one-process runs leave a core idle, as do start-ups)
 
 
-def _run(cmd, timeout=300, nproc=1):
-    proc = subprocess.run(cmd, env={**ENV, **launch_env(nproc)}, capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO)
-    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+def _run(argv, timeout=300, nproc=1):
+    proc = run_python(argv, REPO, {**ENV, **launch_env(nproc)}, timeout, nproc)
+    assert proc.returncode == 0, f"{argv} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
@@ -53,7 +51,7 @@ def test_export_matches_megatron_for_every_family(checkpoints, demo_cache, tmp_p
 
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     args = [f"{f}={checkpoints[f]}" for f in FAMILIES]
-    proc = _run([sys.executable, __file__, "compare", str(tmp_path), tok, *args])
+    proc = _run([__file__, "compare", str(tmp_path), tok, *args])
     for family in FAMILIES + ["overwrite"]:
         assert f"OK {family}" in proc.stdout, proc.stdout
 
@@ -63,10 +61,9 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     from safetensors.torch import load_file
 
     hf1, ckpt, hf2 = tmp_path / "hf1", tmp_path / "ckpt_tp2", tmp_path / "hf2"
-    _run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", checkpoints["mdlm"],
+    _run([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", checkpoints["mdlm"],
           "--out", str(hf1)])
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-          os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
+    _run([os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
           "--tensor-model-parallel-size", "2"], nproc=2)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
     # converting into a directory that holds a checkpoint (a training run's, say) is refused
@@ -89,7 +86,7 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
     assert convert_from_hf.main(["--hf", str(tmp_path / "broken"), "--save", str(tmp_path / "x")]) == 2
     assert "config.json: not valid JSON" in capsys.readouterr().err
-    _run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(hf2)])
+    _run([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(hf2)])
     a, b = load_file(str(hf1 / "model.safetensors")), load_file(str(hf2 / "model.safetensors"))
     assert sorted(a) == sorted(b)
     for k in a:
@@ -108,9 +105,8 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
 
 
 def test_use_ema_without_ema_fails_clearly(checkpoints, tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_to_hf.py"), "--load",
-                           checkpoints["ar"], "--out", str(tmp_path / "x"), "--use-ema"],
-                          env=ENV, capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = run_python([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", checkpoints["ar"],
+                       "--out", str(tmp_path / "x"), "--use-ema"], REPO, {**ENV, **launch_env(1)}, 300)
     assert proc.returncode != 0
     assert "no EMA weights" in proc.stderr
 

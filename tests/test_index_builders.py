@@ -2,12 +2,10 @@
 megatron's datasets, and tools/build_indexes.py producing exactly the caches training loads."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, launch_env, run_python
 from megatron.core.datasets import helpers_cpp  # shipped prebuilt with megatron-core
 
 from megatron_dllm.data import index_builders as ib
@@ -280,9 +278,8 @@ def test_build_indexes_then_training_hits_the_cache(tmp_path):
              "--eval-interval", "5", "--eval-iters", "2", "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-model", tokenizer, "--data-cache-path", cache]
     for family in ("ar", "mdlm"):  # AR adds the extra token: its own caches
-        proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "build_indexes.py"),
-                               "--family", family, *flags], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        proc = run_python([os.path.join(REPO, "tools", "build_indexes.py"), "--family", family, *flags], os.getcwd(),
+                          launch_env(1), 120)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "build_indexes: done in" in proc.stdout and "Build and save" in proc.stdout
     built = _snapshot(cache)

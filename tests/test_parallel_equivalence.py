@@ -12,11 +12,9 @@ torch and megatron imports and a rendezvous each, about 5.5 min for the file on 
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import launch_env
+from conftest import launch_env, run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -61,10 +59,7 @@ def run_worker(nproc: int, cases: dict, workdir, demo_cache: str) -> tuple[dict,
             for name, flags in cases.items()}
     (workdir / "cases.json").write_text(json.dumps(argv))
     script = [os.path.join(HERE, "parallel_worker.py"), str(out), str(workdir / "cases.json")]
-    cmd = ([sys.executable, *script] if nproc == 1 else
-           [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone", *script])
-    proc = subprocess.run(cmd, cwd=str(workdir), env=launch_env(nproc), capture_output=True, text=True,
-                          timeout=1800)
+    proc = run_python(script, workdir, launch_env(nproc), 1800, nproc)
     results = {p[:-5]: json.loads((out / p).read_text()) for p in os.listdir(out)}
     return results, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
 

@@ -1,11 +1,9 @@
 """Preset sizes reproduce the paper's table `tab:model_sizes` (vocabulary 32001)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, launch_env, run_python
 
 from megatron_dllm.model.builder import Architecture, check_layout
 from megatron_dllm.model.params import count_parameters
@@ -21,8 +19,9 @@ def test_non_embedding_params_match_the_paper(name):
 
 @pytest.mark.slow
 def test_model_info_cli():
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "model_info.py"), "--preset", "1.7B",
-                          "--vocab-size", "32001", "--json"], capture_output=True, text=True, check=True)
+    out = run_python([os.path.join(REPO, "tools", "model_info.py"), "--preset", "1.7B", "--vocab-size", "32001",
+                      "--json"], REPO, launch_env(1))
+    assert out.returncode == 0, out.stderr[-2000:]
     info = json.loads(out.stdout.strip().splitlines()[-1])
     assert info["non_embedding_params"] == 1_708_815_873 and info["num_attention_heads"] == 17
 

@@ -5,11 +5,10 @@ head and optimizer, each by its own amount; backward ops follow their forward op
 device-timeline rule on hand-made intervals; the script end to end and its bad input."""
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
+from conftest import REPO, launch_env, run_python
 
 from megatron_dllm import platform
 from megatron_dllm.config import parse_args
@@ -17,7 +16,6 @@ from megatron_dllm.training.profile_breakdown import CATEGORIES, exclusive_timel
 from megatron_dllm.training.profile_regions import INPUT_WAIT, LOSS_HEAD, OPTIMIZER
 from megatron_dllm.training.trainer import Trainer
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks", "bench_profile_breakdown.py")
 MICRO = ["--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2"]
 
@@ -99,9 +97,9 @@ def test_device_timeline_gives_each_instant_to_one_category():
 @pytest.mark.slow
 def test_the_script_prints_the_table_and_writes_the_trace(demo_cache, tmp_path):
     trace = tmp_path / "trace.json"
-    proc = subprocess.run([sys.executable, BENCH, "--demo-cache-dir", demo_cache, *MICRO, "--global-batch-size", "4",
-                           "--steps", "1", "--warmup", "1", "--attention-backend", "sdpa", "--trace", str(trace)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+    proc = run_python([BENCH, "--demo-cache-dir", demo_cache, *MICRO, "--global-batch-size", "4", "--steps", "1",
+                       "--warmup", "1", "--attention-backend", "sdpa", "--trace", str(trace)], tmp_path,
+                      launch_env(1), 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ")]
     shares = {r[1].strip(): float(r[3]) for r in rows[1:] if r[1].strip() in CATEGORIES}
@@ -119,10 +117,6 @@ def test_the_script_prints_the_table_and_writes_the_trace(demo_cache, tmp_path):
     (["--train-iters", "3"], "error: --train-iters 3 is fewer than --warmup + 2 x --steps = 13, the steps run here"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(demo_cache, tmp_path, flags, message):
-    proc = subprocess.run([sys.executable, BENCH, "--demo-cache-dir", demo_cache, *MICRO, *flags],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+    proc = run_python([BENCH, "--demo-cache-dir", demo_cache, *MICRO, *flags], tmp_path, launch_env(1), 600)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == message, proc.stderr[-2000:]
 
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}

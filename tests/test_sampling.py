@@ -7,12 +7,10 @@ Most tests use small randomly initialised HF models (weights ~ N(0, 0.2^2): the 
 zeroes adaLN and the output layer, which would make every distribution uniform)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REPO, run_pretrain
+from conftest import REPO, launch_env, run_pretrain, run_python
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
 from megatron_dllm.hf.random_model import random_dense_model
@@ -240,11 +238,9 @@ def esolm_checkpoint(demo_cache, tmp_path_factory):
 @pytest.mark.slow
 def test_sample_tool_on_megatron_checkpoint(esolm_checkpoint, tmp_path):
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "sample.py"), "--load", esolm_checkpoint,
-                           "--num-samples", "3", "--steps", "8", "--batch-size", "2", "--prompt", "To be",
-                           "--top-p", "0.9", "--device", "cpu", "--output", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    proc = run_python([os.path.join(REPO, "tools", "sample.py"), "--load", esolm_checkpoint, "--num-samples", "3",
+                       "--steps", "8", "--batch-size", "2", "--prompt", "To be", "--top-p", "0.9", "--device", "cpu",
+                       "--output", str(out)], tmp_path, launch_env(1), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     settings = record["settings"]

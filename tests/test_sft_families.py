@@ -1,16 +1,12 @@
 """Fine-tuning losses of every family: the prompt is never corrupted and carries no loss, and the
 mean loss equals a dense reference written from the clean tokens and the prompt mask (TP=1 here;
 TP=2 on two gloo ranks in tests/sft_worker.py)."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_worker_on_two_ranks
 from sft_cases import MASK, PROMPT_LENGTHS, dense_sft_loss, make_case
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ("ar", "mdlm", "duo", "esolm")
 
 
@@ -57,13 +53,7 @@ def test_loss_equals_dense_reference(name, t_value):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_equals_dense_reference(tmp_path):
-    out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.join(HERE, "sft_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    result = run_worker_on_two_ranks("sft_worker.py", tmp_path, timeout=180)
     assert sorted(result) == sorted(FAMILIES)
     for name, r in result.items():
         assert r["rel_err"] <= 1e-5 and r["ranks_agree"] and r["prompt_grad_zero"], (name, r)

@@ -3,11 +3,9 @@ resume in the middle of an epoch (the second epoch's order included)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, run_pretrain
+from conftest import REPO, launch_env, run_pretrain, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -72,11 +70,9 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
     is in GSM8K's JSONL format)."""
     work, _, _ = full_run
     preds = tmp_path / "pred.jsonl"
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load",
-                           str(work / "ckpt"), "--data", str(task_dir / "test.jsonl"),
-                           "--limit", "3", "--max-new-tokens", "6", "--predictions", str(preds)],
-                          capture_output=True, text=True, env=env)
+    proc = run_python([os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load", str(work / "ckpt"),
+                       "--data", str(task_dir / "test.jsonl"), "--limit", "3", "--max-new-tokens", "6",
+                       "--predictions", str(preds)], tmp_path, launch_env(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["problems"] == 3 and result["family"] == "esolm" and result["batch_size"] == 1

@@ -60,6 +60,10 @@ CASES = [
     ("family_settings", ["--family", "ar", "--shift"], None, False, "--shift applies to --family mdlm, not ar"),
     ("family_settings", ["--family", "bd3lm", "--block-size", "4", "--sampling-eps-min", "0.6",
                          "--sampling-eps-max", "0.5"], None, False, "need 0 < min <= max <= 1"),
+    ("attention_anneal", ["--family", "esolm", "--attention-mask-anneal-iters", "100"], None, False,
+     "--attention-mask-anneal-iters applies to the bidirectional families (--family mdlm, duo), not esolm"),
+    ("attention_anneal", ["--attention-mask-anneal-iters", "100", "--attention-backend", "flash"], None, False,
+     "--attention-mask-anneal-iters needs --attention-backend sdpa or local (an explicit boolean mask), not flash"),
     ("backbone", ["--swiglu"], None, True, "--swiglu applies to --backbone gpt (this run trains the DiT)"),
     ("backbone", ["--backbone", "gpt", "--num-query-groups", "2"], None, True,
      "--num-query-groups needs --group-query-attention"),
@@ -128,6 +132,7 @@ def test_every_rule_has_a_case():
     (["--family", "duo", "--loss", "nelbo", "--recompute-granularity", "full", "--recompute-method", "block",
       "--lr-warmup-min-iters", "3", "--lr-warmup-fraction", "0.1", "--train-flops", "1e13"], 1),
     ([*DATA, "--sft", "--train-epochs", "2"], 2),
+    (["--family", "duo", "--backbone", "gpt", "--attention-mask-anneal-iters", "10", "--attention-backend", "sdpa"], 1),
 ])
 def test_a_good_configuration_passes_at_every_stage(flags, world_size):
     config = validate(parse_flags(flags), world_size)

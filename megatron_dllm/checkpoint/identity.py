@@ -2,7 +2,8 @@
 
 One object converts between the forms this identity takes: the run's architecture, the dict a
 checkpoint stores under "identity" in its common state, and the fields of an exported Hugging
-Face `config.json`. A checkpoint loads only into a run of the same identity.
+Face `config.json`. A checkpoint loads only into a run of the same identity; a `--finetune` may
+change the family (the weights' shapes do not depend on it).
 """
 from __future__ import annotations
 
@@ -60,11 +61,15 @@ class ModelIdentity:
         return cls(**{k: saved[k] for k in fields}, gpt=saved.get("gpt"),
                    family_options=dict(saved.get("family_options") or {}))
 
-    def differences(self, saved: dict) -> list[str]:
-        """`key: checkpoint X vs this run Y` for every field where `saved` differs."""
+    def differences(self, saved: dict, weights_only: bool = False) -> list[str]:
+        """`key: checkpoint X vs this run Y` for every field where `saved` differs. `weights_only`
+        (--finetune) compares only what shapes the weights: the family and its options are the
+        objective trained on them, which a fine-tune may change (an AR model adapted to Eso-LM,
+        MDLM or Duo: every family has the same parameters on a backbone)."""
         saved = {"family_options": {}, **saved}  # checkpoints written before the field: no options
+        objective = ("family", "family_options") if weights_only else ()
         return [f"{k}: checkpoint {saved.get(k)!r} vs this run {v!r}" for k, v in self.as_dict().items()
-                if saved.get(k) != v]
+                if saved.get(k) != v and k not in objective]
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str) -> "ModelIdentity":
@@ -75,9 +80,19 @@ class ModelIdentity:
             raise InputError(f"{source}: missing {', '.join(missing)}")
         if config["family"] not in FAMILIES:
             raise InputError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
-        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()},
+        gpt = config.get("gpt")
+        if gpt is not None:
+            from megatron_dllm.model.gpt_shape import GPTShape
+
+            try:
+                gpt = GPTShape.from_dict(gpt).as_dict()
+            except (TypeError, InputError) as err:
+                raise InputError(f"{source}: gpt {gpt!r} is not a GPT backbone shape ({err})") from None
+        return cls(**{ours: config[theirs] for theirs, ours in _HF_FIELDS.items()}, gpt=gpt,
                    family_options=dict(config.get("family_options") or {}))
 
     def hf_config_fields(self) -> dict:
+        """config.json's fields; `gpt` (the GPT backbone's shape) and `family_options` when set."""
         fields = {theirs: getattr(self, ours) for theirs, ours in _HF_FIELDS.items()}
-        return {**fields, "family_options": self.family_options} if self.family_options else fields
+        optional = {"gpt": self.gpt, "family_options": self.family_options}
+        return {**fields, **{k: v for k, v in optional.items() if v}}

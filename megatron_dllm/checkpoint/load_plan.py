@@ -4,7 +4,8 @@ tensor is read; `training_state.load_checkpoint` then carries the plan out.
     nothing    no --load (or --load is --save and holds nothing yet): iteration 0, fresh weights
     resume     weights, optimizer (unless --no-load-optim), LR schedule, RNG (unless --no-load-rng),
                EMA; training continues at the saved iteration and consumed samples
-    finetune   --finetune: weights only, iteration and consumed samples start again at 0
+    finetune   --finetune: weights only, iteration and consumed samples start again at 0; the
+               family may differ from the checkpoint's (adapting an AR model to a diffusion family)
     converted  a model-only checkpoint (written by a converter): weights only, at its iteration
 
 A checkpoint saved under another (PP, TP, DP) layout is resharded by megatron-core on load (the
@@ -72,14 +73,16 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
         raise CheckpointError(f"--load {ckpt.load} {what} (expected {TRACKER} or iter_XXXXXXX directories, "
                               f"or a checkpoint directory itself)")
     path = found.path
-    diffs = identity.differences(meta.identity.as_dict())
+    diffs = identity.differences(meta.identity.as_dict(), weights_only=ckpt.finetune)
     if diffs:
         raise CheckpointError(f"--load {path}: the checkpoint at iteration {meta.iteration} does not match "
                               f"this run ({'; '.join(diffs)})")
     if tokenizer_model:
         check_tokenizer(meta.tokenizer, tokenizer_model, path)
     if ckpt.finetune:
-        return LoadPlan(FINETUNE, layout, path, meta)
+        family = meta.identity.family
+        adapted = f"--finetune: the weights of a --family {family} model, trained as --family {identity.family}"
+        return LoadPlan(FINETUNE, layout, path, meta, notes=(adapted,) if family != identity.family else ())
     if meta.model_only:
         return LoadPlan(CONVERTED, layout, path, meta, iteration=meta.iteration,
                         consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)

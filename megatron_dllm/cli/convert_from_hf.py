@@ -78,8 +78,34 @@ def convert(args) -> int:
         with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
             return import_checkpoint(args)
     identity, cfg, hf_state = _read_hf(args.hf)
-    return write_checkpoint(hf_state, identity, cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH),
-                            args, source=args.hf)
+    seq_length = cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH)
+    if identity.gpt is not None:
+        return _write_gpt_checkpoint(hf_state, identity, seq_length, args)
+    return write_checkpoint(hf_state, identity, seq_length, args, source=args.hf)
+
+
+def _write_gpt_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args) -> int:
+    """A diffusion export of the GPT backbone (modeling_dllm's dense GPT) as a megatron checkpoint."""
+    import torch
+
+    from megatron_dllm.hf import export_gpt, pretrained_ar
+    from megatron_dllm.hf.import_ar import write_gpt_checkpoint
+
+    arch = identity.architecture(seq_length, args.make_vocab_size_divisible_by)
+    whole = pretrained_ar.to_megatron({k: v.float() for k, v in export_gpt.llama_names(hf_state).items()},
+                                      arch.preset, arch.gpt, f"--hf {args.hf}")
+    first = int(os.environ.get("RANK", "0")) == 0
+    with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
+        from megatron_dllm.checkpoint import layout
+
+        if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
+            raise InputError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
+        platform.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        path = write_gpt_checkpoint(whole, identity, arch, args, None, f"--hf {args.hf}")
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote {path} (TP={args.tensor_model_parallel_size}, PP={args.pipeline_model_parallel_size}, "
+              f"model weights only)")
+    return 0
 
 
 def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:

@@ -11,6 +11,10 @@ The directory is written under a temporary name beside DIR and renamed into plac
 an existing DIR is refused unless --overwrite, which replaces it whole. Files are mode 0644.
 The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModelForCausalLM` (ar)
 `.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR)`.
+A `--backbone gpt` checkpoint of family ar exports as transformers' own LlamaForCausalLM (or
+Qwen2ForCausalLM with q/k/v biases), loaded without trust_remote_code; of a diffusion family, as
+the remote code above with its Llama-style backbone. Such a checkpoint (imported from Hugging
+Face) exports the tokenizer it recorded unless the tokenizer flags name another.
 """
 import argparse
 import os
@@ -19,6 +23,7 @@ import sys
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
@@ -58,16 +63,28 @@ def _export(args, out: str) -> int:
         if args.tokenizer_model:
             check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
             tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
-        hf_state = export.megatron_to_hf(model.state_dict(), identity.num_attention_heads, identity.vocab_size)
+        elif identity.gpt is not None and meta.tokenizer is not None:  # an imported model's own tokenizer
+            tokenizer = recorded_tokenizer_config(meta.tokenizer)
+            if not os.path.isfile(tokenizer.tokenizer_model):
+                raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
+                                 f"--tokenizer-type/--tokenizer-model")
         with export.staged_export(out) as staging:
-            export.write_hf_dir(staging, hf_state, export.hf_config_dict(identity, arch.attention, arch.seq_length))
+            if identity.gpt is not None and identity.family == "ar":  # transformers' own Llama/Qwen2
+                from megatron_dllm.hf import export_gpt
+
+                tensors = export_gpt.write_transformers_dir(staging, model.state_dict(), identity, arch.seq_length)
+            else:
+                hf_state = export.hf_state(model.state_dict(), identity)
+                export.write_hf_dir(staging, hf_state, export.hf_config_dict(identity, arch.attention,
+                                                                             arch.seq_length))
+                tensors = len(hf_state)
             if tokenizer is not None:
                 export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
                                         identity.vocab_size, identity.mask_id, tokenizer.options())
     except BAD_INPUT as err:
         return fail(str(err))
-    print(f"wrote {args.out} ({identity.family}, {len(hf_state)} tensors"
-          f"{', EMA' if args.use_ema else ''}{', tokenizer' if args.tokenizer_type else ''})")
+    print(f"wrote {args.out} ({identity.family}, {tensors} tensors"
+          f"{', EMA' if args.use_ema else ''}{', tokenizer' if tokenizer is not None else ''})")
     return 0
 
 

@@ -129,15 +129,14 @@ def run_gen_ppl(args) -> dict:
 def run_throughput(args) -> dict:
     import dataclasses
 
-    from megatron_dllm.evaluation.throughput import auto_batch_size, measure_throughput
+    from megatron_dllm.evaluation.throughput import auto_batch_size, check_auto_cap, measure_throughput
 
     _check_load(args.load)
     auto = args.batch_size == "auto"
     if not auto and not (args.batch_size.isdigit() and int(args.batch_size) > 0):
         raise InputError(f"--batch-size {args.batch_size}: expected a positive integer or 'auto'")
-    if auto and args.max_batch_size is None and platform.device().type == "cpu":
-        raise InputError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
-                         "kills the process instead of raising an error)")
+    if auto:
+        check_auto_cap(platform.device(), args.max_batch_size)  # before the (slow) load
     # stop_at_eos off: every call generates the full length, so tokens/s counts real work
     sampling = sampling_config(args, stop_at_eos=False)
     sampling.check()

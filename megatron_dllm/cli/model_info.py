@@ -1,4 +1,5 @@
-"""Sizes of a model preset: `python tools/model_info.py --preset 1.7B --vocab-size 32001 --json`.
+"""Sizes of a model preset: `python tools/model_info.py --preset 1.7B --vocab-size 32001 --json`
+(a released model's preset, `--preset smollm2-135m`, is the GPT backbone with its shape).
 
 FLOPs are per sequence of --seq-length tokens in the two conventions of
 megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, attention included).
@@ -23,7 +24,7 @@ def main(argv=None):
 
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.model.params import count_parameters
-    from megatron_dllm.model.presets import get_preset
+    from megatron_dllm.model.presets import get_preset, gpt_shape_of
     from megatron_dllm.scaling.flops import forward_flops_per_sequence, train_flops_per_sequence
 
     if args.family not in FAMILIES:
@@ -32,20 +33,26 @@ def main(argv=None):
         preset = get_preset(args.preset)
     except InputError as err:
         parser.error(str(err))
-    info = {"preset": args.preset, "family": args.family, "hidden_size": preset.hidden_size,
-            "num_layers": preset.num_layers, "num_attention_heads": preset.num_attention_heads,
+    gpt = gpt_shape_of(args.preset)
+    info = {"preset": args.preset, "family": args.family, "backbone": "gpt" if gpt else "dit",
+            "hidden_size": preset.hidden_size, "num_layers": preset.num_layers,
+            "num_attention_heads": preset.num_attention_heads,
+            **({"num_query_groups": gpt.num_query_groups or preset.num_attention_heads,
+                "ffn_hidden_size": gpt.ffn_hidden_size,
+                "tied_embeddings": not gpt.untie_embeddings_and_output_weights} if gpt else {}),
             "vocab_size": args.vocab_size, "seq_length": args.seq_length,
-            **count_parameters(preset, args.vocab_size)}
+            **count_parameters(preset, args.vocab_size, gpt, args.seq_length)}
     for convention in ("calflops", "full"):
         info[f"fwd_flops_per_seq_{convention}"] = forward_flops_per_sequence(
-            preset, args.vocab_size, args.seq_length, convention)
+            preset, args.vocab_size, args.seq_length, convention, gpt)
         info[f"train_flops_per_seq_{convention}"] = train_flops_per_sequence(
-            preset, args.vocab_size, args.seq_length, convention)
+            preset, args.vocab_size, args.seq_length, convention, gpt)
     if args.json:
         print(json.dumps(info))
     else:
         for key, value in info.items():
-            print(f"{key:>28}: {value:,}" if isinstance(value, (int, float)) else f"{key:>28}: {value}")
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            print(f"{key:>28}: {value:,}" if numeric else f"{key:>28}: {value}")
 
 
 if __name__ == "__main__":

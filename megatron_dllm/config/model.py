@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, switch
-from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
 
@@ -32,20 +31,12 @@ class ModelConfig(FlagGroup):
         return self.seq_length * FAMILIES[self.family].input_copies
 
     def family_options(self) -> dict:
-        """The family's own settings, as `families.get_family` takes them."""
-        if self.family != "bd3lm":
-            if self.block_size is not None:
-                raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {self.family})")
-            return {}
-        if self.block_size is None:
-            raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
-        if self.seq_length and self.seq_length % self.block_size:
-            raise InputError(f"--block-size {self.block_size} must divide --seq-length {self.seq_length}")
-        if not 0 < self.sampling_eps_min <= self.sampling_eps_max <= 1:
-            raise InputError(f"--sampling-eps-min {self.sampling_eps_min} --sampling-eps-max {self.sampling_eps_max}: "
-                             f"need 0 < min <= max <= 1")
-        return {"block_size": self.block_size, "noise": self.noise,
-                "sampling_eps_min": self.sampling_eps_min, "sampling_eps_max": self.sampling_eps_max}
+        """The family's own settings, as `families.get_family` takes them: the family reads and
+        checks its flags (`Family.options_from_flags`, in the family's file)."""
+        from megatron_dllm.families import FAMILIES
+
+        return FAMILIES[self.family].options_from_flags(self)
+
     preset: str | None = flag(help=f"model size: {', '.join([*PRESETS, *ALIASES])}; default cpu-small on the "
                                    f"embedded demo, else 14M")
     num_layers: int | None = flag(type=positive_int, help="overrides the preset")
@@ -59,6 +50,10 @@ class ModelConfig(FlagGroup):
                                          help="core attention: local (megatron-core) | sdpa (PyTorch's fused "
                                               "kernels, cuDNN/flash on GPU) | unfused, fused, flash, auto "
                                               "(TransformerEngine); default: auto with TE layers, else local")
+    attention_mask_anneal_iters: int | None = flag(
+        type=positive_int, help="--family mdlm/duo adapted from an AR model (DiffuLLaMA): attention goes from causal "
+                                "to bidirectional over this many iterations, iteration k also opening each later "
+                                "token with probability k/N; --attention-backend local or sdpa")
     recompute_activations: bool = flag(False, action="store_true",
                                        help="selective activation recompute (Megatron-LM: = --recompute-granularity "
                                             "selective)")

@@ -181,7 +181,7 @@ def resolve_iterations(config: RunConfig, vocab_size: int) -> RunConfig:
     training = config.training
     if training.train_flops is not None:
         per_sequence = train_flops_per_sequence(config.preset(), vocab_size, config.model.backbone_length(),
-                                                training.flops_convention)
+                                                training.flops_convention, config.gpt_shape())
         iters = iterations_for_budget(training.train_flops, per_sequence, training.global_batch_size)
         check_budget(training.train_flops, per_sequence * training.global_batch_size, iters,
                      training.flops_convention, training.global_batch_size)

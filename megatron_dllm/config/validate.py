@@ -142,12 +142,30 @@ def family_loss(config, world_size=None) -> None:
 
 
 def family_settings(config, world_size=None) -> None:
-    """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family
-    (`ModelConfig.family_options` applies them); --shift is MDLM's: Eso-LM's order is shuffled and
-    AR already predicts the next token."""
+    """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family, which
+    checks them (`Family.options_from_flags`, through `ModelConfig.family_options`); --shift is
+    MDLM's: Eso-LM's order is shuffled and AR already predicts the next token."""
     config.model.family_options()
     if config.backbone.shift and config.model.family != "mdlm":
         raise InputError(f"--shift applies to --family mdlm, not {config.model.family}")
+
+
+def attention_anneal(config, world_size=None) -> None:
+    """--attention-mask-anneal-iters opens a causal mask into MDLM's and Duo's bidirectional attention,
+    and the mask is an explicit boolean one: megatron-core's local core attention and SDPA take it,
+    TransformerEngine's backends here do not (their layers get the layout's mask type)."""
+    from megatron_dllm.families import FAMILIES
+
+    model = config.model
+    if model.attention_mask_anneal_iters is None:
+        return
+    if FAMILIES[model.family].attention != "bidirectional":
+        raise InputError(f"--attention-mask-anneal-iters applies to the bidirectional families (--family mdlm, duo), "
+                         f"not {model.family}")
+    backend = model.attention_backend or ("auto" if model.uses_te() else "local")
+    if backend not in ("local", "sdpa"):
+        raise InputError(f"--attention-mask-anneal-iters needs --attention-backend sdpa or local (an explicit "
+                         f"boolean mask), not {backend}")
 
 
 def backbone(config, world_size=None) -> None:
@@ -238,5 +256,5 @@ def profile(config, world_size=None) -> None:
 
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, recompute, profile, tokenizer_with_data,
-         tokenizer_options, sft_data, family_loss, family_settings, backbone, layout, batch, kernels,
+         tokenizer_options, sft_data, family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels,
          warmup_before_decay)

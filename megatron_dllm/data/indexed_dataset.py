@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from megatron_dllm.data.binary_header import read_binary_header
 from megatron_dllm.errors import InputError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -178,21 +179,8 @@ def validate_indexed_dataset(prefix: str, use_cache: bool = True) -> IndexHeader
     if use_cache and memo_key in _VALIDATED:  # build paths validate the same prefix several times
         return _VALIDATED[memo_key]
     isize, bsize = ist.st_size, bst.st_size
-    with open(ipath, "rb") as f:
-        head = f.read(HEADER_SIZE)
-    if len(head) < HEADER_SIZE:
-        raise _fail(ipath, len(head), f".idx truncated: file is {isize} bytes, expected a "
-                                      f"{HEADER_SIZE}-byte header")
-    if head[:9] != MAGIC:
-        raise _fail(ipath, 0, f"bad magic {head[:9]!r}, expected {MAGIC!r} (not a Megatron .idx)")
-    (version,) = struct.unpack_from("<Q", head, 9)
-    if version != VERSION:
-        raise _fail(ipath, 9, f"bad version {version}, expected {VERSION}")
-    code = head[17]
-    if code not in DTYPE_CODES:
-        raise _fail(ipath, 17, f"unknown dtype code {code}, expected one of "
-                               f"{ {c: np.dtype(t).name for c, t in DTYPE_CODES.items()} }")
-    dtype = DTYPE_CODES[code]
+    head, dtype = read_binary_header(ipath, size=HEADER_SIZE, magic=MAGIC, version=VERSION,
+                                     dtype_codes=DTYPE_CODES, kind="Megatron .idx", fail=_fail)
     itemsize = np.dtype(dtype).itemsize
     seq_count, doc_count = struct.unpack_from("<QQ", head, 18)
     if doc_count < 1:

@@ -2,10 +2,10 @@
 
 Prompts are sorted by length before they are cut into batches, so a batch pads little; the
 results do not depend on the grouping (row i of a batch is exactly the batch-1 generation, see
-`sampling.conditional.generate_left_to_right_batch`). `auto`: on CPU `AUTO_CPU_BATCH` (the CPU
-gains little beyond, see benchmarks/RESULTS.md, and host OOM kills the process rather than
-raising); on a GPU it starts at `AUTO_GPU_BATCH` and halves whenever a batch runs out of device
-memory, then goes on at that size (the largest that fits, to a power of two).
+`sampling.conditional.generate_left_to_right_batch`). `auto` starts at the device's
+`platform.auto_generation_batch` (GPU 64, CPU 8); where running out of memory raises (GPU) it
+halves whenever a batch runs out of device memory, then goes on at that size (the largest that
+fits, to a power of two).
 """
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ import argparse
 from typing import Callable, Sequence
 
 from megatron_dllm import platform
-from megatron_dllm.evaluation.throughput import _out_of_memory
-
-AUTO_CPU_BATCH = 8
-AUTO_GPU_BATCH = 64
 
 
 def parse_batch_size(text: str) -> int | str:
@@ -32,7 +28,7 @@ def in_batches(lengths: Sequence[int], batch_size: int | str, device, run: Calla
     """`run(indices)` (one result per index) over batches of indices sorted by `lengths`;
     the results in input order."""
     auto = batch_size == "auto"
-    size = (AUTO_CPU_BATCH if device.type == "cpu" else AUTO_GPU_BATCH) if auto else int(batch_size)
+    size = platform.auto_generation_batch(device) if auto else int(batch_size)
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     results: list = [None] * len(lengths)
     first = 0
@@ -41,7 +37,7 @@ def in_batches(lengths: Sequence[int], batch_size: int | str, device, run: Calla
         try:
             outputs = run(chunk)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if not (auto and device.type != "cpu" and size > 1 and _out_of_memory(err)):
+            if not (auto and size > 1 and platform.out_of_memory_raises(device) and platform.is_out_of_memory(err)):
                 raise
             platform.release_cached_memory()
             size //= 2

@@ -124,6 +124,19 @@ def prompt_text(question: str) -> str:
 NATIVE_ONLY = "--predictor and its knobs (--block-length, --approx-kv-cache, ...) apply to --protocol native only"
 
 
+def native_sampler(protocol: str, predictor: str = "ancestral", **options) -> dict:
+    """The sampler settings `--protocol native` generates with (`predictor` and `SamplingConfig`
+    fields); left to right takes none, and giving any is an error. `evaluate_gsm8k` applies it,
+    and the command first, so that a refused flag costs no model load."""
+    if protocol not in ("left-to-right", "native"):
+        raise InputError(f"--protocol {protocol}: expected left-to-right or native")
+    if protocol == "native":
+        return {"predictor": predictor, **options}
+    if predictor != "ancestral" or any(value not in (None, "none") for value in options.values()):
+        raise InputError(NATIVE_ONLY)
+    return {}
+
+
 def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "left-to-right",
                    max_new_tokens: int | None = None, steps: int = 64, predictions: str | None = None, seed: int = 0,
                    batch_size: int | str = 1, greedy: bool | None = None, predictor: str = "ancestral",
@@ -138,11 +151,7 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
     tok = inference_model.tokenizer
     if tok is None:
         raise InputError("GSM8K needs the model's tokenizer: give --tokenizer-type/--tokenizer-model")
-    if protocol not in ("left-to-right", "native"):
-        raise InputError(f"--protocol {protocol}: expected left-to-right or native")
-    chosen = predictor != "ancestral" or any(value not in (None, "none") for value in options.values())
-    if protocol == "left-to-right" and chosen:
-        raise InputError(NATIVE_ONLY)
+    sampler = native_sampler(protocol, predictor, **options)
     keep = inference_model.seq_length - (max_new_tokens or 1)
     if keep < 1:
         raise InputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
@@ -160,7 +169,7 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
                                                seeds=seed)
         else:
             out = generate_native_batch(inference_model, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy,
-                                        seeds=seed, predictor=predictor, **options)
+                                        seeds=seed, **sampler)
         seconds += time.perf_counter() - start
         largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
@@ -241,12 +250,8 @@ def run_gsm8k(args) -> dict:
     from megatron_dllm.sampling.loading import load_inference_model
 
     native = args.protocol == "native"
-    sampler = {"predictor": args.predictor, **remasking_options(args)}
-    defaults = SamplingConfig()
-    if not native and any(value != getattr(defaults, name) for name, value in sampler.items()):
-        raise InputError(NATIVE_ONLY)
-    SamplingConfig(**sampler).check()  # before the (slow) load
-    sampler = sampler if native else {}
+    sampler = native_sampler(args.protocol, args.predictor, **remasking_options(args))  # before the (slow) load
+    SamplingConfig(**sampler).check()
     if not os.path.exists(args.load):
         raise FileNotFoundError(f"--load {args.load}: no such checkpoint or HF directory")
     problems = load_problems(args.data)[:args.limit]

@@ -28,21 +28,23 @@ def _generate_once(inference_model, sampling, batch_size: int, seed: int) -> tup
     return tokens, time.perf_counter() - tick
 
 
-def _out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+def check_auto_cap(device, max_batch_size: int | None) -> None:
+    """`auto_batch_size` on `device` needs `max_batch_size` where running out of memory cannot be
+    caught (the CPU); the command checks it before loading the model."""
+    if max_batch_size is None and not platform.out_of_memory_raises(device):
+        raise InputError("--batch-size auto on CPU needs --max-batch-size (running out of host memory "
+                         "kills the process instead of raising an error)")
 
 
 def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed: int = 0) -> int:
     """The largest power of two <= max_batch_size for which one generate call fits in memory."""
-    if max_batch_size is None and inference_model.device.type == "cpu":
-        raise InputError("--batch-size auto on CPU needs --max-batch-size (host OOM kills the process "
-                         "instead of raising an error)")
+    check_auto_cap(inference_model.device, max_batch_size)
     best, b = None, 1
     while max_batch_size is None or b <= max_batch_size:
         try:
             _generate_once(inference_model, sampling, b, seed)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
-            if not _out_of_memory(err):
+            if not platform.is_out_of_memory(err):
                 raise
             platform.release_cached_memory()
             break

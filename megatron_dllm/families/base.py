@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import T_EPS
 from megatron_dllm.seeding import seed_for
 
@@ -101,6 +102,14 @@ class Family:
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
+
+    @classmethod
+    def options_from_flags(cls, model) -> dict:
+        """The family's own settings from a run's flags (a `ModelConfig`), checked, as `get_family`
+        takes them: none for most families, which refuse BD3-LM's --block-size."""
+        if model.block_size is not None:
+            raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {cls.name})")
+        return {}
 
     def options(self) -> dict:
         """The settings beyond the name that fix what the model means (recorded in checkpoints and

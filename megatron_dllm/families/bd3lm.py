@@ -53,6 +53,13 @@ def block_diffusion_mask(length: int, block_size: int, device=None) -> torch.Ten
     return same_block | earlier_clean | block_causal
 
 
+def blocks_in(length: int, block_size: int) -> int:
+    """The number of blocks in `length` positions; `block_size` must divide it."""
+    if length % block_size:
+        raise InputError(f"--block-size {block_size} must divide --seq-length {length}")
+    return length // block_size
+
+
 class BD3LM(Family):
     name = "bd3lm"
     attention = "block_diffusion"
@@ -64,22 +71,37 @@ class BD3LM(Family):
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None, block_size: int | None = None,
                  noise: str = "mask", sampling_eps_min: float = T_EPS, sampling_eps_max: float = 1.0):
         super().__init__(mask_id, vocab_size, loss)
-        if block_size is None or block_size < 1:
-            raise InputError(f"--family bd3lm needs --block-size, a positive number of tokens (got {block_size})")
-        if noise not in NOISES:
-            raise InputError(f"--noise {noise!r}: choose one of {', '.join(NOISES)}")
-        if not 0 < sampling_eps_min <= sampling_eps_max <= 1:  # a run's flags: validate() refuses them first
-            raise InputError(f"--sampling-eps-min {sampling_eps_min} --sampling-eps-max {sampling_eps_max}: "
-                             f"need 0 < min <= max <= 1")
+        self.check_settings(block_size, noise, sampling_eps_min, sampling_eps_max)
         self.block_size, self.noise = block_size, noise
         self.eps_min, self.eps_max = sampling_eps_min, sampling_eps_max
         self.inner = NOISES[noise](mask_id=mask_id, vocab_size=vocab_size)  # the in-block process and bound
         self.schedule = self.inner.schedule
 
+    @classmethod
+    def options_from_flags(cls, model) -> dict:
+        """--block-size, --noise and --sampling-eps-min/max of a run (a `ModelConfig`), checked with
+        its --seq-length (`config/validate.py` applies this through `ModelConfig.family_options`)."""
+        options = {"block_size": model.block_size, "noise": model.noise,
+                   "sampling_eps_min": model.sampling_eps_min, "sampling_eps_max": model.sampling_eps_max}
+        cls.check_settings(**options, seq_length=model.seq_length)
+        return options
+
+    @staticmethod
+    def check_settings(block_size: int | None, noise: str, sampling_eps_min: float, sampling_eps_max: float,
+                       seq_length: int | None = None) -> None:
+        """Every rule on BD3-LM's settings, for a run's flags and a constructed family alike."""
+        if block_size is None or block_size < 1:
+            raise InputError("--family bd3lm needs --block-size (tokens per block; it must divide --seq-length)")
+        if seq_length:
+            blocks_in(seq_length, block_size)
+        if noise not in NOISES:
+            raise InputError(f"--noise {noise!r}: choose one of {', '.join(NOISES)}")
+        if not 0 < sampling_eps_min <= sampling_eps_max <= 1:
+            raise InputError(f"--sampling-eps-min {sampling_eps_min} --sampling-eps-max {sampling_eps_max}: "
+                             f"need 0 < min <= max <= 1")
+
     def num_blocks(self, length: int) -> int:
-        if length % self.block_size:  # a run's --seq-length: validate() refuses it first
-            raise InputError(f"--block-size {self.block_size} must divide the sequence length ({length})")
-        return length // self.block_size
+        return blocks_in(length, self.block_size)
 
     def options(self) -> dict:
         return {"block_size": self.block_size, "noise": self.noise}

@@ -53,6 +53,7 @@ from megatron.core import parallel_state
 from megatron_dllm.families import vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.model.constants import T_EPS
 
 CHUNK_ELEMENTS = 1 << 22  # fp32 temporaries per chunk: 16 MiB each
 
@@ -172,7 +173,7 @@ class Duo(Family):
     attention = "bidirectional"
     bound = "Duo NELBO"
     losses = ("nelbo",)
-    schedule = LogLinear()
+    schedule = LogLinear(T_EPS)
 
     @property
     def num_real(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from megatron_dllm.families import vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.model.constants import T_EPS
 
 
 class MDLM(Family):
@@ -21,7 +22,7 @@ class MDLM(Family):
     attention = "bidirectional"
     bound = "MDLM NELBO"
     losses = ("low-var", "nelbo")
-    schedule = LogLinear()
+    schedule = LogLinear(T_EPS)
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None, shift: bool = False):
         super().__init__(mask_id, vocab_size, loss)

@@ -1,9 +1,11 @@
-"""Noise schedules as functions of t (as in the paper's code)."""
+"""Noise schedules as functions of t (as in the paper's code).
+
+Every HF export ships this file beside its sampler files (`hf/remote_code.py`), where megatron_dllm
+is not installed: it imports torch only (tests/test_hf_generate.py checks the shipped imports).
+"""
 from __future__ import annotations
 
 import torch
-
-from megatron_dllm.model.constants import T_EPS
 
 
 class LogLinear:
@@ -15,7 +17,7 @@ class LogLinear:
 
     name = "loglinear"  # as an HF export's config.json names it
 
-    def __init__(self, alpha_0: float = 1.0, eps: float = T_EPS):
+    def __init__(self, eps: float, alpha_0: float = 1.0):
         self.alpha_0, self.eps = alpha_0, eps
 
     def alpha(self, t: torch.Tensor) -> torch.Tensor:

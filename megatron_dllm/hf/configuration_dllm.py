@@ -1,4 +1,5 @@
-"""Configuration of an exported megatron_dllm DiT (self-contained: copied into exported dirs).
+"""Configuration of an exported megatron_dllm model (self-contained: copied into exported dirs):
+the DiT, or with `gpt` (the shape of `--backbone gpt`) the Llama-style backbone.
 
 The defaults of the fixed sizes (cond_dim ... layer_norm_eps) are megatron_dllm/model/constants.py's
 values, which every export writes into its config.json."""
@@ -13,7 +14,7 @@ class DLLMConfig(PretrainedConfig):
     def __init__(self, family="mdlm", hidden_size=256, num_layers=6, num_heads=4, vocab_size=32001,
                  mask_token_id=32000, cond_dim=128, time_freq_dim=256, time_max_period=10000.0,
                  noise_schedule="loglinear", noise_eps=1e-3, attention="bidirectional", rope_theta=10000.0,
-                 layer_norm_eps=1e-5, max_position_embeddings=2048, **kwargs):
+                 layer_norm_eps=1e-5, max_position_embeddings=2048, gpt=None, **kwargs):
         self.family = family
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -29,6 +30,7 @@ class DLLMConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.layer_norm_eps = layer_norm_eps
         self.max_position_embeddings = max_position_embeddings
+        self.gpt = gpt  # the GPT (Llama-style) backbone's shape (GPTShape's fields); None: the DiT
         kwargs.setdefault("tie_word_embeddings", False)
         kwargs.setdefault("use_cache", False)  # no KV cache: generation recomputes the prefix
         super().__init__(**kwargs)

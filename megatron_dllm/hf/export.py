@@ -120,7 +120,7 @@ def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
 
 def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None = None,
                         ckpt_step: int | None = None):
-    """Rebuild the TP=1/PP=1 DiTModel of the checkpoint `--load load [--ckpt-step N]` names
+    """Rebuild the TP=1/PP=1 DiTModel (or GPTBackbone) of the checkpoint `--load load [--ckpt-step N]` names
     (saved at any TP/PP/VPP layout; megatron reshards on load; verified against its manifest) in
     the current world (call platform.init_distributed(1, 1) first).
     Returns (model, identity, checkpoint metadata, arch)."""
@@ -136,9 +136,11 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     path = found.path
     meta = CheckpointMeta.read(path)
     identity = meta.identity
-    if identity.gpt is not None:  # the dense model below is the DiT's
-        raise InputError(f"{path}: a --backbone gpt checkpoint; Hugging Face export, sampling and evaluation "
-                         f"support the DiT backbone only so far")
+    if identity.gpt is not None:  # the dense model and the export are Llama/Qwen2-shaped
+        from megatron_dllm.hf.pretrained_ar import transformers_kind
+        from megatron_dllm.model.gpt_shape import GPTShape
+
+        transformers_kind(GPTShape.from_dict(identity.gpt), path)
     tensors = checkpoint.read(path, dist_checkpointing.load_tensors_metadata, path)
     emb = [k for k in tensors if k.endswith("embedding.word_embeddings.weight") and "optimizer" not in k
            and k.startswith("ema") == use_ema]
@@ -153,9 +155,16 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     config, mlp_config = transformer_config(arch)
     model = build_model(arch, config, mlp_config, seed=0)[0]
     sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    mapping = _match_keys(list(sharded), list(tensors), use_ema, path)
-    for key, ten in sharded.items():
-        ten.key = mapping[key]
+    if identity.gpt is None:
+        mapping = _match_keys(list(sharded), list(tensors), use_ema, path)
+        for key, ten in sharded.items():
+            ten.key = mapping[key]
+    else:  # megatron-core's GPT keys as saved (layers stacked along a leading axis); EMA under "ema."
+        for ten in sharded.values():
+            ten.key = ("ema." if use_ema else "") + ten.key
+            if ten.key not in tensors:
+                raise InputError(f"{path}: model tensor {ten.key!r} not in the checkpoint; is it a megatron_dllm "
+                                 f"checkpoint of this architecture?")
     loaded = checkpoint.read(path, dist_checkpointing.load, sharded, path)  # also returns the common state
     state = {k: loaded[k] for k in sharded}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -183,12 +192,12 @@ def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> 
     arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
     auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
+    dit = {"cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
+           "time_max_period": constants.TIME_MAX_PERIOD, "rope_theta": constants.ROTARY_BASE,
+           "layer_norm_eps": constants.LAYER_NORM_EPS}  # the GPT backbone's own sizes are in its `gpt` field
     return {"model_type": "dllm", "architectures": [arch_name], "auto_map": auto,
-            **identity.hf_config_fields(),
-            "cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
-            "time_max_period": constants.TIME_MAX_PERIOD, "noise_schedule": LogLinear.name,
-            "noise_eps": constants.T_EPS, "attention": attention, "rope_theta": constants.ROTARY_BASE,
-            "layer_norm_eps": constants.LAYER_NORM_EPS,
+            **identity.hf_config_fields(), **({} if identity.gpt else dit),
+            "noise_schedule": LogLinear.name, "noise_eps": constants.T_EPS, "attention": attention,
             "max_position_embeddings": int(max_length), "tie_word_embeddings": False,
             "use_cache": False, "torch_dtype": "float32"}
 
@@ -211,9 +220,18 @@ def hf_model(state_dict: dict, identity: ModelIdentity, attention: str, max_leng
         del config[key]
     config["vocab_size"] = vocab_size or identity.vocab_size
     model = model_class(identity.family)(DLLMConfig(**config))
-    model.load_state_dict(megatron_to_hf(state_dict, identity.num_attention_heads, config["vocab_size"]),
-                          strict=True)
+    model.load_state_dict(hf_state(state_dict, identity, config["vocab_size"]), strict=True)
     return model
+
+
+def hf_state(state_dict: dict, identity: ModelIdentity, vocab_size: int | None = None) -> dict:
+    """A TP=1/PP=1 megatron state dict of either backbone -> the dense model's (modeling_dllm.py)
+    state dict with `vocab_size` (default: the real) vocabulary rows."""
+    if identity.gpt is not None:
+        from megatron_dllm.hf import export_gpt
+
+        return export_gpt.dense_state(state_dict, identity, vocab_size)
+    return megatron_to_hf(state_dict, identity.num_attention_heads, vocab_size or identity.vocab_size)
 
 
 def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:

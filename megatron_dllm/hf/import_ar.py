@@ -57,14 +57,10 @@ def _vocab_rows(full: torch.Tensor, rows: int, real: int, fill_mean: bool) -> to
 
 def import_checkpoint(args) -> int:
     """--hf DIR --save CKPT --family F at --tensor/--pipeline-model-parallel-size; rank 0 reports."""
-    from megatron.core import parallel_state
-
     from megatron_dllm.checkpoint import layout
     from megatron_dllm.config.backbone import gpt_flags
     from megatron_dllm.families import FAMILIES
-    from megatron_dllm.hf import export
-    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
-    from megatron_dllm.model.init import tp_shard
+    from megatron_dllm.model.builder import Architecture
 
     if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
         raise InputError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
@@ -75,13 +71,41 @@ def import_checkpoint(args) -> int:
     if whole["embedding.word_embeddings.weight"].shape[0] != hf_rows:
         raise InputError(f"{source}: vocab_size {hf_rows} but the embedding has "
                          f"{whole['embedding.word_embeddings.weight'].shape[0]} rows")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    platform.init_distributed(tp, pp)
+    platform.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     tokenizer = _tokenizer(args.hf, args.save)
-    vocab_size, mask_id, record = tokenizer or (hf_rows + 1, hf_rows, None)
+    if tokenizer is not None:
+        vocab_size, mask_id, record = tokenizer
+    elif isinstance(config.get("mask_token_id"), int):  # this project's export: [MASK] is a row of the model
+        vocab_size, mask_id, record = hf_rows, config["mask_token_id"], None
+    else:  # a released model: [MASK] appended
+        vocab_size, mask_id, record = hf_rows + 1, hf_rows, None
     seq_length = args.seq_length or int(config.get("max_position_embeddings", 2048))
     arch = Architecture(preset, vocab_size, seq_length, FAMILIES[args.family].attention,
                         args.make_vocab_size_divisible_by, gpt=shape)
+    identity = ModelIdentity.of(FAMILIES[args.family](mask_id=mask_id, vocab_size=vocab_size), arch)
+    path = write_gpt_checkpoint(whole, identity, arch, args, record, f"--hf {args.hf}")
+    if torch.distributed.get_rank() == 0:
+        name = (config.get("architectures") or [config["model_type"]])[0]
+        print(f"wrote {path} ({name} as --family {args.family}, TP={args.tensor_model_parallel_size}, "
+              f"PP={args.pipeline_model_parallel_size}, model weights only; vocabulary {vocab_size}, [MASK] id "
+              f"{mask_id}{', tokenizer ' + record.model if record else ', no tokenizer.json in --hf'})")
+        print("train it with: " + " ".join(gpt_flags(preset, shape)))
+    return 0
+
+
+def write_gpt_checkpoint(whole: dict, identity: ModelIdentity, arch, args, record, source: str) -> str:
+    """Write the whole (TP=1) GPTBackbone tensors `whole` (global names, the model's vocabulary
+    rows) as a checkpoint of `identity` at the layout of `args` (--save, --tensor/--pipeline-model-
+    parallel-size, --iteration, --overwrite), each rank its shard; `record`: its tokenizer or None.
+    Distributed state must be initialised at that layout. Returns the checkpoint's path."""
+    from megatron.core import parallel_state
+
+    from megatron_dllm.checkpoint import layout
+    from megatron_dllm.hf import export
+    from megatron_dllm.model.builder import build_model, transformer_config
+    from megatron_dllm.model.init import tp_shard
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cfg, _ = transformer_config(arch, tp=tp, pp=pp)
     model = build_model(arch, cfg, cfg, seed=0)[0]
     padded = arch.padded_vocab_size(tp)
@@ -97,23 +121,16 @@ def import_checkpoint(args) -> int:
             global_name = "embedding.word_embeddings.weight"
         value = whole[global_name]
         if global_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            value = _vocab_rows(value, padded, vocab_size, fill_mean=global_name.startswith("embedding"))
-        value = tp_shard(value, param, tp, tp_rank, gated_fc1=shape.swiglu and ".mlp.linear_fc1." in name)
+            value = _vocab_rows(value, padded, arch.vocab_size, fill_mean=global_name.startswith("embedding"))
+        value = tp_shard(value, param, tp, tp_rank, gated_fc1=arch.gpt.swiglu and ".mlp.linear_fc1." in name)
         if value.shape != param.shape:
-            raise InputError(f"{name}: shape {tuple(value.shape)} from --hf {args.hf} vs model {tuple(param.shape)}")
+            raise InputError(f"{name}: shape {tuple(value.shape)} from {source} vs model {tuple(param.shape)}")
         state[name] = value.to(param.dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any("_extra_state" not in k for k in missing):
-        raise InputError(f"--hf {args.hf}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
-    identity = ModelIdentity.of(FAMILIES[args.family](mask_id=mask_id, vocab_size=vocab_size), arch)
-    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, seq_length, record)
-    if torch.distributed.get_rank() == 0:
-        if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
-            for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
-                shutil.rmtree(old)
-        name = (config.get("architectures") or [config["model_type"]])[0]
-        print(f"wrote {path} ({name} as --family {args.family}, TP={tp}, PP={pp}, "
-              f"model weights only; vocabulary {vocab_size}, [MASK] id {mask_id}"
-              f"{', tokenizer ' + record.model if record else ', no tokenizer.json in --hf'})")
-        print("train it with: " + " ".join(gpt_flags(preset, shape)))
-    return 0
+        raise InputError(f"{source}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, arch.seq_length, record)
+    if torch.distributed.get_rank() == 0 and args.overwrite:  # the new checkpoint is complete and tracked
+        for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
+            shutil.rmtree(old)
+    return path

@@ -2,7 +2,9 @@
 
 `DiT` is the one dense implementation of the backbone: every HF export runs it, sampling and
 evaluation load megatron checkpoints into it, and the tests and the training-step benchmark hold
-the megatron model against it. The fixed sizes and constants come from the config.
+the megatron model against it. The fixed sizes and constants come from the config. `GPT` is the
+same for the GPT (Llama-style) backbone (`--backbone gpt`), chosen when the config has a `gpt`
+shape: a diffusion model adapted from a Llama or Qwen2 exports as this file with that backbone.
 
 Pre-norm DiT blocks with adaLN-zero time conditioning c = SiLU(MLP(sinusoidal(sigma))), rotary
 over the full head dimension from explicit per-token positions, SDPA attention (no bias on qkv
@@ -71,10 +73,26 @@ def rotate_half(x):
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rotary_cos_sin(position_ids, head_dim, base):
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                           device=position_ids.device) / head_dim)
-    freqs = position_ids.float()[..., None] * inv_freq
+def rotary_inv_freq(head_dim, base, device=None):
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
+def llama3_scaled(inv_freq, factor, low_freq_factor=1.0, high_freq_factor=4.0, original_length=8192):
+    """Llama-3's rope scaling of the frequencies (Meta's formula; megatron-core's fixed factors):
+    long wavelengths divided by `factor`, short ones kept, those between interpolated."""
+    wavelen = 2 * math.pi / inv_freq
+    low, high = original_length / low_freq_factor, original_length / high_freq_factor
+    scaled = torch.where(wavelen > low, inv_freq / factor, inv_freq)
+    smooth = (original_length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high) & (wavelen <= low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(position_ids, head_dim, base, inv_freq=None):
+    if inv_freq is None:
+        inv_freq = rotary_inv_freq(head_dim, base, position_ids.device)
+    freqs = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     return emb.cos(), emb.sin()
 
@@ -196,29 +214,133 @@ class DiT(nn.Module):
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
-        causal = self.config.attention == "causal"
-        s = input_ids.shape[1]
-        if kv_cache is not None and attn_mask is None and self.config.attention not in ("causal", "block_diffusion"):
-            raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
-        if attn_mask is None and (kv_cache is not None or self.config.attention == "block_diffusion"):
-            attn_mask = self.layout_mask(0 if kv_cache is None else len(kv_cache), s, input_ids.device)
+        attn_mask, causal = attention_layout(self.config, input_ids, attn_mask, kv_cache)
         for i, block in enumerate(self.blocks):
             x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
-            kv_cache.advance(s if kv_keep is None else kv_keep)
+            kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
         return self.output_layer(x, c)
 
 
-    def layout_mask(self, n, s, device):
-        """[s, n + s] bool (True = attend): the queries of the new tokens at positions n..n+s-1 over
-        the cached and new keys. causal: keys up to the query; block_diffusion (BD3-LM over a clean
-        sequence): keys in the query's block or an earlier one, block_size from family_options."""
-        q = torch.arange(n, n + s, device=device)[:, None]
-        k = torch.arange(n + s, device=device)[None, :]
-        if self.config.attention == "block_diffusion":
-            block = self.config.family_options["block_size"]
-            q, k = q // block, k // block
-        return k <= q
+def attention_layout(config, input_ids, attn_mask, kv_cache):
+    """(the boolean mask SDPA gets or None, is_causal) for a forward of `input_ids` over the
+    cached and new keys: an explicit mask as given, else the config's attention layout."""
+    if kv_cache is not None and attn_mask is None and config.attention not in ("causal", "block_diffusion"):
+        raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
+    if attn_mask is None and (kv_cache is not None or config.attention == "block_diffusion"):
+        attn_mask = layout_mask(config, 0 if kv_cache is None else len(kv_cache), input_ids.shape[1],
+                                input_ids.device)
+    return attn_mask, config.attention == "causal"
+
+
+def layout_mask(config, n, s, device):
+    """[s, n + s] bool (True = attend): the queries of the new tokens at positions n..n+s-1 over
+    the cached and new keys. causal: keys up to the query; block_diffusion (BD3-LM over a clean
+    sequence): keys in the query's block or an earlier one, block_size from family_options."""
+    q = torch.arange(n, n + s, device=device)[:, None]
+    k = torch.arange(n + s, device=device)[None, :]
+    if config.attention == "block_diffusion":
+        block = config.family_options["block_size"]
+        q, k = q // block, k // block
+    return k <= q
+
+
+class RMSNorm(LayerNorm):
+    """Llama's RMS norm, computed in fp32 (weight only)."""
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        gpt, h = config.gpt, config.hidden_size
+        self.heads = config.num_heads
+        self.groups = gpt["num_query_groups"] or self.heads
+        self.head_dim = gpt["kv_channels"] or h // self.heads
+        bias = gpt["add_qkv_bias"]
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.groups * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.groups * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask, causal, kv_cache, layer):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.groups, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.groups, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin).transpose(1, 2), apply_rotary(k, cos, sin).transpose(1, 2)
+        if kv_cache is not None:  # cached per key/value head, expanded per query head below
+            k, v = kv_cache.extend(layer, k, v)
+        repeat = self.heads // self.groups  # query heads g*repeat .. (g+1)*repeat-1 read key/value head g
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and attn_mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        h, ffn = config.hidden_size, config.gpt["ffn_hidden_size"]
+        self.gate_proj = nn.Linear(h, ffn, bias=False)
+        self.up_proj = nn.Linear(h, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        eps = config.gpt["norm_epsilon"]
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = GPTAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = GPTMLP(config)
+
+    def forward(self, x, cos, sin, attn_mask, causal, kv_cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask, causal, kv_cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPT(nn.Module):
+    """The GPT (Llama-style) backbone, `config.gpt` set (its shape, megatron_dllm's GPTShape fields):
+    RMSNorm, SwiGLU, grouped-query attention with optional q/k/v biases (Qwen2), rotary with
+    Llama-3 scaling, tied or untied output layer; no time input (sigma is ignored). Parameter
+    names are transformers' LlamaModel's (with `lm_head` when untied), so its weights are a
+    Llama's under another prefix. Same calling convention, attention layouts and KV cache as DiT."""
+
+    def __init__(self, config):
+        super().__init__()
+        gpt = config.gpt
+        self.config = config
+        self.head_dim = gpt["kv_channels"] or config.hidden_size // config.num_heads
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, gpt["norm_epsilon"])
+        untied = gpt["untie_embeddings_and_output_weights"]
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if untied else None
+
+    def forward(self, input_ids, position_ids, sigma=None, attn_mask=None, kv_cache=None, kv_keep=None):
+        """As DiT.forward; sigma is ignored. Logits [b, s, V]."""
+        x = self.embed_tokens(input_ids)
+        # the frequencies are computed here, not kept as a buffer: transformers' loading leaves
+        # non-persistent buffers uninitialised
+        gpt = self.config.gpt
+        inv_freq = rotary_inv_freq(self.head_dim, gpt["rotary_base"], input_ids.device)
+        if gpt["rope_scaling_factor"] is not None:
+            inv_freq = llama3_scaled(inv_freq, gpt["rope_scaling_factor"])
+        cos, sin = rotary_cos_sin(position_ids, self.head_dim, None, inv_freq)
+        attn_mask, causal = attention_layout(self.config, input_ids, attn_mask, kv_cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_mask, causal, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
+        x = self.norm(x)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
 
 
 def _diffusion_generate():
@@ -238,18 +360,18 @@ class DLLMPreTrainedModel(PreTrainedModel):
     base_model_prefix = "backbone"
     supports_gradient_checkpointing = False
     _supports_sdpa = True
-    _no_split_modules = ["DiTBlock"]
+    _no_split_modules = ["DiTBlock", "GPTBlock"]
 
     def __init__(self, config):
         super().__init__(config)
-        self.backbone = DiT(config)
+        self.backbone = GPT(config) if getattr(config, "gpt", None) else DiT(config)
         self.post_init()
 
     def get_input_embeddings(self):
-        return self.backbone.vocab_embed
+        return self.backbone.embed_tokens if isinstance(self.backbone, GPT) else self.backbone.vocab_embed
 
     def set_input_embeddings(self, value):
-        self.backbone.vocab_embed = value
+        setattr(self.backbone, "embed_tokens" if isinstance(self.backbone, GPT) else "vocab_embed", value)
 
     def _init_weights(self, module):
         """The training initialisation: nn.Linear defaults, U(+-1/sqrt(h)) embedding, adaLN-zero and
@@ -259,7 +381,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
             nn.init.uniform_(module.weight, -bound, bound)
         elif isinstance(module, nn.Linear):
             module.reset_parameters()
-        elif isinstance(module, LayerNorm):
+        elif isinstance(module, LayerNorm):  # RMSNorm too
             nn.init.ones_(module.weight)
         if isinstance(module, (DiTBlock, FinalLayer)):
             for m in [module.adaLN_modulation] + ([module.linear] if isinstance(module, FinalLayer) else []):
@@ -343,6 +465,8 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
 
 
     def get_output_embeddings(self):
+        if isinstance(self.backbone, GPT):
+            return self.backbone.lm_head
         return self.backbone.output_layer.linear
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):

@@ -26,7 +26,7 @@ from megatron_dllm.model.presets import Preset
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 # megatron-core's Llama-3 rope scaling (`rope_utils._apply_scaling`) hard-codes these
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def is_pretrained_ar(directory: str) -> bool:
@@ -58,10 +58,10 @@ def _rope(config: dict, source: str) -> tuple[float, dict | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), None
-    if kind == "llama3" and all(float(scaling.get(k, -1)) == v for k, v in _LLAMA3_ROPE.items()):
+    if kind == "llama3" and all(float(scaling.get(k, -1)) == v for k, v in LLAMA3_ROPE.items()):
         return float(theta), scaling
     raise InputError(f"{source}: rope scaling {scaling} is not supported (only none, and llama3 with "
-                     f"{_LLAMA3_ROPE}, as megatron-core implements it)")
+                     f"{LLAMA3_ROPE}, as megatron-core implements it)")
 
 
 def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
@@ -189,4 +189,54 @@ def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> 
     unused = sorted(k for k in set(weights) - used if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise InputError(f"{source}: tensors this architecture does not use: {unused[:5]}")
+    return out
+
+
+def transformers_kind(shape: GPTShape, source: str) -> str:
+    """"qwen2" (q/k/v biases) or "llama": the transformers architecture a GPT-backbone shape is;
+    shapes neither has are one InputError naming the flag."""
+    unsupported = {"--normalization LayerNorm (expected RMSNorm)": shape.normalization != "RMSNorm",
+                   "no --swiglu": not shape.swiglu,
+                   f"--position-embedding-type {shape.position_embedding_type} (expected rope)":
+                       shape.position_embedding_type != "rope",
+                   f"--rotary-percent {shape.rotary_percent}": shape.rotary_percent != 1.0,
+                   "biases in the linear layers (expected --disable-bias-linear)": shape.add_bias_linear,
+                   "--qk-layernorm": shape.qk_layernorm}
+    bad = [name for name, value in unsupported.items() if value]
+    if bad:
+        raise InputError(f"{source}: a --backbone gpt model with {', '.join(bad)} is neither a Llama nor a Qwen2; "
+                         f"Hugging Face export and sampling support the Llama/Qwen2 shape")
+    return "qwen2" if shape.add_qkv_bias else "llama"
+
+
+def from_megatron(whole: dict, preset: Preset, shape: GPTShape) -> dict[str, torch.Tensor]:
+    """The inverse of `to_megatron`: GPTBackbone's whole (TP=1) tensors under global names ->
+    the transformers Llama/Qwen2 names (a tied model has no lm_head.weight)."""
+    h, heads = preset.hidden_size, preset.num_attention_heads
+    d = shape.kv_channels or h // heads
+    groups = shape.num_query_groups or heads
+    per_group = heads // groups * d
+
+    def split_qkv(fused: torch.Tensor) -> list[torch.Tensor]:
+        tail = tuple(fused.shape[1:])
+        parts = fused.reshape(groups, per_group + 2 * d, *tail).split([per_group, d, d], dim=1)
+        return [p.reshape(-1, *tail).contiguous() for p in parts]
+
+    out = {"model.embed_tokens.weight": whole["embedding.word_embeddings.weight"],
+           "model.norm.weight": whole["decoder.final_layernorm.weight"]}
+    if shape.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = whole["output_layer.weight"]
+    for i in range(preset.num_layers):
+        m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for name, value in zip("qkv", split_qkv(whole[m + "self_attention.linear_qkv.weight"])):
+            out[f"{p}self_attn.{name}_proj.weight"] = value
+        if shape.add_qkv_bias:
+            for name, value in zip("qkv", split_qkv(whole[m + "self_attention.linear_qkv.bias"])):
+                out[f"{p}self_attn.{name}_proj.bias"] = value
+        out[p + "self_attn.o_proj.weight"] = whole[m + "self_attention.linear_proj.weight"]
+        gate, up = whole[m + "mlp.linear_fc1.weight"].chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        out[p + "mlp.down_proj.weight"] = whole[m + "mlp.linear_fc2.weight"]
+        out[p + "input_layernorm.weight"] = whole[m + "input_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = whole[m + "pre_mlp_layernorm.weight"]
     return out

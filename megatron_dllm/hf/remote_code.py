@@ -5,7 +5,8 @@ transformers copies with them, recursively, every file they name in a `from .nam
 (`transformers.dynamic_module_utils.get_relative_imports`), all from the export's top directory.
 modeling_dllm.py's `generate` runs megatron_dllm's sampler files (sampling/hf_generation.py and
 what it imports), so an export ships them flat beside it, with `hf/sampling_deps.py` as their
-`deps.py` and the self-contained errors.py and seeding.py, and samples without megatron_dllm.
+`deps.py` and the self-contained errors.py, seeding.py, families/schedules.py and
+model/constants.py (the noise schedule), and samples without megatron_dllm.
 This project's tools never import an export's files (hf/load_export.py).
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # megatro
 ENTRY_FILES = ("configuration_dllm.py", "modeling_dllm.py")  # config.json's auto_map
 # module name in an export -> its source in megatron_dllm; every other name: sampling/<name>.py
 SOURCES = {"configuration_dllm": "hf/configuration_dllm.py", "modeling_dllm": "hf/modeling_dllm.py",
-           "deps": "hf/sampling_deps.py", "errors": "errors.py", "seeding": "seeding.py"}
+           "deps": "hf/sampling_deps.py", "errors": "errors.py", "seeding": "seeding.py",
+           "schedules": "families/schedules.py", "constants": "model/constants.py"}
 
 
 def source_path(module: str) -> str:

@@ -1,28 +1,16 @@
 """`deps.py` of an HF export: what its sampler files (megatron_dllm/sampling/*.py, shipped flat beside
 modeling_dllm.py) take from outside sampling/, here from the export's own files, so that they run
 where megatron_dllm is not installed. megatron_dllm's `sampling/deps.py` gives the same names from
-the package. Self-contained: torch and the export's files only (see remote_code.py).
+the package. Self-contained: torch and the export's files only (see remote_code.py); the noise
+schedule is the package's own (families/schedules.py and model/constants.py, shipped flat too).
 """
-import torch
-
+from .constants import T_EPS
 from .errors import InputError
 from .modeling_dllm import KVCache
+from .schedules import LogLinear
 from .seeding import seed_for
 
 __all__ = ["InputError", "KVCache", "get_family", "seed_for"]
-
-LOG_LINEAR_EPS = 1e-3  # megatron_dllm.model.constants.T_EPS: config.json's noise_eps
-
-
-class LogLinear:
-    """alpha_t = 1 - (1 - eps) t: the noise schedule every family samples with (config.json's
-    `noise_schedule` "loglinear"; megatron_dllm's is families/schedules.py)."""
-
-    def __init__(self, eps: float = LOG_LINEAR_EPS):
-        self.eps = eps
-
-    def alpha(self, t: torch.Tensor) -> torch.Tensor:
-        return 1 - (1 - self.eps) * t
 
 
 class SamplingFamily:
@@ -30,7 +18,7 @@ class SamplingFamily:
 
     def __init__(self, name: str, mask_id: int, vocab_size: int):
         self.name, self.mask_id, self.vocab_size = name, mask_id, vocab_size
-        self.schedule = LogLinear()
+        self.schedule = LogLinear(T_EPS)  # every family's schedule (config.json's "loglinear")
         self.num_real = vocab_size - (1 if 0 <= mask_id < vocab_size else 0)
 
 

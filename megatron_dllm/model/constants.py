@@ -1,7 +1,8 @@
 """Constants of the DiT and of its noise schedule that no preset changes (as in the paper's code).
 
 The megatron model, the noise schedule and the FLOPs formulas read them here. An HF export writes
-them into config.json (`hf/export.py`), from where the self-contained modeling file reads them.
+them into config.json (`hf/export.py`), from where the self-contained modeling file reads them, and
+ships this file for its samplers' noise schedule (`hf/remote_code.py`): it imports nothing.
 """
 
 COND_DIM = 128  # width of the time-conditioning vector c

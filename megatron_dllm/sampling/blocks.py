@@ -3,8 +3,9 @@ are cut into consecutive blocks that are decoded one after the other, each compl
 next starts (positions after the current block stay [MASK] / noise). A row whose finished blocks
 hold an EOS stops there (`stop_at_eos`): nothing after it can change the text before it.
 
-Shared by the block-wise samplers (MDLM and Duo ancestral, `SamplingConfig.block_length`); the
-approximate KV caches (`approx_kv_cache.py`) refresh at each block boundary.
+Shared by the block-wise samplers (MDLM and Duo ancestral, `SamplingConfig.block_length`; the
+remasking samplers take their blocks from `block_spans` too); the approximate KV caches
+(`approx_kv_cache.py`) refresh at each block boundary.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 Both load into the exported plain-PyTorch model (`hf/modeling_dllm.py`): a megatron checkpoint
 saved at any TP/PP layout is resharded to one device on load and converted in memory, exactly as
-`tools/convert_to_hf.py` would write it. Sampling and evaluation therefore run one code path,
-whatever the source.
+`tools/convert_to_hf.py` would write it. A transformers Llama/Qwen2 directory (the GPT backbone's
+AR export, or a released model) loads as the same dense model with the GPT backbone. Sampling
+and evaluation therefore run one code path, whatever the source.
 """
 from __future__ import annotations
 
@@ -42,9 +43,12 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
 
 
 def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
-    from megatron_dllm.hf import load_export
+    from megatron_dllm.hf import export_gpt, load_export, pretrained_ar
     from megatron_dllm.hf.config_json import read_config_json
 
+    if pretrained_ar.is_pretrained_ar(path):  # transformers' Llama/Qwen2 (an AR export): only tensors are read
+        return export_gpt.dense_from_transformers_dir(path), _given_config(tokenizer_type, tokenizer_model,
+                                                                           tokenizer_options)
     read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers reads it
     model = load_export.load_model(path)  # this project's classes: no python file of the export runs
     return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)

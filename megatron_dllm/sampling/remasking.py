@@ -37,6 +37,7 @@ import torch
 
 from . import categorical
 from .base import Sampler
+from .blocks import block_spans
 from .config import REMASKING_PREDICTORS
 from .deps import InputError
 from .duo import DuoSampler
@@ -97,9 +98,7 @@ class RemaskingSampler(Sampler):
         raise NotImplementedError
 
     def plan(self, start: int, end: int) -> _Row:
-        size = end - start
-        width = self.cfg.block_length or size
-        blocks = [(lo, min(lo + width, end)) for lo in range(start, end, width)]
+        blocks = block_spans(start, end, self.cfg.block_length)
         counts = None
         if self.cfg.predictor == "low-confidence":
             k = self.cfg.tokens_per_step
@@ -121,7 +120,9 @@ class RemaskingSampler(Sampler):
         return most_confident(confidence, row.counts[row.block][row.step])
 
     def decode(self, batch: PromptBatch) -> torch.Tensor:
-        """The canvas [b, max L_i] after decoding every row (padding beyond L_i untouched)."""
+        """The canvas [b, max L_i] after decoding every row (padding beyond L_i untouched). Each row
+        moves through its blocks at its own pace (one model call serves every row's current block),
+        so the rows keep their own block index rather than stepping together as `blocks.each_block`."""
         x, real = batch.canvas(self.fillers(batch))
         plen = batch.prompt_lengths()
         positions = torch.arange(x.shape[1], device=x.device)

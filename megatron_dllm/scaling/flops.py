@@ -1,4 +1,4 @@
-"""FLOPs of the DiT per sequence of `seq_length` tokens, in two conventions.
+"""FLOPs of the DiT (and the GPT backbone) per sequence of `seq_length` tokens, in two conventions.
 
 Symbols: s tokens per sequence, h hidden size, L layers, V vocabulary (the real one, including
 [MASK]; megatron's padding rows are not counted), c = 128 conditioning width, f = 256 sinusoid
@@ -44,11 +44,23 @@ FlopCounterMode compute the full square, and one number per preset keeps the Iso
 identical across families as in the paper. Flash/TE causal kernels skip about half the masked
 blocks, so on GPU they execute up to L 2 s^2 h fewer FLOPs per sequence than the full count says.
 Variable-length micro-batches (--variable-seq-length-prob) are counted at full length.
+
+The GPT backbone (`--backbone gpt`, `gpt` = its `GPTShape`) has no time input. Per layer, with
+a query heads, g key/value heads of width d and an MLP of width f:
+
+    full:     2 s h (2 a d + 2 g d) + 4 s^2 a d + (6 with --swiglu, else 4) s h f
+    calflops: the same without attention's 4 s^2 a d
+
+plus the output layer 2 s h V (tied or not). The `full` count is FlopCounterMode's on the dense
+and the megatron model (tests/test_gpt_export.py). The `calflops` count keeps the paper's rule
+(linears, not attention scores) but not its elementwise terms, which were measured on the DiT
+(norms and activations: under 0.1% of a layer at released models' widths).
 """
 from __future__ import annotations
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.constants import COND_DIM, TIME_FREQ_DIM
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.presets import Preset
 
 CONVENTIONS = ("calflops", "full")
@@ -61,9 +73,12 @@ def _check(convention: str) -> None:
 
 
 def forward_flops_per_sequence(preset: Preset, vocab_size: int, seq_length: int,
-                               convention: str = "calflops") -> int:
-    """Forward FLOPs of one sequence of `seq_length` tokens (see the module docstring)."""
+                               convention: str = "calflops", gpt: GPTShape | None = None) -> int:
+    """Forward FLOPs of one sequence of `seq_length` tokens (see the module docstring); `gpt`:
+    the GPT backbone's shape (None: the DiT)."""
     _check(convention)
+    if gpt is not None:
+        return _gpt_forward_flops(preset, gpt, vocab_size, seq_length, convention)
     h, layers, s, c, v = preset.hidden_size, preset.num_layers, seq_length, COND_DIM, vocab_size
     linears = 24 * s * h * h + 12 * c * h  # qkv, proj, MLP per token; adaLN per sequence
     time_embedder = 2 * (TIME_FREQ_DIM * c + c * c)
@@ -74,20 +89,30 @@ def forward_flops_per_sequence(preset: Preset, vocab_size: int, seq_length: int,
     return layers * (linears + elementwise) + head + 4 * s * h + time_embedder + 2 * c
 
 
+def _gpt_forward_flops(preset: Preset, gpt: GPTShape, vocab_size: int, s: int, convention: str) -> int:
+    h, heads = preset.hidden_size, preset.num_attention_heads
+    d = gpt.kv_channels or h // heads
+    groups = gpt.num_query_groups or heads
+    projections = 2 * s * h * (2 * heads * d + 2 * groups * d)  # q, k, v, output projection
+    mlp = (6 if gpt.swiglu else 4) * s * h * gpt.ffn_hidden_size
+    attention = 4 * s * s * heads * d if convention == "full" else 0
+    return preset.num_layers * (projections + attention + mlp) + 2 * s * h * vocab_size
+
+
 def train_flops_per_sequence(preset: Preset, vocab_size: int, seq_length: int,
-                             convention: str = "calflops") -> int:
+                             convention: str = "calflops", gpt: GPTShape | None = None) -> int:
     """Forward + backward: 3 x forward (the backward pass costs twice the forward)."""
-    return 3 * forward_flops_per_sequence(preset, vocab_size, seq_length, convention)
+    return 3 * forward_flops_per_sequence(preset, vocab_size, seq_length, convention, gpt)
 
 
 def train_flops_per_sample(preset: Preset, vocab_size: int, seq_length: int, family: str,
-                           convention: str = "calflops") -> int:
+                           convention: str = "calflops", gpt: GPTShape | None = None) -> int:
     """Training FLOPs of one sample of `seq_length` tokens of `family` (BD3-LM: 2 x seq_length run)."""
     from megatron_dllm.families import FAMILIES
 
     if family not in FAMILIES:
         raise InputError(f"--family {family!r}: expected one of {', '.join(FAMILIES)}")
-    return train_flops_per_sequence(preset, vocab_size, seq_length * FAMILIES[family].input_copies, convention)
+    return train_flops_per_sequence(preset, vocab_size, seq_length * FAMILIES[family].input_copies, convention, gpt)
 
 
 def non_embedding_params(preset: Preset, vocab_size: int) -> int:

@@ -14,6 +14,7 @@ from megatron_dllm.config import RunConfig
 from megatron_dllm.families import get_family
 from megatron_dllm.model.attention import resolve_backend
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+from megatron_dllm.training.attention_anneal import AttentionAnneal
 from megatron_dllm.training.batches import BatchSchedule
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
@@ -58,8 +59,10 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
     ddp_chunks = wrap_ddp(chunks, block_config, parallel)
     optimizer, scheduler = build_optimizer(ddp_chunks, block_config, config.optimizer, parallel,
                                            config.training.train_iters)
+    anneal = model.attention_mask_anneal_iters
+    annealed = f" (causal to bidirectional over {anneal} iterations)" if anneal else ""
     layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
-                  f"attention {attention}, {fusion.describe()}")
+                  f"attention {attention}{annealed}, {fusion.describe()}")
     return TrainingModel(arch, block_config, ddp_chunks, optimizer, scheduler, layer_impl)
 
 
@@ -68,11 +71,14 @@ def build_batches(config: RunConfig, family, inputs, sequence_parallel: bool) ->
     training, tp = config.training, config.parallel.tensor_model_parallel_size
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
+    anneal_iters = config.model.attention_mask_anneal_iters
     train = BatchSchedule(inputs.train_dataset, family, training.seed, training.micro_batch_size,
                           training.global_batch_size, dp_rank, dp_size,
                           variable_length_prob=config.data.variable_seq_length_prob,
-                          length_multiple=tp if sequence_parallel else 1)
-    # Validation draws fixed noise (its own seed stream) at full length so evaluations compare.
+                          length_multiple=tp if sequence_parallel else 1,
+                          attention_anneal=AttentionAnneal(anneal_iters, training.seed) if anneal_iters else None)
+    # Validation draws fixed noise (its own seed stream) at full length, with the family's own
+    # attention (never annealed), so evaluations compare.
     valid = BatchSchedule(inputs.valid_dataset, family.evaluation(), training.seed + 1, training.micro_batch_size,
                           training.global_batch_size, dp_rank, dp_size)
     return train, valid

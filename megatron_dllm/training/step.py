@@ -37,11 +37,12 @@ def forward_step(family, training: bool, timers, data_iterator, model):
 
 
 def forward_backward(model: list, family, batches, consumed: int, config: RunConfig, timers,
-                     training: bool) -> float | None:
+                     training: bool, iteration: int | None = None) -> float | None:
     """Forward (and, training, backward) over one global batch; returns the token-weighted mean
-    loss on the last pipeline stage (None elsewhere)."""
+    loss on the last pipeline stage (None elsewhere). `iteration`: the number of the training
+    iteration (1-based), for batches whose attention depends on it (annealing)."""
     chunks = len(model)
-    iterators = [batches.iteration(consumed) for _ in range(chunks)]
+    iterators = [batches.iteration(consumed, iteration) for _ in range(chunks)]
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, family, training, timers),
         data_iterator=iterators if chunks > 1 else iterators[0],
@@ -57,14 +58,15 @@ def forward_backward(model: list, family, batches, consumed: int, config: RunCon
 
 
 def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, config: RunConfig, timers,
-               ema=None) -> tuple[float | None, float | None]:
-    """One iteration: (loss on the last stage, total gradient norm). A None norm means the weights
-    did not move: under --check-for-nan-in-loss-and-grad the loss or norm was not finite."""
+               ema=None, iteration: int | None = None) -> tuple[float | None, float | None]:
+    """One iteration (number `iteration`, 1-based, where the batches need it): (loss on the last
+    stage, total gradient norm). A None norm means the weights did not move: under
+    --check-for-nan-in-loss-and-grad the loss or norm was not finite."""
     for chunk in model:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = forward_backward(model, family, batches, consumed, config, timers, training=True)
+    loss = forward_backward(model, family, batches, consumed, config, timers, training=True, iteration=iteration)
     timers("optimizer", log_level=1).start()
     if config.training.check_for_nan_in_loss_and_grad:
         # megatron-core's step in two halves, so a non-finite norm never reaches Adam

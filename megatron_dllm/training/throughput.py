@@ -44,9 +44,11 @@ class ThroughputMeter:
         training, seq, preset = config.training, config.model.backbone_length(), config.preset()
         self.tokens_per_iteration = training.global_batch_size * config.model.seq_length
         # TFLOP/s counts every matmul the hardware runs; the cumulative FLOPs use the budget's convention.
+        gpt = config.gpt_shape()
         self.flops_per_iteration = (training.global_batch_size
-                                    * train_flops_per_sequence(preset, vocab_size, seq, "full"))
-        self.budget_flops_per_sample = train_flops_per_sequence(preset, vocab_size, seq, training.flops_convention)
+                                    * train_flops_per_sequence(preset, vocab_size, seq, "full", gpt))
+        self.budget_flops_per_sample = train_flops_per_sequence(preset, vocab_size, seq, training.flops_convention,
+                                                                gpt)
         self.peak_flops, self.peak_source = observability.peak_flops(config.logging.peak_flops,
                                                                      config.precision.fp8_format is not None)
         self.timers = observability.make_timers(config.logging.timing_log_level)

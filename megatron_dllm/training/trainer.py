@@ -83,7 +83,7 @@ class Trainer:
         """One iteration (the shared step); (loss, grad norm), None for a skipped step's norm."""
         loss, grad_norm = step.train_step(self.model, self.optimizer, self.scheduler, self.family,
                                           self.train_batches, self.consumed_samples, self.config,
-                                          self.meter.timers, self.ema)
+                                          self.meter.timers, self.ema, iteration=self.iteration + 1)
         self.iteration += 1  # a skipped batch is consumed too; weights and optimizer stay as they were
         self.consumed_samples += self.config.training.global_batch_size
         if self.config.training.check_for_nan_in_loss_and_grad:

@@ -48,6 +48,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_dllm.data.binary_header import read_binary_header
 from megatron_dllm.data.indexed_dataset import optimal_dtype, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
@@ -87,21 +88,9 @@ def _error(path: str, offset: int, message: str) -> LitpkdsFormatError:
 def read_header(path: str) -> LitpkdsHeader:
     """Check `path`'s header and size; LitpkdsFormatError names the file, byte offset and
     what was expected."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(HEADER_SIZE)
-    if len(head) < HEADER_SIZE:
-        raise _error(path, len(head), f"truncated header: file is {size} bytes, expected a "
-                                      f"{HEADER_SIZE}-byte LITPKDS header")
-    if head[:7] != MAGIC:
-        raise _error(path, 0, f"bad magic {head[:7]!r}, expected {MAGIC!r} (not a LITPKDS file)")
-    (version,) = struct.unpack_from("<Q", head, 7)
-    if version != VERSION:
-        raise _error(path, 7, f"version {version}, expected {VERSION}")
-    code = head[15]
-    if code not in DTYPE_CODES:
-        raise _error(path, 15, f"dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
-    dtype = np.dtype(DTYPE_CODES[code])
+    head, scalar_type = read_binary_header(path, size=HEADER_SIZE, magic=MAGIC, version=VERSION,
+                                           dtype_codes=DTYPE_CODES, kind="LITPKDS", fail=_error)
+    dtype, size = np.dtype(scalar_type), os.path.getsize(path)
     (chunk_size,) = struct.unpack_from("<Q", head, 16)
     if chunk_size == 0:
         raise _error(path, 16, "chunk size 0, expected >= 1")

@@ -1,0 +1,50 @@
+"""What the benchmarks' command lines share: the round and thread flags of the sampling and
+evaluation benchmarks (threads set before anything runs), a wall and CPU timer, and the writing
+of their figures (JSON with the flags that produced them; markdown tables printed and, on
+request, saved)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose --help shows the benchmark's docstring as written."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_args(ap: argparse.ArgumentParser, *, repeats: int = 3, threads: int = 1) -> argparse.Namespace:
+    """`ap`'s flags plus --repeats, --threads and --json; sets torch's intra-op threads."""
+    import torch
+
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def timed(fn, *args, **kwargs):
+    """(wall s, CPU s of this process, result) of `fn(*args, **kwargs)`. With one torch thread on a shared machine
+    the CPU time is the figure that other processes' load does not inflate."""
+    start, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - start, time.process_time() - cpu, out
+
+
+def write_json(args: argparse.Namespace, **figures) -> None:
+    """`figures` and the flags to --json, if it was given."""
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), **figures}, fh, indent=1)
+
+
+def publish(lines: list[str], path: str | None) -> None:
+    """Print the markdown `lines`, and write them to `path` too if given."""
+    text = "\n".join(lines)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
