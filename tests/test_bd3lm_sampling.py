@@ -9,7 +9,7 @@ import torch
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.hf.random_model import random_dense_model
-from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate, get_sampler
 from megatron_dllm.sampling.bd3lm import CommittedBlocks
 from megatron_dllm.sampling.conditional import generate_left_to_right, generate_native, generate_native_batch
 
@@ -178,3 +178,17 @@ def test_padding_is_never_attended(cached):
 def test_other_predictors_are_refused():
     with pytest.raises(InputError, match="--predictor block is not available for --family bd3lm"):
         get_sampler(model_for("mask"), SamplingConfig(predictor="block"))
+
+
+@pytest.mark.parametrize("noise", ["mask", "uniform"])
+def test_model_generate_uses_the_block_sampler(noise):
+    """The HF model class's `generate` (what an export runs) builds the family from config.json's
+    family_options: its samples are the block sampler's, unconditional and with padded prompts."""
+    inf = model_for(noise)
+    got = inf.model.generate(num_return_sequences=2, max_new_tokens=8, steps=2, seed=1)
+    assert torch.equal(got, generate(inf, SamplingConfig(steps=2, seq_length=8), num_samples=2, seed=1))
+    prompts = torch.tensor([[5, 6, 7], [1, 2, 3]])
+    padded = inf.model.generate(prompts, attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]), max_new_tokens=6,
+                                steps=2, eos_token_id=EOS)
+    row = padded[1, 3:].tolist()
+    assert row[:row.index(EOS) + 1 if EOS in row else None] == generate_native(inf, [2, 3], 6, EOS, steps=2, seed=0)
