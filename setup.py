@@ -72,7 +72,8 @@ setup(
         "wandb": ["wandb"],  # --wandb-project (optional; WANDB_MODE=offline works without a network)
         # gguf + accelerate: transformers' GGUF loading (the SmolLM2 judge of tests/test_evaluate.py)
         # lm-eval: the downstream model class and its tests; wandb: the offline-run test of --wandb-project
-        "test": ["pytest", "ruff", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0", "lm-eval", "wandb"],
+        # pytest-xdist: the README's test command runs the files on two workers
+        "test": ["pytest", "pytest-xdist", "ruff", *HF_EXPORT, "gguf>=0.10", "accelerate>=1.0", "lm-eval", "wandb"],
     },
     entry_points={"console_scripts": [
         "dllm-pretrain=megatron_dllm.cli.pretrain:main",
