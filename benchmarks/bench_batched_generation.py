@@ -7,14 +7,16 @@ vocabulary of 4097 ids; context `--seq-length`) answers `--batch` prompts of len
 stops at, so every row generates exactly that many. Protocols: left to right (the GSM8K / lm-eval
 protocol, one token per model call) and native (MDLM/Duo ancestral, Eso-LM ancestral with its KV
 cache, `--steps` steps; AR's native sampler is left to right, so only its left-to-right row is
-run). For each family and protocol the batch-1 loop and the batched call alternate over
-`--repeats` rounds; medians are reported and the speed-up is the ratio within one run. Wall and
-process CPU time are both given (CPU time is the steadier figure on a shared machine). The
+run). BD3-LM (`--bd3lm-block-size B`, mask noise; 0 leaves it out) runs both protocols inside
+its blocks over its exact block KV cache, native with `--steps` per block. For each family and protocol the batch-1
+loop and the batched call alternate over `--repeats` rounds; medians are reported and the
+speed-up is the ratio within one run. Wall and process CPU time are both given (CPU time is the
+steadier figure on a shared machine). The
 `same` column says whether the batched rows equal the batch-1 outputs token for token (float32
 model here; the tests check it in float64).
 
     python benchmarks/bench_batched_generation.py [--batch 8] [--seq-length 128] [--new-tokens 32] \\
-        [--steps 16] [--repeats 3] [--threads 1] [--json out.json]
+        [--steps 16] [--repeats 3] [--threads 1] [--json out.json] [--bd3lm-block-size 8 [--families]]
 
 `--caches static`: instead, the AR and Eso-LM KV caches side by side, static (preallocated,
 written in place) vs growing (concatenated per step), each at batch 1 and batched, same rounds.
@@ -27,8 +29,10 @@ import statistics
 
 import harness
 import torch
-from bench_samplers import FAMILIES, build
+from bench_samplers import FAMILIES, VOCAB, build
 
+from megatron_dllm.hf.random_model import random_dense_model
+from megatron_dllm.sampling import InferenceModel
 from megatron_dllm.sampling.base import Sampler
 from megatron_dllm.sampling.conditional import (
     generate_left_to_right,
@@ -38,6 +42,14 @@ from megatron_dllm.sampling.conditional import (
 )
 
 NO_EOS = -1  # never generated: every row produces exactly --new-tokens tokens
+
+
+def build_bd3lm(length: int, block_size: int) -> InferenceModel:
+    """bench_samplers.build's model for BD3-LM (mask noise, blocks of `block_size`)."""
+    options = {"block_size": block_size, "noise": "mask"}
+    model = random_dense_model("bd3lm", VOCAB, length, hidden_size=128, num_layers=4, num_heads=4, cond_dim=128,
+                               family_options=options)
+    return InferenceModel(model, "bd3lm", VOCAB - 1, VOCAB, length, None, "random", family_options=options)
 
 
 def compare(inf, one, batched, kw, prompts, seeds, args) -> tuple[dict, dict, bool]:
@@ -137,6 +149,9 @@ def main():
                     help="static: the static vs growing KV caches of AR and Eso-LM instead; approx: MDLM/Duo "
                          "block-wise decoding without a cache vs the prefix and dual caches")
     ap.add_argument("--block-length", type=int, default=32, help="--caches approx: the block length")
+    ap.add_argument("--bd3lm-block-size", type=int, default=0, help="also BD3-LM with blocks of B (0: not run)")
+    ap.add_argument("--families", nargs="*", choices=FAMILIES, default=None,
+                    help="only these of ar mdlm duo esolm (default: all; the flag alone: none, e.g. BD3-LM alone)")
     args = harness.parse_args(ap)
     g = torch.Generator().manual_seed(0)
     lengths = torch.linspace(args.min_prompt, args.max_prompt, args.batch).round().long().tolist()
@@ -159,8 +174,10 @@ def main():
     print("| family | protocol | batch-1 tok/s (wall) | batched tok/s (wall) | speed-up (wall) | "
           "batch-1 tok/s (CPU) | batched tok/s (CPU) | speed-up (CPU) | same |\n|---|---|---|---|---|---|---|---|---|")
     results = {}
-    for family in FAMILIES:
-        inf = build(family, args.seq_length)
+    families = [f for f in FAMILIES if args.families is None or f in args.families]
+    for family in families + ["bd3lm"] * bool(args.bd3lm_block_size):
+        inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
+               else build(family, args.seq_length))
         generate_left_to_right_batch(inf, prompts[:2], 2, NO_EOS)  # warm-up
         protocols = [("left-to-right", generate_left_to_right, generate_left_to_right_batch, {"greedy": False})]
         if family != "ar":

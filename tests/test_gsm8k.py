@@ -6,6 +6,7 @@ import pytest
 from test_sampling import MASK, V, random_model
 
 from megatron_dllm.evaluation import gsm8k
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.sampling import InferenceModel
 
 
@@ -89,11 +90,14 @@ def test_accuracy_and_throughput_accounting(tmp_path):
 
 @pytest.mark.parametrize("family,protocol,sampler", [
     ("ar", "left-to-right", {}), ("mdlm", "left-to-right", {}), ("duo", "native", {}), ("esolm", "left-to-right", {}),
-    ("esolm", "native", {}), ("mdlm", "native", {"predictor": "threshold", "block_length": 3, "greedy": True})])
+    ("esolm", "native", {}), ("mdlm", "native", {"predictor": "threshold", "block_length": 3, "greedy": True}),
+    ("bd3lm", "left-to-right", {}), ("bd3lm", "native", {})])
 def test_batched_evaluation_gives_the_batch_1_answers(tmp_path, family, protocol, sampler):
     """--batch-size 2 and auto: every problem's generation, answer and the accuracy equal batch 1's."""
     tok = DigitTokenizer()
-    inf = InferenceModel(random_model(family, length=48).double(), family, MASK, V, 48, tok, "hf")
+    options = {"block_size": 4, "noise": "mask"} if family == "bd3lm" else None
+    model = random_dense_model(family, V, 48, hidden_size=32, seed=0, family_options=options).double()
+    inf = InferenceModel(model, family, MASK, V, 48, tok, "hf", family_options=options)
     questions = ["1?", "12 + 30?", "7", "100 - 1 is?", "3 3?"]
     problems = [gsm8k.Problem(i, q, str(i), f"#### {i}") for i, q in enumerate(questions)]
     runs = {}

@@ -1,5 +1,5 @@
 """`generate` / `diffusion_generate` of HF exports (sampling/hf_generation.py, hf/remote_code.py):
-an export of every diffusion family, loaded with transformers' AutoModelForMaskedLM
+an export of every diffusion family (BD3-LM included), loaded with transformers' AutoModelForMaskedLM
 (trust_remote_code, offline) in a process where megatron_dllm cannot be imported, samples exactly
 what megatron_dllm's own samplers give on the same weights and seed (float64, CPU): unconditional,
 one prompt, prompts of different lengths (padding), a given generator, Eso-LM's block sampler, MDLM
@@ -14,14 +14,15 @@ import sys
 
 import pytest
 import torch
-from test_sampling import random_model
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.hf import export
+from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.hf.remote_code import remote_code_files
 
 V, MASK, EOS, L = 33, 32, 0, 24
-DIFFUSION = ["mdlm", "duo", "esolm"]
+DIFFUSION = ["mdlm", "duo", "esolm", "bd3lm"]
+BD3LM_OPTIONS = {"block_size": 4, "noise": "mask"}
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # padded on the left to 5 in the padded case
 # (name, generate's arguments): JSON, so the worker process reads them
 CASES = [("unconditional", {"num_return_sequences": 2, "max_new_tokens": 12, "steps": 4, "seed": 3}),
@@ -43,16 +44,18 @@ KNOBS = {"block_length": "block_length", "tokens_per_step": "tokens_per_step", "
 
 def write_export(family: str, out) -> str:
     """A randomly initialised export of `family`, written as tools/convert_to_hf.py writes one."""
-    identity = ModelIdentity(family, 32, 2, 2, V, MASK)
-    config = export.hf_config_dict(identity, "causal" if family in ("ar", "esolm") else "bidirectional", L)
-    config["cond_dim"] = 16  # random_model's
-    model = random_model(family, seed=len(family))
+    options = BD3LM_OPTIONS if family == "bd3lm" else {}
+    identity = ModelIdentity(family, 32, 2, 2, V, MASK, family_options=options)
+    attention = {"ar": "causal", "esolm": "causal", "bd3lm": "block_diffusion"}.get(family, "bidirectional")
+    config = export.hf_config_dict(identity, attention, L)
+    config["cond_dim"] = 16  # random_dense_model's
+    model = random_dense_model(family, V, L, seed=len(family), family_options=options or None)
     export.write_hf_dir(str(out), model.state_dict(), config)
     return str(out)
 
 
 def cases(family):
-    return CASES + ([BLOCK] if family == "esolm" else REMASKING)
+    return CASES + {"esolm": [BLOCK], "bd3lm": []}.get(family, REMASKING)
 
 
 def expected(inf, case: dict) -> torch.Tensor:
@@ -233,9 +236,15 @@ def test_export_schedule_is_the_families_schedule():
         deps = sys.modules["export_pkg.deps"]
         t = torch.linspace(0, 1, 11, dtype=torch.float64)
         for family in DIFFUSION:
-            ours, theirs = get_family(family, MASK, V), deps.get_family(family, MASK, V)
+            options = BD3LM_OPTIONS if family == "bd3lm" else {}
+            ours, theirs = get_family(family, MASK, V, **options), deps.get_family(family, MASK, V, **options)
             assert torch.equal(ours.schedule.alpha(t), theirs.schedule.alpha(t)), family
         assert deps.get_family("duo", MASK, V).num_real == get_family("duo", MASK, V).num_real == V - 1
+        for noise in ("mask", "uniform"):  # what BD3-LM's sampler reads: blocks, noise, the in-block family
+            ours, theirs = (f("bd3lm", MASK, V, block_size=4, noise=noise) for f in (get_family, deps.get_family))
+            assert (theirs.block_size, theirs.noise) == (ours.block_size, ours.noise)
+            assert torch.equal(ours.inner.schedule.alpha(t), theirs.inner.schedule.alpha(t))
+            assert theirs.inner.num_real == getattr(ours.inner, "num_real", V - 1)
     finally:
         for name in [m for m in sys.modules if m == "export_pkg" or m.startswith("export_pkg.")]:
             del sys.modules[name]

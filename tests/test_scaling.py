@@ -13,7 +13,12 @@ from megatron_dllm.hf.modeling_dllm import DiT
 from megatron_dllm.model.presets import PAPER_PRESETS, Preset, get_preset
 from megatron_dllm.scaling import pareto
 from megatron_dllm.scaling.fits import analyze_isoflop, fit_step_curve
-from megatron_dllm.scaling.flops import forward_flops_per_sequence, non_embedding_params, train_flops_per_sequence
+from megatron_dllm.scaling.flops import (
+    forward_flops_per_sequence,
+    non_embedding_params,
+    train_flops_per_sample,
+    train_flops_per_sequence,
+)
 from megatron_dllm.scaling.plan import PlannedRun, budget_label, plan_isoflop, write_manifest
 
 
@@ -77,6 +82,39 @@ def test_full_convention_equals_flop_counter_mode(causal):
     assert full - calflops == layers * (4 * seq * seq * h - 12 * seq * h) - 4 * seq * h - 2 * 128
 
 
+def test_bd3lm_counts_the_two_copy_input_it_trains_on():
+    """BD3-LM's training forward runs [x_t ; x_0] (2L tokens, the family's own model_input) through
+    the whole model: FlopCounterMode on it gives the full count at 2L, what --train-flops and the
+    planner charge a BD3-LM sample (and 2x / 4x the linears / attention of an L-token family)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_dllm.families import get_family
+
+    h, layers, heads, vocab, seq, batch, block = 64, 2, 4, 300, 24, 2, 4
+    preset = Preset(h, layers, heads)
+    family = get_family("bd3lm", vocab - 1, vocab, block_size=block)
+    model = DiT(DLLMConfig(family="bd3lm", hidden_size=h, num_layers=layers, num_heads=heads, vocab_size=vocab,
+                           attention="block_diffusion", family_options={"block_size": block}))
+    tokens = torch.randint(0, vocab - 1, (batch, seq), generator=torch.Generator().manual_seed(0))
+    inp = family.corrupt(tokens, _noise(batch))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(inp.input_ids, inp.position_ids, inp.sigma, inp.attend())
+    assert inp.input_ids.shape == (batch, 2 * seq)
+    assert counter.get_total_flops() == batch * forward_flops_per_sequence(preset, vocab, 2 * seq, "full")
+    for convention in ("calflops", "full"):
+        assert (train_flops_per_sample(preset, vocab, seq, "bd3lm", convention)
+                == train_flops_per_sequence(preset, vocab, 2 * seq, convention))
+        assert (train_flops_per_sample(preset, vocab, seq, "mdlm", convention)
+                == train_flops_per_sequence(preset, vocab, seq, convention))
+
+
+def _noise(batch):
+    from megatron_dllm.families.base import Noise
+
+    return Noise(1, torch.arange(batch), torch.arange(batch), batch)
+
+
 def test_non_embedding_params_closed_form():
     for name in ("cpu-tiny", "14M"):
         p = get_preset(name)
@@ -117,6 +155,34 @@ def test_planner_iterations_by_hand():
     # cpu-tiny: 454,656 tokens for 530,561 parameters (0.857 per parameter) is over the bound
     assert [r.preset for r in runs] == ["cpu-small"] and runs[0].tokens_per_param < 0.5
     assert [(r.preset, why) for r, why in dropped] == [("cpu-tiny", "0.857 tokens/param > 0.5")]
+
+
+def test_planner_plans_bd3lm_per_block_size_at_its_two_copy_flops(tmp_path):
+    per_seq = train_flops_per_sequence(get_preset("cpu-tiny"), 4097, 64)  # [x_t ; x_0] of 2 x 32 tokens
+    runs, _ = plan_isoflop([1e12], ["ar", "bd3lm"], ["cpu-tiny"], seq_length=32, global_batch_size=8,
+                           vocab_size=4097, block_sizes=[4, 16])
+    iters = 10**12 // (8 * per_seq)
+    assert [(r.name, r.family, r.block_size, r.iterations, r.tokens, r.flops) for r in runs[1:]] == [
+        (f"bd3lm-b{b}-cpu-tiny-C1e12", "bd3lm", b, iters, iters * 8 * 32, iters * 8 * per_seq) for b in (4, 16)]
+    assert runs[0].block_size is None and runs[0].iterations == 1776 and 1.9 < 1776 / iters < 2  # ~half as many
+    for bad, message in (([], "--families bd3lm needs --block-sizes"), ([5], "--block-sizes 5: .* divide")):
+        with pytest.raises(ValueError, match=message):
+            plan_isoflop([1e12], ["bd3lm"], ["cpu-tiny"], seq_length=32, global_batch_size=8, vocab_size=4097,
+                         block_sizes=bad)
+    lines = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
+        _tool("plan_isoflop").main(["--budgets", "1e12", "--families", "bd3lm", "--block-sizes", "4",
+                                    "--presets", "cpu-tiny", "--seq-length", "32", "--global-batch-size", "8",
+                                    "--vocab-size", "4097", "--format", "commands",
+                                    "--manifest", str(tmp_path / "manifest.json"), "--runs-dir", str(tmp_path)])
+    assert "--family bd3lm --block-size 4 --preset cpu-tiny" in lines[0] and "--train-flops 1e12" in lines[0]
+    # the fits read each block size as its own series
+    metrics = tmp_path / "bd3lm-b4-cpu-tiny-C1e12" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text(json.dumps({"iteration": iters, "valid_nelbo": 3.0}) + "\n")
+    runs, skipped = _tool("scaling_laws").finished_runs([str(tmp_path / "manifest.json")])
+    assert [(r["family"], r["block_size"], r["loss"]) for r in runs] == [("bd3lm-b4", 4, 3.0)] and not skipped
 
 
 @pytest.mark.slow
@@ -242,6 +308,23 @@ def test_pareto_frontier_hand_example():
         assert got[(target, "mdlm")][1:] == pytest.approx((steps, tokens_per_s), rel=1e-4)
     assert got[(50, "ar")] == ("ar", 128, 50.0)
     assert pareto.winners(frontier) == {25: "mdlm", 50: "mdlm", 100: "mdlm", 400: "mdlm"}
+
+
+def test_pareto_takes_bd3lm_records_per_block_size(tmp_path):
+    """evaluate.py's Gen PPL / throughput records of BD3-LM models carry block_size: each block
+    size is its own series on the frontier (as in the fits)."""
+    for b, speed in ((4, 10.0), (16, 40.0)):
+        (tmp_path / f"b{b}").mkdir()
+        gen = [{"family": "bd3lm", "block_size": b, "steps": t, "gen_ppl": 50.0 + b + 400 / t} for t in (8, 16, 32)]
+        thr = [{"family": "bd3lm", "block_size": b, "steps": t, "tokens_per_s": speed * 8 / t} for t in (8, 16, 32)]
+        (tmp_path / f"b{b}" / "gen.json").write_text(json.dumps(gen))
+        (tmp_path / f"b{b}" / "thr.json").write_text(json.dumps(thr))
+    models = pareto.fit_models(pareto.load_records(sorted(map(str, tmp_path.glob("*/gen.json")))),
+                               pareto.load_records(sorted(map(str, tmp_path.glob("*/thr.json")))))
+    assert sorted((m.family, m.model) for m in models) == [("bd3lm-b16", "b16"), ("bd3lm-b4", "b4")]
+    frontier = pareto.pareto_frontier(models, [80, 100])
+    assert [(r["target"], r["family"]) for r in frontier] == [(t, f"bd3lm-b{b}") for t in (80, 100) for b in (16, 4)]
+    assert pareto.winners(frontier) == {80: "bd3lm-b16", 100: "bd3lm-b16"}
 
 
 # ------------------------------------------------------------------ tools/scaling_laws.py end to end

@@ -108,7 +108,8 @@ def run_gen_ppl(args) -> dict:
     max_length = args.max_length or samples.meta.get("seq_length")
     result = generative_perplexity(judge, samples.texts, args.batch_size, max_length)
     return {
-        "metric": "gen_ppl", "family": samples.meta.get("family"), "steps": samples.meta.get("steps"),
+        "metric": "gen_ppl", "family": samples.meta.get("family"), "block_size": samples.meta.get("block_size"),
+        "steps": samples.meta.get("steps"),
         "gen_ppl": result.gen_ppl, "nll": result.nll,
         "entropy": None if samples.tokens is None else mean_entropy(samples.tokens),
         "num_samples": len(samples.texts), "judge_tokens": result.tokens, "truncated": result.truncated,
@@ -143,7 +144,8 @@ def run_throughput(args) -> dict:
     batch = auto_batch_size(inference_model, sampling, args.max_batch_size, args.seed) if auto else int(args.batch_size)
     result = measure_throughput(inference_model, sampling, batch, args.repeats, args.seed)
     return {
-        "metric": "throughput", "family": inference_model.family, "steps": args.steps, **result,
+        "metric": "throughput", "family": inference_model.family,
+        "block_size": (inference_model.family_options or {}).get("block_size"), "steps": args.steps, **result,
         "settings": {"load": os.path.abspath(args.load), "source": inference_model.source, "use_ema": args.use_ema,
                      "batch_size_requested": args.batch_size, "max_batch_size": args.max_batch_size,
                      "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,

@@ -1,13 +1,16 @@
 """Plan an IsoFLOP sweep (paper §3.1): every budget x family x preset, its iterations and tokens.
 
     python tools/plan_isoflop.py --budgets 6e18 1e19 --families ar mdlm --format table
+    python tools/plan_isoflop.py --budgets 1e14 --families ar mdlm bd3lm --block-sizes 4 16 --presets cpu-tiny \
+        --seq-length 128 --global-batch-size 32 --vocab-size 4097
     python tools/plan_isoflop.py --budgets 1e14 --presets cpu-tiny cpu-small --seq-length 128 \\
         --global-batch-size 32 --vocab-size 4097 --format commands --runs-dir runs/isoflop \\
         --manifest runs/isoflop/manifest.json
 
 Iterations = floor(budget / (training FLOPs per sequence x global batch)), the same rule
 `pretrain_dllm.py --train-flops` applies, so --vocab-size must be the tokenizer's vocabulary
-(with [MASK]). --manifest records the grid for tools/scaling_laws.py.
+(with [MASK]). BD3-LM is planned once per --block-sizes entry (series bd3lm-b<B>), at the FLOPs
+of the 2 x --seq-length tokens it trains on. --manifest records the grid for tools/scaling_laws.py.
 """
 import argparse
 import json
@@ -16,6 +19,7 @@ import shlex
 import sys
 
 from megatron_dllm.cli import OneLineParser
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, PRESETS
 from megatron_dllm.scaling.plan import (
     FAMILY_ORDER,
@@ -33,7 +37,8 @@ def _commands(runs, args) -> list[str]:
         run_dir = os.path.join(args.runs_dir, r.name)
         # --standalone: a free rendezvous port, so commands can run side by side on one machine
         cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc_per_node), "pretrain_dllm.py",
-               "--family", r.family, "--preset", r.preset, "--seq-length", str(args.seq_length),
+               "--family", r.family, *(["--block-size", str(r.block_size)] if r.block_size else []),
+               "--preset", r.preset, "--seq-length", str(args.seq_length),
                "--global-batch-size", str(args.global_batch_size), "--train-flops", budget_label(r.budget),
                "--flops-convention", args.flops_convention, "--eval-interval", str(r.iterations),
                "--metrics-file", os.path.join(run_dir, "metrics.jsonl"),
@@ -56,6 +61,8 @@ def main(argv=None):
     parser.add_argument("--budgets", type=float, nargs="+", default=list(PAPER_BUDGETS),
                         help="training FLOPs budgets (default: the paper's 6e18 1e19 3e19 6e19 1e20)")
     parser.add_argument("--families", nargs="+", default=list(FAMILY_ORDER), choices=FAMILY_ORDER)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[],
+                        help="--families bd3lm: one series per block size (each must divide --seq-length)")
     parser.add_argument("--presets", nargs="+", default=list(PAPER_PRESETS),
                         help="default: the paper's 28 sizes; cpu-micro ... cpu-base for CPU sweeps")
     parser.add_argument("--seq-length", type=int, default=PAPER_SETTINGS["seq_length"])
@@ -78,10 +85,13 @@ def main(argv=None):
     if unknown:
         parser.error(f"--presets: unknown {', '.join(unknown)}; expected names from: {', '.join(PRESETS)}")
 
-    runs, dropped = plan_isoflop(args.budgets, args.families, args.presets, seq_length=args.seq_length,
-                                 global_batch_size=args.global_batch_size, vocab_size=args.vocab_size,
-                                 convention=args.flops_convention, min_tokens_per_param=args.min_tokens_per_param,
-                                 max_tokens_per_param=args.max_tokens_per_param)
+    try:
+        runs, dropped = plan_isoflop(args.budgets, args.families, args.presets, seq_length=args.seq_length,
+                                     global_batch_size=args.global_batch_size, vocab_size=args.vocab_size,
+                                     convention=args.flops_convention, min_tokens_per_param=args.min_tokens_per_param,
+                                     max_tokens_per_param=args.max_tokens_per_param, block_sizes=args.block_sizes)
+    except InputError as err:
+        parser.error(str(err))
     if args.manifest:
         write_manifest(args.manifest, runs, args.runs_dir, seq_length=args.seq_length,
                        global_batch_size=args.global_batch_size, vocab_size=args.vocab_size,

@@ -86,7 +86,9 @@ def main(argv=None):
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {
-        "settings": {**vars(args), "device": device, "family": inference_model.family, "source": inference_model.source,
+        "settings": {**vars(args), "device": device, "family": inference_model.family,
+                     "block_size": (inference_model.family_options or {}).get("block_size"),
+                     "source": inference_model.source,
                      "seq_length": tokens.shape[1], "prompt_ids": prompt_ids},
         "wall_time_s": wall,
         "samples_per_s": args.num_samples / wall,

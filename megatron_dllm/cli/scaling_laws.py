@@ -20,7 +20,7 @@ from megatron_dllm.cli import OneLineParser
 from megatron_dllm.errors import InputError
 from megatron_dllm.scaling import pareto, plots
 from megatron_dllm.scaling.fits import analyze_isoflop
-from megatron_dllm.scaling.plan import final_validation, read_manifest
+from megatron_dllm.scaling.plan import final_validation, read_manifest, series_name
 
 
 def finished_runs(manifests) -> tuple[list[dict], list[str]]:
@@ -32,7 +32,9 @@ def finished_runs(manifests) -> tuple[list[dict], list[str]]:
                 got = "no validation" if record is None else f"validation at iteration {record['iteration']}"
                 skipped.append(f"{run['name']}: unfinished ({got}, planned {run['iterations']} iterations)")
                 continue
-            runs.append({**run, "loss": record["valid_nelbo"]})
+            # the fits compare series: a family, or BD3-LM at one block size (bd3lm-b4)
+            runs.append({**run, "family": series_name(run["family"], run.get("block_size")),
+                         "loss": record["valid_nelbo"]})
     return runs, skipped
 
 

@@ -147,6 +147,14 @@ class KVCache:
         """After a forward: its first `keep` new tokens are now cached."""
         self.length += keep
 
+    def rows(self, index):
+        """A copy holding only the batch rows `index` (rows that leave a batch, or a call on some rows)."""
+        out = KVCache(len(self.keys), self.max_length)
+        out.keys = [None if k is None else k[index] for k in self.keys]
+        out.values = [None if v is None else v[index] for v in self.values]
+        out.length = self.length
+        return out
+
 
 class DiTBlock(nn.Module):
     def __init__(self, config):

@@ -13,17 +13,24 @@ from .seeding import seed_for
 __all__ = ["InputError", "KVCache", "get_family", "seed_for"]
 
 
-class SamplingFamily:
-    """What the samplers read of a family: its schedule, and V, the ids a token can take."""
+IN_BLOCK = {"mask": "mdlm", "uniform": "duo"}  # BD3-LM's --noise: the family inside a block
 
-    def __init__(self, name: str, mask_id: int, vocab_size: int):
+
+class SamplingFamily:
+    """What the samplers read of a family: its schedule, and V, the ids a token can take; BD3-LM
+    also its block size, its in-block noise and that noise's family (`inner`)."""
+
+    def __init__(self, name: str, mask_id: int, vocab_size: int, block_size: int | None = None,
+                 noise: str | None = None):
         self.name, self.mask_id, self.vocab_size = name, mask_id, vocab_size
         self.schedule = LogLinear(T_EPS)  # every family's schedule (config.json's "loglinear")
         self.num_real = vocab_size - (1 if 0 <= mask_id < vocab_size else 0)
+        if block_size is not None:
+            if noise not in IN_BLOCK:
+                raise ValueError(f"config.json: family_options noise {noise!r}: expected one of {', '.join(IN_BLOCK)}")
+            self.block_size, self.noise = block_size, noise
+            self.inner = SamplingFamily(IN_BLOCK[noise], mask_id, vocab_size)
 
 
 def get_family(name: str, mask_id: int, vocab_size: int, **options) -> SamplingFamily:
-    if options:  # BD3-LM's block size and in-block noise: its sampler needs megatron_dllm's family
-        raise ValueError(f"generate() on a {name} export is not supported yet; sample it with megatron_dllm's "
-                         f"tools/sample.py --load EXPORT_DIR")
-    return SamplingFamily(name, mask_id, vocab_size)
+    return SamplingFamily(name, mask_id, vocab_size, **options)

@@ -78,13 +78,14 @@ class Sampler:
         """Whether this run decodes block-wise (a block length or an approximate cache given)."""
         return self.cfg.block_length is not None or self.cfg.approx_kv_cache != "none"
 
-    def sample_rows(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """`sample` through `sample_batch`: the rows of `prompt` [b, P] at this sampler's length,
-        all drawing from the one generator, row after row. [b, L]."""
+    def sample_rows(self, prompt: torch.Tensor, generator: torch.Generator, length: int | None = None) -> torch.Tensor:
+        """`sample` through `sample_batch`: the rows of `prompt` [b, P] at `length` (default: this
+        sampler's), all drawing from the one generator, row after row. [b, length]."""
         b, p = prompt.shape
-        batch = PromptBatch(prompt.tolist(), [self.length] * b, [generator] * b, prompt.device)
+        length = length or self.length
+        batch = PromptBatch(prompt.tolist(), [length] * b, [generator] * b, prompt.device)
         out = torch.tensor(self.sample_batch(batch), dtype=torch.long, device=prompt.device)
-        return torch.cat([prompt, out.reshape(b, self.length - p)], dim=1)
+        return torch.cat([prompt, out.reshape(b, length - p)], dim=1)
 
     # ------------------------------------------------------------------ pieces for subclasses
 

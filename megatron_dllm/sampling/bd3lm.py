@@ -3,42 +3,108 @@
 As in BD3-LM's public code (`_semi_ar_sampler`): blocks sit at the training positions
 [kB, (k + 1)B); a block whose start lies inside the prompt keeps the prompt tokens as clean tokens
 of its noised copy. Each block is denoised by the in-block family's own ancestral rule, with --steps
-steps per block:
+steps per block, through that family's batched block loop (`sample_batch`):
 
     --noise mask     MDLM's ancestral step with its no-change cache and greedy final step
-                     (`sampling/mdlm.ancestral`);
-    --noise uniform  Duo's exact posterior and greedy tail (`sampling/duo.ancestral`), starting
+                     (`MDLMSampler.sample_batch`);
+    --noise uniform  Duo's exact posterior and greedy tail (`DuoSampler.sample_batch`), starting
                      from uniform ids; the model gets sigma = 0 (BD3-LM is not time-conditioned).
 
-A block attends to itself and to the clean blocks before it, which never change once committed,
-so their keys and values are cached exactly (`kv_cache`, the dense model's `KVCache`): each
-denoising call runs the B tokens of the current block over the cache (kv_keep = 0: nothing noisy
-is stored) and a finished block is committed by one more call on its clean tokens. Without the
-cache every call recomputes the clean prefix and the block under the block-causal layout, which
-gives the same logits: `--kv-cache` changes the cost, not the result.
+What BD3-LM changes is where a block's logits come from (`batch_blocks`, `CommittedBlocks`): a
+block attends to itself and to the clean blocks before it, which never change once committed, so
+their keys and values are cached exactly. Each denoising call runs only the B tokens of the
+current block over the cache (kv_keep = 0: nothing noisy is stored) and a finished block is
+committed by one more call on its clean tokens. Without the cache (`--no-kv-cache`) every call
+recomputes the clean prefix and the block under the block-causal layout, which gives the same
+logits: the cache changes the cost, not the result.
+
+Batches (`sample_batch`, and `sample`, which runs its rows through it): rows may have prompts and
+canvases of different lengths. Blocks sit at the same positions in every row, so all rows decode
+the block [start, start + B) together; a row whose prompt still covers the block only commits it,
+a row whose canvas ends inside it decodes the shorter block (its padding is a key-padding mask,
+never attended), and every draw of a row comes from its own generator in the order and shape of
+its batch-1 run, so row i is the batch-1 sample of prompt i with generator i.
+
+`--predictor left-to-right` (the GSM8K protocol): the same blocks and cache, one position per
+model call in sequence order, drawn from the block's logits at that position (the rest of the
+block still [MASK] or noise); a row stops at its EOS.
 
 Variable length: the canvas ends at the prompt plus --max-new-tokens (default: the model's
 context); with stop-at-EOS a row is finished at its first EOS (everything after it becomes EOS)
-and decoding stops after the block in which every row has finished.
+and leaves the batch, and its cache rows, after that block.
 """
 from __future__ import annotations
 
 import torch
 
 from .base import Sampler
+from .blocks import end_at_eos
 from .deps import InputError, KVCache
-from .duo import ancestral as duo_ancestral
-from .duo import uniform_ids
-from .mdlm import ancestral as mdlm_ancestral
+from .duo import DuoSampler
+from .mdlm import MDLMSampler
+
+
+class CommittedBlocks:
+    """The denoiser of a batch's current block: logits of each row's block given the clean blocks
+    before it, from their exact KV cache (`cached`) or by recomputing prefix + block. x [b, W] (the
+    sampler updates it in place) and real [b, W] (each row's canvas) are the batch's."""
+
+    def __init__(self, model, block_size: int, x: torch.Tensor, real: torch.Tensor, cached: bool):
+        self.model, self.block, self.x, self.real = model, block_size, x, real
+        self.kv = KVCache(model.config.num_layers, x.shape[1]) if cached else None
+        self.rows = list(range(x.shape[0]))  # the batch rows still decoding (the cache's rows, in order)
+        self.start = 0  # every row in `rows` is clean and real before it (committed)
+
+    def mask(self, rows: list[int], lo: int, hi: int) -> torch.Tensor:
+        """[n, hi - lo, hi] bool: queries at positions lo..hi-1 over keys 0..hi-1, the block-causal
+        layout (a key in the query's block or an earlier one) minus padding; a query sees itself."""
+        q = torch.arange(lo, hi, device=self.x.device)[:, None]
+        k = torch.arange(hi, device=self.x.device)[None, :]
+        layout = (k // self.block <= q // self.block) & self.real[rows][:, None, :hi]
+        return layout | (k == q)
+
+    def positions(self, rows: list[int], lo: int, hi: int) -> torch.Tensor:
+        return torch.arange(lo, hi, device=self.x.device).expand(len(rows), hi - lo)
+
+    def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma=None) -> dict:
+        """{r: logits [hi - lo, V]} at the positions (lo, hi) = span[r] of each batch row r in `rows`
+        (a subset of `self.rows`, in order), their block starting at `self.start`. `sigma` (Duo's
+        time input) is ignored: BD3-LM is not time-conditioned."""
+        s, hi = self.start, max(span[r][1] for r in rows)
+        if self.kv is None:  # recompute: the block-causal layout over prefix + block
+            out = self.model(input_ids=self.x[rows, :hi], position_ids=self.positions(rows, 0, hi),
+                             attention_mask=self.mask(rows, 0, hi)).logits[:, s:]
+        else:  # the rows asked for run over their cached prefix (a copy when not all rows run)
+            cache = self.kv if rows == self.rows else self.kv.rows([self.rows.index(r) for r in rows])
+            out = self.model(input_ids=self.x[rows, s:hi], position_ids=self.positions(rows, s, hi),
+                             attention_mask=self.mask(rows, s, hi), kv_cache=cache, kv_keep=0).logits
+        return {r: out[j, span[r][0] - s:span[r][1] - s] for j, r in enumerate(rows)}
+
+    def commit(self, rows: list[int], end: int) -> None:
+        """Only the batch rows `rows` go on; their clean tokens [start, end) join the cache."""
+        if self.kv is not None and rows != self.rows:
+            self.kv = self.kv.rows([self.rows.index(r) for r in rows])
+        self.rows = rows
+        if self.kv is not None and rows and end > self.start:  # whole real blocks: the default layout
+            self.model(input_ids=self.x[rows, self.start:end], position_ids=self.positions(rows, self.start, end),
+                       kv_cache=self.kv, kv_keep=end - self.start)
+        self.start = end
 
 
 class BD3LMSampler(Sampler):
-    predictors = ("ancestral",)
+    """The family's sampler; constructing it gives the subclass of the model's in-block noise."""
+
+    predictors = ("ancestral", "left-to-right")
+    block_wise = False  # MDLM/Duo's --block-length and approximate caches: BD3-LM has exact blocks
+
+    def __new__(cls, family, inf, cfg):
+        if cls is BD3LMSampler:
+            cls = BD3LMUniformSampler if family.noise == "uniform" else BD3LMMaskSampler
+        return super().__new__(cls)
 
     def __init__(self, family, inf, cfg):
-        super().__init__(family, inf, cfg)
+        super().__init__(family.inner, inf, cfg)  # inside a block: the in-block family's schedule and ids
         self.block = family.block_size
-        self.uniform = family.noise == "uniform"
 
     def canvas_length(self, prompt_length: int) -> int:
         if self.cfg.max_new_tokens is None:
@@ -49,73 +115,56 @@ class BD3LMSampler(Sampler):
                              f"tokens exceeds the model's context {self.inf.seq_length}")
         return length
 
-    def block_logits(self, x: torch.Tensor, start: int, end: int, cache) -> torch.Tensor:
-        """Logits [b, end - start, V] of the block x[:, start:end] over the clean x[:, :start]."""
-        if cache is None:  # recompute: the model's block-causal layout over prefix + block
-            return self.model(input_ids=x[:, :end], position_ids=self.positions(x, 0, end)).logits[:, start:]
-        return self.model(input_ids=x[:, start:end], position_ids=self.positions(x, start, end),
-                          kv_cache=cache, kv_keep=0).logits
-
-    def commit(self, x: torch.Tensor, start: int, end: int, cache) -> None:
-        """Store the keys and values of the clean tokens x[:, start:end] (an exact cache entry)."""
-        if cache is not None and end > start:
-            self.model(input_ids=x[:, start:end], position_ids=self.positions(x, start, end), kv_cache=cache,
-                       kv_keep=end - start)
-
-    @staticmethod
-    def positions(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return torch.arange(start, end, device=x.device).expand(x.shape[0], end - start)
-
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return self.generate(prompt, generator, self.canvas_length(prompt.shape[1]))
-
-    def generate(self, prompt: torch.Tensor, generator: torch.Generator, length: int) -> torch.Tensor:
         """[b, length]: the prompt, then the generated blocks (EOS after a row's first EOS when stopping)."""
-        b, p = prompt.shape
-        x = torch.full((b, length), self.mask_id, dtype=torch.long, device=prompt.device)
-        x[:, :p] = prompt
-        if self.uniform:  # the uniform prior, drawn once for the whole canvas
-            x[:, p:] = uniform_ids(b, length - p, self.family.inner.num_real, self.mask_id, generator, x.device)
-        cache = KVCache(self.model.config.num_layers, length) if self.cfg.kv_cache else None
-        first = p // self.block * self.block  # the block that holds the first generated position
-        self.commit(x, 0, first, cache)
-        finished = torch.zeros(b, dtype=torch.bool, device=x.device)
-        stop = self.cfg.stop_at_eos and self.eos_id is not None
-        for start in range(first, length, self.block):
-            end, lo = min(start + self.block, length), max(start, p)
-            self.denoise_block(x, start, end, lo, cache, generator)
-            if stop:
-                eos = x[:, lo:end] == self.eos_id
-                after = (eos.cumsum(1) - eos.long()) > 0  # strictly after the row's first EOS here
-                x[:, lo:end] = torch.where(finished[:, None] | after, self.eos_id, x[:, lo:end])
-                finished |= eos.any(1)
-                if bool(finished.all()):
-                    x[:, end:] = self.eos_id
-                    break
-            if end < length:
-                self.commit(x, start, end, cache)
-        return x
-
-    def denoise_block(self, x, start: int, end: int, lo: int, cache, generator) -> None:
-        """Generate x[:, lo:end] in place, the block x[:, start:end] attending to the clean prefix."""
-        block = x[:, start:end]  # a view: the in-block samplers write through to x
-        if self.uniform:
-            duo_ancestral(self, block, lo - start,
-                          lambda _, alpha: self.block_logits(x, start, end, cache)[:, lo - start:],
-                          generator, self.family.inner.num_real)
-        else:
-            mdlm_ancestral(self, block,
-                           lambda _, masked: self.probs(self.block_logits(x, start, end, cache)[masked]),
-                           generator)
+        return self.sample_rows(prompt, generator, self.canvas_length(prompt.shape[1]))
 
     def sample_batch(self, batch) -> list[list[int]]:
-        """Row by row (prompts of different lengths start their blocks at different places): row i
-        is `sample` on prompt i with row i's generator, cut at its canvas length (and first EOS)."""
-        out = []
-        for prompt, length, gen in zip(batch.prompts, batch.lengths, batch.generators):
-            row = self.generate(torch.tensor([prompt], dtype=torch.long, device=batch.device), gen, length)
-            ids = row[0, len(prompt):].tolist()
-            if self.cfg.stop_at_eos and self.eos_id in ids:
-                ids = ids[:ids.index(self.eos_id) + 1]
-            out.append(ids)
-        return out
+        if self.cfg.predictor != "left-to-right":  # the in-block family's batched ancestral loop
+            return super().sample_batch(batch)
+        x, real = batch.canvas(self.filler(batch))
+        stop_at_eos = self.cfg.stop_at_eos and self.eos_id is not None
+        for rows, span, blocks in self.batch_blocks(batch, x, real):
+            at = {r: span[r][0] for r in rows}  # each row's next position in the block
+            while rows:  # one position per row and model call, drawn from the block's logits there
+                logits = blocks.logits(rows, span)
+                for r in rows:
+                    x[r, at[r]] = batch.draw(self.probs(logits[r][at[r] - span[r][0]][None]), r)[0]
+                    at[r] += 1
+                rows = [r for r in rows if at[r] < span[r][1] and not (stop_at_eos and x[r, at[r] - 1] == self.eos_id)]
+        return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(batch.prompt_lengths().tolist(), batch.lengths))]
+
+    def batch_blocks(self, batch, x: torch.Tensor, real: torch.Tensor):
+        """Yields, block after block, (rows, span, denoiser): the rows generating in the block, their
+        positions (lo, hi) to generate, and the `CommittedBlocks` over the clean blocks before it.
+        Once the caller has decoded the block, rows that ended (canvas end, or an EOS with
+        stop_at_eos) leave and the others commit it."""
+        plen = batch.prompt_lengths().tolist()
+        first = [p // self.block * self.block for p in plen]  # the block of each row's first new token
+        blocks = CommittedBlocks(self.model, self.block, x, real, self.cfg.kv_cache)
+        start = min(first)
+        blocks.commit(blocks.rows, start)  # the prompts' whole blocks before any row generates
+        while blocks.rows:
+            end = start + self.block
+            rows = [r for r in blocks.rows if first[r] <= start]  # the others' prompts cover this block
+            span = {r: (max(start, plen[r]), min(end, batch.lengths[r])) for r in rows}
+            if rows:
+                yield rows, span, blocks
+            ended = {r for r in rows if self.cfg.stop_at_eos
+                     and end_at_eos(x, r, *span[r], batch.lengths[r], self.eos_id)}
+            blocks.commit([r for r in blocks.rows if r not in ended and batch.lengths[r] > end], end)
+            start = end
+
+
+class BD3LMMaskSampler(BD3LMSampler, MDLMSampler):
+    """--noise mask: MDLM's ancestral block loop over BD3-LM's blocks."""
+
+    def filler(self, batch) -> int:
+        return self.mask_id
+
+
+class BD3LMUniformSampler(BD3LMSampler, DuoSampler):
+    """--noise uniform: Duo's posterior block loop over BD3-LM's blocks."""
+
+    def filler(self, batch) -> list[torch.Tensor]:
+        return self.uniform_prior(batch)

@@ -82,10 +82,14 @@ class DuoSampler(Sampler):
         sigma = torch.tensor([-math.log(a) for a in alphas], device=x.device)
         return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width]).logits
 
+    def uniform_prior(self, batch) -> list[torch.Tensor]:
+        """Each row's starting noise over its positions to generate, drawn from its own generator."""
+        return [self.uniform_ids(1, n - len(p), g, batch.device)[0]
+                for p, n, g in zip(batch.prompts, batch.lengths, batch.generators)]
+
     def sample_batch(self, batch) -> list[list[int]]:
         plen, lengths = batch.prompt_lengths().tolist(), batch.lengths
-        noise = [self.uniform_ids(1, n - p, g, batch.device)[0] for p, n, g in zip(plen, lengths, batch.generators)]
-        x, real = batch.canvas(noise)
+        x, real = batch.canvas(self.uniform_prior(batch))
         if self.cfg.predictor == "left-to-right":
             floor = self.alpha(1.0)
 

@@ -48,13 +48,18 @@ def _predictors(family: str) -> tuple[str, ...]:
     return own + (REMASKING_PREDICTORS if family in REMASKING_SAMPLERS else ())
 
 
+def _family_options(config) -> dict:
+    """The family's own settings from config.json (BD3-LM: block_size, noise)."""
+    return dict(getattr(config, "family_options", None) or {})
+
+
 def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int,
              remasking: dict) -> None:
     config = model.config
     if config.family not in SAMPLERS:
         raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
                          f"{', '.join(SAMPLERS)}")
-    family = get_family(config.family, config.mask_token_id, config.vocab_size)
+    family = get_family(config.family, config.mask_token_id, config.vocab_size, **_family_options(config))
     eps = float(family.schedule.alpha(torch.tensor(1.0, dtype=torch.float64)))  # log-linear: alpha_1 = eps
     if config.noise_schedule != SCHEDULE or abs(config.noise_eps - eps) > 1e-12:
         raise ValueError(f"config.json: noise_schedule {config.noise_schedule!r} with noise_eps {config.noise_eps}; "
@@ -100,7 +105,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     _checked(model, sampler, steps, max_new_tokens, num_return_sequences, remasking)
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
-                         config.max_position_embeddings, None, "hf")
+                         config.max_position_embeddings, None, "hf", family_options=_family_options(config))
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     if input_ids is None:
         input_ids = torch.zeros(num_return_sequences, 0, dtype=torch.long)

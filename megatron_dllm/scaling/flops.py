@@ -32,12 +32,18 @@ calflops adds. Attention adds s / (6h) to a layer's linear FLOPs: at s = 2048 ~1
 model (h = 2176), ~133% for the 14M one (h = 256), so the convention changes the IsoFLOP grid.
 
 Families: AR, MDLM, Duo and Eso-LM run the same DiT on s tokens (AR reads s + 1 tokens and feeds
-s), so every count is the same for all four families. Causal attention (AR, Eso-LM) is not halved
-in the full count: the local spec and FlopCounterMode compute the full square, and one number
-per preset keeps the IsoFLOP grid identical across families as in the paper. Flash/TE causal
-kernels skip about half the masked blocks, so on GPU they execute up to L 2 s^2 h fewer FLOPs
-per sequence than the full count says. Variable-length micro-batches (--variable-seq-length-prob)
-are counted at full length.
+s), so every count is the same for all four families. BD3-LM trains on [x_t ; x_0], 2s tokens at
+positions 0..s-1 twice, through the whole model including the output layer (`model/dit.py`
+computes the x_0 copy's logits too; the loss does not use them), so a sample costs the counts at 2s
+(`train_flops_per_sample`; the run's `backbone_length`): linears and head twice, attention four
+times in the full count, which runs the dense 2s x 2s square as SDPA with a boolean mask does.
+Its block mask lets through about a quarter of that square (s^2 + s B of 4 s^2 pairs), which a
+block-sparse kernel (FlexAttention on GPU) could skip; the count does not assume it.
+Causal attention (AR, Eso-LM) is not halved in the full count: the local spec and
+FlopCounterMode compute the full square, and one number per preset keeps the IsoFLOP grid
+identical across families as in the paper. Flash/TE causal kernels skip about half the masked
+blocks, so on GPU they execute up to L 2 s^2 h fewer FLOPs per sequence than the full count says.
+Variable-length micro-batches (--variable-seq-length-prob) are counted at full length.
 
 The GPT backbone (`--backbone gpt`, `gpt` = its `GPTShape`) has no time input. Per layer, with
 a query heads, g key/value heads of width d and an MLP of width f:
@@ -97,6 +103,16 @@ def train_flops_per_sequence(preset: Preset, vocab_size: int, seq_length: int,
                              convention: str = "calflops", gpt: GPTShape | None = None) -> int:
     """Forward + backward: 3 x forward (the backward pass costs twice the forward)."""
     return 3 * forward_flops_per_sequence(preset, vocab_size, seq_length, convention, gpt)
+
+
+def train_flops_per_sample(preset: Preset, vocab_size: int, seq_length: int, family: str,
+                           convention: str = "calflops", gpt: GPTShape | None = None) -> int:
+    """Training FLOPs of one sample of `seq_length` tokens of `family` (BD3-LM: 2 x seq_length run)."""
+    from megatron_dllm.families import FAMILIES
+
+    if family not in FAMILIES:
+        raise InputError(f"--family {family!r}: expected one of {', '.join(FAMILIES)}")
+    return train_flops_per_sequence(preset, vocab_size, seq_length * FAMILIES[family].input_copies, convention, gpt)
 
 
 def non_embedding_params(preset: Preset, vocab_size: int) -> int:

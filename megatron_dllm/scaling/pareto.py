@@ -8,7 +8,8 @@ at fewer than 3 step counts (AR: one) is used at its measured points, without a 
 Input records are tools/evaluate.py's: Gen PPL {"family", "steps", "gen_ppl", "entropy"} and
 throughput {"family", "steps", "tokens_per_s", "samples_per_s", "batch_size"}. A record's model is
 its "model" or "preset" key, else the name of the file's directory: write each model's evaluate.py
---output files into that model's run directory so Gen PPL and throughput pair up.
+--output files into that model's run directory so Gen PPL and throughput pair up. BD3-LM records
+carry their "block_size" and compete as the series bd3lm-b<B> (`plan.series_name`), as in the fits.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.scaling.fits import StepCurve, fit_step_curve
+from megatron_dllm.scaling.plan import series_name
 
 
 def load_records(paths) -> list[dict]:
@@ -41,7 +43,8 @@ def load_records(paths) -> list[dict]:
             if item.get("steps") is None:
                 raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
-            records.append({**item, "model": str(item.get("model", item.get("preset", default_model)))})
+            records.append({**item, "family": series_name(item["family"], item.get("block_size")),
+                            "model": str(item.get("model", item.get("preset", default_model)))})
     return records
 
 

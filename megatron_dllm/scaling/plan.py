@@ -5,8 +5,12 @@ global batch)) iterations, so a run spends at most C (the paper's reference code
 way). The paper states no tokens-per-parameter bounds; runs with fewer than one iteration are
 dropped, and optional bounds can drop more.
 
+BD3-LM (`bd3lm`) is planned once per block size (`block_sizes`): each block size is its own series
+in the fits and the frontier, named `bd3lm-b<B>` (`series_name`), and its training FLOPs are those
+of the 2L-token input [x_t ; x_0] it trains on (`flops.train_flops_per_sample`).
+
 The manifest (JSON) lists every planned run with its metrics file, so the fits never have to parse
-run names:  {"runs": [{"name", "family", "preset", "budget", "non_embedding_params",
+run names:  {"runs": [{"name", "family", "block_size", "preset", "budget", "non_embedding_params",
 "iterations", "tokens", "flops", "metrics_file"}, ...], ...settings}; paths relative to it.
 """
 from __future__ import annotations
@@ -15,12 +19,14 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import PAPER_PRESETS, get_preset
-from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sequence
+from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sample
 
 PAPER_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20)  # §3.1
 PAPER_SETTINGS = dict(seq_length=2048, global_batch_size=256, vocab_size=32001)  # §3: data, tokenizer
-FAMILY_ORDER = ("ar", "mdlm", "duo", "esolm")
+FAMILY_ORDER = ("ar", "mdlm", "duo", "esolm", "bd3lm")
+BLOCK_FAMILIES = ("bd3lm",)  # planned once per --block-sizes entry
 
 
 def iterations_for_budget(budget: float, flops_per_sequence: int, global_batch_size: int) -> int:
@@ -34,6 +40,11 @@ def budget_label(budget: float) -> str:
     return f"{mantissa}e{int(exponent)}" if exponent else mantissa
 
 
+def series_name(family: str, block_size: int | None = None) -> str:
+    """What the fits and the frontier compare: the family, or for BD3-LM family and block size."""
+    return f"{family}-b{block_size}" if block_size else family
+
+
 @dataclass(frozen=True)
 class PlannedRun:
     name: str
@@ -44,26 +55,40 @@ class PlannedRun:
     iterations: int
     tokens: int
     flops: int  # what the iterations actually spend, <= budget
+    block_size: int | None = None  # bd3lm's --block-size
 
     @property
     def tokens_per_param(self) -> float:
         return self.tokens / self.non_embedding_params
 
 
+def _series(families, block_sizes, seq_length: int) -> list[tuple[str, int | None]]:
+    """(family, block size) per planned series: BD3-LM once per block size, the others once."""
+    if any(f in BLOCK_FAMILIES for f in families) and not block_sizes:
+        raise InputError("--families bd3lm needs --block-sizes (tokens per block, e.g. 4 16)")
+    for b in block_sizes:
+        if b < 1 or seq_length % b:
+            raise InputError(f"--block-sizes {b}: a block size must be positive and divide --seq-length {seq_length}")
+    return [(f, b) for f in families for b in (block_sizes if f in BLOCK_FAMILIES else [None])]
+
+
 def plan_isoflop(budgets, families, presets=tuple(PAPER_PRESETS), *, seq_length: int, global_batch_size: int,
                  vocab_size: int, convention: str = "calflops", min_tokens_per_param: float | None = None,
-                 max_tokens_per_param: float | None = None) -> tuple[list[PlannedRun], list[tuple[PlannedRun, str]]]:
-    """(kept runs, [(dropped run, reason)]) for every budget x family x preset."""
+                 max_tokens_per_param: float | None = None, block_sizes=()
+                 ) -> tuple[list[PlannedRun], list[tuple[PlannedRun, str]]]:
+    """(kept runs, [(dropped run, reason)]) for every budget x family (bd3lm: x block size) x preset."""
     kept, dropped = [], []
+    series = _series(families, block_sizes, seq_length)
     for budget in budgets:
-        for family in families:
+        for family, block_size in series:
             for name in presets:
                 preset = get_preset(name)
-                per_seq = train_flops_per_sequence(preset, vocab_size, seq_length, convention)
+                per_seq = train_flops_per_sample(preset, vocab_size, seq_length, family, convention)
                 iters = iterations_for_budget(budget, per_seq, global_batch_size)
-                run = PlannedRun(f"{family}-{name}-C{budget_label(budget)}", family, name, budget,
-                                 non_embedding_params(preset, vocab_size), iters,
-                                 iters * global_batch_size * seq_length, iters * global_batch_size * per_seq)
+                run = PlannedRun(f"{series_name(family, block_size)}-{name}-C{budget_label(budget)}", family, name,
+                                 budget, non_embedding_params(preset, vocab_size), iters,
+                                 iters * global_batch_size * seq_length, iters * global_batch_size * per_seq,
+                                 block_size)
                 if iters < 1:
                     dropped.append((run, "fewer than 1 iteration"))
                 elif min_tokens_per_param is not None and run.tokens_per_param < min_tokens_per_param:
