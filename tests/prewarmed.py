@@ -155,8 +155,6 @@ class PrewarmedProcess:
 class Server:
     """One server per test session (per pytest-xdist worker), started on first use."""
 
-    _lock = threading.Lock()
-
     def __init__(self, env: dict):
         self.env = env
         self._dir = tempfile.mkdtemp(prefix="prewarmed-")
@@ -181,19 +179,8 @@ class Server:
         return PrewarmedProcess(conn, argv)
 
     def run(self, argv: list[str], cwd, env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
-        """`subprocess.run(argv, capture_output=True, text=True)` for a Python script."""
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-            child = self.popen(argv, cwd, env, null, out, err)
-            try:
-                code = child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-                raise
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess([sys.executable, *argv], code, out.read().decode(errors="replace"),
-                                               err.read().decode(errors="replace"))
+        """`subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`."""
+        return self._run_all(argv, cwd, [env], timeout)
 
     def launch(self, nproc: int, argv: list[str], cwd, env: dict, timeout: float | None = None
                ) -> subprocess.CompletedProcess:
@@ -201,8 +188,6 @@ class Server:
         torchrun's environment and rendezvous on a store this process hosts (as torchrun's agent
         does); their output is interleaved in one stdout and one stderr; one failing rank stops the
         others and the launch exits 1, as torchrun does."""
-        import time
-
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
@@ -211,32 +196,41 @@ class Server:
                   "ROLE_NAME": "default", "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True",
                   "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                   "TORCHELASTIC_RUN_ID": "prewarmed"}
+        envs = [{**common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
+        done = self._run_all(argv, cwd, envs, timeout)
+        done.returncode = int(done.returncode != 0)
+        return done
+
+    def _run_all(self, argv: list[str], cwd, envs: list[dict], timeout: float | None) -> subprocess.CompletedProcess:
+        """One child per environment, their output captured together; the first to fail stops the
+        others. The exit status is the first non-zero one, else 0."""
+        import time
+
         deadline = None if timeout is None else time.monotonic() + timeout
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-            ranks = [self.popen(argv, cwd, {**common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
-                                null, out, err) for r in range(nproc)]
+            children = [self.popen(argv, cwd, env, null, out, err) for env in envs]
             try:
-                while any(rank.poll() is None for rank in ranks):
-                    if any(rank.returncode for rank in ranks):  # a rank failed: stop the others
-                        for rank in ranks:
-                            rank.terminate()
-                        for rank in ranks:
+                while None in [child.poll() for child in children]:  # a list: poll every child
+                    if any(child.returncode for child in children):
+                        for child in children:
+                            child.terminate()
+                        for child in children:
                             try:
-                                rank.wait(5)
+                                child.wait(5)
                             except subprocess.TimeoutExpired:
-                                rank.kill()
+                                child.kill()
                     elif deadline is not None and time.monotonic() > deadline:
                         raise subprocess.TimeoutExpired(argv, timeout)
-                    time.sleep(0.05)
+                    time.sleep(0.02)
             finally:
-                for rank in ranks:
-                    if rank.returncode is None:
-                        rank.kill()
-                        rank.wait()
+                for child in children:
+                    if child.returncode is None:
+                        child.kill()
+                        child.wait()
             out.seek(0)
             err.seek(0)
-            code = 1 if any(rank.returncode for rank in ranks) else 0
-            return subprocess.CompletedProcess(argv, code, out.read().decode(errors="replace"),
+            code = next((child.returncode for child in children if child.returncode), 0)
+            return subprocess.CompletedProcess([sys.executable, *argv], code, out.read().decode(errors="replace"),
                                                err.read().decode(errors="replace"))
 
     def close(self) -> None:

@@ -23,9 +23,11 @@ SCRIPT = textwrap.dedent("""
         sys.exit(3)
     if mode == "raise":
         raise KeyError("boom")
-    if mode == "wait":
+    if mode == "wait" or (mode == "rank1-fails" and os.environ["RANK"] == "0"):
         import time
         time.sleep(60)
+    if mode == "rank1-fails":
+        sys.exit(4)
 """)
 
 
@@ -90,3 +92,14 @@ def test_an_environment_read_at_import_gets_a_plain_process():
     env = launch_env(1)
     server = _server(env)
     assert server.serves(env) and not server.serves({**env, "OMP_NUM_THREADS": "2"})
+
+
+def test_a_failing_rank_stops_the_others_and_the_launch_exits_1_as_torchrun(script, tmp_path):
+    env = launch_env(2)
+    server = _server(env)
+    start = time.monotonic()
+    got = server.launch(2, [script, "rank1-fails"], tmp_path, env, timeout=120)
+    assert got.returncode == 1 and time.monotonic() - start < 30  # rank 0 did not sleep its 60 s
+    want = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script,
+                           "rank1-fails"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert want.returncode == got.returncode
