@@ -1,7 +1,8 @@
 """`--attention-backend sdpa` (PyTorch's scaled_dot_product_attention) against megatron-core's own
 DotProductAttention (`local`): the core-attention module on its own, a training step of every
-family on CPU in fp32 on the DiT and on the GPT backbone (single process here; TP=2 with and without sequence parallelism under
-torchrun), and checkpoints across backends. The dense DiT comparison is in test_reference_dit.py.
+family on CPU in fp32 on the DiT and on the GPT backbone (single process here; TP=2 with and
+without sequence parallelism under torchrun), and checkpoints across backends. The dense DiT
+comparison is in test_reference_dit.py.
 """
 import shutil
 
