@@ -114,7 +114,8 @@ def test_sdpa_training_step_equals_local_on_the_gpt_backbone(family):
 
 
 @pytest.mark.parametrize("family,wrong,gpt", [("mdlm", "causal", None), ("esolm", "bidirectional", None),
-                                              ("esolm", "bidirectional", LLAMA)])
+                                              ("esolm", "bidirectional", LLAMA)],
+                         ids=["mdlm-dit", "esolm-dit", "esolm-gpt"])
 def test_a_wrong_attention_layout_exceeds_the_tolerance(family, wrong, gpt):
     """The comparison can fail: the other layout differs by far more than REL."""
     got = compare_backends(family, "sdpa", backend_attention=wrong, gpt=gpt)
