@@ -6,6 +6,7 @@ import torch
 from megatron_dllm import platform
 from megatron_dllm.families import Noise, get_family
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.presets import Preset
 
@@ -15,6 +16,9 @@ SEQ, BATCH = 32, 3
 FAMILIES = ("ar", "mdlm", "duo", "esolm", "bd3lm")
 OPTIONS = {"bd3lm": {"block_size": 8}}  # BD3-LM: an explicit block mask over [x_t ; x_0]
 GAIN = 3.0
+# the GPT backbone as a Llama: RMSNorm, SwiGLU, rope, no biases, grouped-query attention (2 groups)
+LLAMA = GPTShape(ffn_hidden_size=96, num_query_groups=2, normalization="RMSNorm", swiglu=True,
+                 position_embedding_type="rope", rotary_base=500, add_bias_linear=False)
 
 
 def batch(family, seed: int = 0):
@@ -40,10 +44,11 @@ def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def build(attention: str, backend: str, tp: int = 1, sequence_parallel: bool = False,
-          recompute: dict | None = None, seed: int = 7, fusion=None):
+          recompute: dict | None = None, seed: int = 7, fusion=None, gpt: GPTShape | None = None):
     """A small model of an attention layout on `backend` (and `fusion`, builder's default: none),
-    with weights that depend on neither the backend, the fusions nor the TP layout."""
-    arch = Architecture(PRESET, VOCAB, SEQ, attention)
+    with weights that depend on neither the backend, the fusions nor the TP layout; `gpt`: the
+    GPT backbone of that shape instead of the DiT."""
+    arch = Architecture(PRESET, VOCAB, SEQ, attention, gpt=gpt)
     config, mlp_config = transformer_config(arch, tp=tp, sequence_parallel=sequence_parallel, recompute=recompute,
                                             fusion=fusion)
     model = build_model(arch, config, mlp_config, seed=0, attention_backend=backend)[0]
@@ -57,16 +62,16 @@ def build(attention: str, backend: str, tp: int = 1, sequence_parallel: bool = F
 
 def compare_backends(name: str, backend: str, reference: str = "local", *, tp: int = 1,
                      sequence_parallel: bool = False, backend_attention: str | None = None,
-                     backend_recompute: dict | None = None) -> dict:
+                     backend_recompute: dict | None = None, gpt: GPTShape | None = None) -> dict:
     """Both backends' training step on the same weights and batch: the relative logits difference,
     the worst gradient's, and the sizes that show the comparison is not trivial.
     `backend_attention` gives the tested backend another attention layout (a deliberate fault),
-    `backend_recompute` megatron's recompute settings."""
+    `backend_recompute` megatron's recompute settings, `gpt` the GPT backbone's shape (None: DiT)."""
     family = get_family(name, MASK_ID, VOCAB, **OPTIONS.get(name, {}))
     inp = batch(family)
-    models = {reference: build(family.attention, reference, tp, sequence_parallel),
+    models = {reference: build(family.attention, reference, tp, sequence_parallel, gpt=gpt),
               backend: build(backend_attention or family.attention, backend, tp, sequence_parallel,
-                             backend_recompute)}
+                             backend_recompute, gpt=gpt)}
     results = {which: train_step(model, family, inp) for which, model in models.items()}
     (logits_a, grads_a), (logits_b, grads_b) = results[reference], results[backend]
     assert grads_a.keys() == grads_b.keys()  # the same parameters: nothing backend-specific

@@ -1,14 +1,15 @@
 """`--attention-backend sdpa` (PyTorch's scaled_dot_product_attention) against megatron-core's own
 DotProductAttention (`local`): the core-attention module on its own, a training step of every
-family on CPU in fp32 (single process here; TP=2 with and without sequence parallelism under
-torchrun), and checkpoints across backends. The dense DiT comparison is in test_reference_dit.py.
+family on CPU in fp32 on the DiT and on the GPT backbone (single process here; TP=2 with and
+without sequence parallelism under torchrun), and checkpoints across backends. The dense DiT
+comparison is in test_reference_dit.py.
 """
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import FAMILIES, GAIN, MASK_ID, VOCAB, batch, build, compare_backends, rel_diff
+from attention_cases import FAMILIES, GAIN, LLAMA, MASK_ID, VOCAB, batch, build, compare_backends, rel_diff
 from conftest import run_worker_on_two_ranks
 from megatron.core import dist_checkpointing
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -103,10 +104,21 @@ def test_sdpa_with_selective_recompute_equals_local():
     assert got["logits"] < REL and got["grads"] < REL, got
 
 
-@pytest.mark.parametrize("family,wrong", [("mdlm", "causal"), ("esolm", "bidirectional")])
-def test_a_wrong_attention_layout_exceeds_the_tolerance(family, wrong):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sdpa_training_step_equals_local_on_the_gpt_backbone(family):
+    """The same on the Llama-style backbone (`--backbone gpt`): rope at each token's position ids,
+    grouped-query attention, no time conditioning."""
+    got = compare_backends(family, "sdpa", gpt=LLAMA)
+    assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3
+    assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.parametrize("family,wrong,gpt", [("mdlm", "causal", None), ("esolm", "bidirectional", None),
+                                              ("esolm", "bidirectional", LLAMA)],
+                         ids=["mdlm-dit", "esolm-dit", "esolm-gpt"])
+def test_a_wrong_attention_layout_exceeds_the_tolerance(family, wrong, gpt):
     """The comparison can fail: the other layout differs by far more than REL."""
-    got = compare_backends(family, "sdpa", backend_attention=wrong)
+    got = compare_backends(family, "sdpa", backend_attention=wrong, gpt=gpt)
     assert got["logits"] > 1e3 * REL and got["grads"] > 1e3 * REL
 
 

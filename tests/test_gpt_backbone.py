@@ -22,6 +22,7 @@ from megatron_dllm.errors import InputError
 LLAMA_FLAGS = ["--backbone", "gpt", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
                "--num-query-groups", "2", "--position-embedding-type", "rope", "--rotary-base", "500",
                "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm"]
+QWEN2_FLAGS = LLAMA_FLAGS[:-1]  # a shape Hugging Face export, sampling and evaluation load (no QK-norm)
 
 
 def tiny_hf(kind: str, directory, vocab_size: int = 100) -> str:
@@ -246,3 +247,77 @@ def test_shift_scores_token_i_with_the_logits_at_i_minus_1(world_of_one):
     tokenizer = SimpleNamespace(mask_id=mask_id, vocab_size=vocab)
     assert build_family(parse_args(["--family", "mdlm", "--shift"]), tokenizer).shift
     # --shift with another family: a row of tests/test_validate.py
+
+
+def trained_in_process(flags: list) -> dict:
+    """A Trainer run in this process: every iteration's loss, the last validation NELBO, the final
+    weights."""
+    from megatron_dllm import platform
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.trainer import Trainer
+
+    losses, valid = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Trainer, "train_step", lambda self, real=Trainer.train_step: losses.append(real(self)) or
+                      losses[-1])
+        patch.setattr(Trainer, "evaluate", lambda self, real=Trainer.evaluate: valid.append(real(self)) or valid[-1])
+        try:
+            trainer = Trainer(parse_args(flags))
+            trainer.train()
+            weights = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+        finally:
+            platform.destroy_distributed()
+    return {"loss": [loss for loss, _ in losses], "valid": valid, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def gpt_resumed(demo_cache, tmp_path_factory):
+    """{family: (uninterrupted run, the same run resumed from its iteration-2 checkpoint, its
+    checkpoints)} on a Qwen2-shaped GPT backbone (what evaluation loads), in process."""
+    from conftest import TINY_RUN
+
+    out = {}
+    for family in ("mdlm", "esolm"):
+        root = tmp_path_factory.mktemp(f"gpt-{family}")
+        common = ["--demo-cache-dir", demo_cache, *TINY_RUN, *QWEN2_FLAGS, "--family", family, "--train-iters", "4",
+                  "--eval-iters", "1", "--eval-interval", "4"]
+        whole = trained_in_process([*common, "--save", str(root / "a"), "--save-interval", "2",
+                                    "--tensorboard-dir", str(root / "tb-a")])
+        resumed = trained_in_process([*common, "--load", str(root / "a"), "--ckpt-step", "2",
+                                      "--save", str(root / "b"), "--tensorboard-dir", str(root / "tb-b")])
+        out[family] = (whole, resumed, str(root / "a"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mdlm", "esolm"])
+def test_gpt_backbone_resumes_bit_exactly(family, gpt_resumed):
+    """Resumed from its iteration-2 checkpoint, a GPT-backbone run continues the uninterrupted one
+    bit for bit: losses, validation and final weights (Eso-LM: a per-sample shuffled order)."""
+    whole, resumed, _ = gpt_resumed[family]
+    assert len(whole["loss"]) == 4 and whole["loss"][0] != whole["loss"][2]
+    assert resumed["loss"] == whole["loss"][2:]
+    assert resumed["valid"] == whole["valid"] and len(whole["valid"]) == 1
+    assert whole["weights"].keys() == resumed["weights"].keys()
+    for name, want in whole["weights"].items():
+        assert torch.equal(resumed["weights"][name], want), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mdlm", "esolm"])
+def test_nelbo_of_a_gpt_checkpoint_equals_training_validation(family, gpt_resumed, demo_cache, tmp_path):
+    """tools/evaluate.py nelbo on the GPT-backbone checkpoint gives the training-time validation
+    figure (tests/test_evaluate.py does the same for the DiT)."""
+    from megatron_dllm import platform
+    from megatron_dllm.cli import evaluate
+
+    whole, _, ckpt = gpt_resumed[family]
+    path = tmp_path / "nelbo.json"
+    try:
+        assert evaluate.main(["nelbo", "--load", ckpt, "--demo-cache-dir", demo_cache, "--global-batch-size", "8",
+                              "--eval-iters", "1", "--output", str(path)]) == 0
+    finally:
+        platform.destroy_distributed()
+    got = json.loads(path.read_text())
+    assert got["family"] == family and got["tokens"] == 8 * 32
+    assert abs(got["nelbo"] - whole["valid"][0]) <= 1e-5 * whole["valid"][0], (got["nelbo"], whole["valid"])

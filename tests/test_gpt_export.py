@@ -218,9 +218,9 @@ def test_flops_and_parameters_of_the_gpt_backbone(kind, tmp_path, world_of_one):
 
 def test_shapes_that_are_not_llama_are_refused_in_one_line(tmp_path, world_of_one, capsys):
     """Megatron-LM's default GPT (LayerNorm, GELU, biases, learned positions) is neither a Llama nor a
-    Qwen2: export and sampling name what differs, in one line each."""
+    Qwen2: export, sampling and evaluation name what differs, in one line each."""
     from megatron_dllm.checkpoint.identity import ModelIdentity
-    from megatron_dllm.cli import convert_to_hf, sample
+    from megatron_dllm.cli import convert_to_hf, evaluate, sample
     from megatron_dllm.families import get_family
     from megatron_dllm.hf import export
     from megatron_dllm.model.builder import Architecture, build_model, transformer_config
@@ -235,7 +235,10 @@ def test_shapes_that_are_not_llama_are_refused_in_one_line(tmp_path, world_of_on
     capsys.readouterr()
     assert convert_to_hf.main(["--load", save, "--out", str(tmp_path / "hf")]) == 2
     assert sample.main(["--load", save, "--device", "cpu", "--output", str(tmp_path / "s.json")]) == 2
-    for line in capsys.readouterr().err.strip().splitlines():
+    assert evaluate.main(["nelbo", "--load", save, "--output", str(tmp_path / "e.json")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3
+    for line in lines:
         assert line.startswith(f"error: {save}/iter_0000000: a --backbone gpt model with --normalization "
                                f"LayerNorm"), line
         assert "no --swiglu" in line and "learned_absolute" in line and "biases" in line

@@ -205,7 +205,7 @@ def transformers_kind(shape: GPTShape, source: str) -> str:
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise InputError(f"{source}: a --backbone gpt model with {', '.join(bad)} is neither a Llama nor a Qwen2; "
-                         f"Hugging Face export and sampling support the Llama/Qwen2 shape")
+                         f"Hugging Face export, sampling and evaluation support the Llama/Qwen2 shape")
     return "qwen2" if shape.add_qkv_bias else "llama"
 
 
