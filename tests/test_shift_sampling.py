@@ -107,3 +107,26 @@ def test_the_shift_is_part_of_the_model_identity():
     assert plain.differences(identity.as_dict()) == [
         "family_options: checkpoint {'shift': True} vs this run {}"]
     assert plain.differences(identity.as_dict(), weights_only=True) == []
+
+
+@pytest.mark.parametrize("mode", ["conditional", "joint"])
+def test_lm_eval_likelihood_scores_the_shifted_logits(raw, world_of_one, mode):
+    """lm-eval's Monte-Carlo NELBO of a shifted model: the family's bound on the shifted logits,
+    draw for draw, as training's validation scores it."""
+    from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
+
+    def draws(inf):
+        return LikelihoodEstimator(inf, num_mc_samples=8, mode=mode, batch_size=4, seed=3).draws(PROMPTS[1], [8, 9, 10])
+
+    got = draws(shifted(raw))
+    assert torch.equal(got, draws(by_hand(raw)))
+    assert not torch.allclose(got, draws(InferenceModel(raw, "mdlm", MASK, V, L, None, "hf")))
+
+
+def test_a_shift_on_another_family_in_config_json_is_one_input_error():
+    from megatron_dllm.hf.config_check import check_config
+
+    identity = ModelIdentity("duo", 32, 2, 2, V, MASK, family_options=dict(SHIFT))
+    with pytest.raises(InputError, match=r"^cfg: family_options \{'shift': True\} are not settings of family 'duo'$"):
+        check_config({}, identity, "cfg")
+    check_config({}, ModelIdentity("mdlm", 32, 2, 2, V, MASK, family_options=dict(SHIFT)), "cfg")
