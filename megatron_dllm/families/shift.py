@@ -2,8 +2,9 @@
 (`--shift`): the logits at position i - 1 predict token i, so the AR head keeps its meaning;
 position 0, which nothing precedes, keeps its own logits.
 
-The one implementation of the shift: training's loss (families/mdlm.py) and every sampler
-(sampling/base.py) apply it, so a model samples and is evaluated as it was trained. Torch only:
+The one implementation of the shift: MDLM's loss and bound (families/mdlm.py: training,
+validation, `tools/evaluate.py nelbo`, lm-eval likelihoods) and every sampler
+(sampling/shifted_model.py) apply it, so a model samples and is evaluated as it was trained. Torch only:
 HF exports ship this file flat beside their sampler files (hf/remote_code.py).
 """
 from __future__ import annotations
