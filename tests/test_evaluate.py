@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, run_pretrain
 
-FAMILIES = ["ar", "mdlm", "duo"]
+FAMILIES = ["ar", "mdlm", "duo", "mdlm-shift"]  # mdlm-shift: MDLM trained with --shift
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--train-iters", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-interval", "100",
        "--eval-iters", "2"]
@@ -29,14 +29,15 @@ def trained(demo_cache, tmp_path_factory):
     """{family: (checkpoint, training-time valid_nelbo)}, plus the AR and MDLM models exported to HF."""
     root = tmp_path_factory.mktemp("eval_ckpts")
 
-    def train(family):
-        work = root / family
+    def train(name):
+        work = root / name
         work.mkdir()
-        _, records = run_pretrain(1, ["--demo-cache-dir", demo_cache, "--family", family, *RUN,
+        family = ["--family", name.split("-")[0]] + (["--shift"] if name.endswith("-shift") else [])
+        _, records = run_pretrain(1, ["--demo-cache-dir", demo_cache, *family, *RUN,
                                       "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")], work)
         valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
         assert len(valid) == 1, records
-        return family, (str(work / "ckpt"), valid[0])
+        return name, (str(work / "ckpt"), valid[0])
 
     with ThreadPoolExecutor(len(FAMILIES)) as pool:  # separate processes: train concurrently
         out = dict(pool.map(train, FAMILIES))
@@ -46,7 +47,7 @@ def trained(demo_cache, tmp_path_factory):
     tok = prepare_demo_corpus(demo_cache)["tokenizer_model"]
     convert = importlib.import_module("megatron_dllm.cli.convert_to_hf")
     try:
-        for family in ("ar", "mdlm"):
+        for family in ("ar", "mdlm", "mdlm-shift"):
             hf = str(root / family / "hf")
             assert convert.main(["--load", out[family][0], "--out", hf, "--tokenizer-type",
                                  "SentencePieceTokenizer", "--tokenizer-model", tok]) == 0
@@ -78,13 +79,18 @@ def _error(argv, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["mdlm", "duo", "ar", "mdlm-hf", "ar-hf"])
-def test_nelbo_equals_training_validation(trained, demo_cache, tmp_path, which):
+@pytest.mark.parametrize("which", ["mdlm", "duo", "ar", "mdlm-hf", "ar-hf", "mdlm-shift", "mdlm-shift-hf"])
+def test_nelbo_equals_training_validation(trained, demo_cache, tmp_path, which, monkeypatch):
     ckpt, valid_nelbo = trained[which]
     res = _evaluate(["nelbo", "--load", ckpt, "--demo-cache-dir", demo_cache, *EVAL], tmp_path)
+    if which == "mdlm-shift":  # the figure needs the shift: the same evaluation without it differs
+        monkeypatch.setattr("megatron_dllm.families.mdlm.shift_right", lambda logits, dim: logits)
+        unshifted = _evaluate(["nelbo", "--load", ckpt, "--demo-cache-dir", demo_cache, *EVAL], tmp_path, "no.json")
+        assert abs(unshifted["nelbo"] - valid_nelbo) > 1e-3 * valid_nelbo, (unshifted["nelbo"], valid_nelbo)
     assert math.isfinite(res["nelbo"]) and res["nelbo"] > 0
     assert abs(res["nelbo"] - valid_nelbo) <= 1e-5 * valid_nelbo, (res["nelbo"], valid_nelbo)
     assert res["family"] == which.split("-")[0]
+    assert res["shift"] == ("-shift" in which)  # recorded by the checkpoint and by the export
     assert res["tokens"] == 2 * 4 * 32 and res["samples"] == 8
     assert res["ppl"] == pytest.approx(math.exp(res["nelbo"]))
     assert res["bpd"] == pytest.approx(res["nelbo"] / math.log(2))

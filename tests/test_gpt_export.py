@@ -29,7 +29,7 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
 
     hf = tiny_hf(kind, root)
     if family == "bd3lm":  # not an import target: the same tensors written as a BD3-LM checkpoint
-        return _bd3lm_checkpoint(hf, str(root / f"{kind}-{family}"))
+        return _gpt_checkpoint(hf, str(root / f"{kind}-{family}"), family, block_size=4)
     if tokenizer:  # a word-level tokenizer of the model's 100 rows, EOS last
         vocab = {f"w{i}": i for i in range(99)} | {"</s>": 99}
         words = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -42,7 +42,9 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
     return save
 
 
-def _bd3lm_checkpoint(hf: str, save: str) -> str:
+def _gpt_checkpoint(hf: str, save: str, family: str, **options) -> str:
+    """The imported tensors written as a checkpoint of `family` with its `options` (what a run with
+    those flags saves: BD3-LM's blocks, MDLM's --shift)."""
     from types import SimpleNamespace
 
     from megatron_dllm.checkpoint.identity import ModelIdentity
@@ -53,8 +55,9 @@ def _bd3lm_checkpoint(hf: str, save: str) -> str:
 
     preset, shape, rows = pretrained_ar.shape_of(pretrained_ar.read_config(hf), hf)
     whole = pretrained_ar.to_megatron(pretrained_ar.read_weights(hf), preset, shape, hf)
-    arch = Architecture(preset, V, 16, "block_diffusion", 128, gpt=shape)
-    identity = ModelIdentity.of(get_family("bd3lm", V - 1, V, block_size=4), arch)
+    fam = get_family(family, V - 1, V, **options)
+    arch = Architecture(preset, V, 16, fam.attention, 128, gpt=shape)
+    identity = ModelIdentity.of(fam, arch)
     args = SimpleNamespace(save=save, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, iteration=0,
                            overwrite=False)
     write_gpt_checkpoint(whole, identity, arch, args, None, hf)
@@ -174,6 +177,40 @@ def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_on
     assert torch.equal(samples[ar, ()], samples[ar_export, ()])
     for load in (ar, bd3lm):  # the KV caches (grouped-query heads, BD3-LM's blocks) change nothing
         assert torch.equal(samples[load, ()], samples[load, ("--no-kv-cache",)])
+
+
+def test_a_shifted_mdlm_exports_its_shift_and_samples_with_it(tmp_path, world_of_one):
+    """An AR model adapted to MDLM with --shift (a Llama's tensors saved as a shifted MDLM): the
+    checkpoint and its export record the shift, the export's `generate` (transformers, remote code)
+    equals megatron_dllm's sampler on the checkpoint, its greedy samples differ from the unshifted
+    model's (greedy: the tiny Llama's logits are nearly uniform), and the export imports back with
+    the shift."""
+    import dataclasses
+
+    import transformers
+
+    from megatron_dllm.checkpoint.meta import CheckpointMeta
+    from megatron_dllm.cli import convert_from_hf, convert_to_hf
+    from megatron_dllm.sampling import SamplingConfig, generate, load_inference_model
+
+    ckpt = _gpt_checkpoint(tiny_hf("llama", tmp_path), str(tmp_path / "shifted"), "mdlm", shift=True)
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", ckpt, "--out", out]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["family_options"] == {"shift": True}
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    inf = load_inference_model(ckpt)
+    greedy = {"sampler": "left-to-right", "top_p": 1e-9}  # the argmax: the near-uniform logits' differences show
+    for kwargs in ({"steps": 6}, greedy):
+        got = hf.generate(num_return_sequences=3, max_new_tokens=12, seed=0, **kwargs)
+        cfg = SamplingConfig(seq_length=12, **{"predictor" if k == "sampler" else k: v for k, v in kwargs.items()})
+        want = generate(inf, cfg, num_samples=3, seed=0)
+        assert torch.equal(got.cpu(), want.cpu())
+    unshifted = generate(dataclasses.replace(inf, family_options={}), cfg, num_samples=3, seed=0)
+    assert not torch.equal(want, unshifted)
+    again = str(tmp_path / "again")
+    assert convert_from_hf.main(["--hf", out, "--save", again]) == 0
+    assert CheckpointMeta.read(os.path.join(again, "iter_0000000")).identity.family_options == {"shift": True}
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

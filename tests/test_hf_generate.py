@@ -6,6 +6,7 @@ one prompt, prompts of different lengths (padding), a given generator, Eso-LM's 
 and Duo's remasking samplers with their knobs. The AR export keeps transformers' generate. The
 shipped files are the ones transformers copies, import nothing but torch, transformers and the
 standard library, and bad arguments are ValueErrors."""
+import dataclasses
 import json
 import os
 import re
@@ -21,8 +22,9 @@ from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.hf.remote_code import remote_code_files
 
 V, MASK, EOS, L = 33, 32, 0, 24
-DIFFUSION = ["mdlm", "duo", "esolm", "bd3lm"]
-BD3LM_OPTIONS = {"block_size": 4, "noise": "mask"}
+DIFFUSION = ["mdlm", "duo", "esolm", "bd3lm", "mdlm-shift"]
+# family_options of the exports: BD3-LM's blocks; "mdlm-shift" is an MDLM trained with --shift
+OPTIONS = {"bd3lm": {"block_size": 4, "noise": "mask"}, "mdlm-shift": {"shift": True}}
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # padded on the left to 5 in the padded case
 # (name, generate's arguments): JSON, so the worker process reads them
 CASES = [("unconditional", {"num_return_sequences": 2, "max_new_tokens": 12, "steps": 4, "seed": 3}),
@@ -42,20 +44,21 @@ KNOBS = {"block_length": "block_length", "tokens_per_step": "tokens_per_step", "
          "entropy_bound": "entropy_bound"}  # generate's argument -> SamplingConfig's field
 
 
-def write_export(family: str, out) -> str:
-    """A randomly initialised export of `family`, written as tools/convert_to_hf.py writes one."""
-    options = BD3LM_OPTIONS if family == "bd3lm" else {}
+def write_export(name: str, out) -> str:
+    """A randomly initialised export of the family `name` (`OPTIONS`), written as
+    tools/convert_to_hf.py writes one."""
+    family, options = name.split("-")[0], OPTIONS.get(name, {})
     identity = ModelIdentity(family, 32, 2, 2, V, MASK, family_options=options)
     attention = {"ar": "causal", "esolm": "causal", "bd3lm": "block_diffusion"}.get(family, "bidirectional")
     config = export.hf_config_dict(identity, attention, L)
     config["cond_dim"] = 16  # random_dense_model's
-    model = random_dense_model(family, V, L, seed=len(family), family_options=options or None)
+    model = random_dense_model(family, V, L, seed=len(name), family_options=options or None)
     export.write_hf_dir(str(out), model.state_dict(), config)
     return str(out)
 
 
-def cases(family):
-    return CASES + {"esolm": [BLOCK], "bd3lm": []}.get(family, REMASKING)
+def cases(name):
+    return CASES + {"esolm": [BLOCK], "bd3lm": []}.get(name, REMASKING)
 
 
 def expected(inf, case: dict) -> torch.Tensor:
@@ -164,6 +167,27 @@ def test_the_package_classes_generate_the_same_way(tmp_path):
         assert torch.equal(model.generate(**given), expected(inf, case)), name
 
 
+def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
+    """An MDLM trained with --shift exports its shift (config.json's family_options) and its
+    `generate` applies it, as the native samplers do: each case equals megatron_dllm's samplers on
+    the export, and none equals sampling the same weights unshifted."""
+    from megatron_dllm.hf.load_export import load_model
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    path = write_export("mdlm-shift", tmp_path / "mdlm")
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["family_options"] == {"shift": True}
+    model = load_model(path).double()
+    inf = load_inference_model(path, dtype=torch.float64)
+    assert inf.make_family().shift
+    unshifted = dataclasses.replace(inf, family_options={})
+    for name, case in CASES[:3] + REMASKING:
+        given = {k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v for k, v in case.items()}
+        got = model.generate(**given)
+        assert torch.equal(got, expected(inf, case)), name
+        assert not torch.equal(got, expected(unshifted, case)), name
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"sampler": "block"}, "sampler='block' is not available for the mdlm family; valid: ancestral, left-to-right, "
                            "low-confidence, threshold, entropy-bound"),
@@ -226,7 +250,8 @@ def test_export_schedule_is_the_families_schedule():
     pkg.__path__ = []
     sys.modules["export_pkg"] = pkg
     try:
-        for module in ("configuration_dllm", "modeling_dllm", "errors", "seeding", "constants", "schedules", "deps"):
+        for module in ("configuration_dllm", "modeling_dllm", "errors", "seeding", "constants", "schedules", "shift",
+                       "deps"):
             from megatron_dllm.hf.remote_code import source_path
 
             spec = importlib.util.spec_from_file_location(f"export_pkg.{module}", source_path(module))
@@ -235,10 +260,11 @@ def test_export_schedule_is_the_families_schedule():
             spec.loader.exec_module(mod)
         deps = sys.modules["export_pkg.deps"]
         t = torch.linspace(0, 1, 11, dtype=torch.float64)
-        for family in DIFFUSION:
-            options = BD3LM_OPTIONS if family == "bd3lm" else {}
+        for name in DIFFUSION:
+            family, options = name.split("-")[0], OPTIONS.get(name, {})
             ours, theirs = get_family(family, MASK, V, **options), deps.get_family(family, MASK, V, **options)
-            assert torch.equal(ours.schedule.alpha(t), theirs.schedule.alpha(t)), family
+            assert torch.equal(ours.schedule.alpha(t), theirs.schedule.alpha(t)), name
+            assert ours.shift == theirs.shift == (name == "mdlm-shift")
         assert deps.get_family("duo", MASK, V).num_real == get_family("duo", MASK, V).num_real == V - 1
         for noise in ("mask", "uniform"):  # what BD3-LM's sampler reads: blocks, noise, the in-block family
             ours, theirs = (f("bd3lm", MASK, V, block_size=4, noise=noise) for f in (get_family, deps.get_family))

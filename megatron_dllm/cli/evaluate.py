@@ -77,7 +77,7 @@ def run_nelbo(args) -> dict:
     result = evaluate_nelbo(inference_model.model, family, inputs.valid_dataset, training.seed, gbs, mbs,
                             resolved.logging.eval_iters, draws)
     return {
-        "metric": "nelbo", "family": inference_model.family, "bound": family.bound,
+        "metric": "nelbo", "family": inference_model.family, "bound": family.bound, "shift": family.shift,
         "nelbo": result.nelbo, "ppl": result.ppl, "bpd": result.bpd, "nelbo_per_draw": result.per_draw,
         "tokens": result.tokens, "samples": result.samples,
         "settings": {

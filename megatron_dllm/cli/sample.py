@@ -88,6 +88,7 @@ def main(argv=None):
     record = {
         "settings": {**vars(args), "device": device, "family": inference_model.family,
                      "block_size": (inference_model.family_options or {}).get("block_size"),
+                     "shift": bool((inference_model.family_options or {}).get("shift")),
                      "source": inference_model.source,
                      "seq_length": tokens.shape[1], "prompt_ids": prompt_ids},
         "wall_time_s": wall,

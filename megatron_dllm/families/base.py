@@ -98,6 +98,8 @@ class Family:
     next_token: bool = False
     # the model input is [x_t ; x_0] (BD3-LM): the backbone runs 2 x seq_length positions
     input_copies: int = 1
+    # the logits at position i - 1 predict token i (an MDLM adapted from an AR model; families/shift.py)
+    shift: bool = False
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
         self.mask_id, self.vocab_size = mask_id, vocab_size

@@ -5,7 +5,8 @@ gets sigma = 0. Only masked positions are scored; carry-over of unmasked tokens 
 loss mask (as in the paper's code). `--loss low-var` (default, the paper's) weights -log p by 1;
 `--loss nelbo` by dalpha/(1 - alpha) = 1/t. Validation always reports the NELBO.
 `--shift` (for a model adapted from an AR one, as Dream): the logits at position i - 1 predict
-token i, so the AR head keeps its meaning; position 0 keeps its own logits.
+token i, so the AR head keeps its meaning; position 0 keeps its own logits (families/shift.py).
+It is recorded with the model (`options`), so sampling and evaluation apply it too.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from megatron_dllm.families import vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.families.shift import shift_right
 from megatron_dllm.model.constants import T_EPS
 
 
@@ -27,6 +29,11 @@ class MDLM(Family):
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None, shift: bool = False):
         super().__init__(mask_id, vocab_size, loss)
         self.shift = shift
+
+    def options(self) -> dict:
+        """{"shift": True} for a shifted model; nothing otherwise (as checkpoints written before
+        the shift was recorded say: no shift)."""
+        return {"shift": True} if self.shift else {}
 
     def mask(self, tokens: torch.Tensor, noise: Noise,
              prompt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +60,7 @@ class MDLM(Family):
 
     def _masked_nll(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         if self.shift:  # logits are sequence-first [s, b, V/tp]
-            logits = torch.cat([logits[:1], logits[:-1]], dim=0)
+            logits = shift_right(logits, dim=0)
         logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
         nll = vocab_parallel.cross_entropy(logits, inp.targets)
         return nll * (inp.input_ids == self.mask_id) * inp.valid

@@ -12,7 +12,7 @@ import torch
 
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.errors import InputError
-from megatron_dllm.families import FAMILIES
+from megatron_dllm.families import FAMILIES, get_family
 
 
 def check_config(config: dict, identity: ModelIdentity, source: str) -> None:
@@ -30,6 +30,11 @@ def check_config(config: dict, identity: ModelIdentity, source: str) -> None:
                          f"{identity.num_attention_heads}")
     if not 0 <= identity.mask_id < identity.vocab_size:
         raise InputError(f"{source}: mask_token_id {identity.mask_id} lies outside vocab_size {identity.vocab_size}")
+    try:  # family_options are the family's own settings (BD3-LM's blocks, MDLM's shift)
+        get_family(identity.family, identity.mask_id, identity.vocab_size, **identity.family_options)
+    except TypeError:
+        raise InputError(f"{source}: family_options {identity.family_options!r} are not settings of family "
+                         f"{identity.family!r}") from None
 
 
 def check_shapes(weights: dict, identity: ModelIdentity, max_length: int, source: str) -> None:

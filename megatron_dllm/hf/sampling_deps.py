@@ -9,20 +9,22 @@ from .errors import InputError
 from .modeling_dllm import KVCache
 from .schedules import LogLinear
 from .seeding import seed_for
+from .shift import shift_right
 
-__all__ = ["InputError", "KVCache", "get_family", "seed_for"]
+__all__ = ["InputError", "KVCache", "get_family", "seed_for", "shift_right"]
 
 
 IN_BLOCK = {"mask": "mdlm", "uniform": "duo"}  # BD3-LM's --noise: the family inside a block
 
 
 class SamplingFamily:
-    """What the samplers read of a family: its schedule, and V, the ids a token can take; BD3-LM
-    also its block size, its in-block noise and that noise's family (`inner`)."""
+    """What the samplers read of a family: its schedule, V, the ids a token can take, and whether
+    its logits are shifted (MDLM's `shift`); BD3-LM also its block size, its in-block noise and that
+    noise's family (`inner`)."""
 
     def __init__(self, name: str, mask_id: int, vocab_size: int, block_size: int | None = None,
-                 noise: str | None = None):
-        self.name, self.mask_id, self.vocab_size = name, mask_id, vocab_size
+                 noise: str | None = None, shift: bool = False):
+        self.name, self.mask_id, self.vocab_size, self.shift = name, mask_id, vocab_size, shift
         self.schedule = LogLinear(T_EPS)  # every family's schedule (config.json's "loglinear")
         self.num_real = vocab_size - (1 if 0 <= mask_id < vocab_size else 0)
         if block_size is not None:

@@ -14,6 +14,7 @@ from .blocks import block_spans, each_block, end_at_eos
 from .config import SamplingConfig
 from .deps import InputError
 from .prompt_batch import PromptBatch
+from .shifted_model import ShiftedModel
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
 
@@ -53,8 +54,9 @@ class Sampler:
             raise InputError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
                              f"valid: {', '.join(self.predictors)}")
         self.check_block_wise(inf.family, cfg)
+        self.check_shift(family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg
-        self.model = inf.model
+        self.model = ShiftedModel(inf.model) if family.shift else inf.model
         self.mask_id = inf.mask_id
         self.dtype = categorical.precision(cfg.float64)
         self.length = cfg.seq_length or inf.seq_length
@@ -72,6 +74,15 @@ class Sampler:
         if flags and cfg.predictor == "left-to-right":
             raise InputError(f"{' and '.join(flags)}: block-wise decoding runs the ancestral sampler, not "
                              f"--predictor left-to-right")
+
+    @staticmethod
+    def check_shift(family, cfg: SamplingConfig) -> None:
+        """A shifted model's logits at a position come from the one before it, which an approximate
+        KV cache's window (the current block, or the block and what follows) does not compute."""
+        if family.shift and cfg.approx_kv_cache != "none":
+            raise InputError(f"--approx-kv-cache {cfg.approx_kv_cache}: this model was trained with --shift (the "
+                             f"logits at i - 1 predict token i), which a cached window cannot apply; use "
+                             f"--approx-kv-cache none")
 
     @property
     def blocks(self) -> bool:

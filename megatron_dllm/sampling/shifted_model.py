@@ -1,0 +1,25 @@
+"""The model of a shifted MDLM (`--shift`, an MDLM adapted from an AR model) as the samplers see
+it: the logits at position i are the model's at i - 1, by the shift training's loss applies
+(`shift_right`, families/shift.py), so a sampler reads each position's prediction where it always
+does. The model still gets the whole canvas from position 0 (the samplers' full forwards); a
+window of it (an approximate KV cache's) would lack the position before its first one, so the
+samplers refuse those (`Sampler.check_shift`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .deps import shift_right
+
+
+class ShiftedModel:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = model.config
+
+    def __call__(self, input_ids: torch.Tensor, **inputs):
+        if inputs.get("kv_cache") is not None or inputs.get("position_ids") is not None:
+            raise ValueError("a shifted model's logits need the whole canvas from position 0")
+        out = self.model(input_ids=input_ids, **inputs)
+        out.logits = shift_right(out.logits, dim=1)
+        return out
