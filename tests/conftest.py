@@ -1,6 +1,7 @@
 """Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
-megatron's world of one, the flags of a tiny training run, torchrun launchers, and small file
-systems of their own (read-only, full) for fault injection."""
+megatron's world of one, the flags of a tiny training run, launchers of scripts and torchrun-style
+ranks (from a prewarmed interpreter where they can be), and small file systems of their own
+(read-only, full) for fault injection."""
 from __future__ import annotations
 
 import contextlib
@@ -131,10 +132,10 @@ def _prewarmed(env: dict):
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):
-    """`python SCRIPT ARGS...` (nproc = 1) or `torchrun --standalone
-    --nproc-per-node NPROC SCRIPT ARGS...`, capturing text output like `subprocess.run`: started from
-    the prewarmed server (tests/prewarmed.py: torch and megatron-core already imported) where the
-    environment allows, as a plain process where it does not or with DLLM_TEST_PREWARMED=0."""
+    """`python SCRIPT ARGS...` (nproc = 1) or `torchrun --standalone --nproc-per-node NPROC SCRIPT
+    ARGS...`, capturing text output like `subprocess.run`: started from the prewarmed server
+    (tests/prewarmed.py: torch and megatron-core already imported) where the environment allows, as
+    a plain process where it does not or with DLLM_TEST_PREWARMED=0."""
     server = _prewarmed(env)
     if server is not None:
         return server.run(argv, cwd, env, timeout) if nproc == 1 else server.launch(nproc, argv, cwd, env, timeout)
