@@ -9,7 +9,8 @@ import textwrap
 import time
 
 import pytest
-from conftest import REPO, _prewarmed, launch_env
+from conftest import REPO, launch_env
+from prewarmed import Server
 
 pytestmark = pytest.mark.slow  # each case starts processes
 
@@ -38,11 +39,12 @@ def script(tmp_path):
     return str(path)
 
 
-def _server(env):
-    server = _prewarmed(env)
-    if server is None:
-        pytest.skip("DLLM_TEST_PREWARMED=0: every launch is a plain process")
-    return server
+@pytest.fixture(scope="module")
+def server():
+    """A server of its own, so these cases run whether or not the session's launches use one."""
+    started = Server(launch_env(1))
+    yield started
+    started.close()
 
 
 def _plain(argv, cwd, env):
@@ -50,9 +52,8 @@ def _plain(argv, cwd, env):
 
 
 @pytest.mark.parametrize("mode", ["ok", "exit", "raise"])
-def test_a_launch_sees_what_a_plain_process_sees(script, tmp_path, mode):
+def test_a_launch_sees_what_a_plain_process_sees(server, script, tmp_path, mode):
     env = {**launch_env(1), "MARK": "x"}
-    server = _server(env)
     got = server.run([script, mode, "a b"], tmp_path, env, timeout=60)
     want = _plain([script, mode, "a b"], tmp_path, env)
     assert (got.returncode, got.stdout) == (want.returncode, want.stdout), (got, want)
@@ -64,18 +65,16 @@ def test_a_launch_sees_what_a_plain_process_sees(script, tmp_path, mode):
         assert got.stderr == want.stderr
 
 
-def test_the_entry_points_help_and_bad_flags_are_the_same(tmp_path):
+def test_the_entry_points_help_and_bad_flags_are_the_same(server, tmp_path):
     env = launch_env(1)
-    server = _server(env)
     for argv in (["--help"], ["--no-such-flag"]):
         got = server.run([os.path.join(REPO, "pretrain_dllm.py"), *argv], tmp_path, env, timeout=120)
         want = _plain([os.path.join(REPO, "pretrain_dllm.py"), *argv], tmp_path, env)
         assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
 
 
-def test_a_left_running_launch_is_a_process_of_its_own(script, tmp_path):
+def test_a_left_running_launch_is_a_process_of_its_own(server, script, tmp_path):
     env = launch_env(1)
-    server = _server(env)
     with open(tmp_path / "log", "w+") as log, open(os.devnull) as null:
         child = server.popen([script, "wait"], tmp_path, env, null, log, log, start_new_session=True)
         deadline = time.time() + 30
@@ -88,15 +87,13 @@ def test_a_left_running_launch_is_a_process_of_its_own(script, tmp_path):
         assert child.wait(timeout=30) == -signal.SIGTERM
 
 
-def test_an_environment_read_at_import_gets_a_plain_process():
+def test_an_environment_read_at_import_gets_a_plain_process(server):
     env = launch_env(1)
-    server = _server(env)
     assert server.serves(env) and not server.serves({**env, "OMP_NUM_THREADS": "2"})
 
 
-def test_a_failing_rank_stops_the_others_and_the_launch_exits_1_as_torchrun(script, tmp_path):
+def test_a_failing_rank_stops_the_others_and_the_launch_exits_1_as_torchrun(server, script, tmp_path):
     env = launch_env(2)
-    server = _server(env)
     start = time.monotonic()
     got = server.launch(2, [script, "rank1-fails"], tmp_path, env, timeout=120)
     assert got.returncode == 1 and time.monotonic() - start < 30  # rank 0 did not sleep its 60 s
