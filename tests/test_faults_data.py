@@ -16,13 +16,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
-from conftest import REPO, tmpfs
+from conftest import REPO, launch_env, run_python, tmpfs
 
-from megatron_dllm.data.datasets import build_datasets, check_prefix
+from megatron_dllm.data.datasets import build_datasets, check_prefix, load_index_cache
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
 from megatron_dllm.data.prep.demo import prepare_demo_corpus
 from megatron_dllm.data.prep.preprocess import preprocess, shard_prefix
@@ -56,9 +57,8 @@ def _snapshot(*dirs):
     return out
 
 
-def _tool(name, *args, **kw):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, timeout=120, **kw)
+def _tool(name, *args):
+    return run_python([os.path.join(REPO, "tools", name), *map(str, args)], REPO, launch_env(1), 120)
 
 
 def _one_error_line(r, *needles):
@@ -412,3 +412,46 @@ def test_index_caches_holding_objects_are_refused(tmp_path, demo_cache):
         with open(path, "wb") as f:
             f.write(original)
     np.testing.assert_array_equal(build_datasets(**args)[0][5], expected)
+
+
+def _torn_reads(save, path: str, seconds: float) -> int:
+    """Load `path` over and over for `seconds` while a thread rewrites it with `save`, alternating
+    two arrays: how many loads failed or saw neither array whole."""
+    arrays = [np.full(4_000_000, i, dtype=np.int64) for i in range(2)]  # 32 MB each
+    save(path, arrays[0], allow_pickle=True)
+    stop, torn = threading.Event(), 0
+
+    def rewrite():
+        i = 1
+        while not stop.is_set():
+            save(path, arrays[i % 2], allow_pickle=True)
+            i += 1
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        deadline = time.time() + seconds
+        while time.time() < deadline and not torn:
+            try:  # not memory-mapped: a file truncated under a mapping would kill this process (SIGBUS)
+                loaded = load_index_cache(path)
+                torn += loaded.shape != (4_000_000,) or loaded[0] != loaded[-1]
+            except (ValueError, EOFError, OSError):
+                torn += 1
+    finally:
+        stop.set()
+        writer.join()
+    return torn
+
+
+def test_an_index_cache_being_rewritten_is_read_whole(tmp_path):
+    """Jobs sharing a cache directory (a sweep's runs started together) all miss it and all build
+    it: megatron-core writes the files in place, so another job could load (or have mapped) one
+    mid-write. Through the `numpy` megatron-core's dataset modules see, a reader gets the old
+    file or the new one, never a part; the same harness with numpy's in-place save does catch a
+    torn read, so the check is not vacuous."""
+    from megatron.core.datasets import gpt_dataset
+
+    path = str(tmp_path / "x-sample_index.npy")
+    assert _torn_reads(np.save, path, seconds=10) > 0
+    assert _torn_reads(gpt_dataset.numpy.save, path, seconds=2) == 0
+    assert os.listdir(tmp_path) == ["x-sample_index.npy"]  # no temporaries left behind

@@ -20,7 +20,9 @@ caller just builds.
 Index caches never unpickle: megatron-core 0.16.1 reads them with `numpy.load(...,
 allow_pickle=True)`, which runs the code in a crafted cache file (a pickle, or an object array,
 named `*-sample_index.npy`). Importing this module gives megatron's dataset modules a `numpy`
-whose `load` is `load_index_cache` (allow_pickle=False; a refused file raises ValueError naming it).
+whose `load` is `load_index_cache` (allow_pickle=False; a refused file raises ValueError naming it),
+and whose `save` publishes each cache file whole (`save_index_cache`), so that jobs sharing a cache
+directory never read a file another is writing.
 """
 
 from __future__ import annotations
@@ -84,10 +86,26 @@ def load_index_cache(file, mmap_mode=None, allow_pickle=False, **kwargs):
                          f"it (delete the file to have it rebuilt)") from None
 
 
+def save_index_cache(file: str, arr, **kwargs) -> None:
+    """`numpy.save` of an index cache, published whole: written under a name of its own, then
+    renamed into place. megatron-core's build writes the files in place, so a second job sharing
+    the cache directory (a sweep's runs starting together) could find them all present and load
+    one that was still being written, or that a third job had just truncated to rewrite it."""
+    tmp = f"{file}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, arr, **kwargs)
+        os.replace(tmp, file)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 class _NumpyWithoutPickle(types.ModuleType):
-    """numpy, except `load` (see `load_index_cache`)."""
+    """numpy, except `load` and `save` (see `load_index_cache` and `save_index_cache`)."""
 
     load = staticmethod(load_index_cache)
+    save = staticmethod(save_index_cache)
 
     def __getattr__(self, name):
         return getattr(np, name)
