@@ -69,15 +69,7 @@ def _export(args, out: str) -> int:
                 raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
                                  f"--tokenizer-type/--tokenizer-model")
         with export.staged_export(out) as staging:
-            if identity.gpt is not None and identity.family == "ar":  # transformers' own Llama/Qwen2
-                from megatron_dllm.hf import export_gpt
-
-                tensors = export_gpt.write_transformers_dir(staging, model.state_dict(), identity, arch.seq_length)
-            else:
-                hf_state = export.hf_state(model.state_dict(), identity)
-                export.write_hf_dir(staging, hf_state, export.hf_config_dict(identity, arch.attention,
-                                                                             arch.seq_length))
-                tensors = len(hf_state)
+            tensors = export.write_model_dir(staging, model.state_dict(), identity, arch.attention, arch.seq_length)
             if tokenizer is not None:
                 export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
                                         identity.vocab_size, identity.mask_id, tokenizer.options())

@@ -250,6 +250,19 @@ def write_hf_dir(out: str, hf_state: dict, config: dict) -> None:
             json.dump(gen, f, indent=2)
 
 
+def write_model_dir(out: str, state_dict: dict, identity: ModelIdentity, attention: str, max_length: int) -> int:
+    """The model files of an export of a TP=1/PP=1 state dict; returns the number of tensors. A
+    GPT-backbone AR model is written as transformers' own Llama/Qwen2 (no remote code); every other
+    model as this project's remote code (config.json naming modeling_dllm's classes)."""
+    if identity.gpt is not None and FAMILIES[identity.family].next_token:
+        from megatron_dllm.hf import export_gpt
+
+        return export_gpt.write_transformers_dir(out, state_dict, identity, max_length)
+    weights = hf_state(state_dict, identity)
+    write_hf_dir(out, weights, hf_config_dict(identity, attention, max_length))
+    return len(weights)
+
+
 @contextlib.contextmanager
 def staged_export(out: str):
     """Yield a directory beside `out` to write an export into. When the block completes it becomes
