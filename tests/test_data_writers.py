@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, tekken_vocab, tmpfs
+from conftest import REPO, launch_env, run_python, tekken_vocab, tmpfs
 
 from megatron_dllm.data.indexed_dataset import meta_path, open_indexed_dataset, read_metadata, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
@@ -39,14 +39,13 @@ def _jsonl(records) -> bytes:
 
 
 def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=REPO, **extra)
+    env = {**launch_env(1), **extra}
     env.pop("DLLM_LOCK_MODE", None)
     return env
 
 
 def _tool(name, *args, env=None):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", name), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300, env=env or _env())
+    return run_python([os.path.join(REPO, "tools", name), *map(str, args)], REPO, env or _env(), 300)
 
 
 def _one_error_line(r, *needles):

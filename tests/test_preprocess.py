@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, launch_env, run_python
 
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
@@ -46,9 +46,8 @@ def _same(a, b):
     return all(_read(a + ext) == _read(b + ext) for ext in (".bin", ".idx"))
 
 
-def _tool(name, *args, **kw):
-    return subprocess.run([sys.executable, os.path.join(TOOLS, name), *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, **kw)
+def _tool(name, *args, env=None):
+    return run_python([os.path.join(TOOLS, name), *map(str, args)], REPO, env or launch_env(1), 300)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -268,7 +267,7 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     cmd = ["preprocess_data.py", "--input", str(tmp_path / "in" / "jsonl" / "*.jsonl"), "--output-prefix", out,
            "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--append-eod", "--num-shards", "2",
            "--chunksize", "64"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = {k: v for k, v in launch_env(1).items() if not k.startswith("SLURM_")}
     env["SLURM_ARRAY_TASK_COUNT"], env["SLURM_ARRAY_TASK_ID"] = "2", "0"  # shard 0 via Slurm defaults
     r = _tool(*cmd, env=env)
     assert r.returncode == 0 and "shard 0 of 2" in r.stdout, r.stderr
