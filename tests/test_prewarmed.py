@@ -90,6 +90,7 @@ def test_a_left_running_launch_is_a_process_of_its_own(server, script, tmp_path)
 def test_an_environment_read_at_import_gets_a_plain_process(server):
     env = launch_env(1)
     assert server.serves(env) and not server.serves({**env, "OMP_NUM_THREADS": "2"})
+    assert not server.serves({**env, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"})  # TorchDynamo's config, preloaded
 
 
 def test_a_failing_rank_stops_the_others_and_the_launch_exits_1_as_torchrun(server, script, tmp_path):
