@@ -208,11 +208,55 @@ def pretrain(demo_cache, tmp_path):
     return _run
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker computes on its share of the cores: torch's default (a thread per core)
+    in each of `-n 2` workers would run four threads on two cores, and OpenMP's threads spin while
+    they wait for a core, which nearly doubled the in-process tests' CPU time (538 s against 309 s
+    for the fast lane, side by side). Processes the tests start get the same setting."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+DURATIONS = os.path.join(REPO, "tests", "durations.json")  # seconds per test file, from a full run
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip cleanly where torch sees no CUDA device."""
+    """`gpu` tests skip cleanly where torch sees no CUDA device. Files run longest first (by their
+    recorded durations; a file not recorded yet counts as the longest): xdist hands each worker a
+    file at a time, so a long file started last would leave the other worker idle to the end
+    (`--no-loadscope-reorder` in pytest.ini keeps this order)."""
     import torch
 
     needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("gpu"):  # not `in item.keywords`: that also holds directory names
             item.add_marker(needs_gpu)
+    with open(DURATIONS) as f:
+        seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))  # stable: in-file order kept
+
+
+_durations: dict = {}  # test file -> seconds, gathered when DLLM_TEST_RECORD_DURATIONS=1
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("DLLM_TEST_RECORD_DURATIONS") == "1":
+        path = report.nodeid.split("::")[0]
+        _durations[path] = _durations.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """`DLLM_TEST_RECORD_DURATIONS=1 python -m pytest -q -n 2 --dist loadfile` records in
+    tests/durations.json the seconds of every file it ran (setup, call and teardown of its tests)."""
+    if _durations and not hasattr(session.config, "workerinput"):  # the controller has every report
+        with open(DURATIONS) as f:
+            seconds = json.load(f)
+        seconds.update({path: round(s) for path, s in _durations.items()})
+        with open(DURATIONS, "w") as f:
+            json.dump(dict(sorted(seconds.items())), f, indent=0)
+            f.write("\n")
