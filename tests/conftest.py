@@ -211,8 +211,8 @@ def pretrain(demo_cache, tmp_path):
 def pytest_configure(config):
     """A pytest-xdist worker computes on its share of the cores: torch's default (a thread per core)
     in each of `-n 2` workers would run four threads on two cores, and OpenMP's threads spin while
-    they wait for a core, which nearly doubled the in-process tests' CPU time (538 s against 309 s
-    for the fast lane, side by side). Processes the tests start get the same setting."""
+    they wait for a core, which cost the in-process tests 60% more CPU time (538 s against 338 s
+    for the fast lane, docs/testing.md). Processes the tests start get the same setting."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers:
         import torch
