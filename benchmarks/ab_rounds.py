@@ -40,7 +40,7 @@ def build_variants(preset_name: str, seq: int, family_name: str, args,
     gates the attention and MLP regions would not reach the loss."""
     preset, batch = get_preset(preset_name), max(1, args.tokens // seq)
     family = get_family(family_name, args.vocab - 1, args.vocab)
-    inp = make_batch(family, args.vocab, batch, seq + int(family.extra_token)).to(platform.device())
+    inp = make_batch(family, args.vocab, batch, seq).to(platform.device())
     steps = {name: MegatronStep(preset, args.vocab, batch, seq, family, inp, train_iters=10, keep_initial=False,
                                 bf16=args.bf16, **options) for name, options in variants.items()}
     for s in steps.values():

@@ -4,21 +4,30 @@
                                               [--seq 2048] [--vocab 32001] [--max-micro-batch 64]
                                               [--steps 5] [--warmup 2] [--peak-tflops 989.4]
                                               [--recompute-granularity off selective full]
+                                              [--attention-backend local|sdpa|fused|flash|unfused|auto]
+                                              [--transformer-impl local|transformer_engine]
+                                              [--fp8-format hybrid|e4m3] [--fp8-recipe delayed|tensorwise|...]
+                                              [--fusion default|none|all]
 
-For every preset, recompute setting (`--recompute-granularity`: off, selective = core attention,
-full = every layer; default off and full) and family: `bench_train_step.py`'s `MegatronStep`,
-i.e. the trainer's own step (`training.step.train_step` on the model and optimizer that
-`training.build` makes at TP=1) in bf16 with the local layer spec, at the largest power-of-two
+For every preset, recompute setting (`--recompute-granularity`, alias `--recompute`: off,
+selective = core attention, full = every layer; default off and full) and family:
+`bench_train_step.py`'s `MegatronStep`, i.e. the trainer's own step (`training.step.train_step` on
+the model and optimizer that `training.build` makes at TP=1) in bf16 (FP8 linears with
+`--fp8-format`) with the local layer spec (or TransformerEngine's), at the largest power-of-two
 micro-batch that fits: tried from `--max-micro-batch` (for later families of the same preset and
 recompute setting: from the previous family's) down, an out-of-memory step moving to the next
 smaller one. The batch is drawn once, on the CPU, and moved to the GPU before timing.
 
-Reported per row: median step time over `--steps` timed steps after `--warmup` ones, tokens/s,
+Reported per row: median step time over `--steps` timed steps after `--warmup` ones, each timed
+until the GPU has finished the step's kernels, the optimizer's included; tokens/s,
 model TFLOP/s in the two conventions of `megatron_dllm/scaling/flops.py` (`calflops`: the paper's,
 no attention matmuls; `full`: every matmul incl. attention scores, with causal attention counted
 whole), MFU = model TFLOP/s / `--peak-tflops` (H100 SXM dense bf16: 989.4), and the peak memory
 torch's allocator saw. Model FLOPs are 3 x forward whether or not activations are recomputed
 (recompute runs a fourth forward that is not counted, as in Megatron-LM's MFU).
+
+Without a GPU the script only checks a command (cpu-* presets, fp32, `--max-micro-batch` itself
+with no search, since the CPU cannot back off from running out of memory): the runbook's dry run.
 """
 from __future__ import annotations
 
@@ -39,34 +48,48 @@ from bench_train_step import MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
+from megatron_dllm.model.attention import TE_BACKENDS  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
 
 def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | None, steps: int, warmup: int,
-             attention_backend: str, fusion: str):
-    """(median step seconds, peak bytes, first loss) at this micro-batch; raises OutOfMemoryError."""
+             options: dict):
+    """(median step seconds, peak bytes, first loss) at this micro-batch; raises out of memory."""
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     step = None
     try:
-        torch.cuda.reset_peak_memory_stats()
+        platform.reset_peak_memory()
         step = MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=warmup + steps + 10,
-                            keep_initial=False, bf16=True, recompute=recompute,
-                            attention_backend=attention_backend, fusion=fusion)
+                            keep_initial=False, bf16=True, recompute=recompute, **options)
         first = step()
         for _ in range(warmup - 1):
             step()
         times = []
         for _ in range(steps):
-            torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step()  # ends with loss.item(): the step's kernels have finished
+            step()  # returns once the step's kernels (the optimizer's too) have finished
             times.append(time.perf_counter() - t0)
-        return statistics.median(times), torch.cuda.max_memory_allocated(), first
+        return statistics.median(times), platform.peak_memory()[0], first
     finally:
         del step, inp
         gc.collect()
         platform.release_cached_memory()
+
+
+def _largest_fitting(preset, family, args, batch: int, recompute: str | None, options: dict):
+    """(micro-batch, seconds, peak bytes, first loss) at the largest power of two <= `batch` that
+    fits, or None. Where running out of memory kills the process instead of raising (the CPU),
+    only `batch` itself is tried."""
+    while batch >= 1:
+        try:
+            return (batch, *_attempt(preset, family, args.vocab, batch, args.seq, recompute, args.steps,
+                                     args.warmup, options))
+        except Exception as err:
+            if not (platform.out_of_memory_raises(platform.device()) and platform.is_out_of_memory(err)):
+                raise
+            batch //= 2
+    return None
 
 
 def main(argv=None) -> None:
@@ -82,17 +105,36 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak of the GPU")
-    p.add_argument("--attention-backend", default="local", choices=["local", "sdpa"], help="core attention")
+    p.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                   help="layer spec (transformer_engine: TransformerEngine's, needs it installed)")
+    p.add_argument("--attention-backend", default=None, choices=["local", "sdpa", *TE_BACKENDS],
+                   help="core attention (default: local, or auto with --transformer-impl transformer_engine)")
+    p.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"],
+                   help="TransformerEngine FP8 linears (needs --transformer-impl transformer_engine)")
+    p.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "blockwise", "mxfp8"])
     p.add_argument("--fusion", default="default", choices=["default", "none", "all"],
                    help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager; "
                         "all: compiled regions and bias fusions forced on")
     args = p.parse_args(argv)
-    if not platform.HAS_CUDA:
-        sys.exit("error: bench_gpu_train_step.py needs a CUDA GPU")
+    te = args.transformer_impl == "transformer_engine"
+    backend = args.attention_backend or ("auto" if te else "local")
+    if args.fp8_format and not te:
+        p.error("--fp8-format needs --transformer-impl transformer_engine")
+    if te and not platform.HAS_TE:
+        p.error("--transformer-impl transformer_engine needs TransformerEngine on a CUDA GPU (not importable here)")
+    if backend in TE_BACKENDS and not te:
+        p.error(f"--attention-backend {backend} needs --transformer-impl transformer_engine")
+    if not platform.HAS_CUDA and not all(name.startswith("cpu-") for name in args.presets):
+        p.error("measures a CUDA GPU; without one it only checks the command, with cpu-* presets "
+                f"(got {' '.join(args.presets)})")
+    options = {"attention_backend": backend, "fusion": args.fusion, "transformer_impl": args.transformer_impl,
+               "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe}
+    precision = f"fp8 {args.fp8_format} ({args.fp8_recipe})" if args.fp8_format else "bf16"
 
     platform.init_distributed(1, 1, seed=0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, "
-          f"bf16, local spec, {args.attention_backend} core attention, fusion {args.fusion}, "
+    device = platform.device_name() or "CPU (a check of the command, not a measurement: fp32, no search)"
+    print(f"{device}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, {precision}, "
+          f"{args.transformer_impl} spec, {backend} core attention, fusion {args.fusion}, "
           f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")
@@ -104,19 +146,13 @@ def main(argv=None) -> None:
                 batch = args.max_micro_batch
                 for fam_name in args.families:
                     family = get_family(fam_name, args.vocab - 1, args.vocab)
-                    while batch >= 1:
-                        try:
-                            sec, peak, loss = _attempt(preset, family, args.vocab, batch, args.seq,
-                                                       None if recompute == "off" else recompute,
-                                                       args.steps, args.warmup,
-                                                       args.attention_backend, args.fusion)
-                            break
-                        except torch.OutOfMemoryError:
-                            batch //= 2
-                    if batch < 1:
+                    found = _largest_fitting(preset, family, args, batch, None if recompute == "off" else recompute,
+                                             options)
+                    if found is None:
                         print(f"| {name} | {fam_name} | {recompute} | none fits | | | | | | | | |", flush=True)
                         batch = args.max_micro_batch
                         continue
+                    batch, sec, peak, loss = found
                     tokens = batch * args.seq
                     flops = {c: batch * train_flops_per_sequence(preset, args.vocab, args.seq, c) / sec / 1e12
                              for c in ("calflops", "full")}

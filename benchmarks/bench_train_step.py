@@ -61,8 +61,10 @@ def mode_off():
 
 
 def make_batch(family, vocab: int, batch: int, seq: int):
+    """`batch` samples for a model of sequence length `seq`, corrupted by `family` (AR's samples
+    carry the extra token its inputs and targets are shifted from, as the trainer's datasets)."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab - 1, (batch, seq), generator=gen)
+    tokens = torch.randint(0, vocab - 1, (batch, seq + int(family.extra_token)), generator=gen)
     ids = torch.arange(batch, dtype=torch.int64)
     return family.corrupt(tokens, Noise(seed=0, sample_ids=ids, strata=ids, num_strata=batch))
 
@@ -81,17 +83,19 @@ class FixedBatch:
 
 def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend: str | None = None,
                bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
-               fp8_recipe: str = "delayed", fusion: str = "default"):
-    """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, local layers
-    (TransformerEngine's with `fp8`). `fusion`: "default" takes the platform's fusion defaults (as
-    the trainer does), "none" runs every elementwise operation eager, "all" forces the compiled
-    regions and the bias fusions on (masked-softmax fusion stays at its default)."""
+               fp8_recipe: str = "delayed", fusion: str = "default", transformer_impl: str | None = None):
+    """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, `transformer_impl`'s
+    layers (default: local, TransformerEngine's with `fp8`). `fusion`: "default" takes the
+    platform's fusion defaults (as the trainer does), "none" runs every elementwise operation
+    eager, "all" forces the compiled regions and the bias fusions on (masked-softmax fusion stays
+    at its default)."""
     from megatron_dllm.config import parse_args, validate
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
              "--num-attention-heads", preset.num_attention_heads, "--seq-length", seq,
              "--micro-batch-size", batch, "--global-batch-size", batch, "--train-iters", train_iters,
-             "--seed", 0, "--transformer-impl", "transformer_engine" if fp8 else "local", "--lr-warmup-iters", 0,
+             "--seed", 0, "--transformer-impl", transformer_impl or ("transformer_engine" if fp8 else "local"),
+             "--lr-warmup-iters", 0,
              "--lr", OPT["lr"], "--min-lr", OPT["min_lr"], "--weight-decay", OPT["weight_decay"],
              "--adam-beta1", OPT["adam_beta1"], "--adam-beta2", OPT["adam_beta2"], "--adam-eps", OPT["adam_eps"],
              "--clip-grad", OPT["clip_grad"]]
@@ -119,12 +123,12 @@ class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
                  keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
                  recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed",
-                 fusion: str = "default"):
+                 fusion: str = "default", transformer_impl: str | None = None):
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
         self.config = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8,
-                                 fp8_recipe, fusion)
+                                 fp8_recipe, fusion, transformer_impl)
         self.timers = observability.make_timers(self.config.logging.timing_log_level)  # as the trainer's
         built = build_training_model(self.config, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \
@@ -138,6 +142,9 @@ class MegatronStep:
 
         loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.config,
                              self.timers)
+        # The loss is read before the optimizer step, whose kernels a GPU may still be running: a
+        # timed step ends when they have finished.
+        platform.synchronize()
         return loss
 
 

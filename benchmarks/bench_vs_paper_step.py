@@ -26,6 +26,10 @@ two up to `--max-micro-batch` that fits. Reported: tokens/s, model TFLOP/s and M
 conventions of `megatron_dllm/scaling/flops.py` (`calflops`: the paper's, no attention-score
 matmuls; `full`: every matmul), peak allocated memory, and each variant's tokens/s over the
 paper's at the same micro-batch setting.
+
+Without a GPU the script only checks a command (a cpu-* preset, fp32, no micro-batch search): it
+imports the paper's `models/dit.py` and runs this project's variants, not the paper's step, whose
+FlexAttention has no backward on a CPU.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from bench_train_step import OPT, MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
+from megatron_dllm.model.attention import ATTENTION_BACKENDS, TE_BACKENDS  # noqa: E402
 from megatron_dllm.model.constants import COND_DIM  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
@@ -99,44 +104,57 @@ class PaperStep:
         return loss.item()
 
 
+def our_options(variant: str) -> dict:
+    """MegatronStep's options for an `--ours` variant BACKEND[+fp8][+full|+selective]."""
+    backend, *extras = variant.split("+")
+    unknown = set(extras) - {"fp8", *RECOMPUTE}
+    if unknown or backend not in ATTENTION_BACKENDS:
+        what = f"option {sorted(unknown)[0]!r}" if unknown else f"backend {backend!r}"
+        raise SystemExit(f"error: --ours {variant}: unknown {what} (expected BACKEND[+fp8][+full|+selective], "
+                         f"BACKEND one of {', '.join(ATTENTION_BACKENDS)})")
+    fp8 = "fp8" in extras
+    if (fp8 or backend in TE_BACKENDS) and not platform.HAS_TE:
+        raise SystemExit(f"error: --ours {variant} needs TransformerEngine on a CUDA GPU (not importable here)")
+    recompute = next((e for e in extras if e in RECOMPUTE), None)
+    kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
+    if backend in TE_BACKENDS:
+        kwargs["transformer_impl"] = "transformer_engine"
+    return {"attention_backend": backend, "recompute": recompute, **kwargs}
+
+
 def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int):
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     if variant == "paper":
         return PaperStep(paper, preset, vocab, seq, inp, family.mask_id)
-    backend, *extras = variant.split("+")
-    unknown = set(extras) - {"fp8", *RECOMPUTE}
-    if unknown:
-        raise SystemExit(f"error: --ours {variant}: unknown option {sorted(unknown)[0]!r} "
-                         f"(expected BACKEND[+fp8][+full|+selective])")
-    fp8 = "fp8" in extras
-    if fp8 and not platform.HAS_TE:
-        raise SystemExit(f"error: --ours {variant} needs TransformerEngine (not importable here)")
-    recompute = next((e for e in extras if e in RECOMPUTE), None)
-    kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
     return MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=10 * steps, keep_initial=False,
-                        attention_backend=backend, bf16=True, recompute=recompute, **kwargs)
+                        bf16=True, **our_options(variant))
 
 
 def measure(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int, warmup: int):
-    """(median seconds per step, peak bytes, last loss); raises torch.OutOfMemoryError."""
+    """(median seconds per step, peak bytes, last loss); raises out of memory."""
     step = None
     try:
         platform.release_cached_memory()
-        torch.cuda.reset_peak_memory_stats()
+        platform.reset_peak_memory()
         step = build(variant, paper, preset, family, vocab, batch, seq, steps)
         for _ in range(warmup):
             loss = step()
         times = []
         for _ in range(steps):
-            torch.cuda.synchronize()
             start = time.perf_counter()
-            loss = step()  # ends in loss.item(): the step's kernels have finished
+            loss = step()  # both steps return once their kernels (the optimizer's too) have finished
             times.append(time.perf_counter() - start)
-        return statistics.median(times), torch.cuda.max_memory_allocated(), loss
+        return statistics.median(times), platform.peak_memory()[0], loss
     finally:
         del step
         gc.collect()
         platform.release_cached_memory()
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is running out of memory on a device where that raises (a GPU), so a smaller
+    micro-batch may fit; on the CPU the process would be killed instead, and nothing is searched."""
+    return platform.out_of_memory_raises(platform.device()) and platform.is_out_of_memory(err)
 
 
 def largest_fitting(variant, paper, preset, family, vocab, seq, args) -> int | None:
@@ -145,7 +163,9 @@ def largest_fitting(variant, paper, preset, family, vocab, seq, args) -> int | N
         try:
             measure(variant, paper, preset, family, vocab, batch, seq, steps=1, warmup=1)
             return batch
-        except torch.OutOfMemoryError:
+        except Exception as err:
+            if not out_of_memory(err):
+                raise
             batch //= 2
     return None
 
@@ -166,13 +186,19 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM: 989.4)")
     args = p.parse_args(argv)
-    if not platform.HAS_CUDA:
-        raise SystemExit("error: bench_vs_paper_step.py needs a CUDA GPU")
+    for variant in args.ours:
+        our_options(variant)  # a bad variant: one error line before anything is built
+    if not platform.HAS_CUDA and not args.preset.startswith("cpu-"):
+        p.error(f"measures a CUDA GPU; without one it only checks the command, with a cpu-* preset "
+                f"(got {args.preset})")
     paper = load_paper_dit(args.paper_code)
     preset = get_preset(args.preset)
     platform.init_distributed(1, 1, seed=0)
-    variants = ["paper", *args.ours]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, preset {args.preset} "
+    # The paper's FlexAttention has no backward on a CPU: there its variant is only imported.
+    variants = ["paper", *args.ours] if platform.HAS_CUDA else list(args.ours)
+    device = platform.device_name() or "CPU (a check of the command, not a measurement: fp32, no search; the " \
+                                       "paper's step needs CUDA, its FlexAttention has no CPU backward)"
+    print(f"{device}, torch {torch.__version__}, preset {args.preset} "
           f"(hidden {preset.hidden_size}, {preset.num_layers} layers, {preset.num_attention_heads} heads), "
           f"seq {args.seq}, {args.warmup} warm-up + {args.steps} timed steps (median), {args.rounds} rounds\n")
     print("| vocab | variant | micro-batch | step (ms) | tokens/s | x paper | TFLOP/s calflops | MFU calflops "
@@ -192,7 +218,9 @@ def main(argv=None) -> None:
                             try:
                                 results[v].append(measure(v, paper, preset, family, vocab, batches[v],
                                                           args.seq, args.steps, args.warmup))
-                            except torch.OutOfMemoryError:
+                            except Exception as err:
+                                if not out_of_memory(err):
+                                    raise
                                 batches[v] = None
                 paper_rate = None
                 for v in variants:
