@@ -142,8 +142,9 @@ class MegatronStep:
 
         loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.config,
                              self.timers)
-        # The loss is read before the optimizer step, whose kernels a GPU may still be running: a
-        # timed step ends when they have finished.
+        # The loss is read before the optimizer step. Its kernels have finished here only because the
+        # trainer's "optimizer" timer synchronises (megatron's timers do at --timing-log-level >= 1):
+        # a timed step must not depend on that setting.
         platform.synchronize()
         return loss
 
