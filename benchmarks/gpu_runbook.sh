@@ -34,7 +34,7 @@ if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
   exit 2
 fi
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit 2
 DRY=${DRY:-0}
 if [[ "$STAGE" == all ]]; then
   [[ $DRY == 1 ]] || { echo "error: 'all' only as a dry run (DRY=1): one stage fits one device call" >&2; exit 2; }
@@ -200,8 +200,12 @@ grep -q -- \"\$f\" /tmp/gen-help.txt || { echo \"error: $GEN --help lacks \$f: u
 exit 1; }; done; echo 'flags checked: ${GEN_FLAGS[*]}'"
       paper=()
       [[ -f .paper/models/dit.py ]] && paper=(--paper-code .paper)
-      step generation 540 "$PY $GEN ${GEN_ARGS[*]} ${paper[*]} --budget-s $((BUDGET - SECONDS - 90)) \
+      if [[ "${STEPS_DONE[-1]}" != generation_help\|ok\|* ]]; then
+        STEPS_DONE+=("generation|SKIPPED (its --help lacks a flag this stage passes: see generation_help)|0|")
+      else
+        step generation 540 "$PY $GEN ${GEN_ARGS[*]} ${paper[*]} --budget-s $((BUDGET - SECONDS - 90)) \
 --json $OUT/generation.json"
+      fi
     fi
     ;;
   e1)
