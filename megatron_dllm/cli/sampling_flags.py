@@ -22,6 +22,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                    help="categorical sampling from float64 probabilities (--no-float64: float32)")
     g.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="AR/Eso-LM KV cache, MDLM no-change cache (--no-kv-cache: recompute)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the denoiser's forwards as CUDA graphs and replay them (CUDA only; the "
+                        "same samples, far fewer kernel launches at small batches)")
     add_remasking_arguments(g)
 
 
@@ -55,5 +58,6 @@ def sampling_config(args, stop_at_eos: bool):
 
     return SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
                           temperature=args.temperature, float64=args.float64, predictor=args.predictor,
-                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos, max_new_tokens=args.max_new_tokens,
+                          kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, stop_at_eos=stop_at_eos,
+                          max_new_tokens=args.max_new_tokens,
                           **remasking_options(args))
