@@ -5,6 +5,8 @@ import argparse
 
 from megatron_dllm.config.fields import fraction, non_negative_float, positive_int
 
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype of the tools that load a model: its weights and compute
+
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampler")
