@@ -48,8 +48,8 @@ class CUDAGraphModel:
         fixed = kv_cache is None or getattr(kv_cache, "fixed_shape", False)
         if not fixed or not given <= set(CAPTURED_INPUTS):
             return self.model(kv_cache=kv_cache, kv_keep=kv_keep, **inputs)
-        if kv_cache is not self.cache:
-            self.graphs, self.seen, self.cache = {}, set(), kv_cache
+        if kv_cache is not self.cache:  # a new sample's cache: the graphs of the last one go, and their memory
+            self.graphs, self.seen, self.cache, self.pool = {}, set(), kv_cache, None
         tensors = {name: torch.as_tensor(inputs[name], device=self.device) for name in sorted(given)}
         if kv_keep is not None:
             tensors["kv_keep"] = self.device_int(kv_keep) if isinstance(kv_keep, int) else kv_keep
