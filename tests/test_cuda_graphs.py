@@ -110,3 +110,24 @@ def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypat
     assert torch.equal(runs[0], runs[1])
     assert captured, "no forward was captured"
     assert len(set(runs[1][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,protocol", [("ar", "left-to-right"), ("mdlm", "left-to-right"),
+                                             ("duo", "left-to-right"), ("esolm", "left-to-right"),
+                                             ("esolm", "native"), ("mdlm", "native")])
+def test_gsm8k_with_cuda_graphs_gives_the_same_answers(family, protocol, tmp_path):
+    """GSM8K at batch 1 (the paper's throughput protocol) with --cuda-graphs: every generation equal."""
+    from test_gsm8k import DigitTokenizer
+
+    from megatron_dllm.evaluation import gsm8k
+
+    inf = InferenceModel(random_model(family, length=48).double().cuda(), family, MASK, V, 48, DigitTokenizer(), "hf")
+    problems = [gsm8k.Problem(i, q, str(i), f"#### {i}") for i, q in enumerate(["1?", "12 + 30?", "100 - 1 is?"])]
+    runs = []
+    for graphs in (False, True):
+        out = tmp_path / f"pred-{graphs}.jsonl"
+        gsm8k.evaluate_gsm8k(inf, problems, protocol, max_new_tokens=8, steps=4, predictions=str(out),
+                             cuda_graphs=graphs)
+        runs.append(out.read_text())
+    assert runs[0] == runs[1]
