@@ -3,10 +3,10 @@
 At batch 1 a forward of the dense model dispatches about sixty operations per layer (counted on
 CPU: about 1,700 at the 1.7B shape's 28 layers), and launching their kernels one by one from
 Python takes longer than reading the weights (1.1 ms for 3.4 GB of bf16 at an H100's 3 TB/s); a
-CUDA graph launches the whole forward at once. A forward is captured the second time its inputs' shapes are met (a shape met once, such as
-a prompt's prefill, stays eager) and replayed from then on: the inputs are copied into the graph's
-own buffers, and the logits come back in its output buffer, valid until the next call (every
-sampler uses them before it calls again).
+CUDA graph launches the whole forward at once. A forward is captured the second time its inputs'
+shapes are met (a shape met once, such as a prompt's prefill, stays eager) and replayed from then
+on: the inputs are copied into the graph's own buffers, and the logits come back in its output
+buffer, valid until the next call (every sampler uses them before it calls again).
 
 Only forwards whose every input can live in such a buffer are captured: token ids, positions, the
 time input and a fixed-shape KV cache (`KVCache(fixed_shape=True)`: its length is a device tensor)
