@@ -82,9 +82,9 @@ class Clock:
         """Why a run of `estimate` seconds must not start now (None: it may)."""
         elapsed = time.perf_counter() - self.start
         if elapsed > self.budget_s:
-            return f"not run: --budget-s {self.budget_s:.0f} spent"
+            return f"not run: --budget-s {self.budget_s:g} spent"
         if estimate is not None and estimate > self.max_run_s:
-            return f"not run: est. {estimate:.0f} s > --max-run-s {self.max_run_s:.0f}"
+            return f"not run: est. {estimate:.1f} s > --max-run-s {self.max_run_s:g}"
         return None
 
 
@@ -270,8 +270,8 @@ def alternate(runners: dict, batch: int, args, clock: Clock, estimates: dict) ->
     (absent: unknown), for the time caps."""
     batches = dict.fromkeys(runners, batch)
     results, notes = {name: [] for name in runners}, {name: [] for name in runners}
-    for runner in runners.values():
-        if not clock.refuse(None):
+    for name, runner in runners.items():
+        if not clock.refuse(estimates.get(name)):  # no warm-up for a run the caps will refuse
             warm_up(runner, batch, args.probe_calls)
     for round_ in range(args.rounds):
         for name, runner in runners.items():
@@ -279,7 +279,7 @@ def alternate(runners: dict, batch: int, args, clock: Clock, estimates: dict) ->
                 continue
             refused = clock.refuse(estimates.get(name))
             if refused:
-                notes[name].append(f"round {round_ + 1} {refused}")
+                notes[name] += [refused] * (refused not in notes[name])
                 continue
             batches[name], result = measure(runner, batches[name], notes[name], seed=round_)
             if result:
@@ -290,14 +290,14 @@ def alternate(runners: dict, batch: int, args, clock: Clock, estimates: dict) ->
 def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, preset_name: str, length: int):
     """Every T of one family at one length: ours per variant and the paper's, alternating."""
     family, preset = inf.family, get_preset(preset_name)
-    search = OurRun(inf, "off", min(args.steps), length)
-    batch = largest_batch(functools.partial(search.probe, args.probe_calls), args.max_batch, inf.device)
     paper = None
-    if args.paper_code:
+    if args.paper_code:  # built first: its weights stay resident beside ours while the batch is searched
         import paper_samplers
 
         paper = paper_samplers.PaperSampler(args.paper_code, family, preset, args.vocab, length, min(args.steps),
                                             platform.device(), LLAMA_BOS)
+    search = OurRun(inf, "off", min(args.steps), length)
+    batch = largest_batch(functools.partial(search.probe, args.probe_calls), args.max_batch, inf.device)
     seconds_per_call: dict[str, float] = {}  # measured at the previous T: the next T's estimate
     for steps in ([min(args.steps)] if family == "ar" else sorted(args.steps)):
         calls = expected_calls(family, steps, length)
