@@ -15,7 +15,10 @@ with their real constructors, from the checkout's own `configs/config.yaml` and
 Float64 sampling (`sampling.use_float64`, its default), nucleus 1.0. The weights stay float32, as
 Lightning keeps them; its DiT runs its blocks under its own bf16 autocast, attention through its
 compiled FlexAttention (AR and Eso-LM with their KV caches use its plain matmul attention).
-Its default initialisation is kept (random weights change no count of model calls).
+Its default initialisation is kept (random weights change no count of model calls). Its AR and
+Eso-LM samplers draw their Gumbel noise for the whole sample up front, on the host ([batch, L, V]
+float32, moved to the device), which costs host time and device memory at large batches; that is
+part of its samplers and counted in their time.
 
 What is scaffolding rather than the paper's code: a stand-in tokenizer (its constructor reads only
 the vocabulary size, a missing mask token and, for AR, the BOS id); a stand-in for its `Metrics`
