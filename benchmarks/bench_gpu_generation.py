@@ -199,17 +199,21 @@ class PaperRun:
         return self.sampler.generated(out), self.sampler.calls - before
 
 
-def measure(runner, batch: int, rounds_seen: list, seed: int) -> tuple[int, dict | None]:
+def measure(runner, batch: int, notes: list, seed: int) -> tuple[int, dict | None]:
     """One timed run at `batch`, halving it on running out of memory (where that raises). Returns
-    (the batch used, {wall_s, peak_bytes, tokens, calls}) or (0, None) if even batch 1 ran out."""
+    (the batch used, {wall_s, peak_bytes, tokens, calls}) or (0, None) if even batch 1 ran out or
+    the sampler refused the setting (a variant a family does not support: noted, not fatal)."""
     while batch >= 1:
         try:
             wall, peak, (tokens, calls) = timed(runner.run, batch, seed)
             return batch, {"wall_s": wall, "peak_bytes": peak, "tokens": tokens, "calls": calls}
+        except InputError as err:
+            notes.append(f"refused: {err}")
+            return 0, None
         except RuntimeError as err:
             if not (platform.out_of_memory_raises(platform.device()) and platform.is_out_of_memory(err)):
                 raise
-            rounds_seen.append(f"out of memory at batch {batch}")
+            notes.append(f"out of memory at batch {batch}")
             batch //= 2
     return 0, None
 
@@ -379,9 +383,12 @@ def conditional(args, clock: Clock, table: Table) -> None:
                     for variant, runner in runners.items():
                         refused = clock.refuse(None)
                         if refused:
-                            notes[variant].append(refused)
-                        else:
+                            notes[variant] += [refused] * (refused not in notes[variant])
+                            continue
+                        try:
                             results[variant].append(runner.run())
+                        except InputError as err:  # a variant this family does not support
+                            notes[variant] += [f"refused: {err}"] * (f"refused: {err}" not in notes[variant])
                 key = {"preset": preset_name, "family": family, "protocol": protocol,
                        "steps": args.cond_steps if protocol == "native" else None}
                 for variant, runs in results.items():
@@ -464,4 +471,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except InputError as err:
+        raise SystemExit(f"error: {err}") from None
