@@ -152,6 +152,10 @@ class OurRun:
         finally:
             handle.remove()
 
+    def limit(self, batch: int) -> tuple[int, str | None]:
+        """The batch to start at (the searched one)."""
+        return batch, None
+
     def warm(self, batch: int, calls: int) -> None:
         """Untimed first calls (`off` only: a hook that stops a run must not fire inside a graph
         capture; with graphs on the first round pays the capture, and the fastest round is shown)."""
@@ -181,6 +185,13 @@ class PaperRun:
 
     def __init__(self, sampler):
         self.sampler = sampler
+
+    def limit(self, batch: int) -> tuple[int, str | None]:
+        """Our batch, unless its host-side noise would not fit in host memory (`host_batch_limit`)."""
+        cap = self.sampler.host_batch_limit()
+        if cap is None or batch <= cap:
+            return batch, None
+        return cap, f"batch {cap}: its up-front noise at batch {batch} would not fit in host memory"
 
     def warm(self, batch: int, calls: int) -> None:
         """Untimed: MDLM's and Duo's first calls compile its FlexAttention (one step, then the final
@@ -272,11 +283,13 @@ def alternate(runners: dict, batch: int, args, clock: Clock, estimates: dict) ->
     """`--rounds` rounds of every runner in turn at `batch` (each halved on running out of memory):
     ({name: [result per round]}, {name: [notes]}). `estimates[name]`: a run's expected seconds
     (absent: unknown), for the time caps."""
-    batches = dict.fromkeys(runners, batch)
-    results, notes = {name: [] for name in runners}, {name: [] for name in runners}
+    batches, notes = {}, {}
     for name, runner in runners.items():
+        batches[name], note = runner.limit(batch)
+        notes[name] = [note] if note else []
         if not clock.refuse(estimates.get(name)):  # no warm-up for a run the caps will refuse
-            warm_up(runner, batch, args.probe_calls)
+            warm_up(runner, batches[name], args.probe_calls)
+    results = {name: [] for name in runners}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
             if not batches[name]:

@@ -139,6 +139,7 @@ class PaperSampler:
     def __init__(self, path: str, family: str, preset, vocab: int, length: int, steps: int, device, bos_id: int):
         algo = load_paper_algo(path)
         self.family, self.steps, self.calls = family, steps, 0
+        self.length, self.vocab = length, vocab
         config = build_config(path, family, preset, length, steps)
         with torch.device(device):  # weights made on the device: a 1.7B float32 init on the host takes long
             self.module = getattr(algo, CLASSES[family])(config, Tokenizer(vocab, bos_id))
@@ -148,6 +149,16 @@ class PaperSampler:
 
     def _count(self, *_):
         self.calls += 1
+
+    def host_batch_limit(self) -> int | None:
+        """The largest power-of-two batch whose up-front Gumbel noise (AR and Eso-LM: [batch, L, V]
+        float32 on the host) takes at most half the host memory available now: beyond it the OS
+        would kill the process rather than raise. None: the sampler draws no such noise."""
+        if self.family not in ("ar", "esolm"):
+            return None
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        fits = available // 2 // (self.length * self.vocab * 4)
+        return 1 << max(0, int(fits).bit_length() - 1)
 
     def sample(self, batch: int) -> torch.Tensor:
         return self.module.generate_samples(num_samples=batch, num_steps=self.steps)
