@@ -26,6 +26,7 @@ Sections, each a markdown table printed as its rows are measured:
                  Tokens/s counts the generated tokens up to and including EOS (the paper's GSM8K
                  protocol). `--cond-protocols`: left-to-right (one token per call, the paper's
                  protocol for every family) and/or native (the family's sampler, `--cond-steps`).
+                 Ours only: the paper's public code samples unconditionally and has no prompt input.
 
 Variants: `--cuda-graphs off on` (default: `off` on a CPU, `off on` on a GPU); `on` builds
 `SamplingConfig(cuda_graphs=True)`. The variants of a configuration and the paper's sampler run
