@@ -114,6 +114,12 @@ def peak_memory() -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "CPU RSS peak"
 
 
+def reset_peak_memory() -> None:
+    """Start `peak_memory`'s GPU figure afresh (the CPU's peak resident set cannot be reset)."""
+    if HAS_CUDA:
+        torch.cuda.reset_peak_memory_stats()
+
+
 def record_memory_history(enabled: bool) -> None:
     """Start/stop recording CUDA allocations for a memory snapshot (a no-op on CPU)."""
     if HAS_CUDA:
