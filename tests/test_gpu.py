@@ -1,5 +1,6 @@
 """On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py,
-and the samplers on CUDA (float64 probabilities equal the CPU's; KV caches equal uncached runs).
+and the samplers on CUDA (float64 probabilities equal the CPU's; KV caches equal uncached runs;
+batched conditional generation equals batch-1 runs).
 The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
 import math
 
@@ -71,3 +72,22 @@ def test_a_rank_without_a_gpu_of_its_own_is_named(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", str(rank))
     with pytest.raises(ValueError, match=f"--nproc-per-node: local rank {rank} has no GPU of its own"):
         platform.init_distributed(1, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_generation_on_cuda_equals_batch_1(family):
+    """A batch of prompts of different lengths, each with its own seed, gives on the GPU the
+    outputs of batch-1 runs (float64), left to right and native; as test_batched_generation.py on CPU."""
+    from megatron_dllm.sampling.conditional import (
+        generate_left_to_right,
+        generate_left_to_right_batch,
+        generate_native,
+        generate_native_batch,
+    )
+
+    inf = _inference(family, "cuda")
+    prompts, seeds = [[5, 6, 7], [9, 3, 4, 12, 8, 11, 2], [20], [14, 15, 16, 17, 18]], [11, 3, 7, 5]
+    for single, batched, kw in ((generate_left_to_right, generate_left_to_right_batch, {}),
+                                (generate_native, generate_native_batch, {"steps": 5})):
+        want = [single(inf, p, 12, EOS, seed=s, greedy=False, **kw) for p, s in zip(prompts, seeds)]
+        assert batched(inf, prompts, 12, EOS, greedy=False, seeds=seeds, **kw) == want

@@ -276,9 +276,11 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
 
     out = tmp_path / "out.json"
     assert sample.main(["--load", hf_dir, "--num-samples", "2", "--steps", "16", "--no-kv-cache",
-                        "--no-float64", "--seed", "3", "--output", str(out), "--device", "cpu"]) == 0
+                        "--no-float64", "--seed", "3", "--output", str(out), "--device", "cpu",
+                        "--dtype", "bfloat16"]) == 0
     record = json.loads(out.read_text())
     assert record["settings"]["source"] == "hf" and record["settings"]["float64"] is False
+    assert record["settings"]["dtype"] == "bfloat16"
     tokens = torch.tensor(record["tokens"])
     assert tokens.shape == (2, 32) and int(tokens.max()) < 4096
     assert all(isinstance(t, str) for t in record["texts"])
@@ -289,6 +291,8 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
     (["--predictor", "block", "--steps", "4"], "error: --predictor block is not available for --family mdlm"),
     (["--steps", "0"], "error: --steps 0: must be >= 1"),
     (["--num-samples", "x"], "error: argument --num-samples: invalid int value"),
+    (["--cuda-graphs", "--device", "cpu"],
+     "error: --cuda-graphs: CUDA graphs need the model on a CUDA device; it is on cpu"),
 ])
 @pytest.mark.slow
 def test_sample_tool_bad_input(hf_dir, tmp_path, capsys, argv, message):

@@ -17,10 +17,8 @@ import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
-from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
+from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.errors import InputError
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _dtype(name: str):

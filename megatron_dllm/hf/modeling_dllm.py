@@ -114,19 +114,46 @@ class KVCache:
     attention reads the filled prefix (a view), so no step copies the cache; the entries past
     `kv_keep` are overwritten by the next call. Growing (`max_length=None`): each call concatenates,
     for callers that do not know the final length.
+
+    Fixed-shape (`fixed_shape=True`, with `max_length`): the cached count lives on the device
+    (`filled`), new K/V are written at it with `index_copy_` and attention reads the whole buffers
+    under a mask of the written keys, so a forward's shapes, addresses and host code are the same
+    at every step: a CUDA graph captured once replays at any length (sampling/cuda_graphs.py).
+    `kv_keep` may then be a device tensor too.
     """
 
-    def __init__(self, num_layers, max_length=None):
+    def __init__(self, num_layers, max_length=None, fixed_shape=False):
+        if fixed_shape and max_length is None:
+            raise ValueError("KVCache: fixed_shape needs max_length")
         self.keys = [None] * num_layers
         self.values = [None] * num_layers
         self.max_length = max_length
-        self.length = 0  # cached tokens
+        self.fixed_shape = fixed_shape
+        self.length = 0  # cached tokens (fixed_shape: `filled` holds them)
+        self.filled = None  # fixed_shape: the cached count, a long scalar on the model's device
 
     def __len__(self):
-        return self.length
+        return int(self.filled) if self.filled is not None else self.length
+
+    def offset(self, device):
+        """The position of the first new token: the cached count (a device tensor when fixed-shape)."""
+        if not self.fixed_shape:
+            return self.length
+        if self.filled is None:
+            self.filled = torch.zeros((), dtype=torch.long, device=device)
+        return self.filled
 
     def extend(self, layer, k, v):
-        """Cached + new keys/values [b, heads, length + s, head_dim] for attention."""
+        """Cached + new keys/values for attention: [b, heads, length + s, head_dim] (fixed-shape:
+        the whole buffers, [b, heads, max_length, head_dim])."""
+        if self.fixed_shape:
+            if self.keys[layer] is None:
+                shape = (k.shape[0], k.shape[1], self.max_length, k.shape[3])
+                self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
+            slots = self.offset(k.device) + torch.arange(k.shape[2], device=k.device)
+            self.keys[layer].index_copy_(2, slots, k)
+            self.values[layer].index_copy_(2, slots, v)
+            return self.keys[layer], self.values[layer]
         n, end = self.length, self.length + k.shape[2]
         if self.max_length is None:
             if self.keys[layer] is not None:
@@ -145,14 +172,18 @@ class KVCache:
 
     def advance(self, keep):
         """After a forward: its first `keep` new tokens are now cached."""
-        self.length += keep
+        if self.fixed_shape:
+            self.filled += keep  # in place: a captured graph replays it
+        else:
+            self.length += keep
 
     def rows(self, index):
         """A copy holding only the batch rows `index` (rows that leave a batch, or a call on some rows)."""
-        out = KVCache(len(self.keys), self.max_length)
+        out = KVCache(len(self.keys), self.max_length, self.fixed_shape)
         out.keys = [None if k is None else k[index] for k in self.keys]
         out.values = [None if v is None else v[index] for v in self.values]
         out.length = self.length
+        out.filled = None if self.filled is None else self.filled.clone()
         return out
 
 
@@ -228,21 +259,26 @@ def attention_layout(config, input_ids, attn_mask, kv_cache):
     if kv_cache is not None and attn_mask is None and config.attention not in ("causal", "block_diffusion"):
         raise ValueError("kv_cache on a bidirectional model needs an explicit attention mask")
     if attn_mask is None and (kv_cache is not None or config.attention == "block_diffusion"):
-        attn_mask = layout_mask(config, 0 if kv_cache is None else len(kv_cache), input_ids.shape[1],
-                                input_ids.device)
+        device = input_ids.device
+        n = 0 if kv_cache is None else kv_cache.offset(device)
+        keys = kv_cache.max_length if kv_cache is not None and kv_cache.fixed_shape else None
+        attn_mask = layout_mask(config, n, input_ids.shape[1], device, keys)
     return attn_mask, config.attention == "causal"
 
 
-def layout_mask(config, n, s, device):
-    """[s, n + s] bool (True = attend): the queries of the new tokens at positions n..n+s-1 over
-    the cached and new keys. causal: keys up to the query; block_diffusion (BD3-LM over a clean
-    sequence): keys in the query's block or an earlier one, block_size from family_options."""
-    q = torch.arange(n, n + s, device=device)[:, None]
-    k = torch.arange(n + s, device=device)[None, :]
+def layout_mask(config, n, s, device, keys=None):
+    """[s, keys] bool (True = attend): the queries of the new tokens at positions n..n+s-1 over
+    the cached and new keys (`keys`: the key slots, default n + s; a fixed-shape cache's n is a
+    device tensor and its slots past n + s are unwritten). causal: keys up to the query;
+    block_diffusion (BD3-LM over a clean sequence): keys in the query's block or an earlier one,
+    block_size from family_options."""
+    q = n + torch.arange(s, device=device)[:, None]
+    k = torch.arange(n + s if keys is None else keys, device=device)[None, :]
+    written = k < n + s
     if config.attention == "block_diffusion":
         block = config.family_options["block_size"]
         q, k = q // block, k // block
-    return k <= q
+    return (k <= q) & written
 
 
 class RMSNorm(LayerNorm):
@@ -423,8 +459,8 @@ class DLLMPreTrainedModel(PreTrainedModel):
 
     def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache=None, kv_keep=None):
         if position_ids is None:  # after the cached tokens when decoding incrementally
-            start = 0 if kv_cache is None else len(kv_cache)
-            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+            start = 0 if kv_cache is None else kv_cache.offset(input_ids.device)
+            position_ids = start + torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand_as(input_ids)
         return self.backbone(input_ids, position_ids, self._sigma(input_ids, sigma, timesteps),
                              self._attn_mask(input_ids, attention_mask), kv_cache, kv_keep)

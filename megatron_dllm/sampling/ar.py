@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .base import Sampler
-from .deps import InputError, KVCache
+from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
 
 
@@ -33,7 +33,7 @@ class ARSampler(Sampler):
                                  "--prompt, or SamplingConfig.eos_id")
             prompt = torch.full((prompt.shape[0], 1), self.eos_id, dtype=torch.long, device=prompt.device)
         x = self.canvas(prompt)
-        cache = KVCache(self.model.config.num_layers, self.kv_cache_length(self.length)) if self.cfg.kv_cache else None
+        cache = self.kv_cache(self.length) if self.cfg.kv_cache else None
         fed = 0  # tokens the cache holds
 
         def next_logits(x, pos):

@@ -12,7 +12,8 @@ from . import categorical
 from .approx_kv_cache import BlockDenoiser
 from .blocks import block_spans, each_block, end_at_eos
 from .config import SamplingConfig
-from .deps import InputError
+from .cuda_graphs import CUDAGraphModel
+from .deps import InputError, KVCache
 from .prompt_batch import PromptBatch
 from .shifted_model import ShiftedModel
 
@@ -46,6 +47,10 @@ class Sampler:
     # AR/Eso-LM KV caches: preallocated to the run's final length and written in place; False
     # grows them by concatenation per step (the earlier cache: benchmarks and tests compare them)
     static_kv_cache: bool = True
+    # AR/Eso-LM: fixed-shape KV caches and Eso-LM slices padded to power-of-two widths, so that a
+    # step's forward has the shapes of the steps before it; `cuda_graphs` needs them (tests turn
+    # them on without a GPU to compare them with the static cache)
+    fixed_shape_decoding: bool = False
     block_wise = False  # MDLM/Duo: block-wise decoding and its approximate KV caches
 
     def __init__(self, family, inf, cfg: SamplingConfig):
@@ -56,7 +61,9 @@ class Sampler:
         self.check_block_wise(inf.family, cfg)
         self.check_shift(family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg
-        self.model = ShiftedModel(inf.model) if family.shift else inf.model
+        model = CUDAGraphModel(inf.model) if cfg.cuda_graphs else inf.model
+        self.model = ShiftedModel(model) if family.shift else model
+        self.fixed_shape = cfg.cuda_graphs or self.fixed_shape_decoding
         self.mask_id = inf.mask_id
         self.dtype = categorical.precision(cfg.float64)
         self.length = cfg.seq_length or inf.seq_length
@@ -103,6 +110,14 @@ class Sampler:
     def kv_cache_length(self, tokens: int) -> int | None:
         """`max_length` of a KV cache that holds at most `tokens` entries (None: a growing cache)."""
         return tokens if self.static_kv_cache else None
+
+    def kv_cache(self, tokens: int) -> KVCache:
+        """A KV cache for one `sample` call that holds at most `tokens` entries: fixed-shape (CUDA
+        graphs), static or growing."""
+        layers = self.model.config.num_layers
+        if self.fixed_shape:
+            return KVCache(layers, tokens, fixed_shape=True)
+        return KVCache(layers, self.kv_cache_length(tokens))
 
     def canvas(self, prompt: torch.Tensor, filler: torch.Tensor | None = None) -> torch.Tensor:
         """[b, L]: the prompt, then `filler` ([b, L - P]; default [MASK])."""

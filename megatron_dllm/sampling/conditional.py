@@ -144,6 +144,8 @@ def _run_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None
     if len(seeds) != len(prompts):
         raise InputError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
     lengths = [_canvas_length(inf, len(p), max_new_tokens) for p in prompts]
+    if len(prompts) == 1:  # batch 1's sampler: the same ids, with the fixed shapes CUDA graphs capture
+        return [_run(inf, prompts[0], SamplingConfig(seq_length=lengths[0], stop_at_eos=True, **config), seeds[0])]
     for p in prompts:
         _check_prompt(inf, torch.as_tensor(p, dtype=torch.long))
     sampler = _sampler(inf, SamplingConfig(seq_length=max(lengths), stop_at_eos=True, **config))
@@ -159,13 +161,15 @@ def _sampling(greedy: bool, temperature: float, top_p: float) -> dict:
 
 def generate_left_to_right_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,
                                  eos_id: int | None = None, *, greedy: bool = True, temperature: float = 1.0,
-                                 top_p: float = 1.0, seeds: int | Sequence[int] = 0, pad_id: int = 0
-                                 ) -> list[list[int]]:
+                                 top_p: float = 1.0, seeds: int | Sequence[int] = 0, pad_id: int = 0,
+                                 cuda_graphs: bool = False) -> list[list[int]]:
     """`generate_left_to_right` for many prompts (of any lengths) in one batch: element i is
     exactly `generate_left_to_right(inf, prompts[i], ..., seed=seeds[i])`. `seeds`: one per
-    prompt, or one int for all; `pad_id`: the id padding holds (any: it changes nothing)."""
+    prompt, or one int for all; `pad_id`: the id padding holds (any: it changes nothing);
+    `cuda_graphs`: `SamplingConfig.cuda_graphs` (a batch of one prompt; larger batches mask their
+    padding, and such forwards run eagerly)."""
     return _run_batch(inf, prompts, max_new_tokens, seeds, pad_id, eos_id=eos_id, predictor="left-to-right",
-                      **_sampling(greedy, temperature, top_p))
+                      cuda_graphs=cuda_graphs, **_sampling(greedy, temperature, top_p))
 
 
 def generate_native_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None,

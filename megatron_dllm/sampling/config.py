@@ -24,6 +24,7 @@ class SamplingConfig:
     float64: bool = True           # categorical sampling in float64 (False: float32)
     predictor: str = "ancestral"   # "ancestral" = the family's default sampler
     kv_cache: bool = True          # AR/Eso-LM KV cache, MDLM no-change cache; Duo has no cache (time input)
+    cuda_graphs: bool = False      # capture the denoiser's forwards as CUDA graphs (cuda_graphs.py; CUDA only)
     # left-to-right samplers stop once every row has emitted EOS (rest filled with EOS); off by
     # default: the paper's samples always run the full length, and stopping lowers AR's entropy
     stop_at_eos: bool = False

@@ -25,10 +25,11 @@ static: preallocated (`padded_cache_length` bounds the batched one from the plan
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import categorical
 from .base import EosStop, Sampler
-from .deps import InputError, KVCache
+from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
 
 
@@ -83,15 +84,15 @@ class EsoLMSampler(Sampler):
         x = self.canvas(prompt)
         order, counts = self.plan(b, p, generator, x.device)
         stop = EosStop(self.eos_id, b, self.cfg.predictor == "left-to-right" and self.cfg.stop_at_eos, x.device)
-        cache = KVCache(self.model.config.num_layers, self.kv_cache_length(self.length)) if self.cfg.kv_cache else None
+        cache = self.kv_cache(self.length) if self.cfg.kv_cache else None
         start, done = 0, p  # sorted slots: [0, start) cached, [start, done) clean, not yet cached
         for k in counts:
             if k == 0:
                 continue
             if cache is not None:
-                sl = order[:, start:done + k]
-                logits = self.model(input_ids=x.gather(1, sl), position_ids=sl, kv_cache=cache,
-                                    kv_keep=done - start).logits[:, done - start:]
+                ids, positions = self.cached_slice(x, order[:, start:done + k], start)
+                logits = self.model(input_ids=ids, position_ids=positions, kv_cache=cache,
+                                    kv_keep=done - start).logits[:, done - start:done - start + k]
             else:
                 logits = self.model(input_ids=x.gather(1, order), position_ids=order).logits[:, done:done + k]
             new = categorical.sample(self.probs(logits), generator)
@@ -103,6 +104,19 @@ class EsoLMSampler(Sampler):
                 x.scatter_(1, order[:, done:], self.eos_id)
                 break
         return x
+
+    def cached_slice(self, x: torch.Tensor, slots: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, positions) of one cached step's slice (the original positions `slots` [b, s]).
+        Fixed-shape decoding pads it at the end to a power-of-two width (at most the cache's room
+        after its `cached` entries), so that steps share a few shapes: padding comes after every
+        real token, which attends causally and never sees it, and lies past `kv_keep`, so the next
+        step overwrites its K/V."""
+        ids = x.gather(1, slots)
+        if not self.fixed_shape:
+            return ids, slots
+        width = min(1 << (slots.shape[1] - 1).bit_length(), self.length - cached)
+        pad = (0, width - slots.shape[1])
+        return F.pad(ids, pad, value=self.mask_id), F.pad(slots, pad, value=0)
 
     def sample_batch(self, batch) -> list[list[int]]:
         plen, lengths = batch.prompt_lengths().tolist(), batch.lengths

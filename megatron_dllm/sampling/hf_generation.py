@@ -83,6 +83,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                        top_p: float = SamplingConfig.top_p, num_return_sequences: int = 1,
                        eos_token_id: int | None = None, stop_at_eos: bool = SamplingConfig.stop_at_eos,
                        kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64,
+                       cuda_graphs: bool = SamplingConfig.cuda_graphs,
                        block_length: int | None = None, tokens_per_step: int | None = None,
                        threshold: float | None = None, entropy_bound: float | None = None) -> torch.LongTensor:
     """Samples [rows, P + new] from the family's sampler (see the module docstring).
@@ -92,7 +93,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     max_new_tokens: positions generated after the prompt (default: the rest of the model's context).
     steps, sampler ("ancestral"; "left-to-right"; Eso-LM also "block"; MDLM and Duo also the
     remasking "low-confidence", "threshold", "entropy-bound"), temperature, top_p, kv_cache,
-    float64, stop_at_eos: as `SamplingConfig` (`--steps`, `--predictor`, ...).
+    float64, stop_at_eos, cuda_graphs: as `SamplingConfig` (`--steps`, `--predictor`, ...).
     block_length, tokens_per_step, threshold, entropy_bound: the remasking predictors' knobs, as
     `SamplingConfig`'s (`--block-length`, `--tokens-per-step`, `--confidence-threshold`,
     `--entropy-bound`); each only with its sampler.
@@ -131,7 +132,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                          f"the model's context of {inf.seq_length}")
     cfg = SamplingConfig(steps=steps, seq_length=prompt + (max_new_tokens or room), top_p=top_p,
                          temperature=temperature, float64=float64, predictor=sampler, kv_cache=kv_cache,
-                         stop_at_eos=stop_at_eos, eos_id=eos, **remasking)
+                         cuda_graphs=cuda_graphs, stop_at_eos=stop_at_eos, eos_id=eos, **remasking)
     out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
                    generator=generator)
     return out.to(inf.device)

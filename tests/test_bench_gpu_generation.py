@@ -1,0 +1,95 @@
+"""benchmarks/bench_gpu_generation.py on CPU at a tiny shape, in process: the token counts and rates
+of its tables are those of the samples its timed runs actually produced, and the paper's own
+samplers run beside ours (where the paper code's snapshot and its packages are present)."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from conftest import REPO
+
+from megatron_dllm.data.tokenizers import build_tokenizer
+
+PAPER_MIRROR = "/work/.mirror/s-sahoo+scaling-dllms/repo"
+PAPER_FILES = ["*.py", "models", "configs", "tokenizers/tinyllama_tokenizer.model"]  # its 128k vocabulary is not needed
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu_generation",
+                                                  os.path.join(REPO, "benchmarks", "bench_gpu_generation.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def recording(fn, log: list):
+    """`fn`, appending (first argument, result) to `log` for every call that returns."""
+    def wrapper(inf, *args, **kwargs):
+        out = fn(inf, *args, **kwargs)
+        log.append((inf.family, out))
+        return out
+    return wrapper
+
+
+def test_table_counts_the_tokens_the_runs_produced(monkeypatch, tmp_path, sp_model):
+    bench = load_bench()
+    samples, answers = [], []
+    monkeypatch.setattr(bench, "generate", recording(bench.generate, samples))
+    monkeypatch.setattr(bench, "generate_native", recording(bench.generate_native, answers))
+    problems = tmp_path / "gsm8k.jsonl"
+    problems.write_text("".join(json.dumps({"question": q, "answer": "#### 4"}) + "\n"
+                                for q in ("What is two plus two?", "How many legs has a dog?")))
+    out = tmp_path / "figures.json"
+    figures = bench.main(["--presets", "cpu-micro", "--families", "mdlm", "ar", "--lengths", "32", "--steps", "4",
+                          "--vocab", "4097", "--rounds", "1", "--max-batch", "2", "--tokenizer-model", sp_model,
+                          "--gsm8k-data", str(problems), "--prompts", "2", "--max-new-tokens", "6", "--json", str(out)])
+    assert json.loads(out.read_text())["unconditional"] == json.loads(json.dumps(figures["unconditional"]))
+
+    rows = {row["family"]: row for row in figures["unconditional"]}
+    assert set(rows) == {"mdlm", "ar"} and all(row["sampler"] == "ours, graphs off" for row in rows.values())
+    produced = dict(samples)  # one timed run per family (probes stop early and return nothing)
+    assert len(samples) == 2
+    for family, row in rows.items():
+        tokens = produced[family]
+        assert tokens.shape == (row["batch"], 32) and row["batch"] == 2  # the largest power of two up to --max-batch
+        assert not (tokens == 4096).any()  # no [MASK] left
+        start = 1 if family == "ar" else 0  # AR's start token is not generated
+        assert row["tokens"] == tokens[:, start:].numel()
+        assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+    assert rows["ar"]["calls"] == 31 and 1 <= rows["mdlm"]["calls"] <= 5
+
+    eos = build_tokenizer("SentencePieceTokenizer", sp_model).eod
+    cond = {row["family"]: row for row in figures["conditional"]}
+    assert set(cond) == {"mdlm", "ar"}
+    for family, row in cond.items():
+        ids = [a for f, a in answers if f == family]
+        assert len(ids) == 2 and all(1 <= len(a) <= 6 for a in ids)
+        assert row["tokens"] == sum(map(len, ids))
+        assert row["ended_at_eos"] == sum(a[-1] == eos for a in ids)
+
+
+@pytest.mark.slow
+def test_paper_samplers_beside_ours(tmp_path):
+    """The paper's AR and Eso-LM samplers (no FlexAttention compile on CPU: their KV-cache paths use
+    plain matmuls) on its own DiT, from the local snapshot of its code. CI has neither the snapshot
+    nor its packages (lightning, torchmetrics): there this test is skipped."""
+    missing = [m for m in ("lightning", "torchmetrics", "omegaconf", "einops") if importlib.util.find_spec(m) is None]
+    if not os.path.isdir(PAPER_MIRROR) or shutil.which("git") is None or missing:
+        pytest.skip(f"needs the paper code's snapshot at {PAPER_MIRROR} and its packages (missing: {missing})")
+    code = tmp_path / "paper-code"
+    code.mkdir()
+    archive = subprocess.run(["git", "-C", PAPER_MIRROR, "archive", "HEAD", "--", *PAPER_FILES],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
+    bench = load_bench()
+    figures = bench.main(["--presets", "cpu-micro", "--families", "ar", "esolm", "--lengths", "32", "--steps", "4",
+                          "--vocab", "64", "--rounds", "1", "--max-batch", "2", "--sections", "unconditional",
+                          "--paper-code", str(code)])
+    rows = {(row["family"], row["sampler"]): row for row in figures["unconditional"]}
+    assert set(rows) == {(f, s) for f in ("ar", "esolm") for s in ("ours, graphs off", "paper")}
+    for (family, _), row in rows.items():
+        assert row["batch"] == 2 and row["tokens"] == 2 * (32 - (family == "ar"))
+    assert rows["ar", "paper"]["calls"] == rows["ar", "ours, graphs off"]["calls"] == 31  # one call per token
+    assert 1 <= rows["esolm", "paper"]["calls"] <= 4

@@ -1,0 +1,133 @@
+"""Fixed-shape decoding and CUDA graphs for the samplers (`KVCache(fixed_shape=True)`,
+sampling/cuda_graphs.py). On CPU, in float64: the fixed-shape cache gives the static cache's
+logits and the same samples (Eso-LM's padded slices included), and a decoding step traces as one
+graph at every cache length (TorchDynamo, fullgraph, no recompilation: nothing on the host reads
+the length), which the static cache does not; `cuda_graphs` is refused off CUDA. On a GPU: graphed
+samples equal eager ones for every family, and the graphs are replayed."""
+import pytest
+import torch
+from test_kv_caches import L, incremental_logits, models  # noqa: F401 (the fixture)
+from test_sampling import EOS, MASK, PROMPT, V, random_model
+
+from megatron_dllm.errors import InputError
+from megatron_dllm.hf.modeling_dllm import KVCache
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate, get_sampler
+from megatron_dllm.sampling.base import Sampler
+from megatron_dllm.sampling.cuda_graphs import CUDAGraphModel
+
+CASES = [("ar", "ancestral", 1), ("esolm", "ancestral", 9), ("esolm", "block", 4), ("esolm", "left-to-right", 1)]
+
+
+@pytest.mark.parametrize("family", ["ar", "esolm"])
+def test_fixed_shape_cache_logits_equal_the_static_cache(models, family):  # noqa: F811
+    model = models[family].model
+    torch.manual_seed(0)
+    x = torch.randint(0, V - 1, (3, L))
+    positions = torch.arange(L).expand(3, -1)
+    if family == "esolm":  # a decoding order: rotary at the original positions
+        positions = torch.stack([torch.randperm(L) for _ in range(3)])
+    chunks = [(5, 5), (1, 1), (3, 2), (4, 4), (2, 1), (6, 6)]
+    layers = model.config.num_layers
+    static = incremental_logits(model, x, positions, KVCache(layers, L), chunks)
+    fixed = KVCache(layers, L, fixed_shape=True)
+    for s, f in zip(static, incremental_logits(model, x, positions, fixed, chunks)):
+        torch.testing.assert_close(f, s, rtol=0, atol=1e-12)
+    assert fixed.keys[0].shape[2] == L and len(fixed) == sum(keep for _, keep in chunks)
+
+
+@pytest.mark.parametrize("family,predictor,steps", CASES)
+def test_fixed_shape_decoding_gives_the_static_caches_samples(models, monkeypatch, family, predictor, steps):  # noqa: F811
+    def run():
+        cfg = SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False)
+        return generate(models[family], cfg, num_samples=4, batch_size=2, seed=7, prompt_ids=PROMPT)
+
+    static = run()
+    monkeypatch.setattr(Sampler, "fixed_shape_decoding", True)
+    assert torch.equal(run(), static)
+
+
+def decoding_steps(model, cache, family):
+    """(ids, positions, keep) of 5 cached steps of one width after a prefill of 4 tokens: AR one
+    token each; Eso-LM a slice of 4 that keeps 1 to 3 (the count varies, the shape does not)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, V - 1, (2, L), generator=gen)
+    order = torch.stack([torch.randperm(L, generator=gen) for _ in range(2)])
+    model(input_ids=x[:, :4], position_ids=order[:, :4], kv_cache=cache)
+    steps, at = [], 4
+    for keep in (1, 3, 2, 1, 3):
+        width = 1 if family == "ar" else 4
+        steps.append((x[:, at:at + width], order[:, at:at + width], torch.tensor(keep if family == "esolm" else 1)))
+        at += int(steps[-1][2])
+    return steps
+
+
+@pytest.mark.parametrize("family", ["ar", "esolm"])
+def test_a_fixed_shape_step_traces_once_at_every_cache_length(models, family):  # noqa: F811
+    """Dynamo records a forward once per set of guards; with error_on_recompile, a step whose host
+    code read the cache's length (a Python int: the static cache) fails at the second length."""
+    import torch._dynamo
+
+    model = models[family].model
+    layers = model.config.num_layers
+
+    def compiled_run(cache):
+        torch._dynamo.reset()
+        step = torch.compile(lambda ids, pos, keep: model(input_ids=ids, position_ids=pos, kv_cache=cache,
+                                                          kv_keep=keep).logits,
+                             backend="eager", fullgraph=True, dynamic=False)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            return [step(*args) for args in decoding_steps(model, cache, family)]
+
+    want = [model(input_ids=ids, position_ids=pos, kv_cache=cache, kv_keep=int(keep)).logits
+            for cache in [KVCache(layers, L)] for ids, pos, keep in decoding_steps(model, cache, family)]
+    for got, ref in zip(compiled_run(KVCache(layers, L, fixed_shape=True)), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    with pytest.raises(torch._dynamo.exc.RecompileError):
+        compiled_run(KVCache(layers, L))
+    torch._dynamo.reset()
+
+
+def test_cuda_graphs_are_refused_off_cuda(models):  # noqa: F811
+    with pytest.raises(InputError, match="--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on cpu"):
+        get_sampler(models["ar"], SamplingConfig(cuda_graphs=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,predictor,steps", CASES + [("mdlm", "ancestral", 16), ("duo", "ancestral", 8),
+                                                            ("mdlm", "left-to-right", 1)])
+def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypatch):
+    """Replays run the kernels of the eager fixed-shape forward on the same inputs, so the samples
+    are equal exactly (float64, as the other CUDA sampling tests)."""
+    inf = InferenceModel(random_model(family).double().cuda(), family, MASK, V, L, None, "hf")
+    monkeypatch.setattr(Sampler, "fixed_shape_decoding", True)
+    captured = []
+    monkeypatch.setattr(CUDAGraphModel, "capture", lambda self, t, real=CUDAGraphModel.capture:
+                        captured.append(tuple(t["input_ids"].shape)) or real(self, t))
+    runs = []
+    for graphs in (False, True):
+        cfg = SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False, cuda_graphs=graphs)
+        runs.append(generate(inf, cfg, num_samples=4, batch_size=2, seed=3, prompt_ids=PROMPT))
+    assert torch.equal(runs[0], runs[1])
+    assert captured, "no forward was captured"
+    assert len(set(runs[1][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,protocol", [("ar", "left-to-right"), ("mdlm", "left-to-right"),
+                                             ("duo", "left-to-right"), ("esolm", "left-to-right"),
+                                             ("esolm", "native"), ("mdlm", "native")])
+def test_gsm8k_with_cuda_graphs_gives_the_same_answers(family, protocol, tmp_path):
+    """GSM8K at batch 1 (the paper's throughput protocol) with --cuda-graphs: every generation equal."""
+    from test_gsm8k import DigitTokenizer
+
+    from megatron_dllm.evaluation import gsm8k
+
+    inf = InferenceModel(random_model(family, length=48).double().cuda(), family, MASK, V, 48, DigitTokenizer(), "hf")
+    problems = [gsm8k.Problem(i, q, str(i), f"#### {i}") for i, q in enumerate(["1?", "12 + 30?", "100 - 1 is?"])]
+    runs = []
+    for graphs in (False, True):
+        out = tmp_path / f"pred-{graphs}.jsonl"
+        gsm8k.evaluate_gsm8k(inf, problems, protocol, max_new_tokens=8, steps=4, predictions=str(out),
+                             cuda_graphs=graphs)
+        runs.append(out.read_text())
+    assert runs[0] == runs[1]
