@@ -6,7 +6,7 @@ the length), which the static cache does not; `cuda_graphs` is refused off CUDA.
 samples equal eager ones for every family, and the graphs are replayed."""
 import pytest
 import torch
-from test_kv_caches import L, incremental_logits, models  # noqa: F401 (the fixture)
+from test_kv_caches import CHUNKS, L, ids_and_positions, incremental_logits, models  # noqa: F401 (the fixture)
 from test_sampling import EOS, MASK, PROMPT, V, random_model
 
 from megatron_dllm.errors import InputError
@@ -21,18 +21,13 @@ CASES = [("ar", "ancestral", 1), ("esolm", "ancestral", 9), ("esolm", "block", 4
 @pytest.mark.parametrize("family", ["ar", "esolm"])
 def test_fixed_shape_cache_logits_equal_the_static_cache(models, family):  # noqa: F811
     model = models[family].model
-    torch.manual_seed(0)
-    x = torch.randint(0, V - 1, (3, L))
-    positions = torch.arange(L).expand(3, -1)
-    if family == "esolm":  # a decoding order: rotary at the original positions
-        positions = torch.stack([torch.randperm(L) for _ in range(3)])
-    chunks = [(5, 5), (1, 1), (3, 2), (4, 4), (2, 1), (6, 6)]
+    x, positions = ids_and_positions(family)
     layers = model.config.num_layers
-    static = incremental_logits(model, x, positions, KVCache(layers, L), chunks)
+    static = incremental_logits(model, x, positions, KVCache(layers, L), CHUNKS)
     fixed = KVCache(layers, L, fixed_shape=True)
-    for s, f in zip(static, incremental_logits(model, x, positions, fixed, chunks)):
+    for s, f in zip(static, incremental_logits(model, x, positions, fixed, CHUNKS)):
         torch.testing.assert_close(f, s, rtol=0, atol=1e-12)
-    assert fixed.keys[0].shape[2] == L and len(fixed) == sum(keep for _, keep in chunks)
+    assert fixed.keys[0].shape[2] == L and len(fixed) == sum(keep for _, keep in CHUNKS)
 
 
 @pytest.mark.parametrize("family,predictor,steps", CASES)

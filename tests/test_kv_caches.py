@@ -31,16 +31,24 @@ def incremental_logits(model, x, positions, cache, chunks):
     return out
 
 
+# a prompt of 5, then slices that cache all but their last token (Eso-LM: the masks decoded now)
+CHUNKS = [(5, 5), (1, 1), (3, 2), (4, 4), (2, 1), (6, 6)]
+
+
+def ids_and_positions(family):
+    """[3, L] random ids and their rotary positions: in order (AR), a decoding order (Eso-LM)."""
+    torch.manual_seed(0)
+    x = torch.randint(0, V - 1, (3, L))
+    if family == "esolm":  # rotary at the original positions
+        return x, torch.stack([torch.randperm(L) for _ in range(3)])
+    return x, torch.arange(L).expand(3, -1)
+
+
 @pytest.mark.parametrize("family", ["ar", "esolm"])
 def test_static_cache_logits_equal_growing_cache_and_recompute(models, family):
     model = models[family].model
-    torch.manual_seed(0)
-    x = torch.randint(0, V - 1, (3, L))
-    positions = torch.arange(L).expand(3, -1)
-    if family == "esolm":  # a decoding order: rotary at the original positions
-        positions = torch.stack([torch.randperm(L) for _ in range(3)])
-    # a prompt of 5, then slices that cache all but their last token (Eso-LM: the masks decoded now)
-    chunks = [(5, 5), (1, 1), (3, 2), (4, 4), (2, 1), (6, 6)]
+    x, positions = ids_and_positions(family)
+    chunks = CHUNKS
     static = incremental_logits(model, x, positions, KVCache(model.config.num_layers, L), chunks)
     growing = incremental_logits(model, x, positions, KVCache(model.config.num_layers), chunks)
     full = model(input_ids=x, position_ids=positions).logits  # causal over the fed order
