@@ -3,7 +3,8 @@ sampling/cuda_graphs.py). On CPU, in float64: the fixed-shape cache gives the st
 logits and the same samples (Eso-LM's padded slices included), and a decoding step traces as one
 graph at every cache length (TorchDynamo, fullgraph, no recompilation: nothing on the host reads
 the length), which the static cache does not; `cuda_graphs` is refused off CUDA. On a GPU: graphed
-samples equal eager ones for every family, and the graphs are replayed."""
+samples equal eager ones for every family, and the graphs are replayed. On both: stopping at EOS
+(on CUDA without waiting for the GPU) gives the full run cut at each row's first EOS."""
 import pytest
 import torch
 from test_kv_caches import CHUNKS, L, ids_and_positions, incremental_logits, models  # noqa: F401 (the fixture)
@@ -105,6 +106,37 @@ def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypat
     assert torch.equal(runs[0], runs[1])
     assert captured, "no forward was captured"
     assert len(set(runs[1][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+def after_first_eos(x: torch.Tensor, start: int) -> torch.Tensor:
+    """x with every position after each row's first EOS (from `start` on) set to EOS."""
+    eos = (x[:, start:] == EOS).int().cumsum(1) > 0
+    out = x.clone()
+    out[:, start:][eos] = EOS
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", ["ar", "esolm"])
+def test_eos_stopping_equals_the_full_run_cut_at_eos(family, device):
+    """Left-to-right stopping at EOS (on CUDA without waiting for the GPU: `EosStop`) gives the
+    full-length run with EOS after each row's first EOS, and stops early (fewer model calls)."""
+    model = random_model(family).double().to(device)
+    with torch.no_grad():
+        model.backbone.output_layer.linear.bias[EOS] += 3.0  # EOS comes within a few tokens
+    inf = InferenceModel(model, family, MASK, V, L, None, "hf")
+    calls = []
+    model.backbone.register_forward_pre_hook(lambda *_: calls.append(1))
+    runs = {}
+    for stop in (False, True):
+        calls.clear()
+        cfg = SamplingConfig(predictor="left-to-right", eos_id=EOS, stop_at_eos=stop)
+        runs[stop] = (generate(inf, cfg, num_samples=4, seed=1, prompt_ids=PROMPT), len(calls))
+    (full, full_calls), (stopped, stopped_calls) = runs[False], runs[True]
+    assert torch.equal(stopped, after_first_eos(full, len(PROMPT)))
+    every_row_ends = bool((full[:, len(PROMPT):] == EOS).any(1).all())
+    assert every_row_ends or device == "cuda"  # the seed makes every row end on CPU; CUDA draws others
+    assert stopped_calls < full_calls or not every_row_ends
 
 
 @pytest.mark.gpu

@@ -21,23 +21,40 @@ FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as i
 
 
 class EosStop:
-    """Left-to-right stopping: once a row has emitted EOS it only emits EOS; `done` when all have."""
+    """Left-to-right stopping: once a row has emitted EOS it only emits EOS; `done` when all have.
+
+    On a GPU, reading `finished` at every step would make the host wait for the step's kernels:
+    instead each step copies `finished.all()` to pinned host memory without waiting, and `done`
+    reads the copy once the GPU has passed it. So `done` may come a step or two late, which
+    changes nothing: finished rows only emit EOS, and the caller fills the rest with EOS."""
 
     def __init__(self, eos_id: int | None, rows: int, enabled: bool, device):
         self.eos_id = eos_id
         self.enabled = enabled and eos_id is not None
         self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.copied = None  # on CUDA: (pinned copy of finished.all(), the event after the copy)
+        if self.enabled and self.finished.is_cuda:
+            self.copied = (torch.zeros((), dtype=torch.bool).pin_memory(), torch.cuda.Event())
 
     def __call__(self, new: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return new
         new = torch.where(self.finished, torch.full_like(new, self.eos_id), new)
         self.finished |= new == self.eos_id
+        if self.copied is not None:
+            flag, event = self.copied
+            flag.copy_(self.finished.all(), non_blocking=True)
+            event.record()
         return new
 
     @property
     def done(self) -> bool:
-        return self.enabled and bool(self.finished.all())
+        if not self.enabled:
+            return False
+        if self.copied is None:
+            return bool(self.finished.all())
+        flag, event = self.copied
+        return event.query() and bool(flag)
 
 
 class Sampler:
