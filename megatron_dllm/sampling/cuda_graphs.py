@@ -16,10 +16,10 @@ would not read again.
 
 Host synchronisation in the loops: AR, Eso-LM (with the cache) and Duo wait for the GPU nowhere
 between their forwards (EOS stopping reads a copy of whether every row is done that the GPU
-writes without a wait: `base.EosStop`). MDLM's
-ancestral loop reads, at each step, whether any position is still masked and whether the step
-changed anything: that is its no-change cache, which skips a whole forward when nothing changed,
-worth far more than the wait (the paper's code reads it too).
+writes without a wait: `base.EosStop`). MDLM's ancestral loop reads, at each step, whether any
+position is still masked and whether the step changed anything: that is its no-change cache,
+which skips a whole forward when nothing changed, worth far more than the wait (the paper's code
+reads it too).
 """
 from __future__ import annotations
 
