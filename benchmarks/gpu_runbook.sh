@@ -222,14 +222,21 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
       elif [[ $STAGE == d ]]; then
         gen uncond_$GEN_BIG 480 --presets $GEN_BIG --lengths $GEN_L $families --steps $GEN_T \
           --sections unconditional --cuda-graphs off --max-run-s 90 --budget-s 420
-      elif [[ $STAGE == d2 ]]; then
-        gen cond_$GEN_BIG 240 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \
-          --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 200
-        gen uncond_$GEN_MID 270 --presets $GEN_MID --lengths $GEN_L $families --steps $GEN_T \
-          --sections unconditional --cuda-graphs off --budget-s 240
       else
-        gen uncond_$GEN_SMALL 480 --presets $GEN_SMALL --lengths $GEN_L $GEN_L2 $families --steps $GEN_T3 \
-          --sections unconditional --budget-s 420
+        # d2 and d3 time the CUDA-graph variant only once the graph tests pass on this GPU
+        graphs=off
+        step graph_tests 180 "$PY -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py"
+        [[ "${STEPS_DONE[-1]}" == graph_tests\|ok\|* ]] && graphs="off on"
+        if [[ $STAGE == d2 ]]; then
+          gen cond_$GEN_BIG 240 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \
+            --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 200 \
+            --cuda-graphs $graphs
+          gen uncond_$GEN_MID 270 --presets $GEN_MID --lengths $GEN_L $families --steps $GEN_T \
+            --sections unconditional --cuda-graphs off --budget-s 240
+        else
+          gen uncond_$GEN_SMALL 480 --presets $GEN_SMALL --lengths $GEN_L $GEN_L2 $families --steps $GEN_T3 \
+            --sections unconditional --budget-s 420 --cuda-graphs $graphs
+        fi
       fi
     fi
     ;;

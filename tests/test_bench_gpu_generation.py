@@ -12,7 +12,8 @@ from conftest import REPO
 
 from megatron_dllm.data.tokenizers import build_tokenizer
 
-PAPER_MIRROR = "/work/.mirror/s-sahoo+scaling-dllms/repo"
+# a git repository (a clone, or a bare mirror) of the paper's public code, where the machine has one
+PAPER_REPO = os.environ.get("DLLM_PAPER_CODE_REPO", "")
 PAPER_FILES = ["*.py", "models", "configs", "tokenizers/tinyllama_tokenizer.model"]  # its 128k vocabulary is not needed
 
 
@@ -73,14 +74,15 @@ def test_table_counts_the_tokens_the_runs_produced(monkeypatch, tmp_path, sp_mod
 @pytest.mark.slow
 def test_paper_samplers_beside_ours(tmp_path):
     """The paper's AR and Eso-LM samplers (no FlexAttention compile on CPU: their KV-cache paths use
-    plain matmuls) on its own DiT, from the local snapshot of its code. CI has neither the snapshot
-    nor its packages (lightning, torchmetrics): there this test is skipped."""
+    plain matmuls) on its own DiT, from a git repository of its code (`DLLM_PAPER_CODE_REPO`). CI has
+    neither the code nor its packages (lightning, torchmetrics): there this test is skipped."""
     missing = [m for m in ("lightning", "torchmetrics", "omegaconf", "einops") if importlib.util.find_spec(m) is None]
-    if not os.path.isdir(PAPER_MIRROR) or shutil.which("git") is None or missing:
-        pytest.skip(f"needs the paper code's snapshot at {PAPER_MIRROR} and its packages (missing: {missing})")
+    if not os.path.isdir(PAPER_REPO) or shutil.which("git") is None or missing:
+        pytest.skip(f"needs DLLM_PAPER_CODE_REPO (a git repository of the paper's code; now {PAPER_REPO!r}) "
+                    f"and its packages (missing: {missing})")
     code = tmp_path / "paper-code"
     code.mkdir()
-    archive = subprocess.run(["git", "-C", PAPER_MIRROR, "archive", "HEAD", "--", *PAPER_FILES],
+    archive = subprocess.run(["git", "-C", PAPER_REPO, "archive", "HEAD", "--", *PAPER_FILES],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
     bench = load_bench()
