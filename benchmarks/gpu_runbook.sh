@@ -20,11 +20,13 @@
 #        beside the paper's samplers (benchmarks/bench_gpu_generation.py; needs .cache/genbench)
 #   d2   batch-1 GSM8K generation at 1.7B (CUDA graphs off and on), then 413M unconditional
 #   d3   163M unconditional at L = 2048 and 1024, T up to 256, CUDA graphs off and on
+#        (d2 and d3 first run tests/test_cuda_graphs.py: graphs "on" is timed only if it passes)
 #        (d to d3 are docs/gpu.md's three generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
 #        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
-#   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py)
+#   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
+#        kernel, CUDA graphs)
 #
 # Every step's output goes to $OUT/NN-STEP.log (a flat folder: at most 8 files come back from a
 # call) and $OUT/summary.md, which is also printed at the end: per step its status, seconds and
