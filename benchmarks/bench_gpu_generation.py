@@ -207,19 +207,18 @@ def measure(runner, batch: int, notes: list, seed: int) -> tuple[int, dict | Non
     """One timed run at `batch`, halving it on running out of memory (where that raises). Returns
     (the batch used, {wall_s, peak_bytes, tokens, calls}) or (0, None) if even batch 1 ran out or
     the sampler refused the setting (a variant a family does not support: noted, not fatal)."""
-    while batch >= 1:
-        try:
-            wall, peak, (tokens, calls) = timed(runner.run, batch, seed)
-            return batch, {"wall_s": wall, "peak_bytes": peak, "tokens": tokens, "calls": calls}
-        except InputError as err:
-            notes.append(f"refused: {err}")
-            return 0, None
-        except RuntimeError as err:
-            if not (platform.out_of_memory_raises(platform.device()) and platform.is_out_of_memory(err)):
-                raise
-            notes.append(f"out of memory at batch {batch}")
-            batch //= 2
-    return 0, None
+    try:
+        found = platform.halve_until_it_fits(lambda b: timed(runner.run, b, seed), batch)
+    except InputError as err:
+        notes.append(f"refused: {err}")
+        return 0, None
+    if found is None:
+        notes.append("out of memory down to batch 1")
+        return 0, None
+    used, (wall, peak, (tokens, calls)) = found
+    if used < batch:
+        notes.append(f"out of memory at batch {batch}: ran at {used}")
+    return used, {"wall_s": wall, "peak_bytes": peak, "tokens": tokens, "calls": calls}
 
 
 def warm_up(runner, batch: int, calls: int) -> None:

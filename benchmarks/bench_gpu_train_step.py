@@ -32,6 +32,7 @@ with no search, since the CPU cannot back off from running out of memory): the r
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -75,21 +76,6 @@ def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | 
         del step, inp
         gc.collect()
         platform.release_cached_memory()
-
-
-def _largest_fitting(preset, family, args, batch: int, recompute: str | None, options: dict):
-    """(micro-batch, seconds, peak bytes, first loss) at the largest power of two <= `batch` that
-    fits, or None. Where running out of memory kills the process instead of raising (the CPU),
-    only `batch` itself is tried."""
-    while batch >= 1:
-        try:
-            return (batch, *_attempt(preset, family, args.vocab, batch, args.seq, recompute, args.steps,
-                                     args.warmup, options))
-        except Exception as err:
-            if not (platform.out_of_memory_raises(platform.device()) and platform.is_out_of_memory(err)):
-                raise
-            batch //= 2
-    return None
 
 
 def main(argv=None) -> None:
@@ -146,13 +132,15 @@ def main(argv=None) -> None:
                 batch = args.max_micro_batch
                 for fam_name in args.families:
                     family = get_family(fam_name, args.vocab - 1, args.vocab)
-                    found = _largest_fitting(preset, family, args, batch, None if recompute == "off" else recompute,
-                                             options)
+                    attempt = functools.partial(_attempt, preset, family, args.vocab, seq=args.seq,
+                                                recompute=None if recompute == "off" else recompute,
+                                                steps=args.steps, warmup=args.warmup, options=options)
+                    found = platform.halve_until_it_fits(attempt, batch)
                     if found is None:
                         print(f"| {name} | {fam_name} | {recompute} | none fits | | | | | | | | |", flush=True)
                         batch = args.max_micro_batch
                         continue
-                    batch, sec, peak, loss = found
+                    batch, (sec, peak, loss) = found
                     tokens = batch * args.seq
                     flops = {c: batch * train_flops_per_sequence(preset, args.vocab, args.seq, c) / sec / 1e12
                              for c in ("calflops", "full")}

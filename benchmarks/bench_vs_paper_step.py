@@ -158,16 +158,9 @@ def out_of_memory(err: BaseException) -> bool:
 
 
 def largest_fitting(variant, paper, preset, family, vocab, seq, args) -> int | None:
-    batch = args.max_micro_batch
-    while batch >= 1:
-        try:
-            measure(variant, paper, preset, family, vocab, batch, seq, steps=1, warmup=1)
-            return batch
-        except Exception as err:
-            if not out_of_memory(err):
-                raise
-            batch //= 2
-    return None
+    found = platform.halve_until_it_fits(
+        lambda b: measure(variant, paper, preset, family, vocab, b, seq, steps=1, warmup=1), args.max_micro_batch)
+    return found and found[0]
 
 
 def main(argv=None) -> None:

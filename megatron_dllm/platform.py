@@ -92,6 +92,21 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+def halve_until_it_fits(run, batch: int):
+    """(b, run(b)) for the first b of batch, batch // 2, ..., 1 at which `run` does not run out of
+    memory, or None if even 1 does. Where running out of memory kills the process instead of raising
+    (the CPU), only `batch` itself is tried."""
+    while batch >= 1:
+        try:
+            return batch, run(batch)
+        except Exception as err:  # also a compiler's error that wraps running out of memory
+            if not (out_of_memory_raises(device()) and is_out_of_memory(err)):
+                raise
+            release_cached_memory()
+            batch //= 2
+    return None
+
+
 def auto_generation_batch(device) -> int:
     """The batch size `--batch-size auto` starts conditional generation at on `device`: 64 where
     running out of memory raises (halved on each such error); 8 on the CPU, which cannot back off

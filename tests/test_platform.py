@@ -56,3 +56,27 @@ def test_recompute_runs_forward_code_inside_backward():
     x = torch.randn(4, 4, requires_grad=True)
     tensor_parallel.checkpoint(f, False, x).backward()
     assert torch.equal(x.grad, torch.tril(torch.ones(4, 4)))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_halve_until_it_fits_backs_off_only_where_out_of_memory_raises(device, monkeypatch):
+    """The benchmarks' micro-batch search: from 16, halved on each out-of-memory error down to what
+    fits (4 here); other errors propagate; on the CPU an out-of-memory error is not retried."""
+    monkeypatch.setattr(platform, "device", lambda: torch.device(device))
+    tried = []
+
+    def run(batch):
+        tried.append(batch)
+        if batch > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch * 10
+
+    if device == "cpu":
+        with pytest.raises(torch.OutOfMemoryError):
+            platform.halve_until_it_fits(run, 16)
+        assert tried == [16]
+        return
+    assert platform.halve_until_it_fits(run, 16) == (4, 40) and tried == [16, 8, 4]
+    assert platform.halve_until_it_fits(lambda b: run(99), 2) is None
+    with pytest.raises(ValueError):
+        platform.halve_until_it_fits(lambda b: int("x"), 8)
