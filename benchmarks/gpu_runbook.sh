@@ -276,7 +276,7 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
       tests="-q -n 8 --timeout 170 -rfEs"
     fi
     step gpu_tests 420 "$PY -m pytest $tests -p no:cacheprovider tests/test_attention_backend.py \
-tests/test_fusion.py tests/test_reference_dit.py tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py \
+tests/test_fusion.py tests/test_reference_dit.py tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py tests/test_batches.py \
 -k 'not slow or gpu'"
     ;;
 esac

@@ -63,6 +63,16 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
 
 
+def to_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor on this rank's device, without making the host wait. A CUDA copy from pageable
+    memory synchronises the stream, so the GPU would sit idle while the host read and corrupted the
+    next micro-batch; from pinned memory the copy is queued behind the running kernels (the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    if not HAS_CUDA:
+        return tensor
+    return tensor.pin_memory().to(device(), non_blocking=True)
+
+
 def tool_device(requested: str | None = None) -> str:
     """The device of a one-process tool (`--device`): the one asked for, else CUDA where present.
     Asking for CUDA on a machine without it is an error, not a silent fall-back to the CPU."""

@@ -1,7 +1,10 @@
-"""The micro-batch schedule: variable-length cuts and data-mix offsets, as pure functions."""
+"""The micro-batch schedule: variable-length cuts and data-mix offsets, as pure functions; on a GPU,
+the copy to the device that never makes the host wait."""
 import numpy as np
+import pytest
 import torch
 
+from megatron_dllm import platform
 from megatron_dllm.families import get_family
 from megatron_dllm.training.batches import BatchSchedule
 
@@ -60,3 +63,23 @@ def test_a_new_mix_is_read_from_its_first_sample_with_global_noise():
     assert after.targets[:, 0].tolist() == [0, 1]  # rows 0 and 1 of the new mix
     assert before.targets[:, 0].tolist() == [800, 801]
     assert torch.equal(before.t, after.t)  # noise still follows the global sample index
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mdlm", "ar"])
+def test_a_micro_batch_reaches_the_gpu_without_making_the_host_wait(family, monkeypatch):
+    """A copy from pageable memory synchronises the stream (an error in this debug mode), so the
+    GPU would idle while the host read and corrupted each micro-batch; the pinned copy is queued."""
+    schedule = _schedule(family)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        on_gpu = schedule.micro_batch(consumed=800, m=1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(platform, "to_device", lambda tensor: tensor)
+    on_host = schedule.micro_batch(consumed=800, m=1)
+    for name, want in on_host.__dict__.items():
+        got = getattr(on_gpu, name)
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert got.is_cuda and torch.equal(got.cpu(), want), name

@@ -1,9 +1,14 @@
 """The ThroughputMeter's arithmetic against hand-computed values: tokens/s, TFLOP/s per device,
-MFU against a given peak (and none without one), ETA and the cumulative FLOPs."""
+MFU against a given peak (and none without one), ETA and the cumulative FLOPs; the data phase's
+timer, which never synchronises the device."""
+import time
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from megatron_dllm.config import parse_args
-from megatron_dllm.training import observability, throughput
+from megatron_dllm.training import observability, step, throughput
 from megatron_dllm.training.throughput import ThroughputMeter, rates
 
 # cpu-micro (h 32, L 2) at s 16, V 100, conditioning c 128, sinusoid f 256 (scaling/flops.py):
@@ -65,3 +70,22 @@ def test_the_meter_leaves_mfu_out_without_a_known_peak(monkeypatch):
     second = meter.measure(5)  # 2 iterations in 2 s since the last measure
     assert second.rates.tokens_per_s == 2 * 4 * 16 / 2.0
     assert second.extra["eta_seconds"] == pytest.approx(3.0 / 3 * 5)  # 3 s for 3 iterations, 5 to go
+
+
+def test_the_data_phase_is_timed_on_the_host_and_never_synchronises_the_device(monkeypatch):
+    """megatron-core's Timer synchronises the device at each start and stop. The data phase runs once
+    per micro-batch, so there that would drain the GPU's queue before every fetch."""
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: syncs.append(args))
+    timers = observability.make_timers(1)
+
+    def batches():
+        time.sleep(0.05)  # the host reading and corrupting a micro-batch
+        yield SimpleNamespace(input_ids=None, position_ids=None, sigma=None, attention_mask=None)
+
+    step.forward_step(None, True, timers, batches(), lambda *inputs: "logits")
+    assert syncs == []
+    assert observability.phase_times(timers, 1)["data"] >= 50
+    timers("forward-backward", log_level=1).start()  # a phase of its own synchronises, as megatron's does
+    assert len(syncs) == 1
+    assert "data" not in observability.phase_times(observability.make_timers(0), 1)

@@ -37,7 +37,11 @@ class ModelInput:
         return None if self.attention_mask is None else ~self.attention_mask
 
     def to(self, device) -> "ModelInput":
-        return ModelInput(**{k: None if v is None else v.to(device) for k, v in self.__dict__.items()})
+        return self.map(lambda tensor: tensor.to(device))
+
+    def map(self, fn) -> "ModelInput":
+        """The same input with `fn` applied to each tensor."""
+        return ModelInput(**{k: None if v is None else fn(v) for k, v in self.__dict__.items()})
 
 
 def response_positions(tokens: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:

@@ -72,7 +72,7 @@ class BatchSchedule:
             if number is None:
                 raise ValueError("an annealed attention mask needs the iteration's number")
             inp.attention_mask = self.attention_anneal.attention_mask(number, inp.input_ids.shape[1])
-        return inp.to(platform.device())
+        return inp.map(platform.to_device)
 
     def iteration(self, consumed: int, number: int | None = None) -> Iterator[ModelInput]:
         """The micro-batches of the iteration that starts at `consumed` samples; `number` is that

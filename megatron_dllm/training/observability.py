@@ -5,10 +5,11 @@ traces (--profile, with a CUDA memory snapshot on GPU).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
-from megatron.core.timers import Timers
+from megatron.core.timers import Timer, Timers
 
 from megatron_dllm import platform
 from megatron_dllm.config.logs import LoggingConfig
@@ -52,15 +53,38 @@ def peak_flops(override: float | None, fp8: bool) -> tuple[float | None, str]:
     return None, f"{name}: peak FLOP/s unknown (give --peak-flops for MFU)"
 
 
+class HostTimer(Timer):
+    """megatron-core's Timer without the device synchronisation its start and stop make. The data
+    phase runs once per micro-batch, and a synchronisation there would drain the GPU's queue before
+    every fetch (Megatron-LM keeps its batch-generator timer at level 2 for that reason). Timed on
+    the host, it still measures what the GPU would wait for if the host fell behind."""
+
+    def start(self, barrier=False):
+        assert not self._started and not barrier, "the host timer neither nests nor takes a barrier"
+        self._start_time, self._started = time.time(), True
+
+    def stop(self, barrier=False):
+        assert self._started and not barrier, "the host timer was not started"
+        elapsed = time.time() - self._start_time
+        self._elapsed += elapsed
+        self._active_time += elapsed
+        self._started = False
+
+
 def make_timers(level: int) -> Timers:
-    return Timers(log_level=level, log_option="max")
+    """megatron-core's timers at `level`; the data phase's on the host (HostTimer)."""
+    timers = Timers(log_level=level, log_option="max")
+    if level >= 1:
+        timers._timers[PHASES["data"]], timers._log_levels[PHASES["data"]] = HostTimer(PHASES["data"]), 1
+    return timers
 
 
 def phase_times(timers: Timers, iterations: int) -> dict[str, float]:
-    """Mean milliseconds per iteration of each phase since the last call, on this rank (resets)."""
+    """Mean milliseconds per iteration of each phase since the last call, on this rank (resets);
+    a phase that has not run in this process is left out."""
     out = {}
     for phase, name in PHASES.items():
-        if name in timers._timers:
+        if name in timers._timers and timers._timers[name].active_time() > 0:
             out[phase] = timers._timers[name].elapsed(reset=True) * 1000 / max(iterations, 1)
     return out
 
