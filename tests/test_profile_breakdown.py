@@ -2,17 +2,26 @@
 against real training steps: the categories partition the steps' wall time; known delays put
 into the batch iterator, the family loss and the optimizer step show up in input wait, loss
 head and optimizer, each by its own amount; backward ops follow their forward op's region; the
-device-timeline rule on hand-made intervals; the script end to end and its bad input."""
+device-timeline rule on hand-made intervals; the link from a kernel to its op on torch versions
+whose events lack it; the script end to end and its bad input."""
 import json
 import os
 import time
 
 import pytest
+import torch
 from conftest import REPO, launch_env, run_python
+from torch.autograd import DeviceType
 
 from megatron_dllm import platform
 from megatron_dllm.config import parse_args
-from megatron_dllm.training.profile_breakdown import CATEGORIES, exclusive_timeline, profile_steps
+from megatron_dllm.training.profile_breakdown import (
+    CATEGORIES,
+    event_key,
+    exclusive_timeline,
+    kineto_links,
+    profile_steps,
+)
 from megatron_dllm.training.profile_regions import INPUT_WAIT, LOSS_HEAD, OPTIMIZER
 from megatron_dllm.training.trainer import Trainer
 
@@ -120,3 +129,33 @@ def test_bad_input_is_one_line_naming_the_flag(demo_cache, tmp_path, flags, mess
     proc = run_python([BENCH, "--demo-cache-dir", demo_cache, *MICRO, *flags], tmp_path, launch_env(1), 600)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == message, proc.stderr[-2000:]
 
+
+
+def _profile(device: str):
+    x = torch.randn(64, 64, device=device)
+    with torch.profiler.profile(activities=platform.profiler_activities()) as prof:
+        (x @ x).relu().sum()
+        platform.synchronize()
+    return prof
+
+
+def test_kineto_links_key_every_event_as_the_profiler_built_it():
+    """torch 2.11 (the GPU image's) has no `linked_correlation_id` on its events: the breakdown finds
+    it in kineto's raw events by each event's (device type, id, start), which must match them all."""
+    prof = _profile(platform.device().type)
+    links = kineto_links(prof)
+    events = [e for e in prof.events() if e.name != "[memory]"]
+    assert len(events) > 3 and all(event_key(e) in links for e in events)
+
+
+@pytest.mark.gpu
+def test_every_kernel_links_to_the_op_that_launched_it():
+    prof = _profile("cuda")
+    links = kineto_links(prof)
+    events = prof.events()
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and links.get(event_key(e)) == 0}
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    assert kernels
+    for kernel in kernels:
+        op = ops[links[event_key(kernel)]]
+        assert kernel.name in [k.name for k in op.kernels], (kernel.name, op.name)

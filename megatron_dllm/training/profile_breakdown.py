@@ -93,11 +93,38 @@ def profile_steps(trainer, steps: int, trace: str | None = None) -> Breakdown:
         remove()
     if trace:
         prof.export_chrome_trace(trace)
-    return breakdown(prof.events(), device=platform.HAS_CUDA)
+    return breakdown(prof.events(), platform.HAS_CUDA, linked_ids(prof))
 
 
-def breakdown(events, device: bool = False) -> Breakdown:
-    """The exclusive breakdown of the profiled steps (events named `profile_regions.STEP`)."""
+def linked_ids(prof):
+    """event -> the id of the op it belongs to (a kernel, a CUDA runtime call), 0 for an op itself.
+    torch >= 2.12 keeps it on the event (`linked_correlation_id`); older ones (the GPU image has
+    2.11) only on kineto's raw events (`kineto_links`)."""
+    links = kineto_links(prof)
+
+    def linked(e) -> int:
+        if hasattr(e, "linked_correlation_id"):
+            return e.linked_correlation_id
+        return links.get(event_key(e), 0)
+    return linked
+
+
+def kineto_links(prof) -> dict:
+    """`event_key` of each of the profile's events -> its linked op id, from kineto's raw events (as
+    torch.profiler built the events from them)."""
+    results = prof.profiler.kineto_results
+    start = results.trace_start_ns()
+    return {(ev.device_type(), ev.correlation_id(), (ev.start_ns() - start) / 1000): ev.linked_correlation_id()
+            for ev in results.events()}
+
+
+def event_key(e) -> tuple:
+    return e.device_type, e.id, e.time_range.start
+
+
+def breakdown(events, device: bool, linked) -> Breakdown:
+    """The exclusive breakdown of the profiled steps (events named `profile_regions.STEP`);
+    `linked`: `linked_ids` of the profile."""
     step_events = [e for e in events if e.name == regions.STEP and e.device_type == DeviceType.CPU]
     if not step_events:
         raise ValueError(f"no {regions.STEP} region in the profile: nothing to break down")
@@ -117,7 +144,7 @@ def breakdown(events, device: bool = False) -> Breakdown:
     for roots, main_thread in ((step_events, True), (other_threads, False)):
         for e, ctx in _walk(roots, forward_region):
             category = _category(e, ctx)
-            if e.linked_correlation_id == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
+            if linked(e) == 0:  # an op, not a CUDA runtime call (whose ids are CUPTI's)
                 op_category[e.id] = category  # its kernels name it by this id
             if main_thread:  # the host's time: the step's own thread only
                 us[category] += e.self_cpu_time_total
@@ -126,7 +153,7 @@ def breakdown(events, device: bool = False) -> Breakdown:
                     fetches.append((e.time_range.start, e.time_range.end, "input wait"))
     if not device:
         return Breakdown(len(step_events), total, us, "host wall time, main thread (self time per op)", top)
-    return _device_breakdown(events, step_events, op_category, fetches, total)
+    return _device_breakdown(events, step_events, op_category, fetches, total, linked)
 
 
 @dataclass(frozen=True)
@@ -172,12 +199,12 @@ def _short(name: str) -> str:
     return name if len(name) <= 48 else name[:45] + "..."
 
 
-def _device_breakdown(events, step_events, op_category: dict, fetches: list, total: float) -> Breakdown:
+def _device_breakdown(events, step_events, op_category: dict, fetches: list, total: float, linked) -> Breakdown:
     kernels, top = [], {c: Counter() for c in CATEGORIES}
     for e in events:
         if e.device_type != DeviceType.CUDA:
             continue
-        category = op_category.get(e.linked_correlation_id, "other")
+        category = op_category.get(linked(e), "other")
         lowered = e.name.lower()
         if lowered.startswith("nccl"):
             category = "communication"
