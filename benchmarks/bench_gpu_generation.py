@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_generation.py [--presets 1708M 413M 163M] [--lengths 2048 1024]
         [--families ar mdlm duo esolm] [--steps 16 64 256 1024] [--vocab 32001]
-        [--paper-code PATH] [--cuda-graphs off on] [--rounds 2] [--max-run-s 90] [--budget-s 420]
+        [--paper-code PATH] [--cuda-graphs off on compiled] [--rounds 2] [--max-run-s 90] [--budget-s 420]
         [--sections unconditional conditional] [--prompts 8] [--max-new-tokens 256] [--json out.json]
 
 Sections, each a markdown table printed as its rows are measured:
@@ -28,8 +28,10 @@ Sections, each a markdown table printed as its rows are measured:
                  protocol for every family) and/or native (the family's sampler, `--cond-steps`).
                  Ours only: the paper's public code samples unconditionally and has no prompt input.
 
-Variants: `--cuda-graphs off on` (default: `off` on a CPU, `off on` on a GPU); `on` builds
-`SamplingConfig(cuda_graphs=True)`. The variants of a configuration and the paper's sampler run
+Variants: `--cuda-graphs off on compiled` (default: `off` on a CPU, `off on` on a GPU); `on` builds
+`SamplingConfig(cuda_graphs=True)`; `compiled` the same over `InferenceModel.compile()`
+(TorchInductor's fused kernels captured in the graphs; each family's first shapes pay the
+compile). The variants of a configuration and the paper's sampler run
 alternately, `--rounds` rounds; a figure is from the variant's fastest round (its first run pays
 one-time costs: graph capture, compiling, allocator growth). Tokens/s = generated tokens (every
 generated position; AR's start token excluded) / wall seconds between device synchronisations.
@@ -107,6 +109,15 @@ def build_ours(family: str, preset, vocab: int, length: int) -> InferenceModel:
     return InferenceModel(model, family, vocab - 1, vocab, length, None, "random")
 
 
+GRAPHED = ("on", "compiled")  # the variants sampling with cuda_graphs
+
+
+def variant_models(inf: InferenceModel, variants) -> dict:
+    """The model each variant samples with: `compiled` through torch.compile (one compile per
+    family and shape for all its runs), the others as built."""
+    return {v: inf.compile() if v == "compiled" else inf for v in variants}
+
+
 def timed(fn, *args, **kwargs):
     """(wall seconds between device synchronisations, peak memory bytes, fn(*args, **kwargs))."""
     gc.collect()
@@ -125,7 +136,7 @@ class OurRun:
 
     def __init__(self, inf: InferenceModel, variant: str, steps: int, length: int):
         self.inf, self.variant, self.length = inf, variant, length
-        self.cfg = SamplingConfig(steps=steps, seq_length=length, eos_id=LLAMA_EOS, cuda_graphs=variant == "on")
+        self.cfg = SamplingConfig(steps=steps, seq_length=length, eos_id=LLAMA_EOS, cuda_graphs=variant in GRAPHED)
         self.prefix = int(inf.family == "ar")  # AR's rows keep the EOS they start after
 
     def probe(self, calls: int, batch: int) -> None:
@@ -326,11 +337,12 @@ def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, pr
         paper = paper_samplers.PaperSampler(args.paper_code, family, preset, args.vocab, length, min(args.steps),
                                             platform.device(), LLAMA_BOS)
     search = OurRun(inf, "off", min(args.steps), length)
+    models = variant_models(inf, args.cuda_graphs)
     batch = largest_batch(functools.partial(search.probe, args.probe_calls), args.max_batch, inf.device)
     seconds_per_call: dict[str, float] = {}  # measured at the previous T: the next T's estimate
     for steps in ([min(args.steps)] if family == "ar" else sorted(args.steps)):
         calls = expected_calls(family, steps, length)
-        runners = {v: OurRun(inf, v, steps, length) for v in args.cuda_graphs}
+        runners = {v: OurRun(model, v, steps, length) for v, model in models.items()}
         if paper is not None:
             paper.steps = steps
             runners["paper"] = PaperRun(paper)
@@ -376,7 +388,7 @@ class PromptsRun:
     def __init__(self, inf, prompts, eos: int, variant: str, predictor: str, args):
         self.inf, self.prompts, self.eos = inf, prompts, eos
         self.options = {"steps": args.cond_steps, "greedy": True, "predictor": predictor,
-                        "cuda_graphs": variant == "on"}
+                        "cuda_graphs": variant in GRAPHED}
         self.max_new_tokens = args.max_new_tokens
 
     def run(self) -> dict:
@@ -397,10 +409,10 @@ def conditional(args, clock: Clock, table: Table) -> None:
     context = max(max(args.lengths), max(map(len, prompts)) + args.max_new_tokens)
     for preset_name in args.presets:
         for family in args.families:
-            inf = build_ours(family, get_preset(preset_name), args.vocab, context)
+            models = variant_models(build_ours(family, get_preset(preset_name), args.vocab, context), args.cuda_graphs)
             for protocol in [p for p in args.cond_protocols if family != "ar" or p == "left-to-right"]:
                 predictor = "left-to-right" if protocol == "left-to-right" else "ancestral"
-                runners = {v: PromptsRun(inf, prompts, eos, v, predictor, args) for v in args.cuda_graphs}
+                runners = {v: PromptsRun(model, prompts, eos, v, predictor, args) for v, model in models.items()}
                 results = {v: [] for v in runners}
                 notes = {v: [] for v in runners}
                 for _ in range(args.rounds):
@@ -441,7 +453,7 @@ def parse_args(argv=None):
     ap.add_argument("--sections", nargs="+", choices=["unconditional", "conditional"],
                     default=["unconditional", "conditional"])
     ap.add_argument("--paper-code", default=None, help="checkout of the paper's code: its samplers run beside ours")
-    ap.add_argument("--cuda-graphs", nargs="+", choices=["off", "on"], default=["off", "on"] if gpu else ["off"])
+    ap.add_argument("--cuda-graphs", nargs="+", choices=["off", *GRAPHED], default=["off", "on"] if gpu else ["off"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=None,
                     help="largest batch tried (default: 1024 on a GPU, platform.auto_generation_batch on a CPU)")
@@ -470,6 +482,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if "compiled" in args.cuda_graphs:  # every family's and preset's graphs are entries of one code object
+        torch._dynamo.config.recompile_limit = 64
     clock = Clock(args.budget_s, args.max_run_s)
     device = platform.device_name() or "CPU"
     print(f"device: {device}; torch {torch.__version__}; weights {platform.params_dtype(True)}, sampling float64; "

@@ -2,8 +2,10 @@
 sampling/cuda_graphs.py). On CPU, in float64: the fixed-shape cache gives the static cache's
 logits and the same samples (Eso-LM's padded slices included), and a decoding step traces as one
 graph at every cache length (TorchDynamo, fullgraph, no recompilation: nothing on the host reads
-the length), which the static cache does not; `cuda_graphs` is refused off CUDA. On a GPU: graphed
-samples equal eager ones for every family, and the graphs are replayed. On both: stopping at EOS
+the length), which the static cache does not; `cuda_graphs` is refused off CUDA; a compiled model
+(`InferenceModel.compile()`, TorchInductor) gives the eager samples from a few graphs. On a GPU:
+graphed samples, and graphed compiled ones, equal eager ones for every family, and the graphs are
+replayed. On both: stopping at EOS
 (on CUDA without waiting for the GPU) gives the full run cut at each row's first EOS."""
 import pytest
 import torch
@@ -93,19 +95,46 @@ def test_cuda_graphs_are_refused_off_cuda(models):  # noqa: F811
                                                             ("mdlm", "left-to-right", 1)])
 def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypatch):
     """Replays run the kernels of the eager fixed-shape forward on the same inputs, so the samples
-    are equal exactly (float64, as the other CUDA sampling tests)."""
+    are equal exactly (float64, as the other CUDA sampling tests). A compiled model's replays run
+    Triton's fused kernels instead: equal samples too (its float32 parts round differently, far
+    below what moves a float64 draw)."""
     inf = InferenceModel(random_model(family).double().cuda(), family, MASK, V, L, None, "hf")
     monkeypatch.setattr(Sampler, "fixed_shape_decoding", True)
     captured = []
     monkeypatch.setattr(CUDAGraphModel, "capture", lambda self, t, real=CUDAGraphModel.capture:
                         captured.append(tuple(t["input_ids"].shape)) or real(self, t))
     runs = []
-    for graphs in (False, True):
+    for model, graphs in ((inf, False), (inf, True), (inf.compile(), True)):
         cfg = SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False, cuda_graphs=graphs)
-        runs.append(generate(inf, cfg, num_samples=4, batch_size=2, seed=3, prompt_ids=PROMPT))
-    assert torch.equal(runs[0], runs[1])
+        runs.append(generate(model, cfg, num_samples=4, batch_size=2, seed=3, prompt_ids=PROMPT))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
     assert captured, "no forward was captured"
     assert len(set(runs[1][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,predictor,steps", [("ar", "ancestral", 1), ("esolm", "ancestral", 9)])
+def test_a_compiled_model_gives_the_eager_samples_from_a_few_graphs(family, predictor, steps):
+    """`InferenceModel.compile()`: the eager samples (float64), and the steps of every sample and
+    prompt length share a few graphs (the second cache length or prompt length met compiles a
+    dynamic graph, which serves the rest). On CPU through AOTAutograd's graphs (`aot_eager`: what TorchInductor
+    is given, run without its code generation, which costs a minute a graph here); Inductor's own
+    kernels are checked on a GPU (test_cuda_graph_samples_equal_eager_ones)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    inf = InferenceModel(random_model(family).double(), family, MASK, V, L, None, "hf")
+    torch._dynamo.reset()
+    counters.clear()
+    runs = []
+    for model in (inf, inf.compile(backend="aot_eager")):
+        cfg = SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False)
+        runs.append([generate(model, cfg, num_samples=2, seed=seed, prompt_ids=prompt)
+                     for seed, prompt in enumerate((PROMPT, PROMPT[:2], PROMPT + PROMPT))])
+    torch._dynamo.reset()
+    for eager, compiled in zip(*runs):
+        assert torch.equal(compiled, eager)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])  # of 20 to 40 forwards
 
 
 def after_first_eos(x: torch.Tensor, start: int) -> torch.Tensor:

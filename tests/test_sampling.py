@@ -286,6 +286,25 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
     assert all(isinstance(t, str) for t in record["texts"])
 
 
+@pytest.mark.slow
+def test_sample_tool_compile_gives_the_eager_samples(hf_dir, tmp_path, monkeypatch):
+    """--compile samples through `InferenceModel.compile()` (here with AOTAutograd's graphs and no
+    code generation, which costs a minute a graph on CPU: tests/test_cuda_graphs.py says more)."""
+    from megatron_dllm.cli import sample
+
+    compiled = []
+    real = InferenceModel.compile
+    monkeypatch.setattr(InferenceModel, "compile", lambda self: compiled.append(1) or real(self, backend="aot_eager"))
+    records = []
+    for flags in ([], ["--compile"]):
+        out = tmp_path / f"out{len(flags)}.json"
+        assert sample.main(["--load", hf_dir, "--num-samples", "2", "--steps", "4", "--seed", "3", "--device", "cpu",
+                            "--output", str(out), *flags]) == 0
+        records.append(json.loads(out.read_text()))
+    assert compiled == [1] and records[1]["settings"]["compile"] is True
+    assert records[1]["tokens"] == records[0]["tokens"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--load", "/nonexistent/ckpt"], "error: --load /nonexistent/ckpt: no such file or directory"),
     (["--predictor", "block", "--steps", "4"], "error: --predictor block is not available for --family mdlm"),

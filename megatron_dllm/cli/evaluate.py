@@ -139,6 +139,8 @@ def run_throughput(args) -> dict:
     sampling = sampling_config(args, stop_at_eos=False)
     sampling.check()
     inference_model = _load_model(args, platform.device())
+    if args.compile:
+        inference_model = inference_model.compile()
     batch = auto_batch_size(inference_model, sampling, args.max_batch_size, args.seed) if auto else int(args.batch_size)
     result = measure_throughput(inference_model, sampling, batch, args.repeats, args.seed)
     return {
@@ -147,7 +149,7 @@ def run_throughput(args) -> dict:
         "settings": {"load": os.path.abspath(args.load), "source": inference_model.source, "use_ema": args.use_ema,
                      "batch_size_requested": args.batch_size, "max_batch_size": args.max_batch_size,
                      "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,
-                     "sampling": dataclasses.asdict(sampling), "dtype": args.dtype,
+                     "sampling": dataclasses.asdict(sampling), "dtype": args.dtype, "compile": args.compile,
                      "device": str(platform.device())},
     }
 

@@ -6,7 +6,7 @@
         [--block-length B] [--tokens-per-step K] [--confidence-threshold TAU] [--entropy-bound GAMMA] \
         [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
         [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] \
-        [--dtype float32|bfloat16|float16] [--cuda-graphs] [--output samples.json]
+        [--dtype float32|bfloat16|float16] [--cuda-graphs] [--compile] [--output samples.json]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
 MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only; `low-confidence`, `threshold` and
@@ -78,6 +78,8 @@ def main(argv=None):
                                                tokenizer_type=args.tokenizer_type,
                                                tokenizer_model=args.tokenizer_model,
                                                tokenizer_options=TokenizerConfig.from_args(args).options())
+        if args.compile:
+            inference_model = inference_model.compile()
         prompt_ids = None
         if args.prompt is not None:
             if inference_model.tokenizer is None:

@@ -27,6 +27,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graphs", action="store_true",
                    help="capture the denoiser's forwards as CUDA graphs and replay them (CUDA only; the "
                         "same samples, far fewer kernel launches at small batches)")
+    g.add_argument("--compile", action="store_true",
+                   help="compile the model's forward with torch.compile (TorchInductor): each layer's elementwise "
+                        "work fused into a few kernels; each new shape pays a compile first (seconds to minutes); "
+                        "samples equal to rounding")
     add_remasking_arguments(g)
 
 

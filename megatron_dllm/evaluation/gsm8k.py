@@ -242,6 +242,9 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
                         "CPU: 8); the answers are those of batch 1 (default), the throughput that of the batch")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay the forwards of batch 1 as CUDA graphs (GPU only; the same answers)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model's forward with torch.compile (fuses each layer's elementwise work; "
+                        "each new shape pays a compile first)")
     TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
     p.set_defaults(func=run_gsm8k)
 
@@ -263,6 +266,8 @@ def run_gsm8k(args) -> dict:
     inference_model = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
                                use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
                                tokenizer_model=args.tokenizer_model)
+    if args.compile:
+        inference_model = inference_model.compile()
     greedy = not native if args.greedy is None else args.greedy
     result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
                             args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
@@ -272,4 +277,4 @@ def run_gsm8k(args) -> dict:
                          "protocol": args.protocol, "steps": args.steps if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
-                         "predictions": args.predictions}}
+                         "compile": args.compile, "predictions": args.predictions}}
