@@ -5,8 +5,8 @@ graph at every cache length (TorchDynamo, fullgraph, no recompilation: nothing o
 the length), which the static cache does not; `cuda_graphs` is refused off CUDA; a compiled model
 (`InferenceModel.compile()`, TorchInductor) gives the eager samples from a few graphs. On a GPU:
 graphed samples, and graphed compiled ones, equal eager ones for every family, and the graphs are
-replayed. On both: stopping at EOS
-(on CUDA without waiting for the GPU) gives the full run cut at each row's first EOS."""
+replayed. On both: stopping at EOS (on CUDA without waiting for the GPU) gives the full run cut at
+each row's first EOS."""
 import pytest
 import torch
 from test_kv_caches import CHUNKS, L, ids_and_positions, incremental_logits, models  # noqa: F401 (the fixture)
@@ -117,9 +117,9 @@ def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypat
 def test_a_compiled_model_gives_the_eager_samples_from_a_few_graphs(family, predictor, steps):
     """`InferenceModel.compile()`: the eager samples (float64), and the steps of every sample and
     prompt length share a few graphs (the second cache length or prompt length met compiles a
-    dynamic graph, which serves the rest). On CPU through AOTAutograd's graphs (`aot_eager`: what TorchInductor
-    is given, run without its code generation, which costs a minute a graph here); Inductor's own
-    kernels are checked on a GPU (test_cuda_graph_samples_equal_eager_ones)."""
+    dynamic graph, which serves the rest). On CPU through AOTAutograd's graphs (`aot_eager`: what
+    TorchInductor is given, run without its code generation, which costs a minute a graph here);
+    Inductor's own kernels are checked on a GPU (test_cuda_graph_samples_equal_eager_ones)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
