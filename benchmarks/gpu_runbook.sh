@@ -20,10 +20,11 @@
 #        beside the paper's samplers (benchmarks/bench_gpu_generation.py; needs .cache/genbench)
 #   d2   batch-1 GSM8K generation at 1.7B (CUDA graphs off and on), then 413M unconditional
 #   d3   163M unconditional at L = 2048 and 1024, T up to 256, CUDA graphs off and on
-#   d4   batch-1 GSM8K generation at 1.7B: CUDA graphs over the compiled model (InferenceModel.compile)
-#        beside plain graphs
-#        (d2 to d4 first run tests/test_cuda_graphs.py: graphs are timed only if it passes)
-#        (d to d4 are docs/gpu.md's generation commands, "Still to measure: generation")
+#   d4   batch-1 GSM8K generation at 1.7B, AR and Eso-LM: CUDA graphs over the compiled model
+#        (InferenceModel.compile) beside plain graphs
+#   d5   the same for MDLM and Duo
+#        (d2 to d5 first run tests/test_cuda_graphs.py: graphs are timed only if it passes)
+#        (d to d5 are docs/gpu.md's generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
 #        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
@@ -35,7 +36,7 @@
 # the figures (table rows and verdict lines) of its log.
 set -uo pipefail
 
-STAGES="a b b2 c c2 d d2 d3 d4 e1 e2 t"
+STAGES="a b b2 c c2 d d2 d3 d4 d5 e1 e2 t"
 STAGE=${1:-}
 if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -199,7 +200,7 @@ case $STAGE in
     install_wheels
     paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective
     ;;
-  d | d2 | d3 | d4)
+  d | d2 | d3 | d4 | d5)
     install_wheels
     GEN=benchmarks/bench_gpu_generation.py
     flags=(--presets --lengths --families --steps --sections --cuda-graphs --rounds --max-run-s --budget-s --json
@@ -227,17 +228,19 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
         gen uncond_$GEN_BIG 480 --presets $GEN_BIG --lengths $GEN_L $families --steps $GEN_T \
           --sections unconditional --cuda-graphs off --max-run-s 90 --budget-s 420
       else
-        # d2 to d4 time the CUDA-graph variants only once the graph tests pass on this GPU
+        # d2 to d5 time the CUDA-graph variants only once the graph tests pass on this GPU
         graphs=off
         step graph_tests 180 "$PY -m pytest -q -n 4 -p no:cacheprovider tests/test_cuda_graphs.py"
         [[ "${STEPS_DONE[-1]}" == graph_tests\|ok\|* ]] && graphs="off on"
-        if [[ $STAGE == d4 ]]; then
+        if [[ $STAGE == d4 || $STAGE == d5 ]]; then
+          pair="ar esolm"
+          [[ $STAGE == d5 ]] && pair="mdlm duo"
           if [[ $graphs == off ]]; then
             STEPS_DONE+=("cond_compiled|SKIPPED (the graph tests did not pass: see graph_tests)|0|")
           else
-            gen cond_compiled_$GEN_BIG 420 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \
-              --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 380 \
-              --cuda-graphs on compiled
+            gen cond_compiled_${pair// /_}_$GEN_BIG 420 --gsm8k-data $GSM8K \
+              --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model --presets $GEN_BIG --families $pair \
+              --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 380 --cuda-graphs on compiled
           fi
         elif [[ $STAGE == d2 ]]; then
           gen cond_$GEN_BIG 240 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \

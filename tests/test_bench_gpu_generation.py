@@ -65,8 +65,9 @@ def test_table_counts_the_tokens_the_runs_produced(monkeypatch, tmp_path, sp_mod
     cond = {row["family"]: row for row in figures["conditional"]}
     assert set(cond) == {"mdlm", "ar"}
     for family, row in cond.items():
-        ids = [a for f, a in answers if f == family]
-        assert len(ids) == 2 and all(1 <= len(a) <= 6 for a in ids)
+        warm, ids = [a for f, a in answers if f == family][:-2], [a for f, a in answers if f == family][-2:]
+        assert len(warm) == 2 and all(1 <= len(a) <= 2 for a in warm)  # untimed: compiles before the timing
+        assert all(1 <= len(a) <= 6 for a in ids)
         assert row["tokens"] == sum(map(len, ids))
         assert row["ended_at_eos"] == sum(a[-1] == eos for a in ids)
 
