@@ -23,7 +23,7 @@
 #   d4   batch-1 GSM8K generation at 1.7B, AR and Eso-LM: CUDA graphs over the compiled model
 #        (InferenceModel.compile) beside plain graphs
 #   d5   the same for MDLM and Duo
-#        (d2 to d5 first run tests/test_cuda_graphs.py: graphs are timed only if it passes)
+#        (d2 to d5 first run tests/test_cuda_graphs.py, once per warm machine: graphs are timed only if it passes)
 #        (d to d5 are docs/gpu.md's generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
@@ -228,10 +228,16 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
         gen uncond_$GEN_BIG 480 --presets $GEN_BIG --lengths $GEN_L $families --steps $GEN_T \
           --sections unconditional --cuda-graphs off --max-run-s 90 --budget-s 420
       else
-        # d2 to d5 time the CUDA-graph variants only once the graph tests pass on this GPU
+        # d2 to d5 time the CUDA-graph variants only once the graph tests pass on this machine; a
+        # warm machine remembers a pass of this checkout's tests, so the next stage skips them
         graphs=off
-        step graph_tests 180 "$PY -m pytest -q -n 4 -p no:cacheprovider tests/test_cuda_graphs.py"
-        [[ "${STEPS_DONE[-1]}" == graph_tests\|ok\|* ]] && graphs="off on"
+        passed=/tmp/gpu-runbook-graph-tests-$(cat tests/test_cuda_graphs.py megatron_dllm/sampling/*.py | md5sum | cut -c1-12)
+        if [[ -f $passed ]]; then
+          STEPS_DONE+=("graph_tests|ok (passed earlier on this machine: $passed)|0|")
+        else
+          step graph_tests 180 "$PY -m pytest -q -n 4 -p no:cacheprovider tests/test_cuda_graphs.py && touch $passed"
+        fi
+        [[ "${STEPS_DONE[-1]}" == graph_tests\|ok* ]] && graphs="off on"
         if [[ $STAGE == d4 || $STAGE == d5 ]]; then
           pair="ar esolm"
           [[ $STAGE == d5 ]] && pair="mdlm duo"
