@@ -32,8 +32,8 @@ Variants: `--cuda-graphs off on compiled` (default: `off` on a CPU, `off on` on 
 `SamplingConfig(cuda_graphs=True)`; `compiled` the same over `InferenceModel.compile()`
 (TorchInductor's fused kernels captured in the graphs; each family's first shapes pay the
 compile, before the conditional section's timing). The variants of a configuration and the
-paper's sampler run alternately, `--rounds` rounds; a figure is from the variant's fastest round (its first run pays
-one-time costs: graph capture, compiling, allocator growth). Tokens/s = generated tokens (every
+paper's sampler run alternately, `--rounds` rounds; a figure is from the variant's fastest round
+(its first run pays one-time costs: graph capture, compiling, allocator growth). Tokens/s = generated tokens (every
 generated position; AR's start token excluded) / wall seconds between device synchronisations.
 Model calls are counted by a forward hook, for `off` and the paper (graph replays run no hooks).
 Peak memory is the CUDA allocator's peak over the run (on a CPU the process's peak RSS).

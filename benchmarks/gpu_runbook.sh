@@ -23,7 +23,8 @@
 #   d4   batch-1 GSM8K generation at 1.7B, AR and Eso-LM: CUDA graphs over the compiled model
 #        (InferenceModel.compile) beside plain graphs
 #   d5   the same for MDLM and Duo
-#        (d2 to d5 first run tests/test_cuda_graphs.py, once per warm machine: graphs are timed only if it passes)
+#        (d2 to d5 first run tests/test_cuda_graphs.py, once per warm machine: graphs are timed
+#        only if it passes)
 #        (d to d5 are docs/gpu.md's generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
