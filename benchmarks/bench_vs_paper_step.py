@@ -25,7 +25,8 @@ Micro-batches: `2` is the paper's 1.7B setting (2 sequences per GPU); `max` is t
 two up to `--max-micro-batch` that fits. Reported: tokens/s, model TFLOP/s and MFU in both FLOP
 conventions of `megatron_dllm/scaling/flops.py` (`calflops`: the paper's, no attention-score
 matmuls; `full`: every matmul), peak allocated memory, and each variant's tokens/s over the
-paper's at the same micro-batch setting.
+paper's at the same micro-batch setting. If the paper's code raises (other than running out of
+memory), its row gives the error on one line, its traceback goes to stderr, and ours still run.
 
 Without a GPU the script only checks a command (a cpu-* preset, fp32, no micro-batch search): it
 imports the paper's `models/dit.py` and runs this project's variants, not the paper's step, whose
@@ -34,6 +35,7 @@ FlexAttention has no backward on a CPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import os
@@ -46,6 +48,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from bench_train_step import OPT, MegatronStep, make_batch  # noqa: E402
@@ -125,7 +128,8 @@ def our_options(variant: str) -> dict:
 def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int):
     inp = make_batch(family, vocab, batch, seq).to(platform.device())
     if variant == "paper":
-        return PaperStep(paper, preset, vocab, seq, inp, family.mask_id)
+        with harness.papers_code():
+            return PaperStep(paper, preset, vocab, seq, inp, family.mask_id)
     return MegatronStep(preset, vocab, batch, seq, family, inp, train_iters=10 * steps, keep_initial=False,
                         bf16=True, **our_options(variant))
 
@@ -137,13 +141,15 @@ def measure(variant: str, paper, preset, family, vocab: int, batch: int, seq: in
         platform.release_cached_memory()
         platform.reset_peak_memory()
         step = build(variant, paper, preset, family, vocab, batch, seq, steps)
-        for _ in range(warmup):
-            loss = step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            loss = step()  # both steps return once their kernels (the optimizer's too) have finished
-            times.append(time.perf_counter() - start)
+        # the paper's errors become harness.PaperFailed: its row says so and ours still run
+        with harness.papers_code() if variant == "paper" else contextlib.nullcontext():
+            for _ in range(warmup):
+                loss = step()
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                loss = step()  # both steps return once their kernels (the optimizer's too) have finished
+                times.append(time.perf_counter() - start)
         return statistics.median(times), platform.peak_memory()[0], loss
     finally:
         del step
@@ -161,6 +167,49 @@ def largest_fitting(variant, paper, preset, family, vocab, seq, args) -> int | N
     found = platform.halve_until_it_fits(
         lambda b: measure(variant, paper, preset, family, vocab, b, seq, steps=1, warmup=1), args.max_micro_batch)
     return found and found[0]
+
+
+def compare(variants: list[str], paper, preset, vocab: int, setting: str, args) -> None:
+    """Print a row per variant at one vocabulary and micro-batch setting (an integer or `max`), the
+    variants measured in turn for `args.rounds` rounds. A variant that does not fit, or the paper's
+    step whose code failed (`harness.PaperFailed`), gets a row that says so; the others still run."""
+    family = get_family("mdlm", vocab - 1, vocab)
+    flops = {c: train_flops_per_sequence(preset, vocab, args.seq, c) for c in ("calflops", "full")}
+    failed, batches = {}, {}
+    for v in variants:
+        try:
+            batches[v] = int(setting) if setting != "max" else \
+                largest_fitting(v, paper, preset, family, vocab, args.seq, args)
+        except harness.PaperFailed as err:
+            batches[v], failed[v] = None, str(err)
+    results = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            if not batches[v]:
+                continue
+            try:
+                results[v].append(measure(v, paper, preset, family, vocab, batches[v], args.seq, args.steps,
+                                          args.warmup))
+            except harness.PaperFailed as err:
+                batches[v], failed[v] = None, str(err)
+            except Exception as err:
+                if not out_of_memory(err):
+                    raise
+                batches[v] = None
+    paper_rate = None
+    for v in variants:
+        if v in failed or not results[v] or not batches[v]:
+            print(f"| {vocab} | {v} | {setting}: {failed.get(v, 'does not fit')} | | | | | | | | | |", flush=True)
+            continue
+        sec = statistics.median(r[0] for r in results[v])
+        peak = max(r[1] for r in results[v])
+        rate = batches[v] * args.seq / sec
+        paper_rate = rate if v == "paper" else paper_rate
+        tf = {c: batches[v] * f / sec / 1e12 for c, f in flops.items()}
+        ratio = f"{rate / paper_rate:.2f}" if paper_rate else "n/a"
+        print(f"| {vocab} | {v} | {batches[v]} ({setting}) | {sec * 1e3:.0f} | {rate:,.0f} | {ratio} "
+              f"| {tf['calflops']:.0f} | {tf['calflops'] / args.peak_tflops:.1%} | {tf['full']:.0f} "
+              f"| {tf['full'] / args.peak_tflops:.1%} | {peak / 2**30:.1f} | {results[v][-1][2]:.3f} |", flush=True)
 
 
 def main(argv=None) -> None:
@@ -199,37 +248,8 @@ def main(argv=None) -> None:
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for vocab in args.vocab:
-            family = get_family("mdlm", vocab - 1, vocab)
-            flops = {c: train_flops_per_sequence(preset, vocab, args.seq, c) for c in ("calflops", "full")}
             for setting in args.micro_batches:
-                batches = {v: int(setting) if setting != "max" else
-                           largest_fitting(v, paper, preset, family, vocab, args.seq, args) for v in variants}
-                results = {v: [] for v in variants}
-                for _ in range(args.rounds):
-                    for v in variants:
-                        if batches[v]:
-                            try:
-                                results[v].append(measure(v, paper, preset, family, vocab, batches[v],
-                                                          args.seq, args.steps, args.warmup))
-                            except Exception as err:
-                                if not out_of_memory(err):
-                                    raise
-                                batches[v] = None
-                paper_rate = None
-                for v in variants:
-                    if not results[v] or not batches[v]:
-                        print(f"| {vocab} | {v} | {setting}: does not fit | | | | | | | | | |", flush=True)
-                        continue
-                    sec = statistics.median(r[0] for r in results[v])
-                    peak = max(r[1] for r in results[v])
-                    rate = batches[v] * args.seq / sec
-                    paper_rate = rate if v == "paper" else paper_rate
-                    tf = {c: batches[v] * f / sec / 1e12 for c, f in flops.items()}
-                    ratio = f"{rate / paper_rate:.2f}" if paper_rate else "n/a"
-                    print(f"| {vocab} | {v} | {batches[v]} ({setting}) | {sec * 1e3:.0f} | {rate:,.0f} | {ratio} "
-                          f"| {tf['calflops']:.0f} | {tf['calflops'] / args.peak_tflops:.1%} | {tf['full']:.0f} "
-                          f"| {tf['full'] / args.peak_tflops:.1%} | {peak / 2**30:.1f} | {results[v][-1][2]:.3f} |",
-                          flush=True)
+                compare(variants, paper, preset, vocab, setting, args)
     finally:
         platform.destroy_distributed()
 

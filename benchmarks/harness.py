@@ -1,12 +1,15 @@
 """What the benchmarks' command lines share: the round and thread flags of the sampling and
-evaluation benchmarks (threads set before anything runs), a wall and CPU timer, and the writing
-of their figures (JSON with the flags that produced them; markdown tables printed and, on
-request, saved)."""
+evaluation benchmarks (threads set before anything runs), a wall and CPU timer, the writing of
+their figures (JSON with the flags that produced them; markdown tables printed and, on request,
+saved), and the fence around calls into the paper's code."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
+import traceback
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -48,3 +51,28 @@ def publish(lines: list[str], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             f.write(text + "\n")
+
+
+class PaperFailed(Exception):
+    """The paper's code raised, and not for lack of memory. The benchmarks that run it beside ours
+    note the error in the paper's row and go on: code the user brings must not cost a GPU session
+    the rest of its figures."""
+
+
+@contextlib.contextmanager
+def papers_code():
+    """Around a call into the paper's code: its errors become `PaperFailed` (traceback to stderr);
+    running out of memory stays what it is, for the batch search to halve."""
+    from megatron_dllm import platform
+
+    try:
+        yield
+    except PaperFailed:
+        raise
+    except Exception as err:
+        if platform.is_out_of_memory(err):
+            raise
+        traceback.print_exc(file=sys.stderr)
+        message = " ".join(str(err).split())  # one line: it goes into a table cell
+        message = message if len(message) <= 300 else message[:297] + "..."
+        raise PaperFailed(f"the paper's code failed: {type(err).__name__}: {message}".replace("|", "/")) from err

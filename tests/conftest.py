@@ -1,10 +1,11 @@
 """Shared fixtures and constants: the repository root, the demo corpus prepared once per session,
 megatron's world of one, the flags of a tiny training run, launchers of scripts and torchrun-style
-ranks (from a prewarmed interpreter where they can be), and small file systems of their own
-(read-only, full) for fault injection."""
+ranks (from a prewarmed interpreter where they can be), small file systems of their own
+(read-only, full) for fault injection, and benchmark scripts loaded as modules."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # whatever they check.
 TINY_RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr-warmup-iters", "0", "--log-interval", "1"]
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module, for in-process tests of its functions and `main`."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -6,23 +6,16 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
-from conftest import REPO
+from conftest import load_benchmark
 
 from megatron_dllm.data.tokenizers import build_tokenizer
 
 # a git repository (a clone, or a bare mirror) of the paper's public code, where the machine has one
 PAPER_REPO = os.environ.get("DLLM_PAPER_CODE_REPO", "")
 PAPER_FILES = ["*.py", "models", "configs", "tokenizers/tinyllama_tokenizer.model"]  # its 128k vocabulary is not needed
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu_generation",
-                                                  os.path.join(REPO, "benchmarks", "bench_gpu_generation.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def recording(fn, log: list):
@@ -35,7 +28,7 @@ def recording(fn, log: list):
 
 
 def test_table_counts_the_tokens_the_runs_produced(monkeypatch, tmp_path, sp_model):
-    bench = load_bench()
+    bench = load_benchmark("bench_gpu_generation")
     samples, answers = [], []
     monkeypatch.setattr(bench, "generate", recording(bench.generate, samples))
     monkeypatch.setattr(bench, "generate_native", recording(bench.generate_native, answers))
@@ -86,7 +79,7 @@ def test_paper_samplers_beside_ours(tmp_path):
     archive = subprocess.run(["git", "-C", PAPER_REPO, "archive", "HEAD", "--", *PAPER_FILES],
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(code)], input=archive, check=True)
-    bench = load_bench()
+    bench = load_benchmark("bench_gpu_generation")
     figures = bench.main(["--presets", "cpu-micro", "--families", "ar", "esolm", "--lengths", "32", "--steps", "4",
                           "--vocab", "64", "--rounds", "1", "--max-batch", "2", "--sections", "unconditional",
                           "--paper-code", str(code)])
@@ -96,3 +89,43 @@ def test_paper_samplers_beside_ours(tmp_path):
         assert row["batch"] == 2 and row["tokens"] == 2 * (32 - (family == "ar"))
     assert rows["ar", "paper"]["calls"] == rows["ar", "ours, graphs off"]["calls"] == 31  # one call per token
     assert 1 <= rows["esolm", "paper"]["calls"] <= 4
+
+
+class FailingPaperSampler:
+    """Stands in for `paper_samplers.PaperSampler`: the paper's code raising where a GPU session
+    could meet it (building its model, or sampling)."""
+
+    fail_in_init = False
+
+    def __init__(self, path, family, preset, vocab, length, steps, device, bos_id):
+        if self.fail_in_init:
+            raise ImportError("cannot import name 'flex_attention' from its module")
+        self.family, self.steps, self.calls = family, steps, 0
+
+    def host_batch_limit(self):
+        return None
+
+    def sample(self, batch):
+        raise RuntimeError("FlexAttention: no kernel for\nthis | shape")
+
+
+@pytest.mark.parametrize("where", ["sample", "init"])
+def test_a_failing_paper_sampler_is_noted_and_ours_still_run(monkeypatch, tmp_path, where):
+    """The paper's code is the user's: when it raises, its row carries the error on one line and
+    every row of ours is still measured (a GPU session keeps its figures)."""
+    bench = load_benchmark("bench_gpu_generation")
+    fake = type(sys)("paper_samplers")
+    fake.PaperSampler = type("Failing", (FailingPaperSampler,), {"fail_in_init": where == "init"})
+    monkeypatch.setitem(sys.modules, "paper_samplers", fake)
+    figures = bench.main(["--presets", "cpu-micro", "--families", "mdlm", "ar", "--lengths", "16", "--steps", "2",
+                          "--vocab", "64", "--rounds", "1", "--max-batch", "2", "--sections", "unconditional",
+                          "--paper-code", str(tmp_path)])
+    rows = {(row["family"], row["sampler"]): row for row in figures["unconditional"]}
+    assert set(rows) == {(f, s) for f in ("mdlm", "ar") for s in ("ours, graphs off", "paper")}
+    error = ("ImportError: cannot import name 'flex_attention' from its module" if where == "init"
+             else "RuntimeError: FlexAttention: no kernel for this / shape")
+    for family in ("mdlm", "ar"):
+        assert rows[family, "paper"]["note"] == [f"the paper's code failed: {error}"]
+        assert "tokens" not in rows[family, "paper"]
+        ours = rows[family, "ours, graphs off"]
+        assert ours["batch"] == 2 and ours["tokens"] == 2 * (16 - (family == "ar")) and not ours["note"]
