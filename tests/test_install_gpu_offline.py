@@ -101,19 +101,26 @@ class Recorded(_bdist_wheel):
 
 cuda_major = int(torch.version.cuda.split(".")[0])
 setuptools.setup(name="transformer_engine_torch", version="@V@", py_modules=["transformer_engine_torch"],
-                 install_requires=["torch>=2.1", "einops", f"transformer_engine_cu{cuda_major}==@V@"],
+                 install_requires=[*@REQUIRES@, f"transformer_engine_cu{cuda_major}==@V@"],
                  cmdclass={"bdist_wheel": Recorded})
 '''
 
 
+# what TE 2.11.0's binding declares besides its core wheel; `import transformer_engine.pytorch`
+# imports onnx and onnxscript
+BINDING_REQUIRES = ["torch>=2.1", "einops", "onnxscript", "onnx", "packaging", "pydantic"]
+
+
 def make_sdist(dest: Path, version: str) -> Path:
     top = f"transformer_engine_torch-{version}"
+    requires = [*BINDING_REQUIRES, f"transformer_engine_cu12=={version}"]  # as packaged: cu12, whatever the node
     files = {
-        "PKG-INFO": f"Metadata-Version: 2.1\nName: transformer_engine_torch\nVersion: {version}\n",
+        "PKG-INFO": f"Metadata-Version: 2.1\nName: transformer_engine_torch\nVersion: {version}\n"
+                    + "".join(f"Requires-Dist: {r}\n" for r in requires),
         # TE's own build-system table
         "pyproject.toml": '[build-system]\nrequires = ["setuptools>=61.0", "pip", "torch>=2.1"]\n'
                           'build-backend = "setuptools.build_meta:__legacy__"\n',
-        "setup.py": SDIST_SETUP.replace("@V@", version),
+        "setup.py": SDIST_SETUP.replace("@V@", version).replace("@REQUIRES@", repr(BINDING_REQUIRES)),
         "transformer_engine_torch.py": "BUILT = True  # the compiled binding on a GPU node\n",
     }
     path = dest / f"{top}.tar.gz"
@@ -159,6 +166,8 @@ def parts(tmp_path_factory):
                                                               "nvidia/cudnn/__init__.py": ""})
     for name in PREINSTALLED:
         make_wheel(pre, name, PINS[name])
+    for name, version in (("einops", "0.8.1"), ("onnx", "1.23.1")):  # in the GPU image, not in constraints.txt
+        make_wheel(pre, name, version)
 
     mc = md.distribution("megatron-core")
     make_wheel(wh, "megatron_core", mc.version, requires=mc.requires, extras=mc.metadata.get_all("Provides-Extra"),
@@ -176,6 +185,7 @@ def parts(tmp_path_factory):
         standin_like_installed(wh, name)
     make_wheel(wh, "importlib_metadata", "8.7.0", requires=["zipp>=3.20"])
     make_wheel(wh, "zipp", "3.23.0")
+    make_wheel(wh, "onnxscript", "0.7.2", requires=["onnx>=1.16"])  # a node without it: from the wheelhouse
     make_wheel(wh, "psutil", PINS["psutil"])
     make_wheel(wh, "psutil", "99.0")  # newer than the pin: the pin must win
     # the build tools a bare Python 3.12 venv lacks (wheel: the copy setuptools carries)
@@ -270,6 +280,16 @@ def test_missing_artifacts_each_named_before_anything_installs(parts, node, tmp_
 
 
 @pytest.mark.slow  # venvs and pip runs
+def test_the_bindings_import_requirements_are_needed(parts, node, tmp_path):
+    """`import transformer_engine.pytorch` imports onnxscript: a node without it, and a wheelhouse
+    without it, are refused before the build rather than after it."""
+    wh = copy_wh(parts, tmp_path / "wh", drop=("onnxscript",))
+    check_refused(node, wh, tmp_path / "log", [
+        ("error: 1 problem(s)",),
+        ("missing or refused: onnxscript (needed by transformer_engine_torch 2.11.0): no wheel for this Python",)])
+
+
+@pytest.mark.slow  # venvs and pip runs
 def test_cpu_torch_is_refused_with_one_line(parts, node, tmp_path):
     wh = copy_wh(parts, tmp_path / "wh")
     check_refused(node, wh, tmp_path / "log", [
@@ -329,6 +349,7 @@ def test_install_builds_the_binding_once_and_the_next_node_reuses_it(parts, tmp_
     for name in ("pydantic", "pydantic-core", "typing-extensions", "packaging", "setuptools"):
         assert versions[name] == PINS[name], name
     assert "wheel" in versions and "importlib-metadata" in versions
+    assert versions["onnxscript"] == "0.7.2" and versions["onnx"] == "1.23.1"  # the binding's, the image's onnx
 
     # the next node gets the wheelhouse with the built wheel in it: no build
     kept_mtime = kept.stat().st_mtime_ns

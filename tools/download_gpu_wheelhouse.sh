@@ -42,8 +42,9 @@ grep -v -i '^torch==' "$ROOT/constraints.txt" >"$WORK/constraints.txt"
 python3 -m pip download --dest "$DIR" "${TARGET[@]}" --no-deps \
   megatron-core==0.16.1 "transformer_engine_${CU}==$TE" "transformer_engine==$TE"
 
-# What they need besides torch, this project's runtime requirements (setup.py) and the binding's
-# build tools, with their dependencies, at constraints.txt's versions
+# What they need besides torch (the binding imports onnx and onnxscript), this project's runtime
+# requirements (setup.py) and the binding's build tools, with their dependencies, at
+# constraints.txt's versions
 mapfile -t PROJECT < <(python3 - "$ROOT/setup.py" <<'PY'
 import ast, sys
 tree = ast.parse(open(sys.argv[1]).read())
@@ -53,7 +54,7 @@ print("\n".join(r for r in reqs if not r.startswith(("torch", "megatron-core")))
 PY
 )
 python3 -m pip download --dest "$DIR" "${TARGET[@]}" -c "$WORK/constraints.txt" \
-  numpy "packaging>=24.2" pydantic "importlib-metadata>=1.0" setuptools wheel "${PROJECT[@]}"
+  numpy "packaging>=24.2" pydantic "importlib-metadata>=1.0" einops onnx onnxscript setuptools wheel "${PROJECT[@]}"
 
 # The binding's sdist: pip download would build its metadata, which needs a CUDA torch, so fetch the
 # file the index lists and check it against the index's sha256

@@ -141,6 +141,11 @@ def installed(name):
         return None
 
 
+def requires_dist(text):
+    return [v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)
+            if k == "Requires-Dist"]
+
+
 def wheel_requires(path):
     try:
         with zipfile.ZipFile(path) as z:
@@ -149,8 +154,17 @@ def wheel_requires(path):
     except (OSError, zipfile.BadZipFile, StopIteration, UnicodeDecodeError) as e:
         problems.append(f"{path}: not a readable wheel ({type(e).__name__}: {e})")
         return []
-    return [v.strip() for k, v in (ln.split(":", 1) for ln in text.splitlines() if ":" in ln)
-            if k == "Requires-Dist"]
+    return requires_dist(text)
+
+
+def sdist_member(path, name):
+    """The text of NAME at the sdist's top level ("" if absent)."""
+    with tarfile.open(path) as t:
+        top = t.getnames()[0].split("/")[0]
+        try:
+            return t.extractfile(f"{top}/{name}").read().decode("utf-8")
+        except KeyError:
+            return ""
 
 
 picked = {}  # name -> (version, wheel path): what pip is told to install from the wheelhouse
@@ -230,6 +244,13 @@ if te is not None:
         need(f"{core}=={te}", "TransformerEngine")
     if te in wheels.get("transformer-engine", {}):
         need(f"transformer-engine=={te}", "TransformerEngine", with_deps=False)  # its deps are extras
+# The binding's own requirements are needed at import: `import transformer_engine.pytorch` imports
+# onnx and onnxscript (TE 2.11). Its pin of a TE core wheel is left out: the sdist names the CUDA
+# major it was packaged for (cu12), and the core wheel for torch's is needed above.
+if built is not None or sdist is not None:
+    for req in wheel_requires(built) if built is not None else requires_dist(sdist_member(sdist, "PKG-INFO")):
+        if not canonicalize_name(Requirement(req).name).startswith("transformer-engine"):
+            need(req, f"transformer_engine_torch {te}")
 
 if te is not None and mc[0] is not None:
     if te_range is None:
@@ -244,14 +265,7 @@ if te is not None and mc[0] is not None:
 
 # Building the binding without isolation needs its build requirements in this interpreter
 if built is None and sdist is not None:
-    with tarfile.open(sdist) as t:
-        top = t.getnames()[0].split("/")[0]
-        def member(n):
-            try:
-                return t.extractfile(f"{top}/{n}").read().decode("utf-8")
-            except KeyError:
-                return ""
-        pyproject, setup_py = member("pyproject.toml"), member("setup.py")
+    pyproject, setup_py = sdist_member(sdist, "pyproject.toml"), sdist_member(sdist, "setup.py")
     m = re.search(r"^requires\s*=\s*(\[.*?\])", pyproject, re.M | re.S)
     build_reqs = ast.literal_eval(m.group(1)) if m else ["setuptools"]
     if re.search(r"^\s*(from|import) wheel\b", setup_py, re.M):
@@ -313,7 +327,7 @@ PY
 else
   echo "using the binding built before: $(basename "$BUILT_WHEEL") (no build)"
 fi
-# --no-deps: its declared deps (onnx, onnxscript, einops, ...) are optional at import time
+# --no-deps: its requirements were checked and installed above (REQS), without its TE core pin
 "${PIP[@]}" --no-deps "$BUILT_WHEEL"
 
 "$PY" - <<'PY'

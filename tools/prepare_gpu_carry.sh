@@ -17,12 +17,16 @@
 #                    benchmark's conditional rows.
 #   .te/             with --te: TransformerEngine for tools/install_gpu_offline.sh, the smallest
 #                    wheelhouse that image needs (.te/wh: TE's meta wheel, the binding's sdist,
-#                    pydantic, importlib-metadata, megatron-core, zstandard, zipp, packaging,
-#                    typing-extensions, SHA256SUMS) and TE's core wheel split into pieces that fit
-#                    one call each (.te/pieces, PIECE_SIZE, default 45M): the core wheel alone is
-#                    179 MB and a call carries at most 64 MiB.
+#                    pydantic, importlib-metadata, lazy-importer, megatron-core, zstandard, zipp,
+#                    packaging, typing-extensions, SHA256SUMS) and TE's core wheel split into
+#                    pieces that fit one call each (.te/pieces, PIECE_SIZE, default 45M): the core
+#                    wheel alone is 179 MB and a call carries at most 64 MiB. With TE_BUILD_PYTHON,
+#                    also the PyTorch binding built here, so that the node skips its build.
 #
-# Environment: PAPER_CODE, PIECE_SIZE, CU (cu13: the image's torch), TE_VERSION (2.11.0).
+# Environment: PAPER_CODE, PIECE_SIZE, CU (cu13: the image's torch), TE_VERSION (2.11.0),
+# TE_BUILD_PYTHON (a scratch Python 3.12 environment holding the image's CUDA torch, e.g. PyPI's
+# torch==2.11.0: tools/install_gpu_offline.sh installs TE into it and builds the binding, which needs
+# nvcc and CUDA_HOME; docs/gpu.md, "The image's Python 3.12, checked on a CPU").
 # Ends with the bytes each call would carry; the default carry (repository + .whl +
 # .cache/genbench) must stay under 60 MiB.
 set -euo pipefail
@@ -81,13 +85,19 @@ if [[ $TE == 1 ]]; then
   trap 'rm -rf "$FULL"' EXIT
   tools/download_gpu_wheelhouse.sh "$FULL" "$CU" "$TEV"
   rm -rf .te && mkdir -p .te/wh .te/pieces
-  # what the image lacks (its package list: no pydantic, importlib-metadata, megatron-core, zstandard),
-  # and the few small ones whose version there is unknown (the install script takes them only if needed)
+  # what the image lacks (its package list: no pydantic, importlib-metadata, megatron-core, zstandard)
+  # with their dependencies (importlib-metadata 10 needs lazy-importer, which a Python 3.12 image
+  # lacks too), and the few small ones whose version there is unknown (the install script takes them
+  # only if needed)
   for pattern in "transformer_engine-$TEV-" "transformer_engine_torch-$TEV.tar.gz" pydantic- pydantic_core- \
-                 annotated_types- typing_inspection- importlib_metadata- megatron_core- zstandard- zipp- \
-                 packaging- typing_extensions-; do
+                 annotated_types- typing_inspection- importlib_metadata- lazy_importer- megatron_core- \
+                 zstandard- zipp- packaging- typing_extensions-; do
     find "$FULL" -maxdepth 1 -name "$pattern*" -exec cp {} .te/wh/ \;
   done
+  if [[ -n "${TE_BUILD_PYTHON:-}" ]]; then  # the install keeps the wheel it builds in the wheelhouse
+    PYTHON=$TE_BUILD_PYTHON tools/install_gpu_offline.sh "$FULL"
+    cp "$FULL"/transformer_engine_torch-"$TEV"-*.whl .te/wh/
+  fi
   core=$(cd "$FULL" && ls transformer_engine_"${CU}"-"$TEV"-*.whl)
   (cd .te/wh && sha256sum -- * >SHA256SUMS && grep "  $core\$" "$FULL/SHA256SUMS" >>SHA256SUMS)
   split -b "${PIECE_SIZE:-45M}" -d -a 1 "$FULL/$core" ".te/pieces/$core.part-"
