@@ -99,14 +99,12 @@ def profile_steps(trainer, steps: int, trace: str | None = None) -> Breakdown:
 def linked_ids(prof):
     """event -> the id of the op it belongs to (a kernel, a CUDA runtime call), 0 for an op itself.
     torch >= 2.12 keeps it on the event (`linked_correlation_id`); older ones (the GPU image has
-    2.11) only on kineto's raw events (`kineto_links`)."""
+    2.11) only on kineto's raw events (`kineto_links`), read only where the events lack it."""
+    events = prof.events()
+    if events and hasattr(events[0], "linked_correlation_id"):
+        return lambda e: e.linked_correlation_id
     links = kineto_links(prof)
-
-    def linked(e) -> int:
-        if hasattr(e, "linked_correlation_id"):
-            return e.linked_correlation_id
-        return links.get(event_key(e), 0)
-    return linked
+    return lambda e: links.get(event_key(e), 0)
 
 
 def kineto_links(prof) -> dict:
