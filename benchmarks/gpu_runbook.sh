@@ -13,7 +13,8 @@
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
 #        local fused
-#   b2   the profile breakdown of the 1.7B step: sdpa, local, sdpa at the paper's 32k vocabulary
+#   b2   the profile breakdown of the 1.7B step: sdpa, local, then the optimizer step without TE
+#        (megatron-core's fallback vs foreach + fused AdamW), then sdpa at the paper's 32k vocabulary
 #   c    the paper's step beside ours, vocabulary 32,001 (needs .cache/genbench/paper)
 #   c2   the same at the Nemotron vocabulary, 131,072
 #   d    generation throughput, unconditional at the 1.7B shape, L = 2048, T 16 and 64, every family
@@ -189,6 +190,8 @@ case $STAGE in
     install_wheels
     profile profile_sdpa sdpa 1
     profile profile_local local 0
+    step optimizer_step 150 "$PY benchmarks/bench_optimizer_step.py --preset $PRESET --vocab $VOCAB \
+--steps $((STEPS * 2)) --rounds 3"
     step data_32k 120 "benchmarks/demo_corpus_32k.sh /tmp/demo32k"
     profile profile_sdpa_32k sdpa 0 --data-path /tmp/demo32k/shakespeare32k_text_document \
       --tokenizer-type SentencePieceTokenizer --tokenizer-model /tmp/demo32k/spm32k.model

@@ -155,3 +155,21 @@ def test_a_checkpoint_of_an_earlier_version_resumes(old_checkpoint, pretrain):
     # the same steps as the version that wrote it took (exactly, on the CPU it was recorded on)
     assert [r["loss"] for r in trained] == pytest.approx(OLD_RESUMED_LOSSES, rel=1e-5)
     assert CheckpointMeta.read(str(old_checkpoint / "iter_0000005")).consumed_samples == 20
+
+
+def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(old_checkpoint, demo_cache):
+    """torch restores the saved param groups' kernel choice (here torch's default, from before
+    training used the fused kernel); the run puts its own back, with the step counts it reads."""
+    from megatron_dllm import platform
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.trainer import Trainer
+
+    try:
+        trainer = Trainer(parse_args([*OLD_RUN, "--demo-cache-dir", demo_cache, "--train-iters", "5",
+                                      "--load", str(old_checkpoint)]))
+        adam = trainer.optimizer.optimizer
+        assert trainer.iteration == 3 and all(g["fused"] and not g["foreach"] for g in adam.param_groups)
+        assert {(s["step"].item(), s["step"].device == p.device) for p, s in adam.state.items()} == {(3.0, True)}
+    finally:
+        platform.destroy_distributed()
+

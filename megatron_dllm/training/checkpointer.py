@@ -26,6 +26,7 @@ from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
 from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.yaml_config import write_resolved
+from megatron_dllm.training.optim import fuse_adam
 
 
 def claim_save_dir(ckpt: CheckpointConfig) -> None:
@@ -71,6 +72,8 @@ class Checkpointer:
         if plan.path is not None:
             training_state.load_checkpoint(plan, self.model, self.optimizer, self.scheduler, self.ema,
                                            log=self.logger.info)
+            if plan.optimizer:
+                fuse_adam(self.optimizer)
         else:
             for note in plan.notes:
                 self.logger.info(note)
