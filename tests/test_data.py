@@ -141,6 +141,23 @@ def test_malformed_files_raise_naming_file(tmp_path, case, ext, kwargs, expected
     assert path in str(err.value) and "byte offset" in str(err.value)
 
 
+@pytest.mark.parametrize("command", ["merge_datasets", "build_indexes"])
+def test_a_malformed_dataset_is_one_error_line_from_the_commands_that_read_it(tmp_path, capsys, sp_model, command):
+    import importlib
+
+    prefix = str(tmp_path / "d_text_document")
+    _write_ours(prefix, _random_docs(10, vocab=4000), np.uint16)
+    path = _corrupt(prefix, ".bin", truncate=50)
+    main = importlib.import_module(f"megatron_dllm.cli.{command}").main
+    argv = (["--input", prefix, "--output-prefix", str(tmp_path / "merged")] if command == "merge_datasets" else
+            ["--preset", "cpu-micro", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--train-iters", "2", "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", sp_model,
+             "--data-path", prefix])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {path} at byte offset 50: ") and "truncated" in err and "\n" not in err
+
+
 def test_missing_file_raises(tmp_path):
     prefix = str(tmp_path / "d")
     _write_ours(prefix, _random_docs(3), np.uint16)

@@ -47,8 +47,9 @@ CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _CHUNK = 1 << 22  # elements per chunk of a scan (bounded memory)
 
 
-class DatasetFormatError(ValueError):
-    """A `.bin/.idx` pair that megatron-core would misread or crash on."""
+class DatasetFormatError(InputError):
+    """A `.bin/.idx` pair that megatron-core would misread or crash on: bad input, named with its
+    file and byte offset."""
 
 
 def idx_path(prefix: str) -> str:
