@@ -93,6 +93,13 @@ CASES = [
      "(10 iterations"),
     ("warmup_before_decay", ["--train-iters", "100", "--lr-warmup-iters", "8", "--lr-decay-iters", "8"], None, False,
      "must be shorter than the decay (8 iterations"),
+    ("lr_range", ["--lr", "1e-4", "--min-lr", "1e-3"], None, False,
+     "--min-lr 0.001 is above --lr 0.0001: the schedule decays from --lr down to --min-lr"),
+    ("lr_range", ["--min-lr", "2e-3"], None, True, "--min-lr 0.002 is above --lr 0.001"),  # the demo's default --lr
+    ("layout", ["--preset", "cpu-tiny", "--hidden-size", "66"], None, False,
+     "--hidden-size 66 is not a multiple of --num-attention-heads 4: every head takes hidden-size / heads channels"),
+    ("layout", ["--preset", "cpu-tiny", "--hidden-size", "36"], None, False,
+     "--hidden-size 36 / --num-attention-heads 4 = 9 channels per head: rotary embeddings need an even number"),
 ]
 if not platform.HAS_TE:
     CASES += [("kernels", ["--transformer-impl", "transformer_engine"], 1, False, NO_TE),
@@ -141,6 +148,20 @@ def test_a_good_configuration_passes_at_every_stage(flags, world_size):
         config = validate(resolve_iterations(config, vocab_size=4097), world_size)
         assert config.training.train_iters >= 1 and config.training.train_flops is None
         assert config.training.train_samples is None and config.data.train_data_path is None
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--lr", "-1", "a finite number >= 0"), ("--min-lr", "nan", "a finite number >= 0"),
+    ("--weight-decay", "-0.1", "a finite number >= 0"), ("--clip-grad", "-1", "a finite number >= 0"),
+    ("--adam-beta1", "1.5", "a number in [0, 1)"), ("--adam-beta2", "1", "a number in [0, 1)"),
+    ("--adam-eps", "0", "a positive finite number"), ("--seed", "-1", "an integer in [0, 2**32)"),
+    ("--seed", str(2**32), "an integer in [0, 2**32)"),
+])
+def test_optimizer_and_seed_values_out_of_range_are_refused_when_parsed(capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as exit_:
+        parse_flags([flag, value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: argument {flag}: expected {expected}, got {value}"]
 
 
 def test_parse_args_reports_a_broken_rule_as_one_error_line(capsys):

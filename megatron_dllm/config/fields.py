@@ -94,6 +94,20 @@ def fraction(text: str) -> float:
     return value
 
 
+def adam_beta(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
+def seed_value(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**32:  # numpy's seeds
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {text}")
+    return value
+
+
 def finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):

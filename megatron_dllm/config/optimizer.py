@@ -3,22 +3,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, fraction, non_negative_int, positive_int
+from megatron_dllm.config.fields import (
+    FlagGroup,
+    adam_beta,
+    flag,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 
 @dataclass(frozen=True)
 class OptimizerConfig(FlagGroup):
     GROUP = "optimizer and learning rate"
-    weight_decay: float = flag(0.1, type=float, help="AdamW weight decay")
+    weight_decay: float = flag(0.1, type=non_negative_float, help="AdamW weight decay")
     apply_wd_to_all_params: bool = flag(False, action="store_true",
                                         help="decay biases and norm weights too (the paper's code); default: "
                                              "Megatron's, which exempts biases and 1-D parameters")
-    adam_beta1: float = flag(0.9, type=float, help="AdamW beta1")
-    adam_beta2: float = flag(0.95, type=float, help="AdamW beta2")
-    adam_eps: float = flag(1e-8, type=float, help="AdamW epsilon")
-    clip_grad: float = flag(1.0, type=float, help="gradient-norm clipping")
-    lr: float | None = flag(type=float, help="default 2e-4 (1e-3 on the demo)")
-    min_lr: float | None = flag(type=float, help="default lr/10")
+    adam_beta1: float = flag(0.9, type=adam_beta, help="AdamW beta1")
+    adam_beta2: float = flag(0.95, type=adam_beta, help="AdamW beta2")
+    adam_eps: float = flag(1e-8, type=positive_float, help="AdamW epsilon")
+    clip_grad: float = flag(1.0, type=non_negative_float, help="gradient-norm clipping (0: none)")
+    lr: float | None = flag(type=non_negative_float, help="default 2e-4 (1e-3 on the demo)")
+    min_lr: float | None = flag(type=non_negative_float, help="default lr/10")
     lr_warmup_iters: int | None = flag(type=non_negative_int, help="warmup iterations")
     lr_warmup_fraction: float | None = flag(type=fraction, help="warmup as a fraction of the run")
     lr_warmup_min_iters: int = flag(0, type=non_negative_int,

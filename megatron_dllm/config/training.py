@@ -10,6 +10,7 @@ from megatron_dllm.config.fields import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    seed_value,
 )
 
 
@@ -31,7 +32,7 @@ class TrainingConfig(FlagGroup):
                           "and no noise in, prompt tokens; start from a pretrained model with --load ... --finetune")
     train_epochs: float | None = flag(type=finite_float, help="--sft: passes over the training rows "
                                                               "(rounded up to whole global batches)")
-    seed: int = flag(1234, type=int, help="seeds weights, data order and noise")
+    seed: int = flag(1234, type=seed_value, help="seeds weights, data order and noise")
     ema_decay: float | None = flag(type=float, help="keep an fp32 exponential moving average of the weights with "
                                                     "this decay, saved in checkpoints under 'ema'")
     # ---- leaving early and numerical guards (Megatron-LM's names and meanings)

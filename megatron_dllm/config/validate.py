@@ -116,6 +116,13 @@ def warmup_flags(config, world_size=None) -> None:
         raise InputError("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
 
 
+def lr_range(config, world_size=None) -> None:
+    optimizer = config.optimizer
+    if optimizer.lr is not None and optimizer.min_lr is not None and optimizer.min_lr > optimizer.lr:
+        raise InputError(f"--min-lr {optimizer.min_lr} is above --lr {optimizer.lr}: the schedule decays from "
+                         f"--lr down to --min-lr")
+
+
 def warmup_before_decay(config, world_size=None) -> None:
     optimizer, train_iters = config.optimizer, config.training.train_iters
     decay = optimizer.lr_decay_iters or train_iters
@@ -255,6 +262,6 @@ def profile(config, world_size=None) -> None:
                          "its traces")
 
 
-RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, recompute, profile, tokenizer_with_data,
-         tokenizer_options, sft_data, family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels,
-         warmup_before_decay)
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, recompute, profile,
+         tokenizer_with_data, tokenizer_options, sft_data, family_loss, family_settings, attention_anneal, backbone,
+         layout, batch, kernels, warmup_before_decay)

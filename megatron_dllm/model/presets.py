@@ -23,8 +23,9 @@ class Preset:
         return 4 * self.hidden_size
 
     def check_layout(self, tp: int, pp: int, vpp: int | None) -> None:
-        """These sizes split over a parallel layout (checked for a run by config/validate.py, and
-        for the converters that write a checkpoint at a chosen layout by model/builder.py)."""
+        """These sizes split over a parallel layout, and into heads of an even size (rotary
+        embeddings turn channel pairs); checked for a run by config/validate.py, and for the
+        converters that write a checkpoint at a chosen layout by model/builder.py."""
         if self.num_attention_heads % tp:
             raise InputError(f"--tensor-model-parallel-size {tp} does not divide the number of attention "
                              f"heads {self.num_attention_heads} of this preset")
@@ -32,6 +33,13 @@ class Preset:
         if self.num_layers % chunks:
             raise InputError(f"--pipeline-model-parallel-size {pp} x --virtual-pipeline-model-parallel-size "
                              f"{vpp or 1} = {chunks} does not divide the {self.num_layers} layers of this preset")
+        if self.hidden_size % self.num_attention_heads:
+            raise InputError(f"--hidden-size {self.hidden_size} is not a multiple of --num-attention-heads "
+                             f"{self.num_attention_heads}: every head takes hidden-size / heads channels")
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise InputError(f"--hidden-size {self.hidden_size} / --num-attention-heads {self.num_attention_heads} = "
+                             f"{self.hidden_size // self.num_attention_heads} channels per head: rotary embeddings "
+                             f"need an even number")
 
 
 # name -> (n_embed, n_layers, n_heads), verbatim from the paper's table.
