@@ -133,6 +133,13 @@ def test_model_info_reports_both_conventions(capsys):
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["train_flops_per_seq_calflops"] == 70_374_144 and info["family"] == "ar"
     assert info["train_flops_per_seq_full"] == 3 * info["fwd_flops_per_seq_full"] > info["train_flops_per_seq_calflops"]
+    # BD3-LM's model runs on [x_t ; x_0]: its sequence costs what the trainer counts per sample
+    _tool("model_info").main(["--preset", "cpu-tiny", "--vocab-size", "4097", "--seq-length", "32", "--family", "bd3lm",
+                              "--json"])
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for convention in ("calflops", "full"):
+        assert info[f"train_flops_per_seq_{convention}"] == train_flops_per_sample(
+            get_preset("cpu-tiny"), 4097, 32, "bd3lm", convention) > 70_374_144
 
 
 # ------------------------------------------------------------------ budgets and planning

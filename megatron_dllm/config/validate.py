@@ -263,5 +263,5 @@ def profile(config, world_size=None) -> None:
 
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, recompute, profile,
-         tokenizer_with_data, tokenizer_options, sft_data, family_loss, family_settings, attention_anneal, backbone,
+         tokenizer_with_data, tokenizer_options, family_loss, family_settings, attention_anneal, backbone,
          layout, batch, kernels, warmup_before_decay)
