@@ -4,10 +4,16 @@ A flag, a file, a dataset or a checkpoint that the user can fix raises `InputErr
 print its message as one `error: ...` line and exit 2. Every other exception is a bug and keeps
 its traceback (exit 1). `InputError` is a ValueError, so code that catches ValueError still does.
 """
+import os
 
 
 class InputError(ValueError):
     """Bad input the user can fix; the message names the flag or file."""
+
+
+def not_a_file(path: str) -> str:
+    """Why `path`, expected to be a file, is not one: a directory there, or nothing."""
+    return "a directory, not a file" if os.path.isdir(path) else "no such file"
 
 
 def read_text(path: str, at) -> str:

@@ -73,6 +73,15 @@ def test_plan_resume_restores_everything_and_continues():
     assert _plan(TRAINED, no_load_optim=True, no_load_rng=True).describe() == "weights"
 
 
+def test_plan_names_a_load_path_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for path, what in [(tmp_path / "afile", "is a file, not a checkpoint directory"),
+                       (tmp_path / "missing", "does not exist"), (tmp_path, "holds no checkpoint")]:
+        with pytest.raises(CheckpointError, match=rf"^--load {path} {what} \(expected "):
+            plan_load(CheckpointConfig(load=str(path)), None, None, identity=IDENTITY, layout=(1, 1, 1),
+                      optimizer=True, ema=False, data_path=[], tokenizer_model=None)
+
+
 def test_plan_reshard_leaves_the_rng_states_out():
     plan = _plan(TRAINED, layout=(1, 2, 1))
     assert plan.reshard and not plan.rng and plan.optimizer

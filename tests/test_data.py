@@ -23,6 +23,7 @@ from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.demo import prepare_demo_corpus, shakespeare_files
 from megatron_dllm.data.prep.preprocess import preprocess
 from megatron_dllm.data.tokenizers import build_tokenizer
+from megatron_dllm.errors import InputError
 
 # ---------------------------------------------------------------- fixtures
 
@@ -224,8 +225,10 @@ def test_huggingface_tokenizer(tmp_path, paragraphs):
 def test_tokenizer_errors_name_flags(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer-type 'GPT3'"):
         build_tokenizer("GPT3", "x")
-    with pytest.raises(ValueError, match="--tokenizer-model .*missing.model.*file not found"):
+    with pytest.raises(ValueError, match="--tokenizer-model .*missing.model.*: no such file, expected a SentencePiece"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "missing.model"))
+    with pytest.raises(ValueError, match="--tokenizer-model .*: a directory, not a file, expected a SentencePiece"):
+        build_tokenizer("SentencePieceTokenizer", str(tmp_path))
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(ValueError, match="--tokenizer-model .*junk.model.*not a loadable"):
         build_tokenizer("SentencePieceTokenizer", str(tmp_path / "junk.model"))
@@ -324,6 +327,9 @@ def test_parse_data_path():
     assert parse_data_path(["a"]) == (["a"], None)
     assert parse_data_path(["a", "b"]) == (["a", "b"], None)
     assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(InputError, match=r"^--data-path: 3 items, starting with the weight 0.5: a weighted blend is "
+                                         r"pairs of weight and prefix$"):
+        parse_data_path(["0.5", "a", "0.5"])
 
 
 @pytest.mark.parametrize("add_extra_token", [True, False])

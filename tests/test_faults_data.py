@@ -179,6 +179,16 @@ def test_key_missing_from_every_record_stops_naming_the_keys_there(tmp_path, sp_
     assert open(st.rejections_file).read().count("\tmissing_key\n") == 3
 
 
+def test_a_run_that_writes_no_document_stops_and_publishes_nothing(tmp_path, sp_model):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_bytes(_jsonl(["", ""]))
+    for name, message in [("empty", r"no document for key 'text' in its 0 records; nothing written"),
+                          ("blank", r"no document for key 'text' in its 2 records \(rejected: 2 empty_text\)")]:
+        with pytest.raises(ValueError, match=rf"--input .*{name}.jsonl: {message}"):
+            preprocess([str(tmp_path / f"{name}.jsonl")], str(tmp_path / "out" / name), SP, sp_model, **QUIET)
+    assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+
+
 # ---------------------------------------------------------------- read-only / full output disk
 
 

@@ -450,7 +450,10 @@ def test_progress_display_and_log_lines(capsys):
 def test_cli_flags_and_errors(tmp_path, corpus, sp_model):
     r = _tool("preprocess_data.py", "--input", tmp_path / "none*.jsonl", "--output-prefix", tmp_path / "x",
               "--tokenizer-type", SP, "--tokenizer-model", sp_model)
-    assert r.returncode == 2 and "no such file" in r.stderr
+    assert r.returncode == 2 and f"--input '{tmp_path / 'none*.jsonl'}': no file matches" in r.stderr
+    r = _tool("preprocess_data.py", "--input", tmp_path, "--output-prefix", tmp_path / "x",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model)
+    assert r.returncode == 2 and f"--input '{tmp_path}': a directory, not a file" in r.stderr
     r = _tool("preprocess_data.py", "--input", corpus["jsonl"][0], "--output-prefix", tmp_path / "x",
               "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--tiktoken-pattern", "o200k")
     assert r.returncode == 2 and "TikTokenizer only" in r.stderr

@@ -69,7 +69,8 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
             return LoadPlan(NOTHING, layout)
         if ckpt.save and os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save):  # the resume idiom
             return LoadPlan(NOTHING, layout, notes=(f"no checkpoint in {ckpt.load}: starting from iteration 0",))
-        what = "holds no checkpoint" if os.path.isdir(ckpt.load) else "does not exist"
+        what = ("holds no checkpoint" if os.path.isdir(ckpt.load) else
+                "is a file, not a checkpoint directory" if os.path.exists(ckpt.load) else "does not exist")
         raise CheckpointError(f"--load {ckpt.load} {what} (expected {TRACKER} or iter_XXXXXXX directories, "
                               f"or a checkpoint directory itself)")
     path = found.path

@@ -55,20 +55,27 @@ from megatron_dllm.errors import InputError
 Blend = Tuple[List[str], Optional[List[float]]]
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_data_path(data_path: Sequence[str], flag: str = "--data-path") -> Blend:
     """Megatron's `prefix` | `p1 p2 ...` | `w1 p1 w2 p2 ...` -> (prefixes, weights or None)."""
     items = [str(x) for x in data_path]
     if not items:
         raise InputError(f"{flag}: no dataset prefix given")
-    if len(items) % 2 == 0:
-        try:
-            weights = [float(w) for w in items[0::2]]
-        except ValueError:
-            weights = None
-        if weights is not None:
-            if not all(math.isfinite(w) and w > 0 for w in weights):
-                raise InputError(f"{flag}: weights must be positive finite numbers, got {weights}")
-            return items[1::2], weights
+    if len(items) % 2 and len(items) > 1 and _is_number(items[0]):
+        raise InputError(f"{flag}: {len(items)} items, starting with the weight {items[0]}: a weighted blend is "
+                         f"pairs of weight and prefix")
+    if len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
+        weights = [float(w) for w in items[0::2]]
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise InputError(f"{flag}: weights must be positive finite numbers, got {weights}")
+        return items[1::2], weights
     return items, None
 
 

@@ -21,7 +21,7 @@ import os
 from typing import Iterable, List, Optional
 
 from megatron_dllm.data.tokenizers import _bad_model, _Tokenizer
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, not_a_file
 
 PATTERNS = ("v1", "v2")
 DEFAULT_PATTERN = "v2"
@@ -63,7 +63,7 @@ class MegatronTikTokenizer(_Tokenizer):
         self.id_options = {"tiktoken_pattern": self.pattern, "tiktoken_num_special_tokens": n_special,
                            "tokenizer_special_tokens": list(specials), "vocab_size": size}
         if not os.path.isfile(model_path):
-            raise _bad_model(self.name, model_path, "file not found, expected Megatron-LM's JSON vocabulary")
+            raise _bad_model(self.name, model_path, f"{not_a_file(model_path)}, expected Megatron-LM's JSON vocabulary")
         self.model_path = os.path.abspath(model_path)
         try:
             built = core.TikTokenTokenizer(self.model_path, special_tokens=specials, num_special_tokens=n_special,

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Iterable, List, Optional, Tuple
 
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, not_a_file
 
 MASK_PIECES = ("<mask>", "[MASK]")
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer", "TikTokenizer")
@@ -87,7 +87,7 @@ class SentencePieceTokenizer(_Tokenizer):
         import sentencepiece
 
         if not os.path.isfile(model_path):
-            raise _bad_model(self.name, model_path, "file not found, expected a SentencePiece .model file")
+            raise _bad_model(self.name, model_path, f"{not_a_file(model_path)}, expected a SentencePiece .model file")
         self.model_path = os.path.abspath(model_path)
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
@@ -210,7 +210,7 @@ class TikTokenizer(_Tokenizer):
             raise InputError("--tokenizer-type TikTokenizer needs the `tiktoken` package "
                              "(pip install tiktoken)") from None
         if not os.path.isfile(model_path):
-            raise _bad_model(self.name, model_path, "file not found, expected a .tiktoken file of "
+            raise _bad_model(self.name, model_path, f"{not_a_file(model_path)}, expected a .tiktoken file of "
                                                     "`base64token rank` lines")
         self.model_path = os.path.abspath(model_path)
         self.pattern = pattern or DEFAULT_TIKTOKEN_PATTERN

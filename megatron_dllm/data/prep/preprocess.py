@@ -129,7 +129,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
             tokens = writer.add(encoded, records, seen, chunk.blank_lines)
             bar.update(records, tokens, chunk.bytes_done)
         bar.close()
-        writer.check_counts()
+        writer.check_counts(whole_run=not options.sharded)
         # Everything is written in full before anything is renamed into place (a full disk fails
         # here, publishing nothing). Then: rejections report, datasets with their sidecars, marker last.
         writer.prepare()

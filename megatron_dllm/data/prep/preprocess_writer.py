@@ -99,16 +99,22 @@ class PreprocessWriter:
             where = f"{path} row {pos}" if file_format(path) == "parquet" else f"{path}:{pos}"
             self.log(f"{self.label}rejected {where} [{key}]: {reason}")
 
-    def check_counts(self) -> None:
-        """Every record read is written or rejected, per key; a key that no record has is an error."""
+    def check_counts(self, whole_run: bool) -> None:
+        """Every record read is written or rejected, per key; a key that no record has is an error,
+        and so, for a whole run (a shard may hold none), is a key with no document written: its
+        empty dataset would look finished."""
         stats, files = self.stats, self.files
+        inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
         for key, ks in stats.keys.items():
             assert stats.read == ks.written + sum(ks.rejected.values()), key
             if stats.read and ks.rejected["missing_key"] == stats.read:
-                inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
                 raise InputError(f"--json-keys {key}: none of the {stats.read} records of {inputs_read} "
                                  f"has this key (or a non-null value for it); their keys are "
                                  f"{sorted(self._seen_keys)}")
+            if whole_run and not ks.written:
+                rejected = ", ".join(f"{n} {reason}" for reason, n in sorted(ks.rejected.items()) if n)
+                raise InputError(f"--input {inputs_read}: no document for key {key!r} in its {stats.read} records"
+                                 + (f" (rejected: {rejected})" if rejected else "") + "; nothing written")
 
     def prepare(self) -> None:
         """Write every temporary in full: what can run out of space fails here, publishing nothing."""

@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, List, Sequence, Tuple
 
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, not_a_file
 
 COMPRESSIONS = (".gz", ".zst")
 
@@ -66,7 +66,8 @@ def expand_inputs(patterns: Sequence[str]) -> List[str]:
         matches = glob.glob(pattern) if glob.has_magic(pattern) else [pattern]
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
-            raise InputError(f"--input {pattern!r}: no such file")
+            raise InputError(f"--input {pattern!r}: " + ("no file matches" if glob.has_magic(pattern) else
+                                                          not_a_file(pattern)))
         files.update(os.path.normpath(m) for m in matches)
     return sorted(files)
 
