@@ -122,6 +122,7 @@ def _one_error(capsys, call) -> str:
     ("launch:\n  world-size: two\n", ":2: launch: world-size must be a positive integer, got 'two'"),
     ("launch:\n  world-size: true\n", ":2: launch: world-size must be a positive integer, got True"),
     ("launch:\n  world-size: [\n", ":3: not valid YAML"),
+    ("launch:\n  world-size: 2\n  directory: runs\n", ":3: launch: directory must be an absolute path, got 'runs'"),
 ])
 def test_relaunch_refuses_a_bad_configuration_in_one_line_naming_the_file(tmp_path, capsys, text, message):
     from megatron_dllm.cli import relaunch

@@ -42,9 +42,12 @@ def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
 def test_checkpoint_of_another_family_is_refused(pretrain, tmp_path):
     ckpt = tmp_path / "ckpt"
     pretrain(1, *RUN, "--family", "mdlm", "--train-iters", "1", "--save", str(ckpt))
-    proc, _ = pretrain(1, *RUN, "--family", "ar", "--hidden-size", "96", "--load", str(ckpt), check=False)
-    assert proc.returncode != 0  # every difference is named
+    new = tmp_path / "new"  # a --save made for the refused run is not left behind, empty
+    proc, _ = pretrain(1, *RUN, "--family", "ar", "--hidden-size", "96", "--load", str(ckpt), "--save", str(new),
+                       check=False)
+    assert proc.returncode == 2  # every difference is named
     assert "family: checkpoint 'mdlm' vs this run 'ar'; hidden_size: checkpoint 64 vs this run 96" in proc.stderr
+    assert not new.exists() and (ckpt / "iter_0000001").is_dir()
 
 
 def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):

@@ -92,14 +92,18 @@ def test_the_resolved_config_relaunches_the_same_run(tmp_path):
     assert parse_args(["--yaml-cfg", path]) == cfg.replace(training={"train_flops": None})
 
 
-def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp_path, capsys):
+def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp_path, capsys, monkeypatch):
     from megatron_dllm.cli import relaunch
 
-    cfg = parse_args(["--preset", "cpu-tiny", "--data-path", "/d/x", "--tokenizer-type", "SentencePieceTokenizer",
+    cfg = parse_args(["--preset", "cpu-tiny", "--data-path", "d/x", "--tokenizer-type", "SentencePieceTokenizer",
                       "--tokenizer-model", "t.model", "--train-iters", "5"])
+    (tmp_path / "launched_here").mkdir()
+    monkeypatch.chdir(tmp_path / "launched_here")
     (path,) = write_resolved(cfg, [str(tmp_path)], world_size=4)
+    monkeypatch.chdir(tmp_path)  # relaunched from elsewhere: the relative --data-path still means the same
     assert relaunch.main([path, "--dry-run", "--", "--train-iters", "9"]) == 0
     cmd = capsys.readouterr().out.split()
+    assert cmd[:3] == ["cd", str(tmp_path / "launched_here"), "&&"]
     assert cmd[-5:] == [relaunch.PRETRAIN, "--yaml-cfg", path, "--train-iters", "9"]
     assert "--nproc-per-node=4" in cmd and "--standalone" in cmd
     assert relaunch.main([path, "--dry-run", "--nproc-per-node", "2"]) == 0
@@ -107,6 +111,9 @@ def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp
     with pytest.raises(SystemExit) as exit_:  # a bad override fails before torchrun starts
         relaunch.main([path, "--dry-run", "--", "--train-iters", "0"])
     assert exit_.value.code == 2
+    (tmp_path / "launched_here").rmdir()
+    assert relaunch.main([path, "--dry-run"]) == 2
+    assert f"the run was launched from {tmp_path / 'launched_here'}, which no longer exists" in capsys.readouterr().err
     (tmp_path / "flags.yaml").write_text("preset: cpu-tiny\n")
     assert relaunch.main([str(tmp_path / "flags.yaml"), "--dry-run"]) == 2
     assert "records no world size" in capsys.readouterr().err

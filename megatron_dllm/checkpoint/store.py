@@ -226,7 +226,22 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
 
 
 def check_writable(save: str) -> None:
-    _from_rank0(lambda: layout.check_save_dir(save))
+    """Fail now if `save` cannot take a checkpoint. A directory made here is removed at exit if the
+    run leaves it empty (refused, or stopped before its first save)."""
+
+    def check():
+        if not os.path.isdir(save):
+            atexit.register(_remove_if_empty, save)  # runs after the lock's release (registered later)
+        layout.check_save_dir(save)
+
+    _from_rank0(check)
+
+
+def _remove_if_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:  # not empty (it holds checkpoints), or already gone
+        pass
 
 
 def check_free_space(save: str, estimate: int) -> None:

@@ -5,8 +5,10 @@
 
 It starts `torchrun --standalone --nproc-per-node N pretrain_dllm.py --yaml-cfg CONFIG [FLAGS]`
 on this machine, N defaulting to the world size the run was launched with (its `launch:`
-section). With `--load` equal to `--save` in the file (the resume idiom) the run continues from
-its last checkpoint. Multi-node runs pass `--yaml-cfg CONFIG` to their own launcher.
+section), in the directory the run was launched from (also recorded there), so that the file's
+relative paths (and those of the FLAGS) mean what they meant. With `--load` equal to `--save` in
+the file (the resume idiom) the run continues from its last checkpoint. Multi-node runs pass
+`--yaml-cfg CONFIG` to their own launcher.
 """
 from __future__ import annotations
 
@@ -45,10 +47,14 @@ def main(argv=None) -> int:
     nproc = args.nproc_per_node or launch.get("world-size")
     if not nproc:
         return fail(f"{args.config} records no world size (no launch: section); pass --nproc-per-node")
+    directory = launch.get("directory", os.getcwd())  # files written before it was recorded: here
+    if not os.path.isdir(directory):
+        return fail(f"{args.config}: the run was launched from {directory}, which no longer exists; its relative "
+                    f"paths mean nothing elsewhere (edit launch: directory)")
     parse_args(["--yaml-cfg", args.config, *args.flags])  # bad flags fail here, before torchrun starts
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           PRETRAIN, "--yaml-cfg", args.config, *args.flags]
+           PRETRAIN, "--yaml-cfg", os.path.abspath(args.config), *args.flags]
     if args.dry_run:
-        print(" ".join(cmd))
+        print(f"cd {directory} && " + " ".join(cmd))
         return 0
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, cwd=directory)

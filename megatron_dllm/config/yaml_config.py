@@ -85,6 +85,9 @@ class YamlFile:
                     if name == "world-size" and not (type(out[name]) is int and out[name] > 0):
                         raise InputError(f"{self.at(name_line)}: {LAUNCH}: world-size must be a positive "
                                          f"integer, got {out[name]!r}")
+                    if name == "directory" and not (isinstance(out[name], str) and os.path.isabs(out[name])):
+                        raise InputError(f"{self.at(name_line)}: {LAUNCH}: directory must be an absolute path, "
+                                         f"got {out[name]!r}")
                 return out
         return {}
 
@@ -170,8 +173,9 @@ def resolved_dict(config) -> dict:
 def write_resolved(config, directories: list[str], world_size: int | None = None) -> list[str]:
     """Write the resolved configuration as RESOLVED_NAME into each directory (temp name, then
     rename, so a reader never sees half a file), with the launch's world size in a `launch`
-    section that --yaml-cfg skips; returns the paths written."""
-    launch = {LAUNCH: {"world-size": world_size}} if world_size else {}
+    section that --yaml-cfg skips, with the launch directory; returns the paths written."""
+    # relative paths in the file are relative to the launch directory: tools/relaunch.py runs there
+    launch = {LAUNCH: {"world-size": world_size, "directory": os.getcwd()}} if world_size else {}
     text = ("# the resolved configuration of this run; re-launch with: tools/relaunch.py THIS_FILE\n"
             + yaml.safe_dump({**resolved_dict(config), **launch}, sort_keys=False))
     written = []
