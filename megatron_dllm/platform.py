@@ -42,8 +42,11 @@ except ImportError:
 
 # megatron-core warns, once per process, about each fused CUDA path it falls back from when Apex or
 # TransformerEngine is missing. On a CPU none of them could run: the run says so in one line
-# (`cpu_fallback_note`) instead. On a GPU the warnings stay, since there a missing kernel costs speed.
-CPU_FALLBACK_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex are not installed")
+# (`cpu_fallback_note`) instead, and megatron-core's advice on CUDA_DEVICE_MAX_CONNECTIONS (a CUDA
+# setting) is moot. On a GPU the warnings stay, since there a missing kernel costs speed.
+CPU_FALLBACK_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex are not installed",
+                         "When using sequence parallelism it is recommended to set the environment variable "
+                         "CUDA_DEVICE_MAX_CONNECTIONS")
 if not HAS_CUDA:
     for _message in CPU_FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=_message)

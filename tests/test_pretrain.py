@@ -36,25 +36,28 @@ def test_real_text_training_loss_falls_far_below_log_vocab(family, pretrain, tmp
 
 @pytest.mark.multiprocess
 def test_the_front_door_on_cpu_prints_only_the_runs_own_lines(demo_cache, tmp_path):
-    """README command 1 on CPU, cut to 2 iterations and with Python's warnings shown: megatron-core's
-    Apex/TransformerEngine fallback warnings give way to one line naming the fused paths a CPU does
-    without, and no other warning reaches the terminal."""
+    """README command 1 on CPU, cut to 2 iterations and with Python's warnings shown, then run again
+    (it resumes): megatron-core's Apex/TransformerEngine fallback warnings give way to one line
+    naming the fused paths a CPU does without, and no other warning reaches the terminal."""
     env = launch_env(2)  # OMP_NUM_THREADS=1, as the README gives it (else torchrun announces it)
     env.pop("PYTHONWARNINGS")  # the tests' launcher silences warnings; here they are the subject
     env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           os.path.join(REPO, "pretrain_dllm.py"), "--family", "mdlm", "--demo-cache-dir", demo_cache,
-                           "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = (proc.stdout + proc.stderr).splitlines()
-    noise = [line for line in lines if "Warning" in line or "warnings.warn" in line or "Apex" in line
-             and not line.startswith("CPU run:") or "Transformer Engine" in line or "OMP_NUM_THREADS" in line]
-    assert not noise, noise
-    notes = [line for line in proc.stdout.splitlines() if line.startswith("CPU run: megatron-core's fused CUDA paths")]
-    assert len(notes) == 1, proc.stdout
-    assert "TransformerEngine" in notes[0] and "Apex" in notes[0]
-    assert proc.stderr == "", proc.stderr  # the run's own lines go to stdout; nothing else is printed
+    for iters in (2, 3):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                               os.path.join(REPO, "pretrain_dllm.py"), "--family", "mdlm", "--demo-cache-dir",
+                               demo_cache, "--train-iters", str(iters), "--eval-interval", "2", "--eval-iters", "1"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (proc.stdout + proc.stderr).splitlines()
+        noise = [line for line in lines if "Warning" in line or "warnings.warn" in line or "Apex" in line
+                 and not line.startswith("CPU run:") or "Transformer Engine" in line or "OMP_NUM_THREADS" in line]
+        assert not noise, noise
+        notes = [line for line in proc.stdout.splitlines()
+                 if line.startswith("CPU run: megatron-core's fused CUDA paths")]
+        assert len(notes) == 1, proc.stdout
+        assert "TransformerEngine" in notes[0] and "Apex" in notes[0]
+        assert proc.stderr == "", proc.stderr  # the run's own lines go to stdout; nothing else is printed
+    assert "loaded checkpoint" in proc.stdout and "at iteration 2" in proc.stdout  # the second run resumed
 
 
 def _error(proc) -> str:
