@@ -358,9 +358,10 @@ def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_m
     tok, other = build_tokenizer(SP, sp_model), build_tokenizer(SP, other_sp_model)
     assert other.vocab_size == tok.vocab_size  # the vocabulary-size check alone would pass it
     check_prefix(prefix, "--data-path", tok, None)
-    refused = re.escape(f"--data-path: {prefix} was preprocessed with another tokenizer: {meta_path(prefix)} "
-                        f"records shakespeare_bpe4096.model with sha256 {meta['tokenizer_sha256'][:16]}..., but "
-                        f"--tokenizer-model {other_sp_model} has sha256 {tokenizer_fingerprint(other)[:16]}...")
+    message = (f"{prefix} was preprocessed with another tokenizer: {meta_path(prefix)} records "
+               f"shakespeare_bpe4096.model with sha256 {meta['tokenizer_sha256'][:16]}..., but --tokenizer-model "
+               f"{other_sp_model} has sha256 {tokenizer_fingerprint(other)[:16]}...")
+    refused = re.escape(f"--data-path: {message}")
     with pytest.raises(ValueError, match=refused):
         check_prefix(prefix, "--data-path", other, None)
     # tools/evaluate.py nelbo resolves its data through the same path (validation_run -> build_datasets)
@@ -374,6 +375,9 @@ def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_m
     r = _tool("merge_datasets.py", "--input", prefix, made_other, "--output-prefix", tmp_path / "m")
     _one_error_line(r, "different tokenizers (tokenizer_sha256 differ)", meta_path(made_other))
     assert not glob.glob(str(tmp_path / "m*"))
+    # inspect_dataset.py decodes only with the tokenizer the data was made with
+    r = _tool("inspect_dataset.py", prefix, "--tokenizer-type", SP, "--tokenizer-model", other_sp_model)
+    _one_error_line(r, f"--tokenizer-model: {message}")
     # an older sidecar without the hash is accepted, as before
     with open(meta_path(prefix), "w") as f:
         json.dump({k: v for k, v in meta.items() if k != "tokenizer_sha256"}, f)

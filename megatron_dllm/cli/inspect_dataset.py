@@ -18,7 +18,7 @@ import sys
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
-from megatron_dllm.data.indexed_dataset import DatasetFormatError
+from megatron_dllm.data.indexed_dataset import DatasetFormatError, check_made_with
 from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
 
@@ -46,6 +46,8 @@ def main(argv=None) -> int:
         if tokenizer.tokenizer_type != "TikTokenizer":
             tokenizer = tokenizer.replace(vocab_size=None)  # only the verification's vocabulary
         tok = tokenizer.build() if args.tokenizer_type else None
+        if tok is not None:  # decoding with another tokenizer would print other text
+            check_made_with(args.prefix, tok, "--tokenizer-model")
         if args.verify:
             vocab = args.vocab_size if args.vocab_size is not None else (tok.vocab_size if tok else None)
             verify_dataset(args.prefix, vocab)

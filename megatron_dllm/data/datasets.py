@@ -43,13 +43,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
-    check_tokenizer_options,
-    meta_path,
-    read_metadata,
+    check_made_with,
     token_id_range,
     validate_indexed_dataset,
 )
-from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 from megatron_dllm.errors import InputError
 
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -208,23 +205,7 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
         raise InputError(f"{flag}: no dataset at prefix {prefix!r} "
                          f"(expected {prefix}.bin and {prefix}.idx)")
     header = validate_indexed_dataset(prefix)
-    made_with = read_metadata(prefix)
-    if made_with is not None and made_with.get("vocab_size") != tokenizer.vocab_size:
-        raise InputError(
-            f"{flag}: {prefix} was preprocessed with {made_with.get('tokenizer')} "
-            f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
-            f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
-            f"({os.path.basename(str(getattr(tokenizer, 'model_path', '?')))}, vocab_size={tokenizer.vocab_size})")
-    check_tokenizer_options(prefix, made_with, tokenizer, flag)
-    recorded = (made_with or {}).get("tokenizer_sha256")  # absent in sidecars of older datasets
-    if recorded is not None:
-        given = tokenizer_fingerprint(tokenizer)
-        if given != recorded:
-            raise InputError(
-                f"{flag}: {prefix} was preprocessed with another tokenizer: {meta_path(prefix)} records "
-                f"{made_with.get('tokenizer_model')} with sha256 {recorded[:16]}..., but --tokenizer-model "
-                f"{tokenizer.model_path} has sha256 {given[:16]}... (same vocabulary size or not, the "
-                f"token ids would mean other pieces); give the tokenizer the data was made with")
+    check_made_with(prefix, tokenizer, flag)
     if header.num_tokens == 0:
         raise InputError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
     lo, hi = token_id_range(prefix, cache_dir)

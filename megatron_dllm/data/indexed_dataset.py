@@ -110,6 +110,30 @@ def check_tokenizer_options(prefix: str, made_with: Optional[dict], tokenizer, f
                              f"{_shown(made_with[key])} (preprocess with, or pass, the same tokenizer flags)")
 
 
+def check_made_with(prefix: str, tokenizer, flag: str) -> None:
+    """InputError unless `tokenizer` is the one `prefix`'s sidecar records: its vocabulary size,
+    its id-changing options and, where recorded, its sha256 (a dataset without a sidecar passes)."""
+    from megatron_dllm.data.tokenizers import tokenizer_fingerprint
+
+    made_with = read_metadata(prefix)
+    if made_with is not None and made_with.get("vocab_size") != tokenizer.vocab_size:
+        raise InputError(
+            f"{flag}: {prefix} was preprocessed with {made_with.get('tokenizer')} "
+            f"({made_with.get('tokenizer_model')}, vocab_size={made_with.get('vocab_size')} incl. [MASK]) "
+            f"but --tokenizer-model gives {getattr(tokenizer, 'name', '?')} "
+            f"({os.path.basename(str(getattr(tokenizer, 'model_path', '?')))}, vocab_size={tokenizer.vocab_size})")
+    check_tokenizer_options(prefix, made_with, tokenizer, flag)
+    recorded = (made_with or {}).get("tokenizer_sha256")  # absent in sidecars of older datasets
+    if recorded is not None:
+        given = tokenizer_fingerprint(tokenizer)
+        if given != recorded:
+            raise InputError(
+                f"{flag}: {prefix} was preprocessed with another tokenizer: {meta_path(prefix)} records "
+                f"{made_with.get('tokenizer_model')} with sha256 {recorded[:16]}..., but --tokenizer-model "
+                f"{tokenizer.model_path} has sha256 {given[:16]}... (same vocabulary size or not, the "
+                f"token ids would mean other pieces); give the tokenizer the data was made with")
+
+
 def _shown(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
