@@ -1,9 +1,12 @@
 """Convert a packed corpus of another stack (lit-gpt/TinyLlama "LITPKDS") into Megatron `.bin/.idx`.
 
 A shim for `megatron_dllm.cli.convert_dataset` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.convert_dataset import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.convert_dataset import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,12 @@
 """Import a checkpoint of the paper's code (Lightning .ckpt or hub-mixin directory).
 
 A shim for `megatron_dllm.cli.convert_from_ref` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.convert_from_ref import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.convert_from_ref import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,12 @@
 """Merge Megatron `.bin/.idx` datasets (e.g. the shards of tools/preprocess_data.py) into one.
 
 A shim for `megatron_dllm.cli.merge_datasets` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.merge_datasets import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.merge_datasets import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,9 +1,12 @@
 """Sizes of a model preset: `python tools/model_info.py --preset 1.7B --vocab-size 32001 --json`.
 
 A shim for `megatron_dllm.cli.model_info` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.model_info import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.model_info import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

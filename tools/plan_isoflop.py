@@ -1,9 +1,12 @@
 """Plan an IsoFLOP sweep (paper §3.1): every budget x family x preset, its iterations and tokens.
 
 A shim for `megatron_dllm.cli.plan_isoflop` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.plan_isoflop import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.plan_isoflop import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

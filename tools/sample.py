@@ -1,9 +1,12 @@
 """Generate samples from a megatron_dllm checkpoint (any TP/PP layout) or an exported HF directory.
 
 A shim for `megatron_dllm.cli.sample` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.sample import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.sample import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

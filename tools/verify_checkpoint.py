@@ -1,9 +1,12 @@
 """Check a checkpoint's files against its manifest (sizes and SHA-256), without loading anything.
 
 A shim for `megatron_dllm.cli.verify_checkpoint` (also installed as a console script); see its --help."""
+import os
 import sys
 
-from megatron_dllm.cli.verify_checkpoint import main
+# the checkout's package, installed or not (as Megatron-LM's tools/ scripts find theirs)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_dllm.cli.verify_checkpoint import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
