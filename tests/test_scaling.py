@@ -192,6 +192,26 @@ def test_planner_plans_bd3lm_per_block_size_at_its_two_copy_flops(tmp_path):
     assert [(r["family"], r["block_size"], r["loss"]) for r in runs] == [("bd3lm-b4", 4, 3.0)] and not skipped
 
 
+def test_the_documented_plan_runs_with_the_default_families(tmp_path, capsys):
+    """The CPU demo's plan (examples/isoflop_demo_cpu.sh) names no families: the paper's four, with
+    the manifest written into a directory that does not exist yet."""
+    manifest = tmp_path / "runs" / "manifest.json"
+    _tool("plan_isoflop").main(["--budgets", "5e11", "1e12", "--presets", "cpu-micro", "cpu-tiny", "--seq-length", "64",
+                                "--global-batch-size", "16", "--vocab-size", "4097", "--format", "table",
+                                "--manifest", str(manifest)])
+    families = {line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert families == {"ar", "mdlm", "duo", "esolm"}
+    assert {r["family"] for r in json.loads(manifest.read_text())["runs"]} == families
+
+
+@pytest.mark.parametrize("flag, value", [("--budgets", "nan"), ("--budgets", "0"), ("--global-batch-size", "-4"),
+                                         ("--seq-length", "0")])
+def test_plan_refuses_a_value_out_of_range_in_one_line(capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_:
+        _tool("plan_isoflop").main(["--presets", "cpu-micro", flag, value])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip().startswith(f"error: argument {flag}: expected")
+
+
 @pytest.mark.slow
 def test_train_flops_runs_the_budgeted_iterations(pretrain):
     per_iteration = 8 * CPU_TINY_TRAIN_FLOPS

@@ -18,12 +18,15 @@ import os
 import shlex
 import sys
 
-from megatron_dllm.cli import OneLineParser
+from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm.cli import BAD_INPUT, OneLineParser
+from megatron_dllm.config.fields import positive_float, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, PRESETS
 from megatron_dllm.scaling.plan import (
     FAMILY_ORDER,
     PAPER_BUDGETS,
+    PAPER_FAMILIES,
     PAPER_SETTINGS,
     budget_label,
     plan_isoflop,
@@ -58,16 +61,17 @@ def _table(runs) -> str:
 
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budgets", type=float, nargs="+", default=list(PAPER_BUDGETS),
+    parser.add_argument("--budgets", type=positive_float, nargs="+", default=list(PAPER_BUDGETS),
                         help="training FLOPs budgets (default: the paper's 6e18 1e19 3e19 6e19 1e20)")
-    parser.add_argument("--families", nargs="+", default=list(FAMILY_ORDER), choices=FAMILY_ORDER)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[],
+    parser.add_argument("--families", nargs="+", default=list(PAPER_FAMILIES), choices=FAMILY_ORDER,
+                        help="default: the paper's four (bd3lm only when named, with --block-sizes)")
+    parser.add_argument("--block-sizes", type=positive_int, nargs="+", default=[],
                         help="--families bd3lm: one series per block size (each must divide --seq-length)")
     parser.add_argument("--presets", nargs="+", default=list(PAPER_PRESETS),
                         help="default: the paper's 28 sizes; cpu-micro ... cpu-base for CPU sweeps")
-    parser.add_argument("--seq-length", type=int, default=PAPER_SETTINGS["seq_length"])
-    parser.add_argument("--global-batch-size", type=int, default=PAPER_SETTINGS["global_batch_size"])
-    parser.add_argument("--vocab-size", type=int, default=PAPER_SETTINGS["vocab_size"],
+    parser.add_argument("--seq-length", type=positive_int, default=PAPER_SETTINGS["seq_length"])
+    parser.add_argument("--global-batch-size", type=positive_int, default=PAPER_SETTINGS["global_batch_size"])
+    parser.add_argument("--vocab-size", type=positive_int, default=PAPER_SETTINGS["vocab_size"],
                         help="the tokenizer's vocabulary including [MASK] (paper: 32001)")
     parser.add_argument("--flops-convention", choices=["calflops", "full"], default="calflops")
     parser.add_argument("--min-tokens-per-param", type=float, default=None,
@@ -76,7 +80,7 @@ def main(argv=None):
     parser.add_argument("--max-tokens-per-param", type=float, default=None)
     parser.add_argument("--format", choices=["table", "commands", "json"], default="table")
     parser.add_argument("--runs-dir", default="runs/isoflop", help="commands: one directory per run here")
-    parser.add_argument("--nproc-per-node", type=int, default=8)
+    parser.add_argument("--nproc-per-node", type=positive_int, default=8)
     parser.add_argument("--extra-args", default="",
                         help="appended to every command (data, tokenizer, precision, parallelism flags)")
     parser.add_argument("--manifest", default=None, help="also write the run manifest for tools/scaling_laws.py")
@@ -93,9 +97,12 @@ def main(argv=None):
     except InputError as err:
         parser.error(str(err))
     if args.manifest:
-        write_manifest(args.manifest, runs, args.runs_dir, seq_length=args.seq_length,
-                       global_batch_size=args.global_batch_size, vocab_size=args.vocab_size,
-                       flops_convention=args.flops_convention)
+        try:
+            write_manifest(args.manifest, runs, args.runs_dir, seq_length=args.seq_length,
+                           global_batch_size=args.global_batch_size, vocab_size=args.vocab_size,
+                           flops_convention=args.flops_convention)
+        except BAD_INPUT as err:
+            parser.error(f"--manifest {args.manifest}: cannot write it ({getattr(err, 'strerror', None) or err})")
     if args.format == "json":
         print(json.dumps({"runs": [{**vars(r), "tokens_per_param": r.tokens_per_param} for r in runs],
                           "dropped": [{"name": r.name, "reason": why} for r, why in dropped]}, indent=1))

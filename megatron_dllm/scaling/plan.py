@@ -26,6 +26,7 @@ from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sa
 PAPER_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20)  # §3.1
 PAPER_SETTINGS = dict(seq_length=2048, global_batch_size=256, vocab_size=32001)  # §3: data, tokenizer
 FAMILY_ORDER = ("ar", "mdlm", "duo", "esolm", "bd3lm")
+PAPER_FAMILIES = FAMILY_ORDER[:4]  # the paper's grid; BD3-LM is planned when asked, with --block-sizes
 BLOCK_FAMILIES = ("bd3lm",)  # planned once per --block-sizes entry
 
 
@@ -105,6 +106,7 @@ def write_manifest(path: str, runs: list[PlannedRun], runs_dir: str, **settings)
     base = os.path.dirname(os.path.abspath(path))
     entries = [{**asdict(r), "metrics_file": os.path.relpath(os.path.join(runs_dir, r.name, "metrics.jsonl"), base)}
                for r in runs]
+    os.makedirs(base, exist_ok=True)
     with open(path, "w") as f:
         json.dump({**settings, "runs": entries}, f, indent=1)
 
