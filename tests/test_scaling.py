@@ -393,3 +393,21 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
     assert result["pareto"] == [] and not (tmp_path / "none" / "pareto.png").exists()
     assert any(s.startswith("Pareto frontier: no model reaches a --targets Gen PPL (1 ... 1)")
                for s in result["skipped"])
+    # the same --out-dir again without a frontier: the earlier pareto.png is not left beside the new results
+    main(["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "gen.json"),
+          "--throughput", str(tmp_path / "speed.jsonl"), "--targets", "1", "--out-dir", str(out)])
+    assert not (out / "pareto.png").exists() and (out / "isoflop.png").exists()
+    capsys.readouterr()
+    # bad inputs: one error line each, naming the file
+    (tmp_path / "notjson.jsonl").write_text("{\"steps\": 4}\nnot json\n")
+    for argv, message in [
+        (["--manifest", str(tmp_path / "missing.json")], f"--manifest {tmp_path / 'missing.json'}: cannot read it"),
+        (["--manifest", str(tmp_path / "gen.json")], f"--manifest {tmp_path / 'gen.json'}: not a run manifest"),
+        (["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "notjson.jsonl"),
+          "--throughput", str(tmp_path / "speed.jsonl")], f"{tmp_path / 'notjson.jsonl'}:2: neither a JSON file"),
+    ]:
+        try:
+            code = main([*argv, "--out-dir", str(tmp_path / "bad")])
+        except SystemExit as exit_:  # a parser error
+            code = exit_.code
+        assert code == 2 and capsys.readouterr().err.strip().startswith(f"error: {message}")

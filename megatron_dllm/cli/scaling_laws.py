@@ -16,7 +16,8 @@ import math
 import os
 from dataclasses import asdict
 
-from megatron_dllm.cli import OneLineParser
+from megatron_dllm.cli import OneLineParser, reports_bad_input
+from megatron_dllm.config.fields import positive_float
 from megatron_dllm.errors import InputError
 from megatron_dllm.scaling import pareto, plots
 from megatron_dllm.scaling.fits import analyze_isoflop
@@ -92,14 +93,15 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", nargs="+", required=True, help="run manifests from tools/plan_isoflop.py")
     parser.add_argument("--gen-ppl", nargs="*", default=[], help="Gen PPL JSON files from tools/evaluate.py")
     parser.add_argument("--throughput", nargs="*", default=[], help="throughput JSON files from tools/evaluate.py")
-    parser.add_argument("--targets", type=float, nargs="+", default=list(range(40, 201, 10)),
+    parser.add_argument("--targets", type=positive_float, nargs="+", default=list(range(40, 201, 10)),
                         help="target Gen PPL values of the Pareto frontier (paper: 40 ... 200)")
-    parser.add_argument("--reference-flops", type=float, default=None,
+    parser.add_argument("--reference-flops", type=positive_float, default=None,
                         help="compute at which multipliers and size ratios are read (default: largest budget)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
@@ -122,7 +124,10 @@ def main(argv=None):
                                    f"({min(args.targets):g} ... {max(args.targets):g}); "
                                    f"the lowest measured is {lowest:.4g}")
 
-    os.makedirs(args.out_dir, exist_ok=True)
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--out-dir {args.out_dir}: cannot create it ({err.strerror or err})")
     out = lambda name: os.path.join(args.out_dir, name)  # noqa: E731
     families = analysis["families"]
     plots.plot_isoflop({f: [(r["budget"], r["non_embedding_params"], r["loss"]) for r in runs if r["family"] == f]
@@ -134,12 +139,15 @@ def main(argv=None):
         plots.plot_power_laws(points, {f: e[key] for f, e in families.items() if e[key]}, label, out(name))
     if frontier:
         plots.plot_pareto(frontier, out("pareto.png"))
+    elif os.path.exists(out("pareto.png")):  # an earlier run's frontier is not this one's
+        os.remove(out("pareto.png"))
     result = to_json(analysis, frontier, models)
     with open(out("results.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(out("results.md"), "w") as f:
         f.write(to_markdown(result))
     print(to_markdown(result))
+    return 0
 
 
 if __name__ == "__main__":

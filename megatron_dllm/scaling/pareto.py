@@ -26,18 +26,30 @@ from megatron_dllm.scaling.fits import StepCurve, fit_step_curve
 from megatron_dllm.scaling.plan import series_name
 
 
+def _json_line(path: str, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise InputError(f"{path}:{number}: neither a JSON file nor JSON lines (expected tools/evaluate.py's "
+                         f"records)") from None
+
+
 def load_records(paths) -> list[dict]:
     """Records from JSON files (an object or a list of objects) or JSON-lines files, each tagged
     with its model (see the module docstring)."""
     records = []
     for path in paths:
-        with open(path) as f:
-            text = f.read().strip()
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError as err:
+            raise InputError(f"{path}: cannot read it ({err.strerror or err})") from None
         try:
             data = json.loads(text)
             items = data if isinstance(data, list) else [data]
         except json.JSONDecodeError:
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            items = [_json_line(path, number, line) for number, line in enumerate(text.splitlines(), 1)
+                     if line.strip()]
         default_model = os.path.basename(os.path.dirname(os.path.abspath(path)))
         for item in items:
             if item.get("steps") is None:

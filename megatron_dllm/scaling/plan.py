@@ -113,8 +113,13 @@ def write_manifest(path: str, runs: list[PlannedRun], runs_dir: str, **settings)
 
 def read_manifest(path: str) -> list[dict]:
     """The manifest's runs, metrics_file made absolute."""
-    with open(path) as f:
-        runs = json.load(f)["runs"]
+    try:
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    except OSError as err:
+        raise InputError(f"--manifest {path}: cannot read it ({err.strerror or err})") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(f"--manifest {path}: not a run manifest of tools/plan_isoflop.py ({err})") from None
     base = os.path.dirname(os.path.abspath(path))
     return [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in runs]
 
@@ -125,8 +130,11 @@ def final_validation(metrics_file: str) -> dict | None:
         return None
     last = None
     with open(metrics_file) as f:
-        for line in f:
-            record = json.loads(line)
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise InputError(f"{metrics_file}:{number}: not a JSON record of --metrics-file") from None
             if "valid_nelbo" in record:
                 last = record
     return last
