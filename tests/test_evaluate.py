@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, run_pretrain
 
-FAMILIES = ["ar", "mdlm", "duo", "mdlm-shift"]  # mdlm-shift: MDLM trained with --shift
+FAMILIES = ["ar", "mdlm", "duo", "mdlm-shift", "bd3lm"]  # mdlm-shift: MDLM trained with --shift
 RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
        "--train-iters", "2", "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-interval", "100",
        "--eval-iters", "2"]
@@ -32,7 +32,8 @@ def trained(demo_cache, tmp_path_factory):
     def train(name):
         work = root / name
         work.mkdir()
-        family = ["--family", name.split("-")[0]] + (["--shift"] if name.endswith("-shift") else [])
+        family = ["--family", name.split("-")[0]] + (["--shift"] if name.endswith("-shift") else []) \
+            + (["--block-size", "8"] if name == "bd3lm" else [])
         _, records = run_pretrain(1, ["--demo-cache-dir", demo_cache, *family, *RUN,
                                       "--save", str(work / "ckpt"), "--tensorboard-dir", str(work / "tb")], work)
         valid = [r["valid_nelbo"] for r in records if "valid_nelbo" in r]
@@ -79,7 +80,7 @@ def _error(argv, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["mdlm", "duo", "ar", "mdlm-hf", "ar-hf", "mdlm-shift", "mdlm-shift-hf"])
+@pytest.mark.parametrize("which", ["mdlm", "duo", "ar", "mdlm-hf", "ar-hf", "mdlm-shift", "mdlm-shift-hf", "bd3lm"])
 def test_nelbo_equals_training_validation(trained, demo_cache, tmp_path, which, monkeypatch):
     ckpt, valid_nelbo = trained[which]
     res = _evaluate(["nelbo", "--load", ckpt, "--demo-cache-dir", demo_cache, *EVAL], tmp_path)
@@ -275,6 +276,10 @@ def test_errors_name_the_flag_or_file(trained, tmp_path, capsys):
     assert msg.startswith(f"error: --judge {trained['mdlm-hf'][0]}: a mdlm model is not a causal LM")
     assert "--judge" in _error(["gen-ppl", "--samples", str(samples), "--judge", trained["ar"][0]], capsys)
     assert "--num-t-draws" in _error(["nelbo", "--load", trained["mdlm"][0], "--num-t-draws", "0"], capsys)
+    assert _error(["nelbo", "--load", trained["mdlm"][0], "--seq-length", "64"], capsys) == \
+        "error: --seq-length 64 exceeds the model's context 32"
+    assert "--max-length: expected a positive integer, got -5" in _error(
+        ["gen-ppl", "--samples", str(samples), "--judge", missing, "--max-length", "-5"], capsys)
     # a sampler of another family; auto batch size on CPU without a cap
     ckpt = trained["mdlm"][0]
     assert "--predictor block" in _error(["throughput", "--load", ckpt, "--steps", "4", "--batch-size", "2",

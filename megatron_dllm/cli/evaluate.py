@@ -58,9 +58,12 @@ def run_nelbo(args) -> dict:
     tokenizer = TokenizerConfig.from_args(args)
     if args.data_path and inference_model.tokenizer_config is not None:
         tokenizer = inference_model.tokenizer_config
-    resolved, inputs = validation_run(inference_model.family, args.seq_length or inference_model.seq_length,
-                                      DataConfig.from_args(args), tokenizer, global_batch_size=args.global_batch_size,
-                                      eval_iters=args.eval_iters, seed=args.seed)
+    seq_length = args.seq_length or inference_model.seq_length
+    if seq_length > inference_model.seq_length:  # rotary positions past it were never trained
+        raise InputError(f"--seq-length {seq_length} exceeds the model's context {inference_model.seq_length}")
+    resolved, inputs = validation_run(inference_model.family, seq_length, DataConfig.from_args(args), tokenizer,
+                                      global_batch_size=args.global_batch_size, eval_iters=args.eval_iters,
+                                      seed=args.seed, family_options=inference_model.family_options)
     tok = inputs.tokenizer
     if (tok.vocab_size, tok.mask_id) != (inference_model.vocab_size, inference_model.mask_id):
         raise InputError(f"--load {args.load}: the model's vocabulary ({inference_model.vocab_size}, "
@@ -231,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-gguf-file", default=None, help="GGUF file inside --judge (converted and cached once)")
     p.add_argument("--judge-cache-dir", default=None, help="default ~/.cache/megatron_dllm/judges")
     p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--max-length", type=positive_int, default=None,
                    help="truncate samples to this many judge tokens (default, as the paper's code: the "
                         "samples' length L recorded by tools/sample.py, else the judge's context)")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")

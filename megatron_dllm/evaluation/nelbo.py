@@ -29,18 +29,23 @@ from megatron_dllm.families.base import Family, seed_for
 
 
 def validation_run(family: str, seq_length: int, data: DataConfig, tokenizer: TokenizerConfig, *,
-                   global_batch_size: int | None = None, eval_iters: int | None = None, seed: int | None = None):
+                   global_batch_size: int | None = None, eval_iters: int | None = None, seed: int | None = None,
+                   family_options: dict | None = None):
     """(RunConfig, Inputs) for the validation split, resolved exactly as pretraining resolves it.
 
     An empty pretraining command line gives every default pretrain_dllm.py has; the sizes that
     shape megatron's validation index (seq_length, eval_iters x global_batch_size, seed) are then
-    the training run's, so the same samples come out in the same order."""
+    the training run's, so the same samples come out in the same order. `family_options`: the
+    model's (a checkpoint's record); those that are run flags (BD3-LM's block size, noise) are set."""
     from megatron_dllm.config import parse_args
+    from megatron_dllm.config.model import ModelConfig
     from megatron_dllm.training.inputs import prepare_inputs
 
     config = dataclasses.replace(parse_args([]), data=data, tokenizer=tokenizer)
     training = {"global_batch_size": global_batch_size, "seed": seed}
-    config = config.replace(model={"family": family, "seq_length": seq_length},
+    flags = {f.name for f in dataclasses.fields(ModelConfig)}
+    options = {k: v for k, v in (family_options or {}).items() if k in flags}
+    config = config.replace(model={"family": family, "seq_length": seq_length, **options},
                             # the train split is built too (prepare_inputs always does): keep it one batch;
                             # the evaluation chooses its own micro-batches (1 divides any global batch)
                             training={"train_iters": 1, "micro_batch_size": 1,
