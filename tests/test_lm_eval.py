@@ -138,6 +138,16 @@ def _tiny_lm(family, length=16, **model_args):
     return MegatronDLLM(None, inference_model=inference_model, num_mc_samples=32, batch_size=32, seed=0, **model_args)
 
 
+def test_a_bd3lm_model_is_refused_in_one_line(world_of_one):
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+    from megatron_dllm.sampling import InferenceModel
+
+    inference_model = InferenceModel(torch.nn.Linear(1, 1), "bd3lm", 11, 12, 16, WordTokenizer(), "hf",
+                                     family_options={"block_size": 4, "noise": "mask"})
+    with pytest.raises(InputError, match=r"^--load ck: lm-eval scoring of --family bd3lm is not supported"):
+        MegatronDLLM("ck", inference_model=inference_model)
+
+
 def _instances(kind, args):
     from lm_eval.api.instance import Instance
 

@@ -70,6 +70,9 @@ class MegatronDLLM(TemplateLM):
             inference_model = load_inference_model(load, platform.tool_device(device), getattr(torch, dtype),
                                                    _flag(use_ema, "use_ema"), tokenizer_type, tokenizer_model)
         self.inference_model = inference_model
+        if inference_model.family == "bd3lm":  # its bound runs on whole blocks; requests have any length
+            raise InputError(f"--load {load}: lm-eval scoring of --family bd3lm is not supported (its NELBO needs "
+                             f"sequences of whole blocks); ar, mdlm, duo and esolm models are")
         if self.inference_model.tokenizer is None:
             raise InputError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
         self.tok = self.inference_model.tokenizer
