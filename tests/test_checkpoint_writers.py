@@ -153,6 +153,8 @@ def exported(demo_cache, tmp_path_factory):
                       work, launch_env(1))
     assert done.returncode == 0, done.stderr[-3000:]
     assert not os.path.exists(str(hf) + ".lock") and "dllm-writer" not in " ".join(os.listdir(hf))
+    # no tokenizer flags: the tokenizer the checkpoint recorded (the demo's) goes with the weights
+    assert done.stdout.strip().endswith(", tokenizer)") and (hf / "tokenizer_config.json").is_file()
     return work / "ckpt", hf
 
 

@@ -13,8 +13,9 @@ The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModel
 `.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR)`.
 A `--backbone gpt` checkpoint of family ar exports as transformers' own LlamaForCausalLM (or
 Qwen2ForCausalLM with q/k/v biases), loaded without trust_remote_code; of a diffusion family, as
-the remote code above with its Llama-style backbone. Such a checkpoint (imported from Hugging
-Face) exports the tokenizer it recorded unless the tokenizer flags name another.
+the remote code above with its Llama-style backbone. A checkpoint exports the tokenizer it
+recorded (training's, or an imported model's own) unless the tokenizer flags name another; a
+recorded tokenizer whose file is gone is an error naming it.
 """
 import argparse
 import os
@@ -63,7 +64,7 @@ def _export(args, out: str) -> int:
         if args.tokenizer_model:
             check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
             tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
-        elif identity.gpt is not None and meta.tokenizer is not None:  # an imported model's own tokenizer
+        elif meta.tokenizer is not None:  # the tokenizer the checkpoint recorded
             tokenizer = recorded_tokenizer_config(meta.tokenizer)
             if not os.path.isfile(tokenizer.tokenizer_model):
                 raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
