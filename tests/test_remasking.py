@@ -202,3 +202,6 @@ def test_commands_refuse_a_knob_of_another_predictor_in_one_line(capsys):
     args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--predictor", "threshold"])
     with pytest.raises(InputError, match="apply to --protocol native only"):
         gsm8k.run_gsm8k(args)
+    args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--steps", "4"])  # left to right: no steps
+    with pytest.raises(InputError, match=r"^--steps applies to --protocol native only"):
+        gsm8k.run_gsm8k(args)

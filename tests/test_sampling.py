@@ -199,8 +199,9 @@ def test_stop_at_eos_and_decode(models):
 def test_wrong_requests_raise_clear_errors(models):
     cases = [
         ("mdlm", dict(predictor="block"), "--predictor block is not available for --family mdlm; valid: "
-                                          "ancestral, left-to-right"),
-        ("ar", dict(predictor="block"), "--predictor block is not available for --family ar"),
+                                          "ancestral, left-to-right, low-confidence, threshold, entropy-bound"),
+        ("ar", dict(predictor="block"), "--predictor block is not available for --family ar; valid: ancestral, "
+                                        "left-to-right"),
         ("duo", dict(predictor="block"), "--predictor block is not available for --family duo"),
         ("esolm", dict(predictor="block", steps=L + 1), "--predictor block needs --steps to divide"),
         ("esolm", dict(predictor="block", steps=5), "--predictor block needs --steps to divide"),
@@ -208,6 +209,8 @@ def test_wrong_requests_raise_clear_errors(models):
         ("mdlm", dict(seq_length=L + 1), "--seq-length 25 exceeds the model's context 24"),
         ("mdlm", dict(top_p=0.0), "--top-p 0.0"),
         ("mdlm", dict(steps=0), "--steps 0"),
+        ("ar", dict(max_new_tokens=4), "--max-new-tokens applies to --family bd3lm only; --family ar fills "
+                                       "--seq-length"),
     ]
     for family, kwargs, message in cases:
         with pytest.raises(ValueError) as err:

