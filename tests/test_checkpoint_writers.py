@@ -266,10 +266,12 @@ def test_the_demo_command_resumes_its_own_checkpoints():
 
     corpus = {"data_prefix": "d", "valid_prefix": "v", "tokenizer_type": "SentencePieceTokenizer",
               "tokenizer_model": "t.model"}
-    cfg = resolve_defaults(parse_args(["--family", "mdlm"]), corpus).checkpoint
-    assert cfg.load == cfg.save == "runs/demo-mdlm/checkpoints"
-    cfg = resolve_defaults(parse_args(["--family", "ar", "--save", "mine"]), corpus).checkpoint
-    assert (cfg.save, cfg.load) == ("mine", None)
+    demo = resolve_defaults(parse_args(["--family", "mdlm"]), corpus)
+    assert demo.checkpoint.load == demo.checkpoint.save == "runs/demo-mdlm/checkpoints"
+    assert demo.logging.tensorboard_dir == "runs/demo-mdlm/tensorboard"
+    # a run with its own --save writes neither into the demo run's checkpoints nor its TensorBoard
+    mine = resolve_defaults(parse_args(["--family", "ar", "--save", "mine"]), corpus)
+    assert (mine.checkpoint.save, mine.checkpoint.load, mine.logging.tensorboard_dir) == ("mine", None, None)
 
 
 # ------------------------------------------------------------------ every descendant dies with the run

@@ -155,6 +155,8 @@ def resolve_defaults(config: RunConfig, demo_corpus: dict | None = None) -> RunC
         defaults = dict(DEMO_DEFAULTS)
         if config.checkpoint.save is None and config.checkpoint.load is None:  # the demo resumes its own run
             defaults["checkpoint"] = {**defaults["checkpoint"], "load": defaults["checkpoint"]["save"]}
+        if config.checkpoint.save is not None:  # a run of its own: not into the demo run's TensorBoard
+            defaults["logging"] = {k: v for k, v in defaults["logging"].items() if k != "tensorboard_dir"}
         training = config.training
         if any(length is not None for length in (training.train_samples, training.train_flops, training.train_epochs)):
             defaults["training"] = {k: v for k, v in defaults["training"].items() if k != "train_iters"}
