@@ -70,11 +70,11 @@ for family in ar mdlm duo esolm; do
     for T in "${steps[@]}"; do
         [ -s "$out/throughput_T$T.json" ] && [ -s "$out/gen_ppl_T$T.json" ] && continue  # done before
         python tools/sample.py --load "$checkpoint" --num-samples "$NUM_SAMPLES" --steps "$T" --seed 0 \
-            --predictor $predictor --device cpu --output "$out/samples_T$T.json" > /dev/null
+            --predictor $predictor --device cpu --output "$out/samples_T$T.json" --overwrite > /dev/null
         python tools/evaluate.py gen-ppl --samples "$out/samples_T$T.json" --judge smollm2 --device cpu \
-            --output "$out/gen_ppl_T$T.json" > /dev/null
+            --output "$out/gen_ppl_T$T.json" --overwrite > /dev/null
         python tools/evaluate.py throughput --load "$checkpoint" --steps "$T" --batch-size 16 --repeats 3 \
-            --predictor $predictor --output "$out/throughput_T$T.json" > /dev/null
+            --predictor $predictor --output "$out/throughput_T$T.json" --overwrite > /dev/null
         python - "$out" "$T" <<'EOF'
 import json, sys
 out, T = sys.argv[1], sys.argv[2]

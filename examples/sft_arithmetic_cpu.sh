@@ -36,7 +36,7 @@ for family in "${families[@]}"; do
     --save "$run/sft" --tensorboard-dir "$run/tb-sft" --metrics-file "$run/sft-metrics.jsonl"
   t3=$(stamp)
   python tools/evaluate.py gsm8k --load "$run/sft" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
-    --max-new-tokens 32 --output "$run/after.json" --predictions "$run/after.jsonl"
+    --max-new-tokens 32 --output "$run/after.json" --predictions "$run/after.jsonl" --overwrite
   t4=$(stamp)
   echo "{\"family\": \"$family\", \"pretrain_s\": $((t1 - t0)), \"score_before_s\": $((t2 - t1)), " \
        "\"sft_s\": $((t3 - t2)), \"score_after_s\": $((t4 - t3))}" > "$run/wall_time.json"

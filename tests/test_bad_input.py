@@ -199,3 +199,42 @@ def test_a_bad_config_json_is_one_error_naming_the_file_and_line(tmp_path, capsy
     line = _one_error(capsys, lambda: _run(command, argv))
     assert f"{argv[0]} {hf / 'config.json'}{message}" in line, line
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("command", ["sample", "evaluate nelbo", "evaluate gsm8k", "evaluate downstream"])
+def test_an_existing_result_file_is_refused_before_the_work(tmp_path, capsys, command):
+    """Only --overwrite replaces a result; the check comes before the model is loaded (here: a
+    --load that does not exist is reported only once the result file is allowed)."""
+    from megatron_dllm.cli import evaluate, sample
+
+    main = sample.main if command == "sample" else evaluate.main
+    flag = {"evaluate gsm8k": "--predictions", "evaluate downstream": "--output-path"}.get(command, "--output")
+
+    def argv(path, *more):
+        return [*command.split()[1:], "--load", str(tmp_path / "nowhere"), flag, str(path), *more,
+                *(["--tasks", "arc_easy"] if command == "evaluate downstream" else [])]
+
+    result = tmp_path / "result.json"
+    result.write_text("earlier results\n")
+    assert _one_error(capsys, lambda: main(argv(result))) == (
+        f"error: {flag} {result} already exists; pass --overwrite to replace it")
+    assert "nowhere" in _one_error(capsys, lambda: main(argv(result, "--overwrite")))
+    assert result.read_text() == "earlier results\n"
+    for bad, why in [(tmp_path, "a directory, expected a file name"), (result / "x.json", "cannot make its directory")]:
+        assert _one_error(capsys, lambda bad=bad: main(argv(bad))).startswith(f"error: {flag} {bad}: {why}")
+
+
+def test_a_result_file_is_renamed_into_place_complete(tmp_path, monkeypatch):
+    from megatron_dllm import result_files
+
+    path = tmp_path / "r.json"
+    result_files.write_result_file(str(path), "one\n")
+    assert path.read_text() == "one\n" and os.listdir(tmp_path) == ["r.json"]
+
+    def fails(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(result_files.os, "replace", fails)  # the write fails before the rename
+    with pytest.raises(OSError):
+        result_files.write_result_file(str(path), "two\n")
+    assert path.read_text() == "one\n" and os.listdir(tmp_path) == ["r.json"]  # the old one, no temporary

@@ -169,7 +169,7 @@ def test_generate_and_sample_command_draw_the_same_samples(tmp_path, world_of_on
     samples = {}
     for load, flags in ((ckpt, ()), (ar, ()), (ar_export, ()), (ar, ("--no-kv-cache",)), (bd3lm, ()),
                         (bd3lm, ("--no-kv-cache",))):
-        record = tmp_path / "samples.json"
+        record = tmp_path / f"samples{len(samples)}.json"
         assert sample.main(["--load", load, "--num-samples", "2", "--steps", "4", "--seq-length", "12",
                             "--device", "cpu", "--output", str(record), *flags]) == 0
         samples[load, flags] = torch.tensor(json.loads(record.read_text())["tokens"])

@@ -19,6 +19,7 @@ from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megat
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.errors import InputError
+from megatron_dllm.result_files import check_result_file, write_result_file
 
 
 def _dtype(name: str):
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_common(p):
         p.add_argument("--output", default=None, help="also write the JSON results to this file")
+        p.add_argument("--overwrite", action="store_true", help="replace existing result files (--output, "
+                                                                 "gsm8k --predictions, downstream --output-path)")
         p.add_argument("--dtype", choices=DTYPES, default="float32", help="model weights and compute")
 
     def add_model(p):
@@ -293,6 +296,10 @@ def main(argv=None) -> int:
 
     owns_world = not dist.is_initialized()
     try:
+        for flag, path in (("--output", args.output), ("--predictions", getattr(args, "predictions", None)),
+                           ("--output-path", getattr(args, "output_path", None))):
+            if path:  # before the work: an existing result is replaced only with --overwrite
+                check_result_file(path, flag, args.overwrite)
         if args.command != "gen-ppl":  # megatron checkpoints and the family losses: a world of one
             from megatron_dllm import platform
 
@@ -308,9 +315,7 @@ def main(argv=None) -> int:
     text = json.dumps(results, indent=2)
     print(text)
     if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+        write_result_file(args.output, text + "\n")
     return 0
 
 

@@ -6,7 +6,7 @@
         [--block-length B] [--tokens-per-step K] [--confidence-threshold TAU] [--entropy-bound GAMMA] \
         [--no-kv-cache] [--no-float64] [--stop-at-eos] [--cut-at-eod] [--prompt TEXT] [--seq-length L] [--use-ema] \
         [--tokenizer-type T --tokenizer-model M [--tiktoken-* ...]] [--device cpu|cuda] \
-        [--dtype float32|bfloat16|float16] [--cuda-graphs] [--compile] [--output samples.json]
+        [--dtype float32|bfloat16|float16] [--cuda-graphs] [--compile] [--output samples.json] [--overwrite]
 
 Runs as one process. `--predictor ancestral` is each family's default sampler (AR: next-token;
 MDLM/Duo/Eso-LM: ancestral); `block` is Eso-LM only; `low-confidence`, `threshold` and
@@ -27,6 +27,7 @@ from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.errors import InputError
+from megatron_dllm.result_files import check_result_file, write_result_file
 
 
 def parse_args(argv=None):
@@ -50,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="model weights and compute (bfloat16 on a GPU); the categorical sampling stays "
                         "float64 unless --no-float64")
-    p.add_argument("--output", default="samples.json")
+    p.add_argument("--output", default="samples.json", help="the samples' JSON record (default: samples.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     args = p.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
         p.error("--tokenizer-type and --tokenizer-model go together")
@@ -71,6 +73,7 @@ def main(argv=None):
     sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
     try:
         sampling.check()  # before the (slow) load
+        check_result_file(args.output, "--output", args.overwrite)
         if not os.path.exists(args.load):
             raise FileNotFoundError(f"--load {args.load}: no such file or directory")
         device = platform.tool_device(args.device)
@@ -105,8 +108,7 @@ def main(argv=None):
         "tokens": tokens.tolist(),
         "texts": texts,
     }
-    with open(args.output, "w") as f:
-        json.dump(record, f, indent=1)
+    write_result_file(args.output, json.dumps(record, indent=1))
     print(f"wrote {args.output}: {args.num_samples} {inference_model.family} samples of {tokens.shape[1]} tokens "
           f"in {wall:.2f} s ({args.predictor}, T={args.steps})")
     return 0

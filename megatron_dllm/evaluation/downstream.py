@@ -12,15 +12,9 @@ import json
 import os
 import statistics
 
+from megatron_dllm.result_files import write_result_file
+
 METRICS = ("acc", "acc_norm")
-
-
-def _atomic_write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def markdown_table(results: dict, mc_stderr: dict[str, float | None]) -> str:
@@ -59,7 +53,7 @@ def run_downstream(lm, task_names: list[str], output_path: str, limit: float | N
     by_task = getattr(lm, "stderrs_by_task", {})
     mc_stderr = {task: (statistics.fmean(v) if v and any(v) else None) for task, v in by_task.items()}
     results["megatron_dllm"] = {"mc_stderr_mean": mc_stderr, "limit": limit, "tasks": task_names}
-    _atomic_write(output_path, json.dumps(results, indent=2) + "\n")
+    write_result_file(output_path, json.dumps(results, indent=2) + "\n")
     table = markdown_table(results, mc_stderr)
-    _atomic_write(os.path.splitext(output_path)[0] + ".md", table)
+    write_result_file(os.path.splitext(output_path)[0] + ".md", table)
     return results
