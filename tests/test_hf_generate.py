@@ -197,6 +197,8 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
      "block_length applies to sampler=ancestral|low-confidence|threshold|entropy-bound only, not "
      "sampler=left-to-right"),
     ({"sampler": "threshold", "threshold": 1.5}, "threshold=1.5: must be in [0, 1]"),
+    ({"top_p": 1.5}, "top_p=1.5: must be in (0, 1]"),
+    ({"temperature": 0.0}, "temperature=0.0: must be > 0"),
     ({"sampler": "low-confidence", "block_length": 0}, "block_length=0: must be an integer >= 1"),
     ({"sampler": "low-confidence", "tokens_per_step": 2.5}, "tokens_per_step=2.5: must be an integer >= 1"),
     ({"sampler": "entropy-bound", "entropy_bound": -1.0}, "entropy_bound=-1.0: must be a finite number >= 0"),

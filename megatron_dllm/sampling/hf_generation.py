@@ -54,7 +54,7 @@ def _family_options(config) -> dict:
 
 
 def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int,
-             remasking: dict) -> None:
+             temperature: float, top_p: float, remasking: dict) -> None:
     config = model.config
     if config.family not in SAMPLERS:
         raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
@@ -73,6 +73,10 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
                         ("tokens_per_step", remasking["tokens_per_step"])):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: must be > 0")
     SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
 
 
@@ -103,7 +107,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     """
     remasking = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
                      entropy_bound=entropy_bound)
-    _checked(model, sampler, steps, max_new_tokens, num_return_sequences, remasking)
+    _checked(model, sampler, steps, max_new_tokens, num_return_sequences, temperature, top_p, remasking)
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
                          config.max_position_embeddings, None, "hf", family_options=_family_options(config))
