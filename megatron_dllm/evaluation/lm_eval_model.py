@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.likelihood import LikelihoodEstimator
+from megatron_dllm.families import FAMILIES
 
 
 def _flag(value, name: str) -> bool:
@@ -70,9 +71,11 @@ class MegatronDLLM(TemplateLM):
             inference_model = load_inference_model(load, platform.tool_device(device), getattr(torch, dtype),
                                                    _flag(use_ema, "use_ema"), tokenizer_type, tokenizer_model)
         self.inference_model = inference_model
-        if inference_model.family == "bd3lm":  # its bound runs on whole blocks; requests have any length
-            raise InputError(f"--load {load}: lm-eval scoring of --family bd3lm is not supported (its NELBO needs "
-                             f"sequences of whole blocks); ar, mdlm, duo and esolm models are")
+        why = FAMILIES[inference_model.family].any_length_refusal  # lm-eval's requests have any length
+        if why is not None:
+            scorable = [name for name, family in FAMILIES.items() if family.any_length_refusal is None]
+            raise InputError(f"--load {load}: lm-eval scoring of --family {inference_model.family} is not "
+                             f"supported ({why}); {', '.join(scorable)} models are")
         if self.inference_model.tokenizer is None:
             raise InputError(f"--load {load}: no tokenizer (give tokenizer_type and tokenizer_model in --model_args)")
         self.tok = self.inference_model.tokenizer

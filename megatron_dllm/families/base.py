@@ -104,6 +104,8 @@ class Family:
     input_copies: int = 1
     # the logits at position i - 1 predict token i (an MDLM adapted from an AR model; families/shift.py)
     shift: bool = False
+    # why the bound cannot score a sequence of any length (lm-eval's requests); None: it can
+    any_length_refusal: str | None = None
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
         self.mask_id, self.vocab_size = mask_id, vocab_size

@@ -67,6 +67,7 @@ class BD3LM(Family):
     losses = ("nelbo",)
     variable_length = False  # a cut must keep whole blocks
     input_copies = 2
+    any_length_refusal = "its NELBO needs sequences of whole blocks"
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None, block_size: int | None = None,
                  noise: str = "mask", sampling_eps_min: float = T_EPS, sampling_eps_max: float = 1.0):
