@@ -23,13 +23,14 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from bench_kernel_count import OpCounter  # noqa: E402
 from megatron.core import utils as megatron_utils  # noqa: E402
 from megatron.core.optimizer import clip_grads  # noqa: E402
 from megatron.core.optimizer import optimizer as megatron_optimizers  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.config.optimizer import OptimizerConfig  # noqa: E402
@@ -41,16 +42,6 @@ from megatron_dllm.training.optim import build_optimizer, wrap_ddp  # noqa: E402
 MEGATRONS_FALLBACK = {(clip_grads, "l2_norm_impl"): megatron_utils.local_multi_tensor_l2_norm,
                       (clip_grads, "multi_tensor_scale_impl"): megatron_utils.local_multi_tensor_scale,
                       (megatron_optimizers, "multi_tensor_scale_impl"): megatron_utils.local_multi_tensor_scale}
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket] += not func.is_view
-        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
