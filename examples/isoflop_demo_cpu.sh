@@ -87,5 +87,6 @@ done
 echo "== fit and plot"
 python tools/scaling_laws.py --manifest "$OUT/manifest.json" --gen-ppl "$OUT"/eval/*/gen_ppl_T*.json \
     --throughput "$OUT"/eval/*/throughput_T*.json --targets "${TARGETS[@]}" --out-dir "$OUT/fits"
+rm -f "$DOCS"/{isoflop,loss_vs_flops,params_vs_flops,pareto}.png  # this run's only: an empty frontier draws none
 cp "$OUT"/fits/*.png "$OUT/fits/results.md" "$OUT/fits/results.json" "$OUT/plan.txt" "$DOCS/"
 echo "figures and tables in $OUT/fits (copied to $DOCS)"

@@ -87,9 +87,18 @@ class OutputLock:
                            "command": " ".join(sys.argv)}).encode()
 
     def acquire(self) -> OutputLock:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        if os.environ.get("DLLM_LOCK_MODE") == "file" or not self._acquire_flock():
-            self._acquire_file()
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            if os.environ.get("DLLM_LOCK_MODE") == "file" or not self._acquire_flock():
+                self._acquire_file()
+        except OutputLockedError:
+            raise
+        except OSError as err:  # a read-only or full place, or a file in the way: name the output, not the lock
+            directory = os.path.dirname(os.path.abspath(self.path))
+            if isinstance(err, (FileExistsError, NotADirectoryError)):
+                raise OutputLockedError(f"{self.flag}: {err.filename or directory} is a file, expected a directory") \
+                    from None
+            raise OutputLockedError(f"{self.flag}: cannot write to {directory} ({err.strerror or err})") from None
         self._pid = os.getpid()
         return self
 

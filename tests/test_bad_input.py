@@ -61,6 +61,28 @@ def test_an_unknown_flag_is_one_error_line_naming_it(command, capsys, tmp_path, 
     assert lines[0].startswith("error: ") and BAD in lines[0]
 
 
+@pytest.mark.parametrize("command, argv, message", [
+    ("tools/convert_to_hf.py", ["--load", "l", "--out", "o", "--seq-length", "-5"], "--seq-length: expected a"),
+    ("tools/convert_to_hf.py", ["--load", "l", "--out", "o", "--seq-length", "0"], "--seq-length: expected a positive"),
+    ("tools/convert_from_hf.py", ["--hf", "h", "--save", "s", "--iteration", "-1"], "--iteration: expected an integer"),
+    ("tools/convert_from_hf.py", ["--hf", "h", "--save", "s", "--tensor-model-parallel-size", "0"],
+     "--tensor-model-parallel-size: expected a positive integer"),
+    ("tools/convert_from_hf.py", ["--hf", "h", "--save", "s", "--make-vocab-size-divisible-by", "0"],
+     "--make-vocab-size-divisible-by: expected a positive integer"),
+    ("tools/preprocess_data.py", ["--input", "a.jsonl", "--output-prefix", "o", "--chunksize", "-5"],
+     "--chunksize: expected a positive integer"),
+    ("tools/preprocess_data.py", ["--input", "a.jsonl", "--output-prefix", "o", "--chunk-bytes", "-1"],
+     "--chunk-bytes: expected a positive integer"),
+    ("tools/inspect_dataset.py", ["prefix", "--sample-tokens", "-5"], "--sample-tokens: expected a positive integer"),
+    ("tools/inspect_dataset.py", ["prefix", "--vocab-size", "0"], "--vocab-size: expected a positive integer"),
+])
+def test_a_value_out_of_range_is_refused_before_anything_runs(command, argv, message, capsys, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _one_error(capsys, lambda: _run(command, argv))
+    assert message in line and os.listdir(tmp_path) == []
+
+
 def test_refresh_constraints_help_prints_help_and_changes_nothing(tmp_path, capsys, monkeypatch):
     import importlib.util
     import subprocess

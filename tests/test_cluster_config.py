@@ -3,6 +3,7 @@ read back, recompute flags as Megatron-LM derives them, which checkpoints retent
 non-finite counter and loss spikes, MFU's peak and the exit interval."""
 import json
 import os
+import shlex
 
 import pytest
 from conftest import REPO
@@ -61,6 +62,8 @@ def test_command_line_flags_override_the_yaml_config(tmp_path):
     path = _write(tmp_path, "preset: cpu-small\nlr: 3.0e-4\nsave: a\n")
     cfg = parse_args(["--lr", "1e-3", "--yaml-cfg", path, "--save", "b"])
     assert (cfg.model.preset, cfg.optimizer.lr, cfg.checkpoint.save) == ("cpu-small", 1e-3, "b")
+    path = _write(tmp_path, "save: -odd name\n")  # a value is a value, even one that starts with a dash
+    assert parse_args(["--yaml-cfg", path]).checkpoint.save == "-odd name"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -70,6 +73,8 @@ def test_command_line_flags_override_the_yaml_config(tmp_path):
     ("- preset\n", "expected a mapping of flag names to values, found list"),
     ("preset: [\n", "not valid YAML"),
     ("seq-length: -4\n", "--seq-length: expected a positive integer, got -4"),  # the flag's own check
+    ("preset: cpu-tiny\ndata-path:\n", "run.yaml:2: --data-path has no value; give one, or leave the key out"),
+    ("optimiser:\n  lr: 1.0e-3\n", "run.yaml:1: 'optimiser' is not a section of this command's flags (model,"),
 ])
 def test_a_bad_yaml_config_is_one_error_naming_the_file(tmp_path, capsys, text, message):
     path = _write(tmp_path, text)
@@ -117,6 +122,21 @@ def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp
     (tmp_path / "flags.yaml").write_text("preset: cpu-tiny\n")
     assert relaunch.main([str(tmp_path / "flags.yaml"), "--dry-run"]) == 2
     assert "records no world size" in capsys.readouterr().err
+
+
+def test_relaunch_resumes_a_run_started_without_load(tmp_path, capsys, monkeypatch):
+    """A run's resolved file records its --save; relaunching it continues from there (Megatron's
+    resume idiom, --load = --save) rather than being refused for the checkpoints it finds."""
+    from megatron_dllm.cli import relaunch
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--preset", "cpu-tiny", "--save", "my run/ckpt"])
+    (path,) = write_resolved(cfg, [str(tmp_path / "my run" / "ckpt")], world_size=2)
+    assert relaunch.main([path, "--dry-run"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)  # quoted: the paths hold a space
+    assert cmd[:3] == ["cd", str(tmp_path), "&&"] and cmd[-4:] == ["--yaml-cfg", path, "--load", "my run/ckpt"]
+    assert relaunch.main([path, "--dry-run", "--", "--load", "elsewhere"]) == 0  # a --load given is kept
+    assert shlex.split(capsys.readouterr().out)[-2:] == ["--load", "elsewhere"]
 
 
 def test_recompute_flags_mean_what_they_mean_in_megatron_lm():

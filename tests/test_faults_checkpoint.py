@@ -183,6 +183,8 @@ def test_verify_checkpoint_tool(ckpt, capsys):
 
     assert verify_checkpoint.main([str(ckpt), "--all"]) == 0
     assert capsys.readouterr().out.count("ok ") == 2
+    assert verify_checkpoint.main([str(ckpt / "iter_0000004"), "--all"]) == 0  # a checkpoint is all of itself
+    assert capsys.readouterr().out.startswith(f"ok {ckpt / 'iter_0000004'}: ")
     shard = ckpt / "iter_0000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1])
     assert verify_checkpoint.main([str(ckpt)]) == 0  # the tracker's checkpoint (4) is intact

@@ -109,23 +109,32 @@ def test_damaged_compressed_input_stops_and_publishes_nothing(tmp_path, sp_model
     assert _snapshot(inp, out) == before  # no shard 1 dataset, sidecar, rejections or .done.json
 
 
-@pytest.mark.parametrize("case", ["zst-truncated", "parquet-without-column"])
+@pytest.mark.parametrize("case", ["zst-truncated", "parquet-without-column", "sft-gz-truncated"])
 def test_cli_bad_input_is_one_error_line_exit_2(tmp_path, sp_model, paragraphs, case):
     """Today's silent outcomes (5,722 of 20,000 documents; an empty dataset) are now errors."""
+    import gzip
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    tool, flags = "preprocess_data.py", ["--workers", "2"]
     if case == "zst-truncated":
         src = tmp_path / "in.jsonl.zst"
         src.write_bytes(_cut(_zst(_jsonl(paragraphs[:400]))))
+        needles = [str(src), "truncated or corrupt, reading stopped after line"]
+    elif case == "sft-gz-truncated":
+        src = tmp_path / "in.jsonl.gz"
+        records = [{"prompt": p, "response": r} for p, r in zip(paragraphs[:400:2], paragraphs[1:400:2])]
+        src.write_bytes(_cut(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in records))))
+        tool, flags = "preprocess_sft_data.py", ["--seq-length", "512"]
         needles = [str(src), "truncated or corrupt, reading stopped after line"]
     else:  # known from the schema: refused before any tokenizing
         src = tmp_path / "in.parquet"
         pq.write_table(pa.table({"body": paragraphs[:400]}), src)
         needles = [str(src), "--json-keys text", "has no column 'text'; its columns are ['body']"]
     before = _snapshot(tmp_path)
-    r = _tool("preprocess_data.py", "--input", src, "--output-prefix", tmp_path / "out" / "c",
-              "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--workers", "2")
+    r = _tool(tool, "--input", src, "--output-prefix", tmp_path / "out" / "c",
+              "--tokenizer-type", SP, "--tokenizer-model", sp_model, *flags)
     _one_error_line(r, *needles)
     assert _snapshot(tmp_path) == before
 

@@ -270,6 +270,25 @@ def trained_in_process(flags: list) -> dict:
     return {"loss": [loss for loss, _ in losses], "valid": valid, "weights": weights}
 
 
+def test_the_checkpoint_size_estimate_counts_every_weight_of_a_swiglu_model(demo_cache, tmp_path):
+    """The start-of-run disk estimate counts what a checkpoint holds: SwiGLU's fc1, which
+    megatron-core saves through a factory (as its two halves), included; at TP=1 that is every
+    parameter of the model."""
+    from conftest import TINY_RUN
+
+    from megatron_dllm import platform
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.trainer import Trainer
+
+    try:
+        trainer = Trainer(parse_args(["--demo-cache-dir", demo_cache, *TINY_RUN, *QWEN2_FLAGS, "--family", "mdlm",
+                                      "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb")]))
+        counted = trainer.checkpointer._checkpointed_parameters()
+        assert counted == sum(p.numel() for p in trainer.model[0].module.parameters())
+    finally:
+        platform.destroy_distributed()
+
+
 @pytest.fixture(scope="module")
 def gpt_resumed(demo_cache, tmp_path_factory):
     """{family: (uninterrupted run, the same run resumed from its iteration-2 checkpoint, its

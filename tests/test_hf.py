@@ -111,6 +111,49 @@ def test_use_ema_without_ema_fails_clearly(checkpoints, tmp_path):
     assert "no EMA weights" in proc.stderr
 
 
+def test_an_export_replaces_only_an_earlier_export(checkpoints, tmp_path, capsys):
+    """--overwrite replaces an earlier export whole, and nothing else: not the checkpoint being
+    exported nor a directory holding it or inside it, not a file, not a directory of other files.
+    A staging directory that a killed export left beside --out goes with the next export. The
+    import refuses flags an export already records, and leaves no empty --save behind."""
+    import shutil
+
+    from megatron_dllm.cli import convert_from_hf, convert_to_hf
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["mdlm"], ckpt)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.bin").write_text("x")
+    for out, message in [(ckpt, f"--out {ckpt} overlaps the checkpoint it converts ({ckpt})"),
+                         (tmp_path, f"--out {tmp_path} overlaps the checkpoint"),
+                         (ckpt / "iter_0000002" / "hf", "overlaps the checkpoint"),
+                         (tmp_path / "notes.txt", "is a file; --overwrite replaces only an earlier export"),
+                         (tmp_path / "data", "is not a Hugging Face export (no config.json)")]:
+        assert convert_to_hf.main(["--load", str(ckpt), "--out", str(out), "--overwrite"]) == 2
+        assert message in capsys.readouterr().err
+    assert sorted(os.listdir(ckpt)) == sorted(os.listdir(checkpoints["mdlm"]))
+    assert sorted(os.listdir(ckpt / "iter_0000002")) == sorted(os.listdir(os.path.join(checkpoints["mdlm"],
+                                                                                       "iter_0000002")))
+    assert (tmp_path / "notes.txt").read_text() == "mine" and os.listdir(tmp_path / "data") == ["x.bin"]
+    stale = tmp_path / "hf.incomplete-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    _run([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(tmp_path / "hf")])
+    assert not stale.exists() and (tmp_path / "hf" / "config.json").is_file()
+
+    hf = str(tmp_path / "hf")
+    for flags, message in [(["--family", "ar"], f"--family ar: --hf {hf} is an export of family mdlm"),
+                           (["--seq-length", "64"], f"--seq-length: --hf {hf} is an export")]:
+        assert convert_from_hf.main(["--hf", hf, "--save", str(tmp_path / "imported"), *flags]) == 2
+        assert message in capsys.readouterr().err
+    proc = run_python([os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", hf, "--save",
+                       str(tmp_path / "imported"), "--tensor-model-parallel-size", "2"], REPO,
+                      {**ENV, **launch_env(1)}, 300)  # 2-way TP in a single process: refused
+    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
+    assert not (tmp_path / "imported").exists()
+
+
 # --------------------------------------------------------------------------- worker (one process)
 
 

@@ -32,6 +32,7 @@ from megatron_dllm.data.prep.progress import Progress
 from megatron_dllm.data.prep.sources import expand_inputs, shard_files
 from megatron_dllm.data.prep.tiktoken_files import write_tiktoken_from_bytelevel
 from megatron_dllm.data.tokenizers import TikTokenizer, build_tokenizer
+from megatron_dllm.errors import InputError
 
 TOOLS = os.path.join(REPO, "tools")
 SP = "SentencePieceTokenizer"
@@ -236,15 +237,79 @@ def test_sharded_then_merged_equals_single_run(tmp_path, corpus, sp_model):
     paths, weights = parse_data_path(open(tmp_path / "blend.txt").read().split())
     assert paths == [os.path.abspath(p) for p in prefixes] and sum(weights) == one.keys["text"].tokens
     assert [w for w, _ in pairs] == weights
-    # a changed input invalidates the finished marker of the shard that holds it
+    # a changed input: the finished shard that holds it is redone only with overwrite, and shards
+    # made before the change do not merge with the one made after it
     last = shard_files(sorted(inputs), n, n - 1)[-1]
     with open(last, "ab") as f:
         import zstandard
 
         f.write(zstandard.ZstdCompressor().compress(b'{"text": "Exeunt."}\n'))
-    msgs = []
-    st = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, log=msgs.append)
-    assert not st.skipped and "other inputs" in msgs[0]
+    with pytest.raises(InputError, match=r"shard00003of00004.done.json: this shard was finished with other inputs, "
+                                         r"tokenizer or flags \(inputs, run.inputs differ\); pass --overwrite"):
+        preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, log=lambda m: None)
+    st = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, overwrite=True,
+                    log=lambda m: None)
+    assert not st.skipped
+    r = _tool("merge_datasets.py", "--input", out + "_shard*_text_document", "--output-prefix", tmp_path / "mixed")
+    assert r.returncode == 2 and "shards of different preprocessing runs" in r.stderr and \
+        r.stderr.rstrip().endswith("differ in inputs; redo the mismatched shards with --overwrite, or pass "
+                                   "--allow-incomplete to merge anyway"), r.stderr
+    assert not os.path.exists(tmp_path / "mixed.idx")
+
+
+def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_model):
+    """Each machine of an array must see the same inputs and flags: shards made from another file
+    list, or with another --append-eod, would merge into a corpus with documents twice or missing,
+    or mixed ends. A shard without its marker did not finish. More shards than files is fine."""
+    inputs = sorted(corpus["jsonl"])[:3]
+    one = preprocess(inputs, str(tmp_path / "one"), SP, sp_model, log=lambda m: None)
+
+    def shards(name, n, **per_shard):
+        out = str(tmp_path / name / "c")
+        for i in range(n):
+            preprocess(per_shard.get("inputs", {}).get(i, inputs), out, SP, sp_model, num_shards=n, shard_index=i,
+                       append_eod=per_shard.get("append_eod", {}).get(i, False), log=lambda m: None)
+        return out
+
+    def merge(out):
+        return _tool("merge_datasets.py", "--input", out + "_shard*_text_document", "--output-prefix", out + "_merged")
+
+    r = merge(shards("missing_file", 2, inputs={1: inputs[:-1]}))  # one machine lacks the last file
+    assert r.returncode == 2 and "differ in inputs" in r.stderr, r.stderr
+    r = merge(shards("eod", 2, append_eod={0: True}))
+    assert r.returncode == 2 and "differ in append_eod" in r.stderr, r.stderr
+    out = shards("unfinished", 2)
+    os.remove(shard_prefix(out, 1, 2) + ".done.json")
+    r = merge(out)
+    assert r.returncode == 2 and f"no {shard_prefix(out, 1, 2)}.done.json, so its shard did not finish" in r.stderr
+    many = len(inputs) + 2  # shards without a file write valid empty datasets
+    out = shards("many", many)
+    stale = out + "_merged.bin.tmp-4194303-dead"  # a merge killed midway left it (no such pid runs)
+    open(stale, "wb").write(b"partial")
+    r = merge(out)
+    assert r.returncode == 0, r.stderr
+    assert _same(one.output_prefixes["text"], out + "_merged") and not os.path.exists(stale)
+
+    # a blend file: not written over without overwrite, of datasets of one tokenizer, without spaces
+    import shutil
+
+    blend, prefixes = tmp_path / "blend.txt", [one.output_prefixes["text"]]
+    blend.write_text("mine\n")
+    with pytest.raises(InputError, match=f"--blend-file {blend} already exists; pass --overwrite"):
+        write_blend_file(prefixes, str(blend))
+    assert blend.read_text() == "mine\n"
+    write_blend_file(prefixes, str(blend), overwrite=True)
+    (tmp_path / "a b").mkdir()
+    for ext in (".bin", ".idx", ".meta.json"):
+        shutil.copyfile(one.output_prefixes["text"] + ext, str(tmp_path / "a b" / "c") + ext)
+    with pytest.raises(InputError, match="a path with whitespace cannot stand in a --data-path list"):
+        write_blend_file([str(tmp_path / "a b" / "c")], str(tmp_path / "b2.txt"))
+    shutil.copytree(tmp_path / "a b", tmp_path / "other")
+    meta = json.loads((tmp_path / "other" / "c.meta.json").read_text())
+    (tmp_path / "other" / "c.meta.json").write_text(json.dumps({**meta, "tokenizer_sha256": "0" * 64}))
+    with pytest.raises(InputError, match="made with different tokenizers \\(tokenizer_sha256 differ\\)"):
+        write_blend_file([one.output_prefixes["text"], str(tmp_path / "other" / "c")], str(tmp_path / "b3.txt"))
+    assert not os.path.exists(tmp_path / "b2.txt") and not os.path.exists(tmp_path / "b3.txt")
 
 
 def _wait_for(pred, timeout=60.0):
@@ -288,6 +353,16 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     os.kill(kids[-1].pid, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
+    assert not os.path.exists(final + ".idx")
+
+    # 1b) Ctrl-C, which a terminal sends to the whole process group (workers too): one line, exit 130
+    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1",
+                          "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
+                         start_new_session=True)
+    assert _wait_for(lambda: any(f".tmp-{p.pid}-" in f for f in started()))
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-3000:]
     assert not os.path.exists(final + ".idx")
 
     # 2) SIGKILL the whole shard process mid-run: only temporaries remain
@@ -345,7 +420,7 @@ def test_megatron_built_dataset_merges_and_inspects(tmp_path):
     assert r.returncode == 2 and "outside the vocabulary [0, 1000)" in r.stderr
 
 
-def test_verify_reports_first_inconsistency_offset(tmp_path):
+def test_verify_reports_first_inconsistency_offset(tmp_path, sp_model):
     prefix = str(tmp_path / "d")
     docs = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12]]
     with IndexedDatasetWriter(prefix, np.uint16) as w:
@@ -379,6 +454,12 @@ def test_verify_reports_first_inconsistency_offset(tmp_path):
     open(prefix + ".bin", "wb").write(bytes(raw))
     with pytest.raises(DatasetFormatError, match=r"d.bin at byte offset 14: token 7 \(in sequence 3\) is 5000"):
         verify_dataset(prefix, vocab_size=4097)
+    # showing it decoded (no --verify) names the id the tokenizer cannot decode, not a traceback
+    r = _tool("inspect_dataset.py", prefix + ".bin", "--tokenizer-type", SP, "--tokenizer-model", sp_model,
+              "--samples", "5")
+    vocab = build_tokenizer(SP, sp_model).vocab_size
+    assert r.returncode == 2 and r.stderr == (f"error: {prefix}: document 3 holds token id 5000, outside the "
+                                              f"tokenizer's vocabulary of {vocab}; --verify checks every token\n")
 
 
 def test_writer_spills_lengths_byte_identical(tmp_path, monkeypatch):

@@ -32,9 +32,41 @@ def test_collect_tabulates_and_marks_missing_runs(capsys, tmp_path):
     assert "| 1e-05 | 2e-06 | 25.0 | 1319 | 25.0 |" in table and "| 4e-05 | 2e-06 | 50.0 | 1319 | 25.0 |" in table
     assert table.count("missing") == 4 and "best: lr 4e-05, min-lr 2e-06 (50.0%)" in table
     assert (tmp_path / "t.md").read_text().strip() == table.strip()
+    # the table is not written over without --overwrite; a result cut short is named, not a traceback
+    assert sft_lr_grid.main(["collect", "--run-dir", str(tmp_path), "--output", str(tmp_path / "t.md")]) == 2
+    assert f"--output {tmp_path / 't.md'} already exists; pass --overwrite" in capsys.readouterr().err
+    cut = tmp_path / "lr1e-05_min2e-06" / "gsm8k.json"
+    cut.write_text('{"accuracy": 0.2')
+    assert sft_lr_grid.main(["collect", "--run-dir", str(tmp_path), "--output", str(tmp_path / "t.md"),
+                             "--overwrite"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {cut}: not a GSM8K result of tools/evaluate.py gsm8k")
+    # before any run: the table of missing runs, in a directory made for it
+    assert sft_lr_grid.main(["collect", "--run-dir", str(tmp_path / "new"), "--output",
+                             str(tmp_path / "new" / "t.md")]) == 0
+    assert (tmp_path / "new" / "t.md").read_text().count("missing") == 6
 
 
-def test_flags_set_per_pair_are_refused(tmp_path):
+@pytest.mark.parametrize("argv, message", [
+    (["--", "--sft", "--lr", "1e-4"], "--lr: --lr, --min-lr and --save are set per pair"),
+    (["--", "--sft", "--lr=1e-4"], "--lr=1e-4: --lr, --min-lr and --save are set per pair"),
+    (["--pairs", "1e-5:1e-6", "1e-5:1e-6", "--", "--sft"], "--pairs: a pair is given twice"),
+    (["--limit", "0", "--", "--sft"], "argument --limit: expected a positive integer, got 0"),
+])
+def test_flags_that_would_be_lost_are_refused(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
-        sft_lr_grid.main(["print", "--run-dir", str(tmp_path), "--", "--sft", "--lr", "1e-4"])
-    assert exit_.value.code == 2
+        sft_lr_grid.main(["print", "--run-dir", str(tmp_path), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_launch_checks_the_flags_before_the_first_fine_tuning(tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("a command was started"))
+    with pytest.raises(SystemExit) as exit_:
+        sft_lr_grid.main(["launch", "--run-dir", str(tmp_path), "--", "--family", "nosuch"])
+    assert exit_.value.code == 2 and "--family 'nosuch' is not a known family" in capsys.readouterr().err
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: 1)  # the first fine-tuning fails
+    assert sft_lr_grid.main(["launch", "--run-dir", str(tmp_path), "--", "--family", "duo", "--train-iters", "2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: the fine-tuning of lr 1e-05, min-lr 2e-06 exited with "
+                                                        "status 1; the grid stops (pairs finished before it keep their "
+                                                        "results)")

@@ -15,6 +15,7 @@ tool, without a manifest: loadable when named, never removed), and `*.incomplete
 """
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import shutil
@@ -87,6 +88,21 @@ def remove_incomplete_saves(root: str) -> list[str]:
     for path in removed:
         shutil.rmtree(path)
     return removed
+
+
+def remove_at_exit_if_empty(directory: str) -> None:
+    """A writer about to make `directory`: remove it when the process exits if it stays empty (the
+    writer was refused or failed before writing), so that no empty output is left behind. Call it
+    before taking the directory's lock: atexit runs the lock's release first."""
+    if not os.path.isdir(directory):
+        atexit.register(_remove_if_empty, directory)
+
+
+def _remove_if_empty(directory: str) -> None:
+    try:
+        os.rmdir(directory)
+    except OSError:  # not empty, or already gone
+        pass
 
 
 def publish(staging: str, final: str) -> None:

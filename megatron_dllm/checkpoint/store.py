@@ -230,18 +230,10 @@ def check_writable(save: str) -> None:
     run leaves it empty (refused, or stopped before its first save)."""
 
     def check():
-        if not os.path.isdir(save):
-            atexit.register(_remove_if_empty, save)  # runs after the lock's release (registered later)
+        layout.remove_at_exit_if_empty(save)
         layout.check_save_dir(save)
 
     _from_rank0(check)
-
-
-def _remove_if_empty(directory: str) -> None:
-    try:
-        os.rmdir(directory)
-    except OSError:  # not empty (it holds checkpoints), or already gone
-        pass
 
 
 def check_free_space(save: str, estimate: int) -> None:

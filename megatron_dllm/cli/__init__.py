@@ -57,9 +57,18 @@ def fail(message: str) -> int:
     return BAD_INPUT_EXIT
 
 
+INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
+
+
+def interrupted() -> int:
+    """Report a Ctrl-C in one line (the writers publish nothing unfinished); returns the exit code."""
+    print("interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED_EXIT
+
+
 def reports_bad_input(*errors: type[BaseException]):
     """Decorate a command's `main`: bad input (InputError, OSError and any `errors` given) becomes
-    `fail(str(err))`; anything else is a bug and keeps its traceback."""
+    `fail(str(err))`, a Ctrl-C one line; anything else is a bug and keeps its traceback."""
     caught = BAD_INPUT + errors
 
     def wrap(main):
@@ -69,6 +78,8 @@ def reports_bad_input(*errors: type[BaseException]):
                 return main(*args, **kwargs)
             except caught as err:
                 return fail(str(err))
+            except KeyboardInterrupt:
+                return interrupted()
         return run
     return wrap
 

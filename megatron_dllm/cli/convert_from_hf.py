@@ -22,6 +22,7 @@ import sys
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.hf import config_check
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
@@ -31,13 +32,14 @@ def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
     parser.add_argument("--save", required=True, help="checkpoint root to write")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--iteration", type=int, default=0)
-    parser.add_argument("--family", default="ar", choices=["ar", "mdlm", "duo", "esolm"],
+    parser.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    parser.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
+    parser.add_argument("--iteration", type=non_negative_int, default=0)
+    parser.add_argument("--family", choices=["ar", "mdlm", "duo", "esolm"],
                         help="released AR models: the family the checkpoint is for (default ar)")
-    parser.add_argument("--seq-length", type=int, help="released AR models: default max_position_embeddings")
+    parser.add_argument("--seq-length", type=positive_int,
+                        help="released AR models: default max_position_embeddings")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     args = parser.parse_args(argv)
     try:
@@ -69,15 +71,25 @@ def _read_hf(hf: str):
 
 
 def convert(args) -> int:
+    from megatron_dllm.checkpoint import layout
     from megatron_dllm.hf import export, pretrained_ar
 
+    if int(os.environ.get("RANK", "0")) == 0:
+        layout.remove_at_exit_if_empty(args.save)
     if pretrained_ar.is_pretrained_ar(args.hf):
         from megatron_dllm.hf.import_ar import import_checkpoint
 
+        args.family = args.family or "ar"
         first = int(os.environ.get("RANK", "0")) == 0
         with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
             return import_checkpoint(args)
     identity, cfg, hf_state = _read_hf(args.hf)
+    if args.family not in (None, identity.family):
+        raise InputError(f"--family {args.family}: --hf {args.hf} is an export of family {identity.family}; "
+                         f"--family applies to released autoregressive models")
+    if args.seq_length is not None:
+        raise InputError(f"--seq-length: --hf {args.hf} is an export, which records its own "
+                         f"max_position_embeddings; --seq-length applies to released autoregressive models")
     seq_length = cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH)
     if identity.gpt is not None:
         return _write_gpt_checkpoint(hf_state, identity, seq_length, args)

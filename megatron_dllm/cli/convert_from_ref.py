@@ -107,8 +107,7 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
     from megatron_dllm.hf import export
 
     out = os.path.normpath(args.hf_out)
-    if os.path.exists(out) and not args.overwrite:
-        raise InputError(f"--hf-out {args.hf_out} already exists; pass --overwrite to replace it")
+    export.check_export_target(out, "--hf-out", args.overwrite, source=args.ref)
     with export.staged_export(out) as staging:
         export.write_hf_dir(staging, hf_state,
                             export.hf_config_dict(identity, FAMILIES[identity.family].attention, max_length))

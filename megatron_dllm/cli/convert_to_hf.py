@@ -24,6 +24,7 @@ import sys
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
@@ -33,22 +34,24 @@ def main(argv=None):
     parser.add_argument("--load", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory whole")
-    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to export (default: the tracker's)")
+    parser.add_argument("--ckpt-step", type=non_negative_int, default=None,
+                        help="the iteration to export (default: the tracker's)")
     parser.add_argument("--use-ema", action="store_true", help="export the EMA weights (checkpoint key 'ema')")
-    parser.add_argument("--seq-length", type=int, default=None,
+    parser.add_argument("--seq-length", type=positive_int, default=None,
                         help="max_position_embeddings (default: the checkpoint's, else 2048)")
     TokenizerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
         parser.error("--tokenizer-type and --tokenizer-model go together")
 
+    from megatron_dllm.hf import export
+
     out = os.path.normpath(args.out)
     try:  # the lock is a sibling (OUT.lock): the export is staged beside OUT and renamed whole
         with exclusive(lock_path_for_prefix(out), f"--out {args.out}"):
-            if os.path.exists(out) and not args.overwrite:
-                return fail(f"--out {args.out} already exists; pass --overwrite to replace it")
+            export.check_export_target(out, "--out", args.overwrite, source=args.load)
             return _export(args, out)
-    except OSError as err:  # another writer holds --out
+    except BAD_INPUT as err:  # another writer holds --out, or --out may not be written
         return fail(str(err))
 
 

@@ -8,7 +8,7 @@ histogram, and sample documents (decoded when a tokenizer is given).
 
 `--verify` checks the header, pointers, lengths, document indices and `.bin` size, and every
 token id against the vocabulary when the tokenizer or `--vocab-size` is known; it reports the
-first inconsistency with its file and byte offset and exits with status 1.
+first inconsistency with its file and byte offset and exits with status 2.
 """
 
 import argparse
@@ -18,6 +18,7 @@ import sys
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.data.indexed_dataset import DatasetFormatError, check_made_with
 from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
@@ -25,17 +26,19 @@ from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
 
 def get_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prefix", help="dataset prefix (without .bin/.idx)")
+    p.add_argument("prefix", help="dataset prefix (a .bin or .idx suffix is dropped)")
     TokenizerConfig.add_arguments(p, exclude=("vocab_size",))
-    p.add_argument("--vocab-size", type=int, default=None, help="for --verify without a tokenizer; with "
+    p.add_argument("--vocab-size", type=positive_int, default=None, help="for --verify without a tokenizer; with "
                                                                  "Megatron's JSON TikTokenizer, its --vocab-size")
-    p.add_argument("--samples", type=int, default=3, help="evenly spaced documents to show (0: none)")
-    p.add_argument("--sample-tokens", type=int, default=128, help="tokens shown per sample document")
+    p.add_argument("--samples", type=non_negative_int, default=3, help="evenly spaced documents to show (0: none)")
+    p.add_argument("--sample-tokens", type=positive_int, default=128, help="tokens shown per sample document")
     p.add_argument("--verify", action="store_true", help="full consistency check (exit 2 on the first error)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     if bool(args.tokenizer_type) != bool(args.tokenizer_model):
         p.error("--tokenizer-type and --tokenizer-model go together")
+    if args.prefix.endswith((".bin", ".idx")):
+        args.prefix = args.prefix[:-4]
     return args
 
 

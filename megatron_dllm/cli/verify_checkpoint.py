@@ -14,12 +14,13 @@ import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.config.fields import non_negative_int
 
 
 def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="checkpoint root or iter_XXXXXXX directory")
-    parser.add_argument("--ckpt-step", type=int, default=None, help="the iteration to check in a root")
+    parser.add_argument("--ckpt-step", type=non_negative_int, default=None, help="the iteration to check in a root")
     parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")
     args = parser.parse_args(argv)
 
@@ -27,7 +28,9 @@ def main(argv=None) -> int:
     from megatron_dllm.checkpoint.meta import CheckpointMeta
 
     try:
-        if args.all:
+        if args.all and layout.is_checkpoint_dir(args.ckpt):  # one checkpoint is all there is to check
+            paths = [args.ckpt]
+        elif args.all:
             paths = list(layout.iterations(args.ckpt).values())
         else:
             found = layout.find_checkpoint(args.ckpt, args.ckpt_step)

@@ -75,7 +75,8 @@ _CLASSES = {"model": ModelConfig, "precision": PrecisionConfig, "parallel": Para
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
-        description="Pretrain a DiT language model (AR, MDLM, Duo, Eso-LM) with megatron-core.", allow_abbrev=False)
+        description="Pretrain a diffusion or autoregressive language model (AR, MDLM, Duo, Eso-LM, BD3-LM) with "
+                    "megatron-core.", allow_abbrev=False)
     for cls in _CLASSES.values():
         cls.add_arguments(parser)
     add_yaml_flag(parser)
@@ -90,7 +91,8 @@ def parse_flags(argv: list[str] | None = None) -> RunConfig:
 
     parser = build_parser()
     try:
-        argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser)
+        argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser,
+                           sections=[group.name for group in dataclasses.fields(RunConfig)])
     except InputError as err:
         parser.error(str(err))
     ns = parser.parse_args(argv)

@@ -91,9 +91,10 @@ class YamlFile:
                 return out
         return {}
 
-    def flags(self) -> dict:
-        """flag dest -> (value, its line), from the top level and the group sections.
-        A flag given twice (top level and a section, or two sections) is refused, naming both."""
+    def flags(self, sections=None) -> dict:
+        """flag dest -> (value, its line), from the top level and the group sections (`sections`:
+        their names, if only those may appear). A flag given twice (top level and a section, or
+        two sections) is refused, naming both."""
         out = {}
 
         def walk(node, section):
@@ -101,6 +102,9 @@ class YamlFile:
                 if section is None and key == LAUNCH:
                     continue
                 if isinstance(value, yaml.MappingNode):  # a group section
+                    if section is not None or (sections is not None and key not in sections):
+                        raise InputError(f"{self.at(line)}: {key!r} is not a section of this command's flags"
+                                         + (f" ({', '.join(sections)})" if sections else ""))
                     walk(value, key)
                     continue
                 dest = key.replace("-", "_")
@@ -114,39 +118,41 @@ class YamlFile:
         return out
 
 
-def yaml_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """The command-line tokens equivalent to the flags in `path`. Raises ValueError naming the
-    file, the line and the key for anything that is not a flag or not a value the flag can take."""
+def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None) -> list[str]:
+    """The command-line tokens equivalent to the flags in `path` (`sections`: the group sections
+    it may have). Raises InputError naming the file, the line and the key for anything that is
+    not a flag or not a value the flag can take."""
     source = YamlFile(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens = []
-    for key, (value, line) in source.flags().items():
+    for key, (value, line) in source.flags(sections).items():
         where = source.at(line)
         action = actions.get(key)
         if action is None or key == "yaml_cfg":
             raise InputError(f"{where}: {key!r} is not a flag of this command")
         option = action.option_strings[0]
+        if value is None:  # `key:` with nothing after it: a forgotten value, never a default
+            raise InputError(f"{where}: {option} has no value; give one, or leave the key out")
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
                 raise InputError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [option] if value else []
-        elif isinstance(action, argparse.BooleanOptionalAction) and value is not None:  # --x / --no-x
+        elif isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
             if not isinstance(value, bool):
                 raise InputError(f"{where}: {key} is a switch; expected true or false, got {value!r}")
             tokens += [action.option_strings[0 if value else 1]]
-        elif value is None:
-            continue
         elif isinstance(value, (list, tuple)):
             if action.nargs not in ("*", "+"):
                 raise InputError(f"{where}: {key} takes one value, got a list")
             tokens += [option, *map(str, value)]
-        else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces
-            tokens += [option, str(value)]
+        else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces, or start with -
+            tokens += [f"{option}={value}"]
     return tokens
 
 
-def expand_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """`argv` with `--yaml-cfg FILE` replaced by the file's flags in front (so argv wins)."""
+def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None) -> list[str]:
+    """`argv` with `--yaml-cfg FILE` replaced by the file's flags in front (so argv wins);
+    `sections`: the group sections the file may have."""
     from megatron_dllm.cli import OneLineParser
 
     pre = OneLineParser(add_help=False, allow_abbrev=False)
@@ -157,7 +163,7 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
                          f"file, and override its values with flags")
     if not known.yaml_cfg:
         return list(argv)
-    return yaml_tokens(known.yaml_cfg[0], parser) + rest
+    return yaml_tokens(known.yaml_cfg[0], parser, sections) + rest
 
 
 def resolved_dict(config) -> dict:

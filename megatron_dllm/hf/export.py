@@ -10,6 +10,7 @@ loading and the tests all convert through it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -263,14 +264,35 @@ def write_model_dir(out: str, state_dict: dict, identity: ModelIdentity, attenti
     return len(weights)
 
 
+def check_export_target(out: str, flag: str, overwrite: bool, source: str) -> None:
+    """An export may replace only an earlier export (with `overwrite`), and never the checkpoint
+    it reads (`source`), a directory holding it or one inside it."""
+    out_real, source_real = os.path.realpath(out), os.path.realpath(source)
+    if os.path.commonpath([out_real, source_real]) in (out_real, source_real):
+        raise InputError(f"{flag} {out} overlaps the checkpoint it converts ({source}); choose another directory")
+    if not os.path.lexists(out):
+        return
+    if not overwrite:
+        raise InputError(f"{flag} {out} already exists; pass --overwrite to replace it")
+    if not os.path.isdir(out):
+        raise InputError(f"{flag} {out} is a file; --overwrite replaces only an earlier export (a directory)")
+    if os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+        raise InputError(f"{flag} {out} is not a Hugging Face export (no config.json); --overwrite replaces "
+                         f"only an earlier export")
+
+
 @contextlib.contextmanager
 def staged_export(out: str):
     """Yield a directory beside `out` to write an export into. When the block completes it becomes
     `out` (replacing an earlier export whole), world-readable; on an error it is removed, so a
-    partial export never stands under the final name."""
+    partial export never stands under the final name. The caller holds `out`'s lock: staging
+    directories a killed export left beside it are removed first."""
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(out) + ".incomplete-", dir=parent)
+    prefix = os.path.basename(out) + ".incomplete-"
+    for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         yield staging
         for base, _dirs, files in os.walk(staging):  # mkdtemp and safetensors make them private

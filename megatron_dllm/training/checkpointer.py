@@ -168,10 +168,15 @@ class Checkpointer:
     def _checkpointed_parameters(self) -> int:
         """Elements of every tensor a checkpoint holds for the model, whatever the layout: the
         global shapes of the sharded state, gathered over all ranks (collective)."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-        local = {sh.key: math.prod(sh.global_shape) for chunk in self.model
-                 for sh in chunk.module.sharded_state_dict().values() if isinstance(sh, ShardedTensor)}
+        local = {}
+        for chunk in self.model:
+            state = chunk.module.sharded_state_dict()
+            apply_factories(state)  # e.g. SwiGLU's fc1, saved as its two halves through a factory
+            local.update({sh.key: math.prod(sh.global_shape) for sh in nested_values(state)
+                          if isinstance(sh, ShardedTensor)})
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         return sum({k: v for part in gathered for k, v in part.items()}.values())

@@ -24,6 +24,7 @@ from megatron_dllm.data.indexed_dataset import (
     idx_path,
     validate_indexed_dataset,
 )
+from megatron_dllm.errors import InputError
 
 
 @dataclass
@@ -124,7 +125,13 @@ def describe_dataset(prefix: str, tokenizer=None, samples: int = 3, sample_token
             seqs = range(int(docs[d]), int(docs[d + 1]))
             ids = np.concatenate([ds[j] for j in seqs]) if len(seqs) else np.zeros(0, dtype=header.dtype)
             shown = ids[:sample_tokens]
-            text = tokenizer.detokenize(shown.tolist()) if tokenizer is not None else None
+            text = None
+            if tokenizer is not None:
+                outside = shown[(shown < 0) | (shown >= tokenizer.vocab_size)]
+                if outside.size:  # the tokenizer cannot decode it: the dataset is not this tokenizer's, or corrupt
+                    raise InputError(f"{prefix}: document {d} holds token id {int(outside[0])}, outside the "
+                                     f"tokenizer's vocabulary of {tokenizer.vocab_size}; --verify checks every token")
+                text = tokenizer.detokenize(shown.tolist())
             rep.samples.append({"document": d, "tokens": int(ids.size), "ids": shown.tolist(), "text": text})
     return rep
 

@@ -40,9 +40,17 @@ from megatron_dllm.data.indexed_dataset import (
     read_metadata,
     validate_indexed_dataset,
 )
+from megatron_dllm.data.prep import shard_marker
 from megatron_dllm.data.prep.dataset_writer import write_metadata
-from megatron_dllm.data.prep.output import claim_outputs, publish_pair, release_all, staging_tag
+from megatron_dllm.data.prep.output import (
+    claim_outputs,
+    publish_pair,
+    release_all,
+    remove_stale_temporaries,
+    staging_tag,
+)
 from megatron_dllm.errors import InputError
+from megatron_dllm.result_files import check_result_file, write_result_file
 
 SHARD_RE = re.compile(r"_shard(\d{5})of(\d{5})_")
 
@@ -54,7 +62,7 @@ def expand_prefixes(patterns: Sequence[str]) -> List[str]:
     for pattern in patterns:
         if pattern.endswith(".idx") or pattern.endswith(".bin"):
             pattern = pattern[:-4]
-        if glob.has_magic(pattern):
+        if glob.has_magic(pattern) and not os.path.isfile(pattern + ".idx"):  # an existing dataset is itself
             matches = sorted(p[:-4] for p in glob.glob(pattern + ".idx"))
             if not matches:
                 raise InputError(f"--input {pattern!r}: matches no .idx file")
@@ -86,6 +94,31 @@ def check_shard_set(prefixes: Sequence[str]) -> None:
                          f"(unfinished preprocessing? pass --allow-incomplete to merge anyway)")
     if indices != sorted(indices):
         raise InputError("--input shards are out of order; list them by shard index")
+    _check_shard_markers(prefixes)
+
+
+def _shard_stem(prefix: str, match: re.Match) -> str:
+    """`{run}_shardIIIIIofNNNNN_` of a shard's dataset prefix `{run}_shardIIIIIofNNNNN_{key}_document`."""
+    return prefix[: len(prefix) - len(os.path.basename(prefix)) + match.end()]
+
+
+def _check_shard_markers(prefixes: Sequence[str]) -> None:
+    """Every shard finished (its `.done.json` is there) in one preprocessing run: the same inputs
+    of the whole array, shard count, tokenizer, keys and --append-eod."""
+    first = None
+    for p in prefixes:
+        marker = _shard_stem(p, SHARD_RE.search(os.path.basename(p)))[:-1] + ".done.json"
+        info = shard_marker.read_marker(marker)
+        if info is None:
+            raise InputError(f"--input {p}: no {marker}, so its shard did not finish (rerun it); pass "
+                             f"--allow-incomplete to merge anyway")
+        run = info["fingerprint"].get("run", {})  # markers of older versions record no run
+        if first is None:
+            first = marker, run
+        elif run != first[1]:
+            raise InputError(f"--input shards of different preprocessing runs: {first[0]} and {marker} differ in "
+                             f"{', '.join(shard_marker.differences(first[1], run))}; redo the mismatched shards "
+                             f"with --overwrite, or pass --allow-incomplete to merge anyway")
 
 
 def shard_rejections(prefix: str) -> Optional[Tuple[str, str]]:
@@ -94,8 +127,7 @@ def shard_rejections(prefix: str) -> Optional[Tuple[str, str]]:
     m = SHARD_RE.search(os.path.basename(prefix))
     if m is None or not prefix.endswith("_document"):
         return None
-    stem = prefix[: len(prefix) - len(os.path.basename(prefix)) + m.end()]
-    return stem + "rejected.tsv", os.path.basename(prefix)[m.end():-len("_document")]
+    return _shard_stem(prefix, m) + "rejected.tsv", os.path.basename(prefix)[m.end():-len("_document")]
 
 
 def _write_rejections(prefixes: Sequence[str], tmp: str) -> int:
@@ -164,14 +196,15 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     locks = claim_outputs([output_prefix], f"--output-prefix {output_prefix}", overwrite,
                           other_files=[output_prefix + "_rejected.tsv"])
     try:
+        remove_stale_temporaries([bin_path(output_prefix), idx_path(output_prefix), output_prefix + "_rejected.tsv"],
+                                 log)
         return _merge(prefixes, output_prefix, log)
     finally:
         release_all(locks)
 
 
-def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
-    out_abs = os.path.abspath(output_prefix)
-    headers = [validate_indexed_dataset(p) for p in prefixes]
+def _one_tokenizer(prefixes: Sequence[str]) -> List[Optional[dict]]:
+    """The datasets' sidecars, which must agree: one tokenizer made them all."""
     metas = [read_metadata(p) for p in prefixes]
     for p, m in zip(prefixes, metas):
         if m != metas[0]:
@@ -179,6 +212,13 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
             fields = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
             raise InputError(f"--input datasets were made with different tokenizers ({', '.join(fields)} "
                              f"differ): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
+    return metas
+
+
+def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
+    out_abs = os.path.abspath(output_prefix)
+    headers = [validate_indexed_dataset(p) for p in prefixes]
+    metas = _one_tokenizer(prefixes)
     dtypes = {np.dtype(h.dtype) for h in headers}
     if len(dtypes) != 1:
         raise InputError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
@@ -261,18 +301,21 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
     return stats
 
 
-def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True) -> List[tuple]:
-    """Write `tokens prefix` lines (Megatron `--data-path` weights, proportional to size); the
-    file's whitespace-split contents are a valid `--data-path` value. Returns the pairs."""
+def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True, overwrite: bool = False
+                     ) -> List[tuple]:
+    """Write `tokens prefix` lines (Megatron `--data-path` weights, proportional to size) of
+    datasets made with one tokenizer; the file's whitespace-split contents are a valid
+    `--data-path` value. An existing file is replaced only with `overwrite`. Returns the pairs."""
+    check_result_file(path, "--blend-file", overwrite)
     pairs = []
     for p in prefixes:
         h = validate_indexed_dataset(p)
         if h.num_tokens == 0:
             raise InputError(f"--input {p!r} has no tokens; Megatron weights must be positive")
-        pairs.append((h.num_tokens, os.path.abspath(p) if absolute else p))
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        for w, p in pairs:
-            f.write(f"{w} {p}\n")
-    os.replace(tmp, path)
+        prefix = os.path.abspath(p) if absolute else p
+        if len(prefix.split()) != 1:
+            raise InputError(f"--input {prefix!r}: a path with whitespace cannot stand in a --data-path list")
+        pairs.append((h.num_tokens, prefix))
+    _one_tokenizer(prefixes)
+    write_result_file(path, "".join(f"{w} {p}\n" for w, p in pairs))
     return pairs

@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
 import tempfile
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix, pid_alive
@@ -37,6 +38,20 @@ def staging_owner_alive(path: str) -> bool:
     """Whether the temporary `path` belongs to another writer still running on this host."""
     pid = staging_pid(path)
     return pid is not None and pid != os.getpid() and pid_alive(pid)
+
+
+def remove_stale_temporaries(paths: Sequence[str], log: Callable[[str], None]) -> None:
+    """Remove the temporaries `{path}.tmp-*` of an interrupted writer; never finished files, nor the
+    temporaries of a writer still running here (one that bypassed the lock)."""
+    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")
+             if not staging_owner_alive(p)]
+    for p in sorted(set(stale)):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    if stale:
+        log(f"removed {len(set(stale))} temporary files of an interrupted run: {sorted(set(stale))[:4]}")
 
 
 def check_writable(directory: str, flag: str) -> None:

@@ -52,10 +52,10 @@ import numpy as np
 
 from megatron_dllm.data.indexed_dataset import optimal_dtype, tokenizer_metadata
 from megatron_dllm.data.prep import shard_marker
-from megatron_dllm.data.prep.output import claim_outputs, release_all
+from megatron_dllm.data.prep.output import claim_outputs, release_all, remove_stale_temporaries
 from megatron_dllm.data.prep.preprocess_options import PreprocessOptions, shard_prefix
 from megatron_dllm.data.prep.preprocess_stats import PreprocessStats
-from megatron_dllm.data.prep.preprocess_writer import PreprocessWriter, remove_stale_temporaries
+from megatron_dllm.data.prep.preprocess_writer import PreprocessWriter
 from megatron_dllm.data.prep.progress import Progress
 from megatron_dllm.data.prep.sources import check_parquet_columns, expand_inputs, file_format, iter_chunks, shard_files
 from megatron_dllm.data.prep.tokenize_workers import encoded_chunks
@@ -87,7 +87,7 @@ def run_preprocess(options: PreprocessOptions, log: Optional[Callable[[str], Non
                                 **options.tokenizer_options)  # fail early
     files = shard_files(all_files, options.num_shards, options.shard_index) if options.sharded else all_files
     prefixes = options.dataset_prefixes
-    fingerprint = shard_marker.fingerprint(files, options, tokenizer)
+    fingerprint = shard_marker.fingerprint(all_files, files, options, tokenizer)
     # One writer per dataset (each shard locks its own); a finished or existing output is judged
     # only once the lock is held. A shard is redone as before; a whole run needs --overwrite.
     locks = claim_outputs(list(prefixes.values()), f"--output-prefix {options.output_prefix}",

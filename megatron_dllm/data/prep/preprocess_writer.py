@@ -9,14 +9,13 @@ before anything is renamed); `publish` then renames the report and the datasets 
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 from typing import Callable, Dict, Sequence
 
 import numpy as np
 
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.output import staging_owner_alive, staging_tag
+from megatron_dllm.data.prep.output import staging_tag
 from megatron_dllm.data.prep.preprocess_stats import (
     MAX_KEPT_REJECTIONS,
     MAX_PRINTED_REJECTIONS,
@@ -26,20 +25,6 @@ from megatron_dllm.data.prep.preprocess_stats import (
 from megatron_dllm.data.prep.sources import file_format
 from megatron_dllm.data.prep.tokenize_workers import MAX_SEEN_KEYS
 from megatron_dllm.errors import InputError
-
-
-def remove_stale_temporaries(paths: Sequence[str], log: Callable[[str], None]) -> None:
-    """Temporaries `{path}.tmp-*` of an interrupted run; never finished files, nor the
-    temporaries of a writer still running here (one that bypassed the lock)."""
-    stale = [p for path in paths for p in glob.glob(glob.escape(path) + ".tmp-*")
-             if not staging_owner_alive(p)]
-    for p in sorted(set(stale)):
-        try:
-            os.remove(p)
-        except FileNotFoundError:
-            pass
-    if stale:
-        log(f"removed {len(set(stale))} temporary files of an interrupted run: {sorted(set(stale))[:4]}")
 
 
 class PreprocessWriter:
@@ -104,7 +89,7 @@ class PreprocessWriter:
         and so, for a whole run (a shard may hold none), is a key with no document written: its
         empty dataset would look finished."""
         stats, files = self.stats, self.files
-        inputs_read = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+        inputs_read = files[0] if len(files) == 1 else f"{len(files)} files" + (f" ({files[0]}, ...)" if files else "")
         for key, ks in stats.keys.items():
             assert stats.read == ks.written + sum(ks.rejected.values()), key
             if stats.read and ks.rejected["missing_key"] == stats.read:

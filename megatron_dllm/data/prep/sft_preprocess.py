@@ -10,7 +10,7 @@ Inputs (one example per record):
     rendered as the masked-diffusion SFT recipes do (SMDM, sft/gsm8k_data.py): prompt
     "Question: q\\n", response "Answer: reasoning\\n#### answer". (SMDM additionally splits each
     example into two rows; here one example is one row.)
-Plain `.jsonl`, `.jsonl.gz` are read; the format is recognised per record.
+Plain, `.gz` and `.zst` files are read; the format is recognised per record.
 
 Output: rows of exactly `seq_length` tokens, each with its prompt mask (the files: `data/sft.py`).
 A row is prompt + response + EOS, then
@@ -21,7 +21,6 @@ under temporary names and published at the end, the token dataset's `.idx` last.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ import numpy as np
 from megatron_dllm.data.indexed_dataset import optimal_dtype, tokenizer_metadata
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
 from megatron_dllm.data.prep.output import claim_outputs, release_all
+from megatron_dllm.data.prep.sources import expand_inputs, read_lines
 from megatron_dllm.data.sft import mask_prefix
 from megatron_dllm.errors import InputError
 
@@ -62,37 +62,32 @@ def render_messages(messages) -> tuple[str, str]:
     return "".join(lines) + "Assistant: ", last["content"]
 
 
-def _open_bytes(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
 def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "response") -> Iterator[tuple[str, str]]:
     """(prompt, response) texts of one input file; a malformed record is a ValueError naming the
     file and line (nothing is skipped silently)."""
     deng = path.endswith(".txt") or path.endswith(".txt.gz")
-    with _open_bytes(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            try:  # decoded per line, so that bad bytes are reported with their line
-                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
-            except UnicodeDecodeError as err:
-                raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
-            if not line.strip():
+    for lineno, raw, _ in read_lines(path):  # a truncated or corrupt .gz / .zst is an InputError
+        try:  # decoded per line, so that bad bytes are reported with their line
+            line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
+        except UnicodeDecodeError as err:
+            raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
+        if not line.strip():
+            continue
+        try:
+            if deng:
+                yield render_deng(line.rstrip("\n"))
                 continue
-            try:
-                if deng:
-                    yield render_deng(line.rstrip("\n"))
-                    continue
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise InputError("expected a JSON object")
-                if "messages" in record:
-                    yield render_messages(record["messages"])
-                elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
-                    yield record[prompt_key], record[response_key]
-                else:
-                    raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
-            except (ValueError, json.JSONDecodeError) as err:
-                raise InputError(f"{path}:{lineno}: {err}") from None
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise InputError("expected a JSON object")
+            if "messages" in record:
+                yield render_messages(record["messages"])
+            elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
+                yield record[prompt_key], record[response_key]
+            else:
+                raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
+        except (ValueError, json.JSONDecodeError) as err:
+            raise InputError(f"{path}:{lineno}: {err}") from None
 
 
 # --------------------------------------------------------------------------- rows
@@ -152,9 +147,10 @@ def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, p
     complete."""
     if seq_length < 2:
         raise InputError(f"--seq-length {seq_length}: must be >= 2")
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise InputError(f"--input {path}: no such file")
+    if prompt_key == response_key:
+        raise InputError(f"--prompt-key and --response-key are both {prompt_key!r}; a prompt and its response are "
+                         f"two fields")
+    inputs = expand_inputs(inputs, in_given_order=True)  # rows follow the inputs' order
     locks = claim_outputs([prefix, mask_prefix(prefix)], f"--output-prefix {prefix}", overwrite)
     try:
         return _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key)

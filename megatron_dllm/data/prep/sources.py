@@ -57,19 +57,24 @@ def file_format(path: str) -> str:
     return "jsonl"
 
 
-def expand_inputs(patterns: Sequence[str]) -> List[str]:
+def expand_inputs(patterns: Sequence[str], in_given_order: bool = False) -> List[str]:
     """Expand files and globs into one **sorted** list of distinct paths (the order of
-    documents in the output, and the basis of sharding). A pattern matching nothing is an
-    error, not an empty corpus."""
-    files = set()
-    for pattern in patterns:
-        matches = glob.glob(pattern) if glob.has_magic(pattern) else [pattern]
-        matches = [m for m in matches if os.path.isfile(m)]
+    documents in the output, and the basis of sharding); `in_given_order`: in the patterns'
+    order instead (each glob's matches sorted), a file listed twice refused. A pattern matching
+    nothing is an error, not an empty corpus."""
+    files = []
+    for pattern in patterns:  # an existing file is itself, even where its name has glob characters
+        magic = glob.has_magic(pattern) and not os.path.isfile(pattern)
+        matches = [m for m in (sorted(glob.glob(pattern)) if magic else [pattern]) if os.path.isfile(m)]
         if not matches:
-            raise InputError(f"--input {pattern!r}: " + ("no file matches" if glob.has_magic(pattern) else
-                                                          not_a_file(pattern)))
-        files.update(os.path.normpath(m) for m in matches)
-    return sorted(files)
+            raise InputError(f"--input {pattern!r}: " + ("no file matches" if magic else not_a_file(pattern)))
+        files += [os.path.normpath(m) for m in matches]
+    if not in_given_order:
+        return sorted(set(files))
+    twice = sorted({f for f in files if files.count(f) > 1})
+    if twice:
+        raise InputError(f"--input: {twice[0]} is listed twice")
+    return files
 
 
 def shard_files(files: Sequence[str], num_shards: int, shard_index: int) -> List[str]:
@@ -160,7 +165,7 @@ def _open_binary(path: str):
     return raw, raw, (OSError,)
 
 
-def _lines(path: str):
+def read_lines(path: str):
     """(line number, line, raw file) for each line of a plain, .gz or .zst file. A stream that
     does not decode to its end raises ValueError naming the file and the last line read."""
     raw, stream, errors = _open_binary(path)
@@ -184,7 +189,7 @@ def _lines(path: str):
 
 
 def _jsonl_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
-    for lineno, line, raw in _lines(path):
+    for lineno, line, raw in read_lines(path):
         if not line.strip():  # blank lines in JSONL are not records
             chunk.blank()
             continue
@@ -194,7 +199,7 @@ def _jsonl_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
 def _text_records(fi: int, path: str, base_bytes: int, chunk: "ChunkSink"):
     block: List[bytes] = []
     start = 0
-    for lineno, line, raw in _lines(path):
+    for lineno, line, raw in read_lines(path):
         if line.strip():
             if not block:
                 start = lineno

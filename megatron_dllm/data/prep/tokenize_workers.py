@@ -11,8 +11,11 @@ workers end when the preprocessing process dies, even by SIGKILL (`parent_watch`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from collections import deque
 from typing import Iterator, Sequence
 
@@ -30,6 +33,21 @@ def _init_worker(tok, json_keys: Sequence[str], append_eod: bool, dtype_name: st
     tables for a Megatron JSON TikTokenizer)."""
     _worker.update(tok=tok, keys=list(json_keys), eod=tok.eod if append_eod else None,
                    dtype=np.dtype(dtype_name))
+
+
+@contextlib.contextmanager
+def _children_ignore_ctrl_c():
+    """Processes started in this block ignore SIGINT from their first instruction (an ignored
+    SIGINT stays ignored in a new Python): a Ctrl-C, which reaches the whole process group,
+    interrupts only this process, which then stops the pool, and no worker prints a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _init_pool_worker(parent: int, *init_args) -> None:
@@ -144,7 +162,8 @@ def encoded_chunks(chunks, tokenizer, json_keys: Sequence[str], append_eod: bool
     pending = deque()
     try:
         for chunk in chunks:
-            pending.append((ex.submit(_encode_chunk, chunk.records), chunk))
+            with _children_ignore_ctrl_c():  # workers start inside submit
+                pending.append((ex.submit(_encode_chunk, chunk.records), chunk))
             chunk.records = None
             while len(pending) >= max_inflight:
                 fut, c = pending.popleft()
