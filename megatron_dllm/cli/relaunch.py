@@ -52,14 +52,8 @@ def main(argv=None) -> int:
     if not os.path.isdir(directory):
         return fail(f"{args.config}: the run was launched from {directory}, which no longer exists; its relative "
                     f"paths mean nothing elsewhere (edit launch: directory)")
-    here = os.getcwd()
-    os.chdir(directory)  # the file's relative paths are the launch directory's
-    try:
-        config = parse_args(["--yaml-cfg", os.path.join(here, args.config), *args.flags])  # bad flags fail here
-    finally:
-        os.chdir(here)
+    checkpoint = parse_args(["--yaml-cfg", args.config, *args.flags]).checkpoint  # bad flags fail here
     flags = list(args.flags)
-    checkpoint = config.checkpoint
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -89,7 +89,8 @@ def run_preprocess(options: PreprocessOptions, log: Optional[Callable[[str], Non
     prefixes = options.dataset_prefixes
     fingerprint = shard_marker.fingerprint(all_files, files, options, tokenizer)
     # One writer per dataset (each shard locks its own); a finished or existing output is judged
-    # only once the lock is held. A shard is redone as before; a whole run needs --overwrite.
+    # only once the lock is held. An unfinished shard is redone; a shard finished with other
+    # inputs or flags, like a whole run's existing output, needs --overwrite.
     locks = claim_outputs(list(prefixes.values()), f"--output-prefix {options.output_prefix}",
                           overwrite=options.sharded or options.overwrite, other_files=[options.rejections_path])
     try:
