@@ -91,7 +91,12 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()), k
-    assert (hf1 / "config.json").read_text() == (hf2 / "config.json").read_text()
+    import json
+
+    first, second = json.loads((hf1 / "config.json").read_text()), json.loads((hf2 / "config.json").read_text())
+    # the first export has the tokenizer the training run recorded, so it knows its EOS; the
+    # converted checkpoint records none (convert_from_hf takes the weights)
+    assert (first.pop("eos_token_id"), first.pop("pad_token_id")) == (2, 2) and first == second
 
     # training starts from the converted (model-only) checkpoint exactly as from the original
     # weights: the first loss equals a --finetune run's from the original checkpoint
@@ -159,7 +164,7 @@ def test_an_export_replaces_only_an_earlier_export(checkpoints, tmp_path, capsys
 
 def _compare(out_root, tok_model, specs):
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     from megatron_dllm.cli import convert_to_hf
     from megatron_dllm.hf import export
@@ -215,12 +220,16 @@ def _compare(out_root, tok_model, specs):
             torch.testing.assert_close(plain, got[:, s:])
         if family == "ar":
             gen = hf.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
-            assert gen.shape == (1, 9)
+            assert gen.shape == (1, 9) and hf.generation_config.eos_token_id == 2  # stops at </s> untold
             with torch.no_grad():  # greedy = argmax of the megatron model's next-token logits
                 nxt = model(gen[:, :4], torch.arange(4)[None], torch.zeros(1)).transpose(0, 1)[0, -1, :V]
             assert gen[0, 4].item() == nxt.argmax().item()
         tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
         assert tok.mask_token == "[MASK]" and tok.mask_token_id == identity.mask_id
+        # batches pad with EOS and truncate at the model's context; the model knows its EOS
+        assert (tok.pad_token_id, tok.model_max_length) == (hf.config.eos_token_id, hf.config.max_position_embeddings)
+        assert tok.eos_token_id == hf.config.eos_token_id == 2
+        assert type(AutoModel.from_pretrained(out, trust_remote_code=True)).__name__ == type(hf).__name__
         import sentencepiece
 
         sp = sentencepiece.SentencePieceProcessor(model_file=tok_model)

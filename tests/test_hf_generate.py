@@ -207,6 +207,10 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
     ({"max_new_tokens": 0}, "max_new_tokens=0: must be an integer >= 1"),
     ({"input_ids": [[1, 2]], "max_new_tokens": L}, "do not fit the model's context of 24"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]]}, "give eos_token_id"),
+    ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "float64": False},
+     "float64=False: padded prompts are answered with conditional generation's own settings"),
+    ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "max_new_tokens": L},
+     "a prompt of 1 tokens and max_new_tokens=24 do not fit the model's context of 24"),
 ])
 def test_bad_arguments_are_clear_value_errors(tmp_path, kwargs, message):
     from megatron_dllm.hf.load_export import load_model
@@ -215,6 +219,55 @@ def test_bad_arguments_are_clear_value_errors(tmp_path, kwargs, message):
     kwargs = {k: torch.tensor(v) if k in ("input_ids", "attention_mask") else v for k, v in kwargs.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         model.generate(steps=kwargs.pop("steps", 2), **kwargs)
+
+
+def test_padded_prompts_give_each_of_several_samples_its_own_seed(tmp_path):
+    """With padding and num_return_sequences=n, a prompt's j-th sample is that prompt's answer for
+    seed + j: as many different samples as asked, each what batch 1 gives for its seed."""
+    from megatron_dllm.hf.load_export import load_model
+    from megatron_dllm.sampling.conditional import generate_native
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    path = write_export("mdlm", tmp_path / "mdlm")
+    model, inf = load_model(path).double(), load_inference_model(path, dtype=torch.float64)
+    ids, mask = torch.tensor([[EOS, EOS] + PROMPTS[0], PROMPTS[1]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    out = model.generate(ids, attention_mask=mask, num_return_sequences=3, max_new_tokens=6, steps=3, seed=4,
+                         eos_token_id=EOS)
+    for row, (prompt, j) in zip(out, [(p, j) for p in PROMPTS for j in range(3)]):
+        answer = generate_native(inf, prompt, 6, EOS, steps=3, seed=4 + j)
+        assert row[5:5 + len(answer)].tolist() == answer
+    assert len({tuple(row.tolist()) for row in out[3:]}) == 3  # three samples of the second prompt
+
+
+def test_a_padded_bd3lm_forward_keeps_its_block_causal_attention(tmp_path):
+    """A padding mask is combined with the family's layout: BD3-LM's block i never sees block i+1,
+    and the real tokens' logits do not change with the padding beside them."""
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("bd3lm", tmp_path / "bd3lm")).double()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    later = ids.clone()
+    later[0, 6] = 13  # in the second block (block size 4)
+    padded = torch.tensor([[1] * 7 + [0]])
+    with torch.no_grad():
+        unpadded = model(ids[:, :7]).logits  # the real tokens alone
+        a, b = model(ids, attention_mask=padded).logits, model(later, attention_mask=padded).logits
+    assert torch.equal(a[0, :4], b[0, :4]) and not torch.equal(a[0, 4:7], b[0, 4:7])
+    assert torch.allclose(a[0, :7], unpadded[0], atol=1e-12)
+
+
+def test_the_forward_refuses_what_it_cannot_do(tmp_path):
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("mdlm", tmp_path / "mdlm"))
+    for call, message in [(lambda: model(torch.tensor([1, 2, 3])),
+                           "input_ids: expected [batch, length], got shape (3,)"),
+                          (lambda: model(torch.ones(1, L + 1, dtype=torch.long)),
+                           f"input_ids: {L + 1} tokens exceed the model's context of {L}"),
+                          (lambda: model(torch.ones(1, 4, dtype=torch.long), output_hidden_states=True),
+                           "output_hidden_states / output_attentions: this model returns logits only")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            call()
 
 
 def test_a_schedule_the_samplers_do_not_use_is_refused(tmp_path):

@@ -191,7 +191,7 @@ def save_megatron_checkpoint(save: str, model, identity: ModelIdentity, iteratio
 def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> dict:
     causal_lm = FAMILIES[identity.family].next_token
     arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
-    auto = {"AutoConfig": "configuration_dllm.DLLMConfig",
+    auto = {"AutoConfig": "configuration_dllm.DLLMConfig", "AutoModel": f"modeling_dllm.{arch_name}",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
     dit = {"cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
            "time_max_period": constants.TIME_MAX_PERIOD, "rope_theta": constants.ROTARY_BASE,
@@ -347,4 +347,23 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
         tok.add_special_tokens({"mask_token": mask_piece})
         if tok.mask_token_id != mask_id:
             raise InputError(f"exported tokenizer maps {mask_piece} to {tok.mask_token_id}, expected {mask_id}")
+        if tok.pad_token is None:  # batches pad with EOS, as SFT rows do (the attention mask hides it)
+            tok.pad_token = tok.eos_token
+        if os.path.isfile(os.path.join(out, "config.json")):  # the model's context, not "unlimited"
+            tok.model_max_length = _read_json(os.path.join(out, "config.json"))["max_position_embeddings"]
         tok.save_pretrained(out)
+    # the model's generate stops at the tokenizer's EOS without being told it
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(out, name)
+        if os.path.isfile(path):
+            config = _read_json(path)
+            for key, value in (("eos_token_id", ours.eod), ("pad_token_id", tok.pad_token_id)):
+                if config.get(key) is None:
+                    config[key] = value
+            with open(path, "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)

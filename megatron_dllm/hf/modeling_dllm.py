@@ -441,7 +441,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
     def _attn_mask(self, input_ids, attention_mask):
         """None (the family's layout) or a [b, 1, s, s] boolean mask from a [b, s] key padding
         mask (1 = attend) or an explicit [b, s, s] or [b or 1, 1, s, s] mask, combined with the
-        causal layout."""
+        family's layout (causal, or BD3-LM's block-causal)."""
         if attention_mask is None:
             return None
         if attention_mask.dim() == 4:  # explicit, as SDPA takes it (BD3-LM's [x_t ; x_0] mask)
@@ -452,12 +452,20 @@ class DLLMPreTrainedModel(PreTrainedModel):
             if bool(mask.all()):
                 return None
             mask = mask[:, None, :].expand(-1, s, -1)
-            if self.config.attention == "causal":
-                mask = mask & torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+            if self.config.attention in ("causal", "block_diffusion"):
+                mask = mask & layout_mask(self.config, 0, s, mask.device)
             mask = mask | torch.eye(s, dtype=torch.bool, device=mask.device)  # no empty rows
         return mask[:, None]
 
-    def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache=None, kv_keep=None):
+    def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache=None, kv_keep=None,
+                **unsupported):
+        if unsupported.get("output_hidden_states") or unsupported.get("output_attentions"):
+            raise ValueError("output_hidden_states / output_attentions: this model returns logits only")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected [batch, length], got shape {tuple(input_ids.shape)}")
+        if position_ids is None and kv_cache is None and input_ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"input_ids: {input_ids.shape[1]} tokens exceed the model's context of "
+                             f"{self.config.max_position_embeddings} (max_position_embeddings)")
         if position_ids is None:  # after the cached tokens when decoding incrementally
             start = 0 if kv_cache is None else kv_cache.offset(input_ids.device)
             position_ids = start + torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -485,7 +493,7 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, kv_cache: Optional[KVCache] = None,
                 kv_keep: Optional[int] = None, **kwargs):
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep)
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep, **kwargs)
         loss = None
         if labels is not None:  # plain CE over positions with label != -100
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
@@ -515,7 +523,7 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
                 kv_cache: Optional[KVCache] = None, kv_keep: Optional[int] = None, **kwargs):
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep)
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep, **kwargs)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),

@@ -20,8 +20,10 @@ command's samples). With `attention_mask` marking padding (left or right), each 
 (the unpadded tokens) answered by conditional generation (`sampling.conditional`'s batched
 protocol: cut after the first EOS); the result is the input as given, then each row's answer,
 filled with `eos_token_id` after it (with conditional's settings: stop at EOS, caches on,
-float64). `generator=` replaces the seeded random stream (unpadded input only: padded rows each
-draw from their own seeded stream, as batch 1 would).
+float64; `float64=False`, `kv_cache=False`, `cuda_graphs=True` and `generator=` are refused
+there). `generator=` replaces the seeded random stream of unpadded input; padded rows each draw
+from their own seeded stream, as batch 1 would: a prompt's j-th of `num_return_sequences`
+samples from `seed + j`.
 """
 from __future__ import annotations
 
@@ -124,10 +126,21 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, input_ids "
                              f"{tuple(input_ids.shape)}")
-        if not bool(attention_mask.bool().all()):
-            if generator is not None:
-                raise ValueError("generator= applies to unpadded input_ids; padded prompts draw from seed")
-            return _padded(inf, input_ids, attention_mask.bool(), max_new_tokens, eos, sampler, steps, seed,
+        real = attention_mask.bool()
+        if not bool(real.all()):
+            changed = {"generator=": generator is not None, "float64=False": not float64,
+                       "kv_cache=False": not kv_cache, "cuda_graphs=True": cuda_graphs}
+            if any(changed.values()):
+                raise ValueError(f"{', '.join(k for k, v in changed.items() if v)}: padded prompts are answered with "
+                                 f"conditional generation's own settings (rows seeded from seed, float64, KV "
+                                 f"caches, no CUDA graphs)")
+            longest = int(real.sum(1).max())
+            if max_new_tokens is not None and longest + max_new_tokens > inf.seq_length:
+                raise ValueError(f"input_ids: a prompt of {longest} tokens and max_new_tokens={max_new_tokens} do "
+                                 f"not fit the model's context of {inf.seq_length}")
+            seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
+                     for j in range(num_return_sequences)]  # a prompt's samples differ
+            return _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
                            temperature, top_p, remasking)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
@@ -142,14 +155,15 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     return out.to(inf.device)
 
 
-def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seed, temperature, top_p,
+def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
             remasking: dict) -> torch.Tensor:
-    """Conditional generation for prompts given padded (`real` False at padding): the input, then
-    each row's answer (cut after its first EOS), EOS-filled to the longest."""
+    """Conditional generation for prompts given padded (`real` False at padding), row i drawing
+    from `seeds[i]`: the input, then each row's answer (cut after its first EOS), EOS-filled to
+    the longest."""
     if eos is None:
         raise ValueError("padded prompts are answered up to EOS: give eos_token_id")
     prompts = [row[keep].tolist() for row, keep in zip(input_ids, real)]
-    settings = dict(greedy=False, temperature=temperature, top_p=top_p, seeds=seed)
+    settings = dict(greedy=False, temperature=temperature, top_p=top_p, seeds=seeds)
     if sampler == "left-to-right":
         answers = generate_left_to_right_batch(inf, prompts, max_new_tokens, eos, **settings)
     elif sampler in ("ancestral",) + REMASKING_PREDICTORS:
