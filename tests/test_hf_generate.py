@@ -256,6 +256,21 @@ def test_a_padded_bd3lm_forward_keeps_its_block_causal_attention(tmp_path):
     assert torch.allclose(a[0, :7], unpadded[0], atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["mdlm", "ar"])
+def test_resize_token_embeddings_resizes_the_logits_too(tmp_path, family):
+    """transformers' resize_token_embeddings (new tokens for fine-tuning) reaches the output layer:
+    the logits gain the new columns, and the old ones are unchanged."""
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export(family, tmp_path / family)).double().eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(ids).logits
+        model.resize_token_embeddings(V + 3, mean_resizing=False)
+        after = model(ids).logits
+    assert after.shape[-1] == model.config.vocab_size == V + 3 and torch.equal(after[..., :V], before)
+
+
 def test_the_forward_refuses_what_it_cannot_do(tmp_path):
     from megatron_dllm.hf.load_export import load_model
 
@@ -268,6 +283,19 @@ def test_the_forward_refuses_what_it_cannot_do(tmp_path):
                            "output_hidden_states / output_attentions: this model returns logits only")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             call()
+
+
+def test_the_samplers_errors_name_generates_arguments_not_the_flags(tmp_path):
+    from megatron_dllm.hf.load_export import load_model
+
+    model = load_model(write_export("esolm", tmp_path / "esolm"))
+    for kwargs, message in [({"sampler": "block", "steps": 5, "max_new_tokens": 12},
+                             "sampler block needs steps to divide the sequence length 12 (so steps <= 12); got "
+                             "steps 5"),
+                            ({"input_ids": torch.tensor([[V + 7, 1]]), "max_new_tokens": 4, "steps": 2},
+                             f"input_ids: ids must be < vocab size {V}")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model.generate(**kwargs)
 
 
 def test_a_schedule_the_samplers_do_not_use_is_refused(tmp_path):

@@ -409,6 +409,15 @@ class DLLMPreTrainedModel(PreTrainedModel):
     def set_input_embeddings(self, value):
         setattr(self.backbone, "embed_tokens" if isinstance(self.backbone, GPT) else "vocab_embed", value)
 
+    def get_output_embeddings(self):  # None: a GPT whose output layer is its (tied) embedding
+        return self.backbone.lm_head if isinstance(self.backbone, GPT) else self.backbone.output_layer.linear
+
+    def set_output_embeddings(self, value):  # resize_token_embeddings resizes both
+        if isinstance(self.backbone, GPT):
+            self.backbone.lm_head = value
+        else:
+            self.backbone.output_layer.linear = value
+
     def _init_weights(self, module):
         """The training initialisation: nn.Linear defaults, U(+-1/sqrt(h)) embedding, adaLN-zero and
         a zero output layer (initial logits are 0)."""
@@ -507,11 +516,6 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
     """The AR family: causal attention, sigma = 0. transformers' generate() recomputes the prefix at
     each step; megatron_dllm's sampler decodes incrementally with `kv_cache`."""
 
-
-    def get_output_embeddings(self):
-        if isinstance(self.backbone, GPT):
-            return self.backbone.lm_head
-        return self.backbone.output_layer.linear
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
         return {"input_ids": input_ids, "attention_mask": attention_mask}

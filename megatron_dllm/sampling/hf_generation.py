@@ -27,6 +27,9 @@ samples from `seed + j`.
 """
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 
 # transformers copies an export's remote-code files by their `from .name import` lines only; the
@@ -43,6 +46,23 @@ from .remasking import REMASKING_SAMPLERS
 SCHEDULE = "loglinear"  # the samplers' noise schedule (config.json's noise_schedule)
 # generate's keyword argument for each SamplingConfig field it spells differently (Fast-dLLM's `threshold`)
 ARGUMENT = {"predictor": "sampler", "confidence_threshold": "threshold"}
+# the samplers' messages name the sample command's flags: generate's caller reads its own arguments
+_FLAG_ARGUMENTS = {"--steps": "steps", "--predictor": "sampler", "--max-new-tokens": "max_new_tokens",
+                   "--block-length": "block_length", "--tokens-per-step": "tokens_per_step",
+                   "--confidence-threshold": "threshold", "--entropy-bound": "entropy_bound",
+                   "--kv-cache": "kv_cache", "--no-kv-cache": "kv_cache=False", "--cuda-graphs": "cuda_graphs",
+                   "--top-p": "top_p", "--temperature": "temperature", "--stop-at-eos": "stop_at_eos",
+                   "--family": "family", "prompt_ids": "input_ids"}
+
+
+@contextlib.contextmanager
+def _named_as_arguments():
+    """A sampler's ValueError, its flags named as generate's keyword arguments."""
+    try:
+        yield
+    except ValueError as err:
+        raise ValueError(re.sub(r"--[a-z0-9-]+|prompt_ids", lambda m: _FLAG_ARGUMENTS.get(m[0], m[0]), str(err))) \
+            from None
 
 
 def _predictors(family: str) -> tuple[str, ...]:
@@ -82,6 +102,7 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
     SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
 
 
+@_named_as_arguments()
 def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                        max_new_tokens: int | None = None, steps: int = SamplingConfig.steps,
                        sampler: str = SamplingConfig.predictor, seed: int = 0,
