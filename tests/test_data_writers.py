@@ -307,6 +307,12 @@ def test_an_existing_dataset_needs_overwrite(tmp_path, sp_model, paragraphs, too
     assert r.returncode == 0, r.stderr[-2000:]
     after = _md5s(os.path.dirname(out))
     assert after[first_file] != before[first_file] and set(after) <= set(before) | {out + "_rejected.tsv"}
+    if tool == "preprocess":  # --overwrite replaces files: a directory in an output's place is refused
+        os.remove(first_file)
+        os.mkdir(first_file)
+        before = sorted(os.listdir(os.path.dirname(out)))
+        _one_error_line(_tool(*runs[0], "--overwrite"), f"{first_file} is a directory, where an output file goes")
+        assert sorted(os.listdir(os.path.dirname(out))) == before
 
 
 def test_a_sidecar_the_writer_did_not_write_is_kept(tmp_path):

@@ -86,8 +86,12 @@ def claim_outputs(prefixes: Sequence[str], flag: str, overwrite: bool = True,
         if os.environ.get("DLLM_TEST_NO_DATA_LOCK") != "1":
             for p in sorted(prefixes):  # one order for every writer
                 locks.append(OutputLock(lock_path_for_prefix(p), f"{flag} ({p})").acquire())
+        outputs = [p + s for p in prefixes for s in DATASET_SUFFIXES] + list(other_files)
+        in_the_way = [p for p in outputs if os.path.isdir(p)]
+        if in_the_way:  # --overwrite replaces files, never a directory
+            raise InputError(f"{flag}: {in_the_way[0]} is a directory, where an output file goes")
         if not overwrite:
-            there = existing_outputs([p + s for p in prefixes for s in DATASET_SUFFIXES] + list(other_files))
+            there = existing_outputs(outputs)
             if there:
                 raise InputError(f"{flag}: {there[0]} already exists"
                                  + (f" (and {len(there) - 1} more output files)" if len(there) > 1 else "")
