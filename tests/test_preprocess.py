@@ -245,15 +245,16 @@ def test_sharded_then_merged_equals_single_run(tmp_path, corpus, sp_model):
 
         f.write(zstandard.ZstdCompressor().compress(b'{"text": "Exeunt."}\n'))
     with pytest.raises(InputError, match=r"shard00003of00004.done.json: this shard was finished with other inputs, "
-                                         r"tokenizer or flags \(inputs, run.inputs differ\); pass --overwrite"):
+                                         r"tokenizer or flags \(inputs, run.inputs.bytes, run.inputs.sha256 differ\); "
+                                         r"pass --overwrite"):
         preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, log=lambda m: None)
     st = preprocess(inputs, out, SP, sp_model, append_eod=True, num_shards=n, shard_index=n - 1, overwrite=True,
                     log=lambda m: None)
     assert not st.skipped
     r = _tool("merge_datasets.py", "--input", out + "_shard*_text_document", "--output-prefix", tmp_path / "mixed")
     assert r.returncode == 2 and "shards of different preprocessing runs" in r.stderr and \
-        r.stderr.rstrip().endswith("differ in inputs; redo the mismatched shards with --overwrite, or pass "
-                                   "--allow-incomplete to merge anyway"), r.stderr
+        r.stderr.rstrip().endswith("differ in inputs.bytes, inputs.sha256; redo the mismatched shards with "
+                                   "--overwrite, or pass --allow-incomplete to merge anyway"), r.stderr
     assert not os.path.exists(tmp_path / "mixed.idx")
 
 
@@ -275,7 +276,7 @@ def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_mod
         return _tool("merge_datasets.py", "--input", out + "_shard*_text_document", "--output-prefix", out + "_merged")
 
     r = merge(shards("missing_file", 2, inputs={1: inputs[:-1]}))  # one machine lacks the last file
-    assert r.returncode == 2 and "differ in inputs" in r.stderr, r.stderr
+    assert r.returncode == 2 and "differ in inputs.bytes, inputs.files, inputs.sha256" in r.stderr, r.stderr
     r = merge(shards("eod", 2, append_eod={0: True}))
     assert r.returncode == 2 and "differ in append_eod" in r.stderr, r.stderr
     out = shards("unfinished", 2)
