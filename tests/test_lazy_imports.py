@@ -44,3 +44,17 @@ def test_megatron_core_compiles_only_what_runs():
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-4000:]
+
+
+def test_preprocessing_imports_no_torch(tmp_path, sp_model):
+    """Preprocessing tokenizes text: torch is no part of it, and each of its `--workers` (spawned,
+    so each imports the tool anew) would pay ~190 MB and a second to import it."""
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "To be, or not to be"}\n')
+    check = ("import sys\nfrom megatron_dllm.cli.preprocess_data import main\n"
+             f"assert main(['--input', {str(src)!r}, '--output-prefix', {str(tmp_path / 'o')!r}, '--tokenizer-type', "
+             f"'SentencePieceTokenizer', '--tokenizer-model', {sp_model!r}]) == 0\n"
+             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+             "print('OK')")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

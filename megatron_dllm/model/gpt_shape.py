@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch.nn.functional as F
-
 from megatron_dllm.errors import InputError
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
@@ -50,6 +48,8 @@ class GPTShape:
 
     def config_fields(self, hidden_size: int, num_attention_heads: int) -> dict:
         """TransformerConfig fields, as Megatron-LM's `core_transformer_config_from_args` sets them."""
+        import torch.nn.functional as F  # here: the flags import this module, and preprocessing needs no torch
+
         return {"ffn_hidden_size": self.ffn_hidden_size, "num_query_groups": self.num_query_groups,
                 "kv_channels": self.kv_channels or hidden_size // num_attention_heads,
                 "normalization": self.normalization, "layernorm_epsilon": self.norm_epsilon,
