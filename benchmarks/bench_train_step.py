@@ -12,8 +12,9 @@ Variants, run interleaved (A B C, A B C, ...) after warm-up rounds, in one proce
                   `optimizer.step()`, `scheduler.step()`, the trainer's timers). On CPU this runs
                   under the `TorchFunctionMode` that `platform.install_cpu_compat` leaves active.
 * plain         — the dense `DiT` of `hf/modeling_dllm.py` (same weights, real vocabulary), the MDLM loss
-                  written densely with `F.cross_entropy`, `clip_grad_norm_` and `torch.optim.AdamW`
-                  with megatron's hyper-parameters and param groups (no decay on biases and norms),
+                  written densely with `F.cross_entropy`, `clip_grad_norm_` and torch's fused AdamW
+                  (the trainer's kernel) with megatron's hyper-parameters and param groups (no decay
+                  on biases and norms),
                   with the platform's TorchFunctionMode suspended: plain PyTorch.
 * plain+mode    — the same plain step with the TorchFunctionMode active (its cost in isolation).
 
@@ -161,6 +162,7 @@ class PlainStep:
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": OPT["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=OPT["lr"], betas=(OPT["adam_beta1"], OPT["adam_beta2"]), eps=OPT["adam_eps"],
+            fused=True,  # as the trainer's optimizer (training/optim.py: fuse_adam)
         )
         self.mask_id, self.inp = family.mask_id, inp
 
