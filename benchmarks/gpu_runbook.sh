@@ -219,6 +219,14 @@ case $STAGE in
       shift 2
       step "$name" "$max" "$PY $GEN $paper $GEN_SIZE --rounds 1 $* --json $OUT/$name.json"
     }
+    cond() {  # as gen, for the conditional section, which reads the paper's tokenizer (.cache/genbench)
+      local tokenizer=$PAPER/tokenizers/tinyllama_tokenizer.model
+      if [[ -f $tokenizer ]]; then
+        gen "$@" --gsm8k-data $GSM8K --tokenizer-model $tokenizer
+      else
+        STEPS_DONE+=("$1|SKIPPED (no $tokenizer: carry .cache/genbench, see tools/prepare_gpu_carry.sh)|0|")
+      fi
+    }
     families="--families esolm ar mdlm duo"
     if [[ ! -f $GEN ]]; then
       STEPS_DONE+=("generation|PENDING: $GEN is not in this checkout yet; stage $STAGE has nothing to run|0|")
@@ -248,14 +256,12 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
           if [[ $graphs == off ]]; then
             STEPS_DONE+=("cond_compiled|SKIPPED (the graph tests did not pass: see graph_tests)|0|")
           else
-            gen cond_compiled_${pair// /_}_$GEN_BIG 420 --gsm8k-data $GSM8K \
-              --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model --presets $GEN_BIG --families $pair \
+            cond cond_compiled_${pair// /_}_$GEN_BIG 420 --presets $GEN_BIG --families $pair \
               --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 380 --cuda-graphs on compiled
           fi
         elif [[ $STAGE == d2 ]]; then
-          gen cond_$GEN_BIG 240 --gsm8k-data $GSM8K --tokenizer-model $PAPER/tokenizers/tinyllama_tokenizer.model \
-            --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 --budget-s 200 \
-            --cuda-graphs $graphs
+          cond cond_$GEN_BIG 240 --presets $GEN_BIG --sections conditional --prompts $GEN_PROMPTS --rounds 2 \
+            --budget-s 200 --cuda-graphs $graphs
           gen uncond_$GEN_MID 270 --presets $GEN_MID --lengths $GEN_L $families --steps $GEN_T \
             --sections unconditional --cuda-graphs off --budget-s 240
         else
