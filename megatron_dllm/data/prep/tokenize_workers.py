@@ -37,17 +37,18 @@ def _init_worker(tok, json_keys: Sequence[str], append_eod: bool, dtype_name: st
 
 @contextlib.contextmanager
 def _children_ignore_ctrl_c():
-    """Processes started in this block ignore SIGINT from their first instruction (an ignored
-    SIGINT stays ignored in a new Python): a Ctrl-C, which reaches the whole process group,
-    interrupts only this process, which then stops the pool, and no worker prints a traceback."""
+    """Processes started in this block never receive SIGINT: it is blocked here, and a blocked
+    signal stays blocked across exec (Python does not unblock it). A Ctrl-C, which reaches the
+    whole process group, then interrupts only this process (held pending while blocked, it is
+    delivered as the block ends, never lost), which stops the pool; no worker prints a traceback."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _init_pool_worker(parent: int, *init_args) -> None:
