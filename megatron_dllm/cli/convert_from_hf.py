@@ -74,13 +74,13 @@ def convert(args) -> int:
     from megatron_dllm.checkpoint import layout
     from megatron_dllm.hf import export, pretrained_ar
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    first = int(os.environ.get("RANK", "0")) == 0
+    if first:
         layout.remove_at_exit_if_empty(args.save)
     if pretrained_ar.is_pretrained_ar(args.hf):
         from megatron_dllm.hf.import_ar import import_checkpoint
 
         args.family = args.family or "ar"
-        first = int(os.environ.get("RANK", "0")) == 0
         with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
             return import_checkpoint(args)
     identity, cfg, hf_state = _read_hf(args.hf)

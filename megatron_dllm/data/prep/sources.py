@@ -23,6 +23,7 @@ without a requested column is refused up front from its schema (`check_parquet_c
 
 from __future__ import annotations
 
+import collections
 import glob
 import gzip
 import io
@@ -71,7 +72,7 @@ def expand_inputs(patterns: Sequence[str], in_given_order: bool = False) -> List
         files += [os.path.normpath(m) for m in matches]
     if not in_given_order:
         return sorted(set(files))
-    twice = sorted({f for f in files if files.count(f) > 1})
+    twice = sorted(f for f, n in collections.Counter(files).items() if n > 1)
     if twice:
         raise InputError(f"--input: {twice[0]} is listed twice")
     return files
