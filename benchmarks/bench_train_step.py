@@ -1,7 +1,8 @@
 """One full training step (forward, backward, AdamW step) on CPU: megatron-core vs plain PyTorch.
 
     python benchmarks/bench_train_step.py [--preset cpu-base] [--vocab 4097] [--batch 8] [--seq 128]
-                                          [--repeats 10] [--warmup 3] [--threads N] [--profile]
+                                          [--attention-backend sdpa] [--repeats 10] [--warmup 3]
+                                          [--threads N] [--profile]
 
 Variants, run interleaved (A B C, A B C, ...) after warm-up rounds, in one process:
 
@@ -216,6 +217,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-diagnostics", action="store_true", help="time only megatron and plain")
     p.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of both steps")
+    p.add_argument("--attention-backend", default=None, choices=["local", "sdpa"],
+                   help="megatron's core attention (default: the trainer's, local); the plain step's is SDPA")
     args = p.parse_args(argv)
 
     if args.threads:
@@ -227,7 +230,8 @@ def main(argv=None) -> None:
         inp = make_batch(family, args.vocab, args.batch, args.seq)
         max_rounds = args.max_rounds or 4 * args.repeats
         train_iters = args.warmup + max_rounds + 100
-        megatron = MegatronStep(preset, args.vocab, args.batch, args.seq, family, inp, train_iters)
+        megatron = MegatronStep(preset, args.vocab, args.batch, args.seq, family, inp, train_iters,
+                                attention_backend=args.attention_backend)
         plain = PlainStep(megatron.initial_state, preset, args.vocab, args.seq, family, inp)
         loss_m, loss_p = megatron(), plain()  # first step from identical weights: same loss
         print(f"first-step loss: megatron {loss_m:.6f}  plain {loss_p:.6f}", file=sys.stderr)
@@ -255,7 +259,8 @@ def main(argv=None) -> None:
         tokens = args.batch * args.seq
         print(f"\npreset {args.preset} (h={preset.hidden_size}, L={preset.num_layers}, "
               f"heads={preset.num_attention_heads}), vocab {args.vocab} (megatron pads to "
-              f"{megatron.arch.padded_vocab_size(1)}), batch {args.batch} x seq {args.seq}, "
+              f"{megatron.arch.padded_vocab_size(1)}; attention {megatron.config.model.attention_backend or 'local'}), "
+              f"batch {args.batch} x seq {args.seq}, "
               f"{torch.get_num_threads()} threads, {args.warmup} warm-up rounds, {len(clean)} undisturbed "
               f"of {len(rounds)} interleaved rounds{'' if clean else ' (none undisturbed: all rounds used)'}\n")
         print("| variant | median step (ms) | vs plain | min step (ms) | vs plain | median CPU time (ms) "
