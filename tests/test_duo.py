@@ -95,6 +95,8 @@ def test_unknown_loss_lists_valid_ones():
 
     with pytest.raises(ValueError, match="--loss low-var is not available for --family duo; valid: nelbo"):
         validate(parse_flags(["--family", "duo", "--loss", "low-var"]))
+    with pytest.raises(ValueError, match="--loss low-var is not available for --family duo; valid: nelbo"):
+        get_family("duo", 4, 5, "low-var")  # the family itself refuses, for callers that skip validation
 
 
 def test_corrupt_replaces_uniformly_with_real_ids(world_of_one):

@@ -145,9 +145,10 @@ def test_hf_export_tokenizer_reproduces_ids(tmp_path, vocab, texts):
 
 
 @pytest.mark.slow
-def test_train_then_export_and_sample_restore_the_tokenizer(tmp_path, vocab, texts):
+def test_train_then_export_and_sample_restore_the_tokenizer(tmp_path, vocab, texts, capsys):
     """Train on data made with a cut Megatron vocabulary (100 specials, 1200 ids); export and
-    sampling given only type and model (or nothing) rebuild it from the checkpoint's record."""
+    sampling given only type and model (or nothing) rebuild it from the checkpoint's record;
+    tokenizer flags given to an evaluation win over the record."""
     import importlib
 
     from conftest import run_pretrain
@@ -165,10 +166,18 @@ def test_train_then_export_and_sample_restore_the_tokenizer(tmp_path, vocab, tex
                      "--save", ckpt, "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
     ours = build_tokenizer("TikTokenizer", vocab, num_special_tokens=100, vocab_size=1200)
     convert = importlib.import_module("megatron_dllm.cli.convert_to_hf")
+    evaluate = importlib.import_module("megatron_dllm.cli.evaluate")
     try:
         assert convert.main(["--load", ckpt, "--out", hf, "--tokenizer-type", "TikTokenizer",
                              "--tokenizer-model", vocab]) == 0
         inf = load_inference_model(ckpt)  # no tokenizer flags: the recorded one
+        problems = tmp_path / "gsm8k.jsonl"
+        problems.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+        for command in (["nelbo", "--data-path", data], ["gsm8k", "--data", str(problems)]):
+            capsys.readouterr()
+            assert evaluate.main([*command, "--load", ckpt, "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                                  vocab, "--tiktoken-num-special-tokens", "100", "--vocab-size", "1300"]) == 2
+            assert "1300" in capsys.readouterr().err  # the flag reached the loader, which refuses it
     finally:
         platform.destroy_distributed()
     assert (inf.vocab_size, inf.mask_id, inf.tokenizer.vocab_size, inf.tokenizer.mask_id) == (1200, 3, 1200, 3)

@@ -14,9 +14,8 @@ from test_batched_generation import EOS, L, model
 from test_sampling import MASK, V, random_model
 
 from megatron_dllm.cli import sample as sample_cli
-from megatron_dllm.cli.evaluate import build_parser
+from megatron_dllm.cli.evaluate import build_parser, run_gsm8k
 from megatron_dllm.errors import InputError
-from megatron_dllm.evaluation import gsm8k
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, get_sampler
 from megatron_dllm.sampling.conditional import generate_native, generate_native_batch
 from megatron_dllm.sampling.remasking import above_threshold, entropy_bounded, most_confident
@@ -201,7 +200,7 @@ def test_commands_refuse_a_knob_of_another_predictor_in_one_line(capsys):
     assert err == ["error: --tokens-per-step applies to --predictor low-confidence only, not --predictor threshold"]
     args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--predictor", "threshold"])
     with pytest.raises(InputError, match="apply to --protocol native only"):
-        gsm8k.run_gsm8k(args)
+        run_gsm8k(args)
     args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--steps", "4"])  # left to right: no steps
     with pytest.raises(InputError, match=r"^--steps applies to --protocol native only"):
-        gsm8k.run_gsm8k(args)
+        run_gsm8k(args)

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
 from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
 from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig

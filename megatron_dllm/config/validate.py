@@ -141,11 +141,7 @@ def warmup_before_decay(config, world_size=None) -> None:
 def family_loss(config, world_size=None) -> None:
     from megatron_dllm.families import FAMILIES
 
-    model = config.model
-    losses = FAMILIES[model.family].losses
-    if model.loss is not None and model.loss not in losses:
-        raise InputError(f"--loss {model.loss} is not available for --family {model.family}; "
-                         f"valid: {', '.join(losses)}")
+    FAMILIES[config.model.family].check_loss(config.model.loss)
 
 
 def family_settings(config, world_size=None) -> None:

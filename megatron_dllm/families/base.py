@@ -90,10 +90,10 @@ class Noise:
 
 
 class Family:
-    """Base class of the four families; the protocol is this class's interface."""
+    """Base class of the families; the protocol is this class's interface."""
 
     name: str
-    attention: str           # "bidirectional" | "causal"
+    attention: str           # "bidirectional" | "causal" | "block_diffusion"
     extra_token: bool = False  # AR reads seq_length + 1 tokens per sample
     variable_length: bool = True  # --variable-seq-length-prob applies (reference: non-AR only)
     losses: tuple[str, ...] = ("nelbo",)  # training objectives; the first is the default
@@ -108,8 +108,15 @@ class Family:
     any_length_refusal: str | None = None
 
     def __init__(self, mask_id: int, vocab_size: int, loss: str | None = None):
+        self.check_loss(loss)
         self.mask_id, self.vocab_size = mask_id, vocab_size
         self.loss_type = loss or self.losses[0]
+
+    @classmethod
+    def check_loss(cls, loss: str | None) -> None:
+        """`loss` is one of the family's training objectives (None: the default)."""
+        if loss is not None and loss not in cls.losses:
+            raise InputError(f"--loss {loss} is not available for --family {cls.name}; valid: {', '.join(cls.losses)}")
 
     @classmethod
     def options_from_flags(cls, model) -> dict:

@@ -93,9 +93,13 @@ def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: t
         raise FileNotFoundError(f"--load {path}: no such directory (expected a megatron checkpoint or an "
                                 f"HF directory with config.json)")
     tokenizer = config.build() if config is not None else None
+    cfg = model.config
+    if tokenizer is not None and (tokenizer.vocab_size, tokenizer.mask_id) != (cfg.vocab_size, cfg.mask_token_id):
+        raise InputError(f"--load {path}: the model's vocabulary ({cfg.vocab_size}, [MASK] {cfg.mask_token_id}) "
+                         f"does not match the tokenizer's ({tokenizer.vocab_size}, [MASK] {tokenizer.mask_id}); "
+                         f"give the tokenizer flags the model was trained with")
     if tokenizer is None and source == "hf" and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         tokenizer = HFDirTokenizer(path)
-    cfg = model.config
     model = model.to(device=device, dtype=dtype).eval()
     return InferenceModel(model, cfg.family, cfg.mask_token_id, cfg.vocab_size,
                           cfg.max_position_embeddings, tokenizer, source, config,
