@@ -60,11 +60,65 @@ def test_switching_the_data_mix_on_resume(pretrain, demo_cache, tmp_path):
     ckpt = tmp_path / "ckpt"
     pretrain(1, *RUN, *data, "--data-path", demo["data_prefix"], "--train-iters", "2", "--save", str(ckpt))
     phase2 = ["--data-path", "0.5", demo["data_prefix"], "0.5", demo["valid_prefix"]]
-    proc, records = pretrain(1, *RUN, *data, *phase2, "--load", str(ckpt), "--save", str(ckpt))
+    proc, records = pretrain(1, *RUN, *data, *phase2, "--load", str(ckpt), "--save", str(ckpt),
+                             "--override-opt-param-scheduler")  # phase 2 decays the LR over 4 iterations
     assert "data mix changed at iteration 2" in proc.stdout
     assert [r["consumed_samples"] for r in records if "loss" in r] == [24, 32]
-    proc, _ = pretrain(1, *RUN, *data, *phase2, "--train-iters", "5", "--load", str(ckpt), "--save", str(ckpt))
+    proc, _ = pretrain(1, *RUN, *data, *phase2, "--train-iters", "5", "--load", str(ckpt), "--save", str(ckpt),
+                       "--override-opt-param-scheduler")
     assert "data mix changed" not in proc.stdout  # the switch is remembered in the checkpoint
+
+
+def test_other_optimizer_flags_on_resume_are_refused_or_applied(pretrain, demo_cache, tmp_path):
+    """A flag of the LR schedule, weight decay or Adam changed on resume is refused in one line;
+    --override-opt_param-scheduler continues as a run that had the new flags from the start,
+    --use-checkpoint-opt-param-scheduler as the run that saved (param groups, LR and weight decay
+    of the first resumed step included)."""
+    from megatron_dllm import platform
+    from megatron_dllm.checkpoint import CheckpointError
+    from megatron_dllm.config import parse_args
+    from megatron_dllm.training.trainer import Trainer
+
+    ckpt = tmp_path / "ckpt"
+    pretrain(1, *RUN, "--save", str(ckpt), "--save-interval", "2")
+    load = ["--load", str(ckpt), "--ckpt-step", "2"]
+    new = ["--lr", "1e-4", "--weight-decay", "0.05", "--adam-beta2", "0.99", "--adam-eps", "1e-6", "--train-iters", "6"]
+
+    def optimizer_state(*flags, steps=0):
+        try:
+            trainer = Trainer(parse_args([*RUN, "--demo-cache-dir", demo_cache, *flags]))
+            trainer.scheduler.step(increment=steps)
+            return [(g["lr"], g["weight_decay"], g["betas"], g["eps"], g["max_lr"])
+                    for g in trainer.optimizer.optimizer.param_groups], trainer.scheduler.num_steps
+        finally:
+            platform.destroy_distributed()
+
+    with pytest.raises(CheckpointError, match=r"--lr 0.0001 \(checkpoint 0.001\); .* --adam-eps 1e-06 "
+                                              r"\(checkpoint 1e-08\); give --override-opt-param-scheduler"):
+        optimizer_state(*new, *load)
+    assert optimizer_state(*new, *load, "--override-opt_param-scheduler") == optimizer_state(*new, steps=2)
+    uninterrupted = optimizer_state(*load)
+    assert uninterrupted[0][0][1:4] == (0.1, (0.9, 0.95), 1e-8)
+    assert optimizer_state(*new, *load, "--use-checkpoint-opt-param-scheduler") == uninterrupted
+
+
+def test_a_smaller_global_batch_on_resume_is_refused_before_it_runs_out_of_samples(pretrain, demo_cache, tmp_path):
+    """A weighted mix holds exactly --train-iters x --global-batch-size samples: the samples
+    consumed at a larger batch leave too few for the rest of the run."""
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+
+    demo = prepare_demo_corpus(demo_cache)
+    data = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", demo["tokenizer_model"],
+            "--data-path", "0.5", demo["data_prefix"], "0.5", demo["data_prefix"], "--valid-data-path",
+            demo["valid_prefix"], "--lr-decay-iters", "4"]
+    ckpt = tmp_path / "ckpt"
+    pretrain(1, *RUN, *data, "--train-iters", "2", "--save", str(ckpt))
+    proc, _ = pretrain(1, *RUN, *data, "--global-batch-size", "4", "--load", str(ckpt), check=False)
+    assert proc.returncode == 2
+    assert (f"--load {ckpt / 'iter_0000002'}: 16 samples consumed by iteration 2 and 2 more iterations of "
+            f"--global-batch-size 4 need 24 training samples; the training set holds 16") in proc.stderr
+    proc, records = pretrain(1, *RUN, *data, "--global-batch-size", "16", "--load", str(ckpt))  # a larger one fits
+    assert [r["consumed_samples"] for r in records if "loss" in r] == [32, 48]
 
 
 def test_no_load_optim_and_finetune(pretrain, tmp_path):

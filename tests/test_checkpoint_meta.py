@@ -3,6 +3,7 @@ entry is named with its checkpoint, `plan_load` decides resume / finetune / conv
 nothing from the flags and the metadata alone; and a checkpoint written by an earlier version
 (kept in tests/fixtures) still verifies, inspects and resumes."""
 import os
+import re
 import tarfile
 
 import pytest
@@ -34,11 +35,47 @@ TRAINED = CheckpointMeta(6, IDENTITY, 48, seq_length=32, tokenizer=TokenizerReco
                          data_mix=("/data/a",), data_mix_start=0, scheduler={"num_steps": 6}, rng_layout=(1, 1, 2))
 
 
-def _plan(meta, *, layout=(1, 1, 2), data_path=("/data/a",), ema=False, **flags):
+def _plan(meta, *, layout=(1, 1, 2), data_path=("/data/a",), ema=None, optimizer_settings=None, **flags):
     ckpt = CheckpointConfig(**{"load": "/ckpt", **flags})
     found = Found("/ckpt/iter_0000006", 6, "the tracker") if meta is not None else None
-    return plan_load(ckpt, found, meta, identity=IDENTITY, layout=layout, optimizer=True, ema=ema,
-                     data_path=list(data_path), tokenizer_model=None)
+    return plan_load(ckpt, found, meta, identity=IDENTITY, layout=layout, optimizer=True, ema_decay=ema,
+                     data_path=list(data_path), tokenizer_model=None, optimizer_settings=optimizer_settings)
+
+
+SETTINGS = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 6, "lr_decay_style": "cosine",
+            "start_wd": 0.1, "wsd_decay_steps": 2, "lr_wsd_decay_style": "cosine", "adam_betas": [0.9, 0.95],
+            "adam_eps": 1e-8}
+SCHEDULED = TRAINED.replace(scheduler={"num_steps": 6, "end_wd": 0.1, "wd_incr_style": "constant", "wd_incr_steps": 6,
+                                       **{k: v for k, v in SETTINGS.items() if not k.startswith("adam_")}},
+                            adam={"adam_betas": [0.9, 0.95], "adam_eps": 1e-8})
+
+
+def test_the_same_mix_written_otherwise_is_not_a_change(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    meta = TRAINED.replace(data_mix=("0.5", str(tmp_path / "data/a"), "0.5", "data/b"))
+    assert not meta.data_mix_changed([".50", "data/a", "5e-1", str(tmp_path / "link/b")])
+    assert meta.data_mix_changed(["0.4", "data/a", "0.6", "data/b"])
+    assert meta.data_mix_changed(["0.5", "data/a", "0.5", "data/c"])
+
+
+def test_plan_refuses_other_optimizer_settings_unless_told_whose_to_keep():
+    assert _plan(SCHEDULED, optimizer_settings=SETTINGS).optimizer_settings == SETTINGS
+    changed = {**SETTINGS, "max_lr": 1e-4, "lr_decay_steps": 12, "adam_betas": [0.9, 0.99]}
+    expected = ("--lr 0.0001 (checkpoint 0.001); decay (--lr-decay-iters, default --train-iters) 12 (checkpoint 6); "
+                "--adam-beta1/--adam-beta2 [0.9, 0.99] (checkpoint [0.9, 0.95]); give --override-opt-param-scheduler")
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        _plan(SCHEDULED, optimizer_settings=changed)
+    plan = _plan(SCHEDULED, optimizer_settings=changed, override_opt_param_scheduler=True)
+    assert plan.optimizer_settings == changed and plan.notes[0].startswith("training with this run's optimizer")
+    plan = _plan(SCHEDULED, optimizer_settings=changed, use_checkpoint_opt_param_scheduler=True)
+    assert plan.optimizer_settings == SETTINGS and plan.notes[0].startswith("keeping the checkpoint's optimizer")
+    # the WSD decay matters to the WSD style only; a checkpoint without Adam's settings keeps its param groups'
+    assert _plan(SCHEDULED, optimizer_settings={**SETTINGS, "wsd_decay_steps": 3}).notes == ()
+    older = SCHEDULED.replace(adam=None)
+    plan = _plan(older, optimizer_settings={**SETTINGS, "adam_eps": 1e-6})
+    assert plan.notes == () and "adam_eps" not in plan.optimizer_settings
 
 
 def test_metadata_round_trips_through_the_stored_form():
@@ -69,7 +106,12 @@ def test_plan_resume_restores_everything_and_continues():
     assert (plan.kind, plan.iteration, plan.consumed_samples, plan.data_offset) == (RESUME, 6, 48, 0)
     assert plan.optimizer and plan.scheduler and plan.rng and not plan.ema and not plan.notes
     assert plan.describe() == "weights, optimizer, RNG"
-    assert _plan(TRAINED.replace(ema_decay=0.999), ema=True).describe() == "weights, optimizer, RNG, EMA"
+    with_ema = TRAINED.replace(ema_decay=0.999)
+    assert _plan(with_ema, ema=0.999).describe() == "weights, optimizer, RNG, EMA"
+    assert _plan(with_ema, ema=0.99).notes == ("EMA decay 0.999 -> 0.99 (--ema-decay) from iteration 6",)
+    with pytest.raises(CheckpointError, match=r"holds EMA weights \(decay 0.999\), which this run without --ema-decay "
+                                              r"would leave out of every later checkpoint; give --ema-decay 0.999"):
+        _plan(with_ema)
     assert _plan(TRAINED, no_load_optim=True, no_load_rng=True).describe() == "weights"
 
 
@@ -79,7 +121,7 @@ def test_plan_names_a_load_path_that_is_not_a_checkpoint(tmp_path):
                        (tmp_path / "missing", "does not exist"), (tmp_path, "holds no checkpoint")]:
         with pytest.raises(CheckpointError, match=rf"^--load {path} {what} \(expected "):
             plan_load(CheckpointConfig(load=str(path)), None, None, identity=IDENTITY, layout=(1, 1, 1),
-                      optimizer=True, ema=False, data_path=[], tokenizer_model=None)
+                      optimizer=True, ema_decay=None, data_path=[], tokenizer_model=None)
 
 
 def test_plan_reshard_leaves_the_rng_states_out():
@@ -96,13 +138,13 @@ def test_plan_finetune_converted_and_nothing():
     plan = _plan(CheckpointMeta(3, IDENTITY, seq_length=32))
     assert (plan.kind, plan.iteration, plan.optimizer, plan.rng) == (CONVERTED, 3, False, False)
     assert plan_load(CheckpointConfig(), None, None, identity=IDENTITY, layout=(1, 1, 1), optimizer=True,
-                     ema=False, data_path=None, tokenizer_model=None).kind == NOTHING
+                     ema_decay=None, data_path=None, tokenizer_model=None).kind == NOTHING
     plan = plan_load(CheckpointConfig(load="/run", save="/run"), None, None, identity=IDENTITY, layout=(1, 1, 1),
-                     optimizer=True, ema=False, data_path=None, tokenizer_model=None)
+                     optimizer=True, ema_decay=None, data_path=None, tokenizer_model=None)
     assert plan.kind == NOTHING and plan.notes == ("no checkpoint in /run: starting from iteration 0",)
     with pytest.raises(CheckpointError, match="--load /nowhere does not exist"):
         plan_load(CheckpointConfig(load="/nowhere"), None, None, identity=IDENTITY, layout=(1, 1, 1),
-                  optimizer=True, ema=False, data_path=None, tokenizer_model=None)
+                  optimizer=True, ema_decay=None, data_path=None, tokenizer_model=None)
 
 
 def test_plan_data_mix_switch_and_identity_mismatch():
@@ -155,7 +197,7 @@ def test_a_checkpoint_of_an_earlier_version_verifies_and_inspects(old_checkpoint
 @pytest.mark.slow
 def test_a_checkpoint_of_an_earlier_version_resumes(old_checkpoint, pretrain):
     proc, records = pretrain(1, *OLD_RUN, "--train-iters", "5", "--load", str(old_checkpoint),
-                             "--save", str(old_checkpoint))
+                             "--save", str(old_checkpoint), "--use-checkpoint-opt-param-scheduler")
     loaded = f"loaded checkpoint {old_checkpoint / 'iter_0000003'} at iteration 3: weights, optimizer, RNG"
     assert loaded in proc.stdout
     assert "data mix changed at iteration 3" in proc.stdout  # the demo corpus lies elsewhere now
@@ -175,7 +217,7 @@ def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(
 
     try:
         trainer = Trainer(parse_args([*OLD_RUN, "--demo-cache-dir", demo_cache, "--train-iters", "5",
-                                      "--load", str(old_checkpoint)]))
+                                      "--load", str(old_checkpoint), "--use-checkpoint-opt-param-scheduler"]))
         adam = trainer.optimizer.optimizer
         assert trainer.iteration == 3 and all(g["fused"] and not g["foreach"] for g in adam.param_groups)
         assert {(s["step"].item(), s["step"].device == p.device) for p, s in adam.state.items()} == {(3.0, True)}

@@ -122,7 +122,7 @@ def test_a_sigkilled_runs_lock_is_taken_over_on_restart(demo_cache, tmp_path, mo
     done = int((ckpt / TRACKER).read_text())
     with _env(DLLM_LOCK_MODE=mode):
         proc, records = _launch(demo_cache, tmp_path, "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
-                                "100", "--train-iters", str(done + 2), check=True)
+                                "100", "--train-iters", str(done + 2), "--override-opt-param-scheduler", check=True)
     assert f"--save {ckpt}: taking over the lock left by pid {first.pid} on host " in proc.stdout
     assert "which is no longer running" in proc.stdout
     assert f"loaded checkpoint {layout.iteration_dir(str(ckpt), done)}" in proc.stdout

@@ -72,7 +72,8 @@ def test_older_tracker_loads_that_iteration_and_keeps_newer_ones(ckpt, demo_cach
     """Rolling back by hand (Megatron-LM style): the tracker names 2 while iter 4 exists."""
     (ckpt / TRACKER).write_text("2")
     before = _snapshot(ckpt)
-    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt))
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt),
+                            "--use-checkpoint-opt-param-scheduler")
     assert proc.returncode == 0, proc.stderr
     assert f"loading {ckpt / 'iter_0000002'} ({TRACKER} (newer checkpoints kept, not loaded: iter_0000004))" \
         in proc.stdout

@@ -42,10 +42,11 @@ def test_the_front_door_on_cpu_prints_only_the_runs_own_lines(demo_cache, tmp_pa
     env = launch_env(2)  # OMP_NUM_THREADS=1, as the README gives it (else torchrun announces it)
     env.pop("PYTHONWARNINGS")  # the tests' launcher silences warnings; here they are the subject
     env["CUDA_VISIBLE_DEVICES"] = ""
-    for iters in (2, 3):
+    for longer in ([], ["--train-iters", "3", "--override-opt-param-scheduler"]):  # run 2: one iteration more
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                os.path.join(REPO, "pretrain_dllm.py"), "--family", "mdlm", "--demo-cache-dir",
-                               demo_cache, "--train-iters", str(iters), "--eval-interval", "2", "--eval-iters", "1"],
+                               demo_cache, "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+                               *longer],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = (proc.stdout + proc.stderr).splitlines()

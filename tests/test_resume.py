@@ -126,7 +126,8 @@ def test_checkpoints_reshard_between_tp2_and_pp2(full, demo_cache, tmp_path):
     # TP=2 -> PP=2 at iteration 4 == --train-iters: the loaded run only evaluates
     a = tmp_path / "a"
     _copy_checkpoint(full_ckpt, 4, a)
-    proc, records = run_pretrain(2, base + PP2 + ["--train-iters", "4", "--load", str(a)], tmp_path)
+    proc, records = run_pretrain(2, base + PP2 + ["--train-iters", "4", "--load", str(a),
+                                                  "--use-checkpoint-opt-param-scheduler"], tmp_path)
     assert "evaluating only" in proc.stdout and not _losses(records)
     assert _valid(records, 4) == pytest.approx(_valid(full_records, 4), rel=1e-5)
 

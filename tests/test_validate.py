@@ -93,6 +93,11 @@ CASES = [
      "(10 iterations"),
     ("warmup_before_decay", ["--train-iters", "100", "--lr-warmup-iters", "8", "--lr-decay-iters", "8"], None, False,
      "must be shorter than the decay (8 iterations"),
+    ("exit_needs_save", [*DATA, "--exit-interval", "10"], None, False,
+     "--exit-interval saves a checkpoint to resume from before it exits: give --save DIR"),
+    ("exit_needs_save", [*DATA, "--exit-signal-handler"], None, False, "--exit-signal-handler saves a checkpoint"),
+    ("schedule_on_resume", ["--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"], None, False,
+     "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other"),
     ("lr_range", ["--lr", "1e-4", "--min-lr", "1e-3"], None, False,
      "--min-lr 0.001 is above --lr 0.0001: the schedule decays from --lr down to --min-lr"),
     ("lr_range", ["--min-lr", "2e-3"], None, True, "--min-lr 0.002 is above --lr 0.001"),  # the demo's default --lr

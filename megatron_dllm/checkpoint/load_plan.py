@@ -3,7 +3,9 @@ tensor is read; `training_state.load_checkpoint` then carries the plan out.
 
     nothing    no --load (or --load is --save and holds nothing yet): iteration 0, fresh weights
     resume     weights, optimizer (unless --no-load-optim), LR schedule, RNG (unless --no-load-rng),
-               EMA; training continues at the saved iteration and consumed samples
+               EMA; training continues at the saved iteration and consumed samples. The optimizer
+               settings (LR schedule, weight decay, Adam's betas and eps) must equal the
+               checkpoint's, or the run says whose to keep (`optimizer_settings`)
     finetune   --finetune: weights only, iteration and consumed samples start again at 0; the
                family may differ from the checkpoint's (adapting an AR model to a diffusion family)
     converted  a model-only checkpoint (written by a converter): weights only, at its iteration
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+from megatron_dllm.checkpoint import optimizer_settings as settings
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.checkpoint.layout import TRACKER, Found
 from megatron_dllm.checkpoint.manifest import CheckpointError
@@ -39,6 +42,7 @@ class LoadPlan:
     ema: bool = False  # load the EMA weights (else a run with EMA starts it at the loaded weights)
     iteration: int = 0  # where training continues
     consumed_samples: int = 0
+    optimizer_settings: dict | None = None  # with `scheduler`: the settings to train with
     data_offset: int = 0  # consumed samples when the current data mix started
     notes: tuple[str, ...] = ()  # the decisions worth a log line
 
@@ -58,11 +62,14 @@ class LoadPlan:
 
 
 def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta | None, *, identity: ModelIdentity,
-              layout: tuple[int, int, int], optimizer: bool, ema: bool, data_path, tokenizer_model: str | None
-              ) -> LoadPlan:
+              layout: tuple[int, int, int], optimizer: bool, ema_decay: float | None, data_path,
+              tokenizer_model: str | None,
+              optimizer_settings: dict | None = None) -> LoadPlan:
     """The plan for `--load` given `found` (`checkpoint.locate`) and its `meta`, for a run of
-    `identity` under `layout` with an optimizer and an EMA or not. A checkpoint of another model
-    or tokenizer is refused here, before any tensor is read."""
+    `identity` under `layout` with an optimizer or not, its --ema-decay (None: no EMA) and the
+    `optimizer_settings` its flags gave (`optimizer_settings.of_run`). A checkpoint of another
+    model or tokenizer, of other optimizer settings without a say on whose to keep, or whose EMA
+    the run would drop, is refused here, before any tensor is read."""
     layout = tuple(layout)
     if found is None:
         if not ckpt.load:
@@ -88,9 +95,19 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
         return LoadPlan(CONVERTED, layout, path, meta, iteration=meta.iteration,
                         consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)
     plan = LoadPlan(RESUME, layout, path, meta, optimizer=optimizer and not ckpt.no_load_optim, scheduler=True,
-                    ema=ema and meta.ema_decay is not None, iteration=meta.iteration,
+                    ema=ema_decay is not None and meta.ema_decay is not None, iteration=meta.iteration,
                     consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)
     notes = []
+    if meta.ema_decay is not None and ema_decay is None:
+        raise CheckpointError(f"--load {path}: the checkpoint holds EMA weights (decay {meta.ema_decay}), which this "
+                              f"run without --ema-decay would leave out of every later checkpoint; give --ema-decay "
+                              f"{meta.ema_decay} to keep them")
+    if plan.ema and ema_decay != meta.ema_decay:
+        notes.append(f"EMA decay {meta.ema_decay} -> {ema_decay} (--ema-decay) from iteration {meta.iteration}")
+    if optimizer_settings is not None:
+        chosen, note = _choose_settings(ckpt, path, meta, optimizer_settings)
+        plan = replace(plan, optimizer_settings=chosen)
+        notes += [note] if note else []
     wants_rng = not ckpt.no_load_rng and meta.rng_layout is not None
     if wants_rng and plan.reshard:
         notes.append(f"not restoring RNG states: saved under (PP, TP, DP) = {meta.rng_layout}, loading under {layout}")
@@ -99,6 +116,24 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
                      f"{_as_saved(data_path)}; reading the new mix from its first sample")
         plan = replace(plan, data_offset=meta.consumed_samples)
     return replace(plan, rng=wants_rng and not plan.reshard, notes=tuple(notes))
+
+
+def _choose_settings(ckpt: CheckpointConfig, path: str, meta: CheckpointMeta, run: dict) -> tuple[dict, str | None]:
+    """(the optimizer settings to resume with, a note when they differ from the checkpoint's)."""
+    saved = settings.of_checkpoint(meta.scheduler, meta.adam)
+    # the checkpoint's where it records them; an older one's Adam settings stay as its param groups load
+    kept = {**{key: value for key, value in run.items() if not key.startswith("adam_")}, **saved}
+    diffs = settings.differences(run, saved)
+    if not diffs:
+        return kept, None
+    if ckpt.override_opt_param_scheduler:
+        return run, f"training with this run's optimizer settings (--override-opt-param-scheduler): {'; '.join(diffs)}"
+    if ckpt.use_checkpoint_opt_param_scheduler:
+        return kept, (f"keeping the checkpoint's optimizer settings (--use-checkpoint-opt-param-scheduler) over "
+                      f"the flags': {'; '.join(diffs)}")
+    raise CheckpointError(f"--load {path}: this run's optimizer settings differ from the checkpoint's at iteration "
+                          f"{meta.iteration}: {'; '.join(diffs)}; give --override-opt-param-scheduler to train with "
+                          f"the flags', or --use-checkpoint-opt-param-scheduler to keep the checkpoint's")
 
 
 def _as_saved(data_path) -> list | None:

@@ -29,6 +29,7 @@ class CheckpointMeta:
     data_mix: tuple | None = None  # the --data-path the run was training on (None: per-split paths)
     data_mix_start: int | None = None  # consumed samples when that mix started; None: no mix recorded
     scheduler: dict | None = None  # megatron's OptimizerParamScheduler state; None: a model-only checkpoint
+    adam: dict | None = None  # AdamW's betas and eps (optimizer_settings.adam_state); None: saved before they were
     rng_layout: tuple[int, int, int] | None = None  # (PP, TP, DP) the per-rank RNG states were saved under
     ema_decay: float | None = None  # set when the checkpoint holds EMA weights
     run_id: str | None = None  # the run that wrote the files: from manifest.json, never in the common state
@@ -51,7 +52,7 @@ class CheckpointMeta:
         entries = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                    "identity": self.identity.as_dict(), "seq_length": self.seq_length,
                    "tokenizer": self.tokenizer.as_dict() if self.tokenizer is not None else None,
-                   "opt_param_scheduler": self.scheduler, "rng_layout": _listed(self.rng_layout),
+                   "opt_param_scheduler": self.scheduler, "adam": self.adam, "rng_layout": _listed(self.rng_layout),
                    "ema_decay": self.ema_decay}
         entries = {key: value for key, value in entries.items() if value is not None}
         if self.data_mix_start is not None:  # a training run's: its mix as given, None included
@@ -59,9 +60,9 @@ class CheckpointMeta:
         return entries
 
     def data_mix_changed(self, data_path) -> bool:
-        """Whether a run on `data_path` trains on another mix than the one this checkpoint recorded."""
-        given = tuple(data_path) if data_path is not None else None
-        return self.data_mix_start is not None and self.data_mix != given
+        """Whether a run on `data_path` trains on another mix than the one this checkpoint recorded
+        (the same files by another path, or a weight written otherwise, are the same mix)."""
+        return self.data_mix_start is not None and _canonical_mix(self.data_mix) != _canonical_mix(data_path)
 
     @classmethod
     def from_dict(cls, stored: dict, path: str, run_id: str | None = None) -> "CheckpointMeta":
@@ -82,6 +83,7 @@ class CheckpointMeta:
                    data_mix=data_mix,
                    data_mix_start=_entry(stored, "data_mix_start", int, path),
                    scheduler=_entry(stored, "opt_param_scheduler", dict, path),
+                   adam=_entry(stored, "adam", dict, path),
                    rng_layout=rng_layout,
                    ema_decay=_entry(stored, "ema_decay", (int, float), path), run_id=run_id)
 
@@ -123,6 +125,21 @@ def _entry(stored: dict, key: str, types, path: str, required: bool = False):
         expected = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise CheckpointError(f"{path}: {key!r} in its common state is {value!r}, expected {expected}")
     return value
+
+
+def _canonical_mix(data_path) -> tuple | None:
+    """A --data-path with weights as numbers and paths resolved (relative to this process's
+    directory, as the run reading them resolves them)."""
+    if data_path is None:
+        return None
+
+    def canonical(token: str):
+        try:
+            return float(token)
+        except ValueError:
+            return os.path.realpath(token)
+
+    return tuple(canonical(token) for token in data_path)
 
 
 def _listed(values) -> list | None:

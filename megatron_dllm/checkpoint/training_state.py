@@ -6,8 +6,8 @@ Besides the sharded model and optimizer, a checkpoint holds
   - "rng_state": every rank's RNG states (python, numpy, torch CPU, CUDA, megatron's
     model-parallel tracker) as a ShardedObject keyed by (pp, tp, dp) rank, as Megatron-LM;
     restored only under the same layout
-  - in the common state: the `CheckpointMeta` (iteration, LR schedule, consumed samples, identity,
-    data mix, tokenizer, RNG layout), as `meta.py` writes and reads it.
+  - in the common state: the `CheckpointMeta` (iteration, LR schedule, Adam's betas and eps,
+    consumed samples, identity, data mix, tokenizer, RNG layout), as `meta.py` writes and reads it.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_dllm import checkpoint, platform
+from megatron_dllm.checkpoint import optimizer_settings
 from megatron_dllm.checkpoint.load_plan import FINETUNE, LoadPlan
 from megatron_dllm.checkpoint.meta import CheckpointMeta
 
@@ -98,7 +99,8 @@ def save_checkpoint(root: str, meta: CheckpointMeta, model, optimizer, scheduler
     if ema is not None:
         state["ema"] = ema.sharded_state_dict(lambda i: _model_key(model, i))
     state["rng_state"] = _rng_sharded_object()
-    meta = meta.replace(scheduler=scheduler.state_dict(), rng_layout=parallel_layout(),
+    meta = meta.replace(scheduler=optimizer_settings.scheduler_state(scheduler),
+                        adam=optimizer_settings.adam_state(optimizer), rng_layout=parallel_layout(),
                         ema_decay=ema.decay if ema is not None else None)
     state.update(meta.to_dict())
     return checkpoint.save(root, meta.iteration, state, async_queue=async_queue, on_complete=on_complete)
@@ -125,6 +127,7 @@ def load_checkpoint(plan: LoadPlan, model, optimizer, scheduler, ema=None, log=p
         _restore_adam_step(optimizer, state["optimizer"])
     if plan.scheduler:
         scheduler.load_state_dict(meta.scheduler)
+        optimizer_settings.apply(plan.optimizer_settings, optimizer, scheduler)
     if plan.rng:
         _restore_rng(state["rng_state"])
     if ema is not None:

@@ -18,6 +18,13 @@ class CheckpointConfig(FlagGroup):
                                help="--load: leave the optimizer state fresh (weights, LR schedule, counters "
                                     "still load)")
     no_load_rng: bool = flag(False, action="store_true", help="--load: do not restore the RNG states")
+    override_opt_param_scheduler: bool = flag(
+        False, action="store_true", aliases=("--override-opt_param-scheduler",),
+        help="--load: train with this run's LR schedule, weight decay and Adam betas/eps where they differ from "
+             "the checkpoint's (without this or the next flag a difference is refused)")
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, action="store_true", aliases=("--use-checkpoint-opt_param-scheduler",),
+        help="--load: keep the checkpoint's LR schedule, weight decay and Adam betas/eps whatever the flags say")
     finetune: bool = flag(False, action="store_true", help="--load: weights only; iteration and consumed samples "
                                                            "restart at 0, fresh optimizer and LR schedule")
     async_save: bool = flag(False, action="store_true",

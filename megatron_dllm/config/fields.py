@@ -21,7 +21,7 @@ from typing import Any
 
 def flag(default: Any = None, help: str | None = None, **argparse_kwargs) -> Any:
     """A config field declared as a flag; `argparse_kwargs` go to `add_argument` (type, choices,
-    nargs, action)."""
+    nargs, action), but for `aliases`: other spellings of the flag (Megatron-LM's, where it has one)."""
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -43,8 +43,8 @@ class FlagGroup:
         for f in dataclasses.fields(cls):
             if f.name in exclude or "help" not in f.metadata:
                 continue
-            kwargs = {k: v for k, v in f.metadata.items() if v is not None}
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name,
+            kwargs = {k: v for k, v in f.metadata.items() if v is not None and k != "aliases"}
+            group.add_argument("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()), dest=f.name,
                                default=defaults.get(f.name, f.default), **kwargs)
 
     @classmethod

@@ -123,6 +123,22 @@ def lr_range(config, world_size=None) -> None:
                          f"--lr down to --min-lr")
 
 
+def exit_needs_save(config, world_size=None) -> None:
+    training = config.training
+    given = [flag for flag, value in (("--exit-interval", training.exit_interval),
+                                      ("--exit-duration-in-mins", training.exit_duration_in_mins),
+                                      ("--exit-signal-handler", training.exit_signal_handler)) if value]
+    if given and not config.checkpoint.save and not config.demo:  # the demo saves to its default --save
+        raise InputError(f"{given[0]} saves a checkpoint to resume from before it exits: give --save DIR")
+
+
+def schedule_on_resume(config, world_size=None) -> None:
+    ckpt = config.checkpoint
+    if ckpt.override_opt_param_scheduler and ckpt.use_checkpoint_opt_param_scheduler:
+        raise InputError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each "
+                         "other: give one (the run's optimizer settings, or the checkpoint's)")
+
+
 def warmup_before_decay(config, world_size=None) -> None:
     optimizer, train_iters = config.optimizer, config.training.train_iters
     decay = optimizer.lr_decay_iters or train_iters
@@ -258,6 +274,6 @@ def profile(config, world_size=None) -> None:
                          "its traces")
 
 
-RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, recompute, profile,
-         tokenizer_with_data, tokenizer_options, family_loss, family_settings, attention_anneal, backbone,
-         layout, batch, kernels, warmup_before_decay)
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save,
+         schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options, family_loss, family_settings,
+         attention_anneal, backbone, layout, batch, kernels, warmup_before_decay)

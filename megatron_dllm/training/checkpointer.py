@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 from megatron_dllm import checkpoint
-from megatron_dllm.checkpoint import retention, training_state
+from megatron_dllm.checkpoint import optimizer_settings, retention, training_state
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.checkpoint.load_plan import LoadPlan, plan_load
 from megatron_dllm.checkpoint.meta import CheckpointMeta
@@ -26,6 +26,7 @@ from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
 from megatron_dllm.config import RunConfig
 from megatron_dllm.config.checkpoint import CheckpointConfig
 from megatron_dllm.config.yaml_config import write_resolved
+from megatron_dllm.errors import InputError
 from megatron_dllm.training.optim import fuse_adam
 
 
@@ -69,6 +70,7 @@ class Checkpointer:
         """(iteration, consumed samples) to continue from: (0, 0) without --load, with --finetune,
         or when --load is --save and holds nothing yet (the resume idiom)."""
         plan = self.plan()
+        self._check_room(plan)
         if plan.path is not None:
             training_state.load_checkpoint(plan, self.model, self.optimizer, self.scheduler, self.ema,
                                            log=self.logger.info)
@@ -88,9 +90,26 @@ class Checkpointer:
         if found is not None:
             self.logger.info(f"loading {found.path} ({found.how})")
             meta = CheckpointMeta.read(found.path)
+        run_settings = optimizer_settings.of_run(self.scheduler, self.optimizer) if self.optimizer is not None else None
         return plan_load(ckpt, found, meta, identity=self.identity, layout=training_state.parallel_layout(),
-                         optimizer=self.optimizer is not None, ema=self.ema is not None,
-                         data_path=self.cfg.data.data_path, tokenizer_model=self.cfg.tokenizer.tokenizer_model)
+                         optimizer=self.optimizer is not None,
+                         ema_decay=self.ema.decay if self.ema is not None else None,
+                         data_path=self.cfg.data.data_path, tokenizer_model=self.cfg.tokenizer.tokenizer_model,
+                         optimizer_settings=run_settings)
+
+    def _check_room(self, plan: LoadPlan) -> None:
+        """The training set (sized --train-iters x --global-batch-size) holds the samples the rest
+        of the run reads: a checkpoint consumed at a larger batch size would run out of them."""
+        training = self.cfg.training
+        needed = plan.consumed_samples - plan.data_offset + (training.train_iters - plan.iteration) * \
+            training.global_batch_size
+        held = len(self.train_batches.dataset)
+        if plan.iteration < training.train_iters and needed > held:
+            raise InputError(f"--load {plan.path}: {plan.consumed_samples} samples consumed by iteration "
+                             f"{plan.iteration} and {training.train_iters - plan.iteration} more iterations of "
+                             f"--global-batch-size {training.global_batch_size} need {needed} training samples; the "
+                             f"training set holds {held} (--train-iters x --global-batch-size): resume with the "
+                             f"checkpoint's --global-batch-size")
 
     # ------------------------------------------------------------------ cadence
 
