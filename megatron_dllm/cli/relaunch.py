@@ -1,14 +1,17 @@
 """Re-launch a run from the resolved configuration it wrote beside its checkpoints:
 
     python tools/relaunch.py runs/demo-mdlm/checkpoints/run_config.yaml            # same world size
-    python tools/relaunch.py CONFIG --nproc-per-node 4 -- --train-iters 600        # flags override
+    python tools/relaunch.py CONFIG --nproc-per-node 4 -- --exit-interval 500       # flags override
+    python tools/relaunch.py CONFIG -- --train-iters 600 --override-opt-param-scheduler  # a longer run
 
 It starts `torchrun --standalone --nproc-per-node N pretrain_dllm.py --yaml-cfg CONFIG [FLAGS]`
 on this machine, N defaulting to the world size the run was launched with (its `launch:`
 section), in the directory the run was launched from (also recorded there), so that the file's
 relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
-resume idiom). Multi-node runs pass `--yaml-cfg CONFIG` to their own launcher.
+resume idiom). A flag of the optimizer's settings (a longer --train-iters lengthens the LR decay)
+needs --override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
+CONFIG` to their own launcher.
 """
 from __future__ import annotations
 
