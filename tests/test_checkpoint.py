@@ -32,6 +32,10 @@ def test_resume_continues_bit_identically(layout, pretrain, tmp_path):
     (resumed / "latest_checkpointed_iteration.txt").write_text("2")
     _, records = pretrain(2, *RUN, *layout, "--load", str(resumed), "--save", str(resumed))
     assert _losses(records) == uninterrupted[2:]  # bit-identical on CPU fp32
+    if "--use-distributed-optimizer" in layout:  # its state reshards across DP only: named, not a KeyError
+        proc, _ = pretrain(2, *RUN, *layout, "--tensor-model-parallel-size", "2", "--load", str(full),
+                           "--ckpt-step", "2", check=False)
+        assert proc.returncode != 0 and "(saved at TP=1, PP=1; this run TP=2, PP=1)" in proc.stderr
     if layout == BD3LM:  # the block size is part of what the weights mean: another one is refused
         proc, _ = pretrain(1, *RUN, *BD3LM[:2], "--block-size", "4", "--load", str(resumed), check=False)
         assert proc.returncode != 0
@@ -85,8 +89,10 @@ def test_other_optimizer_flags_on_resume_are_refused_or_applied(pretrain, demo_c
     new = ["--lr", "1e-4", "--weight-decay", "0.05", "--adam-beta2", "0.99", "--adam-eps", "1e-6", "--train-iters", "6"]
 
     def optimizer_state(*flags, steps=0):
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"  # never the demo's default --save in the cwd
         try:
-            trainer = Trainer(parse_args([*RUN, "--demo-cache-dir", demo_cache, *flags]))
+            trainer = Trainer(parse_args([*RUN, "--demo-cache-dir", demo_cache, *flags, "--save", str(out / "ckpt"),
+                                          "--tensorboard-dir", str(out / "tb")]))
             trainer.scheduler.step(increment=steps)
             return [(g["lr"], g["weight_decay"], g["betas"], g["eps"], g["max_lr"])
                     for g in trainer.optimizer.optimizer.param_groups], trainer.scheduler.num_steps

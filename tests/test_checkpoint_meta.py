@@ -35,11 +35,13 @@ TRAINED = CheckpointMeta(6, IDENTITY, 48, seq_length=32, tokenizer=TokenizerReco
                          data_mix=("/data/a",), data_mix_start=0, scheduler={"num_steps": 6}, rng_layout=(1, 1, 2))
 
 
-def _plan(meta, *, layout=(1, 1, 2), data_path=("/data/a",), ema=None, optimizer_settings=None, **flags):
+def _plan(meta, *, layout=(1, 1, 2), data_path=("/data/a",), ema=None, optimizer_settings=None,
+          distributed_optimizer=False, **flags):
     ckpt = CheckpointConfig(**{"load": "/ckpt", **flags})
     found = Found("/ckpt/iter_0000006", 6, "the tracker") if meta is not None else None
     return plan_load(ckpt, found, meta, identity=IDENTITY, layout=layout, optimizer=True, ema_decay=ema,
-                     data_path=list(data_path), tokenizer_model=None, optimizer_settings=optimizer_settings)
+                     data_path=list(data_path), tokenizer_model=None, optimizer_settings=optimizer_settings,
+                     distributed_optimizer=distributed_optimizer)
 
 
 SETTINGS = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 0, "lr_decay_steps": 6, "lr_decay_style": "cosine",
@@ -58,6 +60,20 @@ def test_the_same_mix_written_otherwise_is_not_a_change(tmp_path, monkeypatch):
     assert not meta.data_mix_changed([".50", "data/a", "5e-1", str(tmp_path / "link/b")])
     assert meta.data_mix_changed(["0.4", "data/a", "0.6", "data/b"])
     assert meta.data_mix_changed(["0.5", "data/a", "0.5", "data/c"])
+
+
+def test_plan_refuses_optimizer_state_megatron_cannot_read():
+    distributed = TRAINED.replace(distributed_optimizer=True)  # saved at (PP, TP, DP) = (1, 1, 2)
+    with pytest.raises(CheckpointError, match=r"saved with --use-distributed-optimizer and this run is without it: "
+                                              r"give the checkpoint's setting, or --no-load-optim"):
+        _plan(distributed)
+    with pytest.raises(CheckpointError, match=r"saved without --use-distributed-optimizer and this run is with it"):
+        _plan(TRAINED.replace(distributed_optimizer=False), distributed_optimizer=True)
+    with pytest.raises(CheckpointError, match=r"reshards across data parallelism only \(saved at TP=1, PP=1; this run "
+                                              r"TP=2, PP=1\): load it at TP=1, PP=1, or --no-load-optim"):
+        _plan(distributed, layout=(1, 2, 1), distributed_optimizer=True)
+    assert _plan(distributed, layout=(1, 1, 4), distributed_optimizer=True).optimizer  # across DP: fine
+    assert not _plan(distributed, layout=(1, 2, 1), no_load_optim=True).optimizer  # a fresh optimizer: fine
 
 
 def test_plan_refuses_other_optimizer_settings_unless_told_whose_to_keep():
@@ -188,7 +204,8 @@ def test_a_checkpoint_of_an_earlier_version_verifies_and_inspects(old_checkpoint
     assert meta.rng_layout == (1, 1, 1) and meta.scheduler["num_steps"] == 3 and meta.data_mix_start == 0
     assert meta.tokenizer.type == "SentencePieceTokenizer" and len(meta.tokenizer.sha256) == 64
     assert meta.run_id is not None and not meta.model_only and meta.ema_decay is None
-    assert CheckpointMeta.from_dict(meta.to_dict(), path) == meta.replace(run_id=None)
+    assert meta.distributed_optimizer is False  # told by megatron's own optimizer state, not by to_dict
+    assert CheckpointMeta.from_dict(meta.to_dict(), path) == meta.replace(run_id=None, distributed_optimizer=None)
     model, identity, _, arch = export.load_megatron_model(str(old_checkpoint))
     assert identity == OLD_IDENTITY and arch.seq_length == 16
     assert model.state_dict()["embedding.word_embeddings.weight"][5].tolist() == OLD_EMBEDDING_ROW5
@@ -208,7 +225,7 @@ def test_a_checkpoint_of_an_earlier_version_resumes(old_checkpoint, pretrain):
     assert CheckpointMeta.read(str(old_checkpoint / "iter_0000005")).consumed_samples == 20
 
 
-def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(old_checkpoint, demo_cache):
+def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(old_checkpoint, demo_cache, tmp_path):
     """torch restores the saved param groups' kernel choice (here torch's default, from before
     training used the fused kernel); the run puts its own back, with the step counts it reads."""
     from megatron_dllm import platform
@@ -217,7 +234,8 @@ def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(
 
     try:
         trainer = Trainer(parse_args([*OLD_RUN, "--demo-cache-dir", demo_cache, "--train-iters", "5",
-                                      "--load", str(old_checkpoint), "--use-checkpoint-opt-param-scheduler"]))
+                                      "--load", str(old_checkpoint), "--use-checkpoint-opt-param-scheduler",
+                                      "--save", str(tmp_path / "save"), "--tensorboard-dir", str(tmp_path / "tb")]))
         adam = trainer.optimizer.optimizer
         assert trainer.iteration == 3 and all(g["fused"] and not g["foreach"] for g in adam.param_groups)
         assert {(s["step"].item(), s["step"].device == p.device) for p, s in adam.state.items()} == {(3.0, True)}

@@ -63,13 +63,14 @@ class LoadPlan:
 
 def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta | None, *, identity: ModelIdentity,
               layout: tuple[int, int, int], optimizer: bool, ema_decay: float | None, data_path,
-              tokenizer_model: str | None,
-              optimizer_settings: dict | None = None) -> LoadPlan:
+              tokenizer_model: str | None, optimizer_settings: dict | None = None,
+              distributed_optimizer: bool = False) -> LoadPlan:
     """The plan for `--load` given `found` (`checkpoint.locate`) and its `meta`, for a run of
     `identity` under `layout` with an optimizer or not, its --ema-decay (None: no EMA) and the
-    `optimizer_settings` its flags gave (`optimizer_settings.of_run`). A checkpoint of another
-    model or tokenizer, of other optimizer settings without a say on whose to keep, or whose EMA
-    the run would drop, is refused here, before any tensor is read."""
+    `optimizer_settings` its flags gave (`optimizer_settings.of_run`) and whether it uses the
+    distributed optimizer. A checkpoint of another model or tokenizer, of other optimizer
+    settings without a say on whose to keep, of optimizer state this run cannot read, or whose
+    EMA the run would drop, is refused here, before any tensor is read."""
     layout = tuple(layout)
     if found is None:
         if not ckpt.load:
@@ -97,6 +98,8 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
     plan = LoadPlan(RESUME, layout, path, meta, optimizer=optimizer and not ckpt.no_load_optim, scheduler=True,
                     ema=ema_decay is not None and meta.ema_decay is not None, iteration=meta.iteration,
                     consumed_samples=meta.consumed_samples, data_offset=meta.data_mix_start or 0)
+    if plan.optimizer:
+        _check_optimizer_state(path, meta, layout, distributed_optimizer)
     notes = []
     if meta.ema_decay is not None and ema_decay is None:
         raise CheckpointError(f"--load {path}: the checkpoint holds EMA weights (decay {meta.ema_decay}), which this "
@@ -116,6 +119,21 @@ def plan_load(ckpt: CheckpointConfig, found: Found | None, meta: CheckpointMeta 
                      f"{_as_saved(data_path)}; reading the new mix from its first sample")
         plan = replace(plan, data_offset=meta.consumed_samples)
     return replace(plan, rng=wants_rng and not plan.reshard, notes=tuple(notes))
+
+
+def _check_optimizer_state(path: str, meta: CheckpointMeta, layout: tuple, distributed: bool) -> None:
+    """megatron-core reads an optimizer state only as the kind of optimizer that saved it, and the
+    distributed optimizer's (saved dp_reshardable) only under the same TP and PP."""
+    fresh = "or --no-load-optim for a fresh optimizer state"
+    if meta.distributed_optimizer is not None and meta.distributed_optimizer != distributed:
+        saved, run = ("with", "without") if meta.distributed_optimizer else ("without", "with")
+        raise CheckpointError(f"--load {path}: its optimizer state was saved {saved} --use-distributed-optimizer and "
+                              f"this run is {run} it: give the checkpoint's setting, {fresh}")
+    if meta.distributed_optimizer and meta.rng_layout is not None and tuple(meta.rng_layout[:2]) != layout[:2]:
+        (pp, tp), (run_pp, run_tp) = meta.rng_layout[:2], layout[:2]
+        raise CheckpointError(f"--load {path}: its distributed optimizer state reshards across data parallelism only "
+                              f"(saved at TP={tp}, PP={pp}; this run TP={run_tp}, PP={run_pp}): load it at TP={tp}, "
+                              f"PP={pp}, {fresh}")
 
 
 def _choose_settings(ckpt: CheckpointConfig, path: str, meta: CheckpointMeta, run: dict) -> tuple[dict, str | None]:

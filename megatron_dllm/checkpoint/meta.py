@@ -32,6 +32,9 @@ class CheckpointMeta:
     adam: dict | None = None  # AdamW's betas and eps (optimizer_settings.adam_state); None: saved before they were
     rng_layout: tuple[int, int, int] | None = None  # (PP, TP, DP) the per-rank RNG states were saved under
     ema_decay: float | None = None  # set when the checkpoint holds EMA weights
+    # the optimizer state is megatron's distributed optimizer's (read from its own common state,
+    # so older checkpoints tell too); None: no optimizer state
+    distributed_optimizer: bool | None = None
     run_id: str | None = None  # the run that wrote the files: from manifest.json, never in the common state
 
     def __post_init__(self):  # lists as given (flags) or stored, kept as tuples: the metadata is frozen
@@ -48,7 +51,8 @@ class CheckpointMeta:
 
     def to_dict(self) -> dict:
         """The common-state entries of this checkpoint; fields left unset are not written (a
-        model-only checkpoint has no schedule, RNG layout or data mix)."""
+        model-only checkpoint has no schedule, RNG layout or data mix). `distributed_optimizer`
+        is not among them: megatron's optimizer writes its own state."""
         entries = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                    "identity": self.identity.as_dict(), "seq_length": self.seq_length,
                    "tokenizer": self.tokenizer.as_dict() if self.tokenizer is not None else None,
@@ -75,6 +79,7 @@ class CheckpointMeta:
             raise CheckpointError(f"{path}: 'rng_layout' in its common state is {rng_layout!r}, expected "
                                   f"[PP, TP, DP] sizes")
         data_mix = _entry(stored, "data_mix", (list, tuple), path)
+        optimizer = stored.get("optimizer")
         tokenizer = _entry(stored, "tokenizer", dict, path)
         return cls(iteration=iteration, identity=identity,
                    consumed_samples=_entry(stored, "consumed_samples", int, path) or 0,
@@ -85,7 +90,9 @@ class CheckpointMeta:
                    scheduler=_entry(stored, "opt_param_scheduler", dict, path),
                    adam=_entry(stored, "adam", dict, path),
                    rng_layout=rng_layout,
-                   ema_decay=_entry(stored, "ema_decay", (int, float), path), run_id=run_id)
+                   ema_decay=_entry(stored, "ema_decay", (int, float), path), run_id=run_id,
+                   distributed_optimizer=("param_state_sharding_type" in optimizer
+                                          if isinstance(optimizer, dict) else None))
 
     # ------------------------------------------------------------------ on disk
 

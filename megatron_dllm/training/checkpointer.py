@@ -95,7 +95,8 @@ class Checkpointer:
                          optimizer=self.optimizer is not None,
                          ema_decay=self.ema.decay if self.ema is not None else None,
                          data_path=self.cfg.data.data_path, tokenizer_model=self.cfg.tokenizer.tokenizer_model,
-                         optimizer_settings=run_settings)
+                         optimizer_settings=run_settings,
+                         distributed_optimizer=self.cfg.parallel.use_distributed_optimizer)
 
     def _check_room(self, plan: LoadPlan) -> None:
         """The training set (sized --train-iters x --global-batch-size) holds the samples the rest
