@@ -334,7 +334,7 @@ def test_export_schedule_is_the_families_schedule():
     sys.modules["export_pkg"] = pkg
     try:
         for module in ("configuration_dllm", "modeling_dllm", "errors", "seeding", "constants", "schedules", "shift",
-                       "deps"):
+                       "uniform", "deps"):
             from megatron_dllm.hf.remote_code import source_path
 
             spec = importlib.util.spec_from_file_location(f"export_pkg.{module}", source_path(module))

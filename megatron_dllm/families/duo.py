@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dllm.families import vocab_parallel
+from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
 from megatron_dllm.model.constants import T_EPS
@@ -178,7 +178,7 @@ class Duo(Family):
     @property
     def num_real(self) -> int:
         """V: the number of ids a token can take (all ids < vocab_size except [MASK])."""
-        return self.vocab_size - (1 if 0 <= self.mask_id < self.vocab_size else 0)
+        return uniform.num_real(self.mask_id, self.vocab_size)
 
     def replace(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None):
         """(z_t, t, replaced): with probability 1 - alpha_t a token is redrawn uniformly from the
@@ -196,10 +196,7 @@ class Duo(Family):
         replaced = u < 1 - self.schedule.alpha(t)
         if prompt is not None:
             replaced &= ~prompt.bool()
-        k = (u_id * self.num_real).long().clamp_(max=self.num_real - 1)
-        if 0 <= self.mask_id < self.vocab_size:
-            k = k + (k >= self.mask_id).long()
-        return torch.where(replaced, k, tokens), replaced
+        return torch.where(replaced, uniform.real_ids(u_id, self.mask_id, self.vocab_size), tokens), replaced
 
     def corrupt(self, tokens: torch.Tensor, noise: Noise, prompt: torch.Tensor | None = None) -> ModelInput:
         z_t, t, _ = self.replace(tokens, noise, prompt)

@@ -6,8 +6,8 @@ transformers copies with them, recursively, every file they name in a `from .nam
 modeling_dllm.py's `generate` runs megatron_dllm's sampler files (sampling/hf_generation.py and
 what it imports), so an export ships them flat beside it, with `hf/sampling_deps.py` as their
 `deps.py` and the self-contained errors.py, seeding.py, families/schedules.py and
-model/constants.py (the noise schedule) and families/shift.py (MDLM's shift), and samples without
-megatron_dllm.
+model/constants.py (the noise schedule), families/shift.py (MDLM's shift) and families/uniform.py
+(uniform-state noise), and samples without megatron_dllm.
 This project's tools never import an export's files (hf/load_export.py).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ ENTRY_FILES = ("configuration_dllm.py", "modeling_dllm.py")  # config.json's aut
 SOURCES = {"configuration_dllm": "hf/configuration_dllm.py", "modeling_dllm": "hf/modeling_dllm.py",
            "deps": "hf/sampling_deps.py", "errors": "errors.py", "seeding": "seeding.py",
            "schedules": "families/schedules.py", "constants": "model/constants.py",
-           "shift": "families/shift.py"}
+           "shift": "families/shift.py", "uniform": "families/uniform.py"}
 
 
 def source_path(module: str) -> str:

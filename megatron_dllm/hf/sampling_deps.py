@@ -2,7 +2,8 @@
 modeling_dllm.py) take from outside sampling/, here from the export's own files, so that they run
 where megatron_dllm is not installed. megatron_dllm's `sampling/deps.py` gives the same names from
 the package. Self-contained: torch and the export's files only (see remote_code.py); the noise
-schedule is the package's own (families/schedules.py and model/constants.py, shipped flat too).
+schedule and the uniform-state noise are the package's own (families/schedules.py, model/constants.py and
+families/uniform.py, shipped flat too).
 """
 from .constants import T_EPS
 from .errors import InputError
@@ -10,8 +11,9 @@ from .modeling_dllm import KVCache
 from .schedules import LogLinear
 from .seeding import seed_for
 from .shift import shift_right
+from .uniform import num_real, real_ids
 
-__all__ = ["InputError", "KVCache", "get_family", "seed_for", "shift_right"]
+__all__ = ["InputError", "KVCache", "get_family", "real_ids", "seed_for", "shift_right"]
 
 
 IN_BLOCK = {"mask": "mdlm", "uniform": "duo"}  # BD3-LM's --noise: the family inside a block
@@ -26,7 +28,7 @@ class SamplingFamily:
                  noise: str | None = None, shift: bool = False):
         self.name, self.mask_id, self.vocab_size, self.shift = name, mask_id, vocab_size, shift
         self.schedule = LogLinear(T_EPS)  # every family's schedule (config.json's "loglinear")
-        self.num_real = vocab_size - (1 if 0 <= mask_id < vocab_size else 0)
+        self.num_real = num_real(mask_id, vocab_size)
         if block_size is not None:
             if noise not in IN_BLOCK:
                 raise ValueError(f"config.json: family_options noise {noise!r}: expected one of {', '.join(IN_BLOCK)}")

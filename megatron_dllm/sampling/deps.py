@@ -9,7 +9,8 @@ file keeps to this: relative imports, plus torch and the standard library.
 from megatron_dllm.errors import InputError
 from megatron_dllm.families import get_family
 from megatron_dllm.families.shift import shift_right
+from megatron_dllm.families.uniform import real_ids
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.seeding import seed_for
 
-__all__ = ["InputError", "KVCache", "get_family", "seed_for", "shift_right"]
+__all__ = ["InputError", "KVCache", "get_family", "real_ids", "seed_for", "shift_right"]

@@ -23,6 +23,7 @@ import torch
 
 from . import categorical
 from .base import Sampler
+from .deps import real_ids
 
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
@@ -35,11 +36,10 @@ def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, nu
     return q / (a_t * num_real * x_z + 1 - a_t)
 
 
-def uniform_ids(b: int, n: int, num_real: int, mask_id: int, generator, device) -> torch.Tensor:
-    """[b, n] ids uniform over the V real ids (every id < vocab_size except [MASK])."""
-    k = (torch.rand(b, n, generator=generator, dtype=torch.float64, device=device)
-         * num_real).long().clamp_(max=num_real - 1)
-    return k + (k >= mask_id).long()
+def uniform_ids(b: int, n: int, family, generator, device) -> torch.Tensor:
+    """[b, n] ids uniform over the family's V real ids (every id < vocab_size except [MASK])."""
+    return real_ids(torch.rand(b, n, generator=generator, dtype=torch.float64, device=device), family.mask_id,
+                    family.vocab_size)
 
 
 def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: torch.Generator,
@@ -63,7 +63,7 @@ class DuoSampler(Sampler):
         return self.model(input_ids=x, sigma=sigma).logits
 
     def uniform_ids(self, b: int, n: int, generator, device) -> torch.Tensor:
-        return uniform_ids(b, n, self.family.num_real, self.mask_id, generator, device)
+        return uniform_ids(b, n, self.family, generator, device)
 
     def sample(self, prompt: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.blocks:
@@ -82,7 +82,7 @@ class DuoSampler(Sampler):
         sigma = torch.tensor([-math.log(a) for a in alphas], device=x.device)
         return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width]).logits
 
-    def uniform_prior(self, batch) -> list[torch.Tensor]:
+    def uniform_prior(self, batch) -> list[torch.Tensor]:  # also the remasking samplers' fillers
         """Each row's starting noise over its positions to generate, drawn from its own generator."""
         return [self.uniform_ids(1, n - len(p), g, batch.device)[0]
                 for p, n, g in zip(batch.prompts, batch.lengths, batch.generators)]

@@ -173,8 +173,7 @@ class MDLMRemaskingSampler(RemaskingSampler, MDLMSampler):
 
 class DuoRemaskingSampler(RemaskingSampler, DuoSampler):
     def fillers(self, batch):
-        return [self.uniform_ids(1, n - len(p), g, batch.device)[0]
-                for p, n, g in zip(batch.prompts, batch.lengths, batch.generators)]
+        return self.uniform_prior(batch)
 
     def step_logits(self, x, real, rows, clean_fractions):
         floor = self.alpha(1.0)
