@@ -64,16 +64,6 @@ def _tp_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return tensor
 
 
-def _excluded_columns(start: int, end: int, mask_id: int, vocab_size: int) -> list[tuple[int, int]]:
-    """Local [lo, hi) column ranges of this shard that are not real ids ([MASK], TP padding)."""
-    out = []
-    for lo, hi in ((mask_id, mask_id + 1), (vocab_size, end)):
-        lo, hi = max(lo, start), min(hi, end)
-        if lo < hi:
-            out.append((lo - start, hi - start))
-    return out
-
-
 def _local_pick(logits2d: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
     """logits2d[row, ids[row]] for ids this shard owns, 0 elsewhere (fp32, [rows])."""
     local = ids - start
@@ -209,9 +199,9 @@ class Duo(Family):
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         s, b, width = logits.shape
         V = self.num_real
-        # [MASK] and TP padding are suppressed inside _DuoStats (same columns as vocab_parallel.suppress)
-        start, end = vocab_parallel.local_vocab_range(logits)
-        excluded = _excluded_columns(start, end, self.mask_id, self.vocab_size)
+        # [MASK] and TP padding are suppressed inside _DuoStats (the columns vocab_parallel.suppress sets)
+        start, _ = vocab_parallel.local_vocab_range(logits)
+        excluded = vocab_parallel.excluded_columns(logits, self.mask_id, self.vocab_size)
 
         t = inp.t.to(device=logits.device, dtype=torch.float64)
         t = (t if t.dim() == 2 else t[:, None].expand(b, s)).t()  # [s, b]: per token (BD3-LM) or sequence

@@ -16,16 +16,21 @@ def local_vocab_range(logits: torch.Tensor) -> tuple[int, int]:
     return start, start + size
 
 
+def excluded_columns(logits: torch.Tensor, mask_id: int, vocab_size: int) -> list[tuple[int, int]]:
+    """The local [lo, hi) column ranges of this rank's shard that are not real ids: [MASK] and the
+    TP padding (ids >= vocab_size)."""
+    start, end = local_vocab_range(logits)
+    ranges = [(max(lo, start), min(hi, end)) for lo, hi in ((mask_id, mask_id + 1), (vocab_size, end))]
+    return [(lo - start, hi - start) for lo, hi in ranges if lo < hi]
+
+
 def suppress(logits: torch.Tensor, mask_id: int, vocab_size: int) -> torch.Tensor:
     """Never predict [MASK] or the TP padding ids (>= vocab_size): their logits become -inf.
 
     In place on this rank's shard (no logits-sized copy); autograd gives them zero gradient.
     """
-    start, end = local_vocab_range(logits)
-    for lo, hi in ((mask_id, mask_id + 1), (vocab_size, end)):
-        lo, hi = max(lo, start), min(hi, end)
-        if lo < hi:
-            logits[..., lo - start:hi - start] = float("-inf")
+    for lo, hi in excluded_columns(logits, mask_id, vocab_size):
+        logits[..., lo:hi] = float("-inf")
     return logits
 
 
