@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 MANIFEST = "manifest.json"
@@ -70,11 +71,9 @@ def write_manifest(directory: str, iteration: int | None, run: str | None = None
             for n in names[rank::size]}
     files = _gather(mine)
     if rank == 0:
-        tmp = os.path.join(directory, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
+        with atomic_write(os.path.join(directory, MANIFEST)) as f:
             json.dump({"format": FORMAT, "version": 1, "iteration": iteration,
                        **({"run": run} if run else {}), "files": dict(sorted(files.items()))}, f, indent=1)
-        os.replace(tmp, os.path.join(directory, MANIFEST))
 
 
 def read_manifest(directory: str) -> dict:
