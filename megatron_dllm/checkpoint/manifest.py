@@ -22,7 +22,6 @@ from megatron_dllm.errors import InputError
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_dllm checkpoint manifest"
-_CHUNK = 8 << 20
 
 
 class CheckpointError(InputError):
@@ -30,11 +29,8 @@ class CheckpointError(InputError):
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(directory: str) -> list[str]:
