@@ -173,15 +173,6 @@ def build_blending_indices(dataset_index: np.ndarray, dataset_sample_index: np.n
                                 verbose, _num_threads())
 
 
-def blending_indices(weights: Sequence[float], size: int, backend: Optional[str] = None):
-    """(dataset_index int16, dataset_sample_index int64) for `size` samples of the blend."""
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    build_blending_indices(dataset_index, dataset_sample_index, list(weights), len(weights), size,
-                           False, backend)
-    return dataset_index, dataset_sample_index
-
-
 def build_exhaustive_blending_indices_numpy(dataset_index, dataset_sample_index, sizes,
                                             num_datasets) -> None:
     sizes = [int(x) for x in list(sizes)[:num_datasets]]

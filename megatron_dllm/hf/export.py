@@ -315,8 +315,6 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
     if (ours.vocab_size, ours.mask_id) != (vocab_size, mask_id):
         raise InputError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
                          f"{ours.mask_id} do not match the checkpoint's {vocab_size} / {mask_id}")
-    import tempfile
-
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:
