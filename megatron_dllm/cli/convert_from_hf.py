@@ -19,7 +19,7 @@ import os
 import shutil
 import sys
 
-from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
 from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import non_negative_int, positive_int
