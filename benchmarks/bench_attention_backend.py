@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ab_rounds  # noqa: E402
 
+from megatron_dllm.families import FAMILIES  # noqa: E402
+
 BACKENDS = ("local", "sdpa")
 
 
@@ -41,7 +43,7 @@ def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
           "  ".join(f"{b} {v:.6f}" for b, v in first.items()), file=sys.stderr)
     row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name}
     row.update(ab_rounds.alternating_rounds(steps, args.rounds, args.warmup))
-    kind = "causal" if family_name == "ar" else "bidirectional"
+    kind = FAMILIES[family_name].attention
     print(f"| {preset_name} | {seq} x {batch} | {family_name} ({kind}) | {ab_rounds.ratio_cells(row)} | "
           f"{os.getloadavg()[0]:.1f} |", flush=True)
     return row

@@ -62,6 +62,7 @@ import torch  # noqa: E402
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.errors import InputError  # noqa: E402
 from megatron_dllm.evaluation.throughput import largest_batch  # noqa: E402
+from megatron_dllm.families import FAMILIES as FAMILY_CLASSES  # noqa: E402
 from megatron_dllm.hf.random_model import random_dense_model  # noqa: E402
 from megatron_dllm.model.constants import COND_DIM  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
@@ -97,7 +98,7 @@ class Clock:
 def expected_calls(family: str, steps: int, length: int) -> int:
     """Model calls of one unconditional run, at most: AR one per token after its start token;
     the diffusion samplers one per step plus the final (noise-removal / greedy) step."""
-    return length - 1 if family == "ar" else steps + 1
+    return length - 1 if FAMILY_CLASSES[family].next_token else steps + 1
 
 
 def build_ours(family: str, preset, vocab: int, length: int) -> InferenceModel:
@@ -138,7 +139,7 @@ class OurRun:
     def __init__(self, inf: InferenceModel, variant: str, steps: int, length: int):
         self.inf, self.variant, self.length = inf, variant, length
         self.cfg = SamplingConfig(steps=steps, seq_length=length, eos_id=LLAMA_EOS, cuda_graphs=variant in GRAPHED)
-        self.prefix = int(inf.family == "ar")  # AR's rows keep the EOS they start after
+        self.prefix = int(FAMILY_CLASSES[inf.family].next_token)  # AR's rows keep the EOS they start after
 
     def probe(self, calls: int, batch: int) -> None:
         """The first `calls` model calls of a run at `batch` (raises on running out of memory)."""
@@ -358,7 +359,8 @@ def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, pr
     models = variant_models(inf, args.cuda_graphs)
     batch = largest_batch(functools.partial(search.probe, args.probe_calls), args.max_batch, inf.device)
     seconds_per_call: dict[str, float] = {}  # measured at the previous T: the next T's estimate
-    for steps in ([min(args.steps)] if family == "ar" else sorted(args.steps)):
+    next_token = FAMILY_CLASSES[family].next_token
+    for steps in ([min(args.steps)] if next_token else sorted(args.steps)):
         calls = expected_calls(family, steps, length)
         runners = {v: OurRun(model, v, steps, length) for v, model in models.items()}
         if paper is not None:
@@ -371,7 +373,7 @@ def unconditional_rows(args, clock: Clock, table: Table, inf: InferenceModel, pr
         for name, runs in results.items():
             if runs:
                 seconds_per_call[name] = min(r["wall_s"] for r in runs) / (runs[0]["calls"] or calls)
-        key = {"preset": preset_name, "L": length, "family": family, "T": "n/a" if family == "ar" else steps,
+        key = {"preset": preset_name, "L": length, "family": family, "T": "n/a" if next_token else steps,
                "vocab": args.vocab}
         variant_rows(table, key, results, notes)
 
@@ -435,7 +437,8 @@ def conditional(args, clock: Clock, table: Table) -> None:
     for preset_name in args.presets:
         for family in args.families:
             models = variant_models(build_ours(family, get_preset(preset_name), args.vocab, context), args.cuda_graphs)
-            for protocol in [p for p in args.cond_protocols if family != "ar" or p == "left-to-right"]:
+            for protocol in [p for p in args.cond_protocols
+                             if not FAMILY_CLASSES[family].next_token or p == "left-to-right"]:
                 predictor = "left-to-right" if protocol == "left-to-right" else "ancestral"
                 runners = {v: PromptsRun(model, prompts, eos, v, predictor, args) for v, model in models.items()}
                 results = {v: [] for v in runners}

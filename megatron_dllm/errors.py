@@ -1,4 +1,4 @@
-"""The exception type for bad input.
+"""The exception type for bad input, and two file helpers that word it (`not_a_file`, `read_text`).
 
 A flag, a file, a dataset or a checkpoint that the user can fix raises `InputError`; the commands
 print its message as one `error: ...` line and exit 2. Every other exception is a bug and keeps

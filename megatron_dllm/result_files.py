@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 
@@ -24,11 +25,5 @@ def check_result_file(path: str, flag: str, overwrite: bool) -> None:
 
 def write_result_file(path: str, text: str) -> None:
     """`text` into `path` through a temporary beside it, renamed into place once complete."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(path) as f:
+        f.write(text)

@@ -1,6 +1,7 @@
-"""seed_for: the one way this project turns values into a random seed (training noise, evaluation
-draws, sampling batches). Self-contained (the standard library only): an HF export ships this file
-with its sampler code, so `generate(seed=...)` of an export draws what megatron_dllm draws."""
+"""seed_for: how this project turns values into a random seed for training noise, evaluation draws
+and sampling batches (weight initialisation derives its per-parameter seeds in model/init.py).
+Self-contained (the standard library only): an HF export ships this file with its sampler code,
+so `generate(seed=...)` of an export draws what megatron_dllm draws."""
 import zlib
 
 

@@ -92,7 +92,7 @@ def test_the_resolved_config_relaunches_the_same_run(tmp_path):
     cfg = resolve_iterations(resolve_defaults(cfg, demo), vocab_size=4097)
     assert cfg.training.train_iters > 1
     (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")], world_size=4)
-    assert path == str(tmp_path / "ckpt" / RESOLVED_NAME) and not os.path.exists(path + ".tmp")
+    assert path == str(tmp_path / "ckpt" / RESOLVED_NAME) and os.listdir(tmp_path / "ckpt") == [RESOLVED_NAME]
     # --train-flops was turned into --train-iters: the relaunch trains exactly those iterations
     assert parse_args(["--yaml-cfg", path]) == cfg.replace(training={"train_flops": None})
 

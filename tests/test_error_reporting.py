@@ -1,6 +1,7 @@
 """How commands end on an error, in real subprocesses: bad input is one `error: ...` line and exit
 code 2; a bug (any other exception) keeps its traceback and exits 1; `--debug` or
-MEGATRON_DLLM_DEBUG=1 adds the traceback to bad input as well."""
+MEGATRON_DLLM_DEBUG=1 adds the traceback to bad input as well; a Ctrl-C is the one line
+`interrupted` and exit code 130."""
 import os
 import subprocess
 import sys
@@ -81,3 +82,22 @@ def test_a_bug_keeps_its_traceback_and_exits_1(code, argv, tmp_path):
     assert lines[0].startswith(TRACEBACK), lines
     assert lines[-1] in ("ValueError: an injected bug", "KeyError: 'an injected bug'")
     assert not any(line.startswith("error: ") for line in lines), lines  # not reported as bad input
+
+
+INJECT_CTRL_C_INTO_MERGE = """
+import sys
+import megatron_dllm.cli.merge_datasets as command
+
+def expand_prefixes(*args, **kwargs):
+    raise KeyboardInterrupt
+
+command.expand_prefixes = expand_prefixes
+sys.exit(command.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_in_a_commands_work_is_one_line_and_exit_130(tmp_path):
+    proc = _run(["--input", str(tmp_path / "a"), "--output-prefix", str(tmp_path / "out")],
+                code=INJECT_CTRL_C_INTO_MERGE)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines() == ["interrupted"]

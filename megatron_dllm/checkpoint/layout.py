@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.checkpoint.manifest import MANIFEST, CheckpointError, manifest_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -69,10 +70,8 @@ def read_tracker(root: str) -> int | None:
 
 
 def write_tracker(root: str, iteration: int) -> None:
-    tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_write(os.path.join(root, TRACKER)) as f:
         f.write(str(iteration))
-    os.replace(tmp, os.path.join(root, TRACKER))
 
 
 def incomplete_saves(root: str) -> list[str]:

@@ -17,11 +17,11 @@ import hashlib
 import json
 import os
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 MANIFEST = "manifest.json"
 FORMAT = "megatron_dllm checkpoint manifest"
-_CHUNK = 8 << 20
 
 
 class CheckpointError(InputError):
@@ -29,11 +29,8 @@ class CheckpointError(InputError):
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _files(directory: str) -> list[str]:
@@ -70,11 +67,9 @@ def write_manifest(directory: str, iteration: int | None, run: str | None = None
             for n in names[rank::size]}
     files = _gather(mine)
     if rank == 0:
-        tmp = os.path.join(directory, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
+        with atomic_write(os.path.join(directory, MANIFEST)) as f:
             json.dump({"format": FORMAT, "version": 1, "iteration": iteration,
                        **({"run": run} if run else {}), "files": dict(sorted(files.items()))}, f, indent=1)
-        os.replace(tmp, os.path.join(directory, MANIFEST))
 
 
 def read_manifest(directory: str) -> dict:

@@ -77,7 +77,7 @@ def build(argv=None) -> dict:
     new = sorted(n for n, m in after.items() if before.get(n) != m)
 
     training = config.training
-    backend = "C++" if index_builders.HAVE_CPP else "numpy (extension not built)"
+    backend = "C++" if index_builders.HAVE_CPP else "megatron-core's helpers_cpp (extension not built)"
     print(f"build_indexes: family {config.model.family}, seq_length {config.model.seq_length}, seed {training.seed}, "
           f"{training.train_iters} iterations x {training.global_batch_size} = "
           f"{training.train_iters * training.global_batch_size} training samples; index builders: {backend}")

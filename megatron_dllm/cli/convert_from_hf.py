@@ -19,15 +19,16 @@ import os
 import shutil
 import sys
 
-from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
+from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
 from megatron_dllm.checkpoint.identity import ModelIdentity
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.hf import config_check
 from megatron_dllm.output_lock import OutputLock, lock_path_for_dir
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf", required=True, help="directory with config.json and model.safetensors")
@@ -42,10 +43,7 @@ def main(argv=None):
                         help="released AR models: default max_position_embeddings")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     args = parser.parse_args(argv)
-    try:
-        return convert(args)
-    except BAD_INPUT as err:
-        return fail(str(err))
+    return convert(args)
 
 
 def _read_hf(hf: str):

@@ -19,13 +19,14 @@ import os
 import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ref", required=True, help="Lightning .ckpt file or hub-mixin directory")
@@ -54,10 +55,7 @@ def main(argv=None):
         parser.error("--tokenizer-type and --tokenizer-model go together")
     if args.hf_out and (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) != (1, 1):
         parser.error("--tensor/--pipeline-model-parallel-size shape a --save checkpoint, not --hf-out")
-    try:
-        return convert(args)
-    except BAD_INPUT as err:
-        return fail(str(err))
+    return convert(args)
 
 
 def load_reference(args):

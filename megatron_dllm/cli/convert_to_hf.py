@@ -21,14 +21,15 @@ import argparse
 import os
 import sys
 
-from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint root (with latest_checkpointed_iteration.txt)")
@@ -47,38 +48,33 @@ def main(argv=None):
     from megatron_dllm.hf import export
 
     out = os.path.normpath(args.out)
-    try:  # the lock is a sibling (OUT.lock): the export is staged beside OUT and renamed whole
-        with exclusive(lock_path_for_prefix(out), f"--out {args.out}"):
-            export.check_export_target(out, "--out", args.overwrite, source=args.load)
-            return _export(args, out)
-    except BAD_INPUT as err:  # another writer holds --out, or --out may not be written
-        return fail(str(err))
+    # the lock is a sibling (OUT.lock): the export is staged beside OUT and renamed whole
+    with exclusive(lock_path_for_prefix(out), f"--out {args.out}"):
+        export.check_export_target(out, "--out", args.overwrite, source=args.load)
+        return _export(args, out)
 
 
 def _export(args, out: str) -> int:
     from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
     from megatron_dllm.hf import export
 
-    try:
-        platform.init_distributed(1, 1)
-        model, identity, meta, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
-                                                                   args.ckpt_step)
-        tokenizer = None
-        if args.tokenizer_model:
-            check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
-            tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
-        elif meta.tokenizer is not None:  # the tokenizer the checkpoint recorded
-            tokenizer = recorded_tokenizer_config(meta.tokenizer)
-            if not os.path.isfile(tokenizer.tokenizer_model):
-                raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
-                                 f"--tokenizer-type/--tokenizer-model")
-        with export.staged_export(out) as staging:
-            tensors = export.write_model_dir(staging, model.state_dict(), identity, arch.attention, arch.seq_length)
-            if tokenizer is not None:
-                export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
-                                        identity.vocab_size, identity.mask_id, tokenizer.options())
-    except BAD_INPUT as err:
-        return fail(str(err))
+    platform.init_distributed(1, 1)
+    model, identity, meta, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
+                                                               args.ckpt_step)
+    tokenizer = None
+    if args.tokenizer_model:
+        check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
+        tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
+    elif meta.tokenizer is not None:  # the tokenizer the checkpoint recorded
+        tokenizer = recorded_tokenizer_config(meta.tokenizer)
+        if not os.path.isfile(tokenizer.tokenizer_model):
+            raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
+                             f"--tokenizer-type/--tokenizer-model")
+    with export.staged_export(out) as staging:
+        tensors = export.write_model_dir(staging, model.state_dict(), identity, arch.attention, arch.seq_length)
+        if tokenizer is not None:
+            export.export_tokenizer(staging, tokenizer.tokenizer_type, tokenizer.tokenizer_model,
+                                    identity.vocab_size, identity.mask_id, tokenizer.options())
     print(f"wrote {args.out} ({identity.family}, {tensors} tensors"
           f"{', EMA' if args.use_ema else ''}{', tokenizer' if tokenizer is not None else ''})")
     return 0

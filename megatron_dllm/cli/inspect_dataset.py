@@ -16,7 +16,7 @@ import json
 import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.data.indexed_dataset import DatasetFormatError, check_made_with
@@ -42,6 +42,7 @@ def get_args(argv=None):
     return args
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     args = get_args(argv)
     try:
@@ -60,8 +61,6 @@ def main(argv=None) -> int:
             sft = validate_sft_dataset(args.prefix) if args.verify else sft
     except DatasetFormatError as err:
         return fail(f"INVALID: {err}")
-    except BAD_INPUT as err:
-        return fail(str(err))
     if args.json:
         print(json.dumps({**report.__dict__, "sft": sft}, indent=1, default=str))
     else:

@@ -23,7 +23,7 @@ without copying; the datasets must share a tokenizer and their paths must hold n
 import argparse
 import sys
 
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.data.prep.merge import check_shard_set, expand_prefixes, merge_datasets, write_blend_file
 
 
@@ -43,20 +43,18 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     args = get_args(argv)
-    try:
-        prefixes = expand_prefixes(args.input)
-        if not args.allow_incomplete:
-            check_shard_set(prefixes)
-        if args.blend_file:
-            pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative, overwrite=args.overwrite)
-            print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
-        else:
-            stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)
-            print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
-    except BAD_INPUT as err:
-        return fail(str(err))
+    prefixes = expand_prefixes(args.input)
+    if not args.allow_incomplete:
+        check_shard_set(prefixes)
+    if args.blend_file:
+        pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative, overwrite=args.overwrite)
+        print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
+    else:
+        stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)
+        print(f"documents: {stats.documents}, sequences: {stats.sequences}, tokens: {stats.tokens}")
     return 0
 
 

@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail, interrupted
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import positive_int
 from megatron_dllm.data.prep.preprocess import preprocess
@@ -80,21 +80,17 @@ def get_args(argv=None):
     return args
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     args = get_args(argv)
-    try:
-        stats = preprocess(
-            args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
-            json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
-            chunksize=args.chunksize, chunk_bytes=args.chunk_bytes,
-            tokenizer_options=TokenizerConfig.from_args(args).options(),
-            num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
-            progress=False if args.no_progress else None, log_interval=args.log_interval,
-        )
-    except BAD_INPUT as err:  # bad input, unwritable output: one line, nothing published
-        return fail(str(err))
-    except KeyboardInterrupt:
-        return interrupted()
+    stats = preprocess(  # bad input, an unwritable output, Ctrl-C: one line, nothing published
+        args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
+        json_keys=args.json_keys, append_eod=args.append_eod, workers=args.workers,
+        chunksize=args.chunksize, chunk_bytes=args.chunk_bytes,
+        tokenizer_options=TokenizerConfig.from_args(args).options(),
+        num_shards=args.num_shards, shard_index=args.shard_index, overwrite=args.overwrite,
+        progress=False if args.no_progress else None, log_interval=args.log_interval,
+    )
     print(stats.summary())
     return 0
 

@@ -21,14 +21,14 @@ import subprocess
 import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 from megatron_dllm.config.fields import positive_int
-from megatron_dllm.errors import InputError
 
 PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "pretrain_dllm.py")
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0],
                            usage="relaunch.py CONFIG [--nproc-per-node N] [--dry-run] [-- PRETRAIN FLAGS ...]")
@@ -44,10 +44,7 @@ def main(argv=None) -> int:
     from megatron_dllm.config import parse_args
     from megatron_dllm.config.yaml_config import YamlFile
 
-    try:
-        launch = YamlFile(args.config, what=None).launch()
-    except InputError as err:
-        return fail(str(err))
+    launch = YamlFile(args.config, what=None).launch()
     nproc = args.nproc_per_node or launch.get("world-size")
     if not nproc:
         return fail(f"{args.config} records no world size (no launch: section); pass --nproc-per-node")

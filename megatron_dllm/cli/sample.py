@@ -23,7 +23,7 @@ import sys
 import time
 
 from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.errors import InputError
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     return args
 
 
+@reports_bad_input()
 def main(argv=None):
     args = parse_args(argv)
     import transformers
@@ -71,29 +72,26 @@ def main(argv=None):
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
     sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
-    try:
-        sampling.check()  # before the (slow) load
-        check_result_file(args.output, "--output", args.overwrite)
-        if not os.path.exists(args.load):
-            raise FileNotFoundError(f"--load {args.load}: no such file or directory")
-        device = platform.tool_device(args.device)
-        inference_model = load_inference_model(args.load, device, getattr(torch, args.dtype), use_ema=args.use_ema,
-                                               tokenizer_type=args.tokenizer_type,
-                                               tokenizer_model=args.tokenizer_model,
-                                               tokenizer_options=TokenizerConfig.from_args(args).options())
-        if args.compile:
-            inference_model = inference_model.compile()
-        prompt_ids = None
-        if args.prompt is not None:
-            if inference_model.tokenizer is None:
-                raise InputError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
-            prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
-        start = time.perf_counter()
-        tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
-                          seed=args.seed, prompt_ids=prompt_ids)
-        wall = time.perf_counter() - start
-    except BAD_INPUT as err:
-        return fail(str(err))
+    sampling.check()  # before the (slow) load
+    check_result_file(args.output, "--output", args.overwrite)
+    if not os.path.exists(args.load):
+        raise FileNotFoundError(f"--load {args.load}: no such file or directory")
+    device = platform.tool_device(args.device)
+    inference_model = load_inference_model(args.load, device, getattr(torch, args.dtype), use_ema=args.use_ema,
+                                           tokenizer_type=args.tokenizer_type,
+                                           tokenizer_model=args.tokenizer_model,
+                                           tokenizer_options=TokenizerConfig.from_args(args).options())
+    if args.compile:
+        inference_model = inference_model.compile()
+    prompt_ids = None
+    if args.prompt is not None:
+        if inference_model.tokenizer is None:
+            raise InputError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
+        prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
+    start = time.perf_counter()
+    tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
+                      seed=args.seed, prompt_ids=prompt_ids)
+    wall = time.perf_counter() - start
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {

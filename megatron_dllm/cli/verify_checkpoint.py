@@ -13,10 +13,11 @@ import argparse
 import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import non_negative_int
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ckpt", help="checkpoint root or iter_XXXXXXX directory")
@@ -27,32 +28,29 @@ def main(argv=None) -> int:
     from megatron_dllm.checkpoint import CheckpointError, layout, manifest, safe_read, writers
     from megatron_dllm.checkpoint.meta import CheckpointMeta
 
-    try:
-        if args.all and layout.is_checkpoint_dir(args.ckpt):  # one checkpoint is all there is to check
-            paths = [args.ckpt]
-        elif args.all:
-            paths = list(layout.iterations(args.ckpt).values())
-        else:
-            found = layout.find_checkpoint(args.ckpt, args.ckpt_step)
-            paths = [found.path] if found else []
-        if not paths:
-            raise CheckpointError(f"{args.ckpt}: no checkpoint there")
-        for path in paths:
-            if not layout.has_manifest(path):
-                raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
-                                      f"tool): nothing to verify against")
-            manifest.verify_manifest(path)
-            safe_read.check_no_code(path)
-            record = manifest.read_manifest(path)
-            writers.check_single_run(path, record.get("run"))
-            meta = CheckpointMeta.read(path)  # its pickles passed the allowlist just above
-            files, model = record["files"], meta.identity
-            print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes; iteration "
-                  f"{meta.iteration}, {meta.consumed_samples} consumed samples, {model.family} "
-                  f"{model.num_layers}x{model.hidden_size} (vocab {model.vocab_size})"
-                  + (", weights only" if meta.model_only else ""))
-    except CheckpointError as err:
-        return fail(str(err))
+    if args.all and layout.is_checkpoint_dir(args.ckpt):  # one checkpoint is all there is to check
+        paths = [args.ckpt]
+    elif args.all:
+        paths = list(layout.iterations(args.ckpt).values())
+    else:
+        found = layout.find_checkpoint(args.ckpt, args.ckpt_step)
+        paths = [found.path] if found else []
+    if not paths:
+        raise CheckpointError(f"{args.ckpt}: no checkpoint there")
+    for path in paths:
+        if not layout.has_manifest(path):
+            raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
+                                  f"tool): nothing to verify against")
+        manifest.verify_manifest(path)
+        safe_read.check_no_code(path)
+        record = manifest.read_manifest(path)
+        writers.check_single_run(path, record.get("run"))
+        meta = CheckpointMeta.read(path)  # its pickles passed the allowlist just above
+        files, model = record["files"], meta.identity
+        print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes; iteration "
+              f"{meta.iteration}, {meta.consumed_samples} consumed samples, {model.family} "
+              f"{model.num_layers}x{model.hidden_size} (vocab {model.vocab_size})"
+              + (", weights only" if meta.model_only else ""))
     return 0
 
 

@@ -26,6 +26,7 @@ import os
 
 import yaml
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError, read_text
 
 RESOLVED_NAME = "run_config.yaml"
@@ -188,9 +189,7 @@ def write_resolved(config, directories: list[str], world_size: int | None = None
     for directory in dict.fromkeys(d for d in directories if d):
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, RESOLVED_NAME)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        with atomic_write(path) as f:
             f.write(text)
-        os.replace(tmp, path)
         written.append(path)
     return written

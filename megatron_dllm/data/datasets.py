@@ -40,6 +40,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
@@ -95,14 +96,8 @@ def save_index_cache(file: str, arr, **kwargs) -> None:
     renamed into place. megatron-core's build writes the files in place, so a second job sharing
     the cache directory (a sweep's runs starting together) could find them all present and load
     one that was still being written, or that a third job had just truncated to rewrite it."""
-    tmp = f"{file}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, arr, **kwargs)
-        os.replace(tmp, file)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(file, "wb") as f:
+        np.save(f, arr, **kwargs)
 
 
 class _NumpyWithoutPickle(types.ModuleType):

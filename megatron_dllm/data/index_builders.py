@@ -11,10 +11,10 @@ cache files written by either are interchangeable:
 - `build_blending_indices`: BlendedDataset's greedy max-error blend (dataset_index int16,
   dataset_sample_index int64, filled in place), and `build_exhaustive_blending_indices`.
 
-The public functions take `backend=` "auto" (C++ when the extension imports, else numpy), "cpp",
-"numpy" or "megatron" (megatron-core's own helpers_cpp, for comparison); the default comes from
-`MEGATRON_DLLM_INDEX_BACKEND` (default "auto"). `MEGATRON_DLLM_INDEX_THREADS` caps the C++
-threads (default: all cores).
+The public functions take `backend=` "auto" (C++ when the extension imports, else megatron-core's
+own compiled helpers_cpp, which ships with it and is far faster than numpy), "cpp", "numpy" or
+"megatron"; the default comes from `MEGATRON_DLLM_INDEX_BACKEND` (default "auto").
+`MEGATRON_DLLM_INDEX_THREADS` caps the C++ threads (default: all cores).
 
 `megatron_helpers_replaced()` is the hook into megatron-core: GPTDataset and BlendedDataset
 import `megatron.core.datasets.helpers` when they build, so swapping its two functions for the
@@ -34,7 +34,7 @@ from megatron_dllm.errors import InputError
 
 try:
     from megatron_dllm import _index_builders as _cpp
-except ImportError:  # extension not built: the numpy references serve
+except ImportError:  # extension not built: megatron-core's helpers_cpp serve
     _cpp = None
 
 HAVE_CPP = _cpp is not None
@@ -46,7 +46,7 @@ def _backend(backend: Optional[str]) -> str:
     if backend not in BACKENDS:
         raise InputError(f"index builder backend {backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
-        return "cpp" if HAVE_CPP else "numpy"
+        return "cpp" if HAVE_CPP else "megatron"
     if backend == "cpp" and not HAVE_CPP:
         raise RuntimeError("megatron_dllm._index_builders is not built "
                            "(pip install -e . --no-build-isolation --no-deps)")
@@ -171,15 +171,6 @@ def build_blending_indices(dataset_index: np.ndarray, dataset_sample_index: np.n
     _cpp.build_blending_indices(dataset_index, dataset_sample_index,
                                 np.asarray(weights, dtype=np.float64), num_datasets, size,
                                 verbose, _num_threads())
-
-
-def blending_indices(weights: Sequence[float], size: int, backend: Optional[str] = None):
-    """(dataset_index int16, dataset_sample_index int64) for `size` samples of the blend."""
-    dataset_index = np.zeros(size, dtype=np.int16)
-    dataset_sample_index = np.zeros(size, dtype=np.int64)
-    build_blending_indices(dataset_index, dataset_sample_index, list(weights), len(weights), size,
-                           False, backend)
-    return dataset_index, dataset_sample_index
 
 
 def build_exhaustive_blending_indices_numpy(dataset_index, dataset_sample_index, sizes,

@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.data.binary_header import read_binary_header
 from megatron_dllm.errors import InputError
 
@@ -306,10 +307,8 @@ def token_id_range(prefix: str, cache_dir: Optional[str] = None) -> Tuple[int, i
         del data
     if cache_file:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{cache_file}.tmp-{os.getpid()}"  # concurrent ranks: each renames its own copy
-        with open(tmp, "w") as f:
+        with atomic_write(cache_file) as f:  # concurrent ranks: each renames its own copy
             json.dump({**key, "min": lo, "max": hi}, f)
-        os.replace(tmp, cache_file)
     return lo, hi
 
 

@@ -294,11 +294,8 @@ def _sha256_file(path: str) -> str:
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _HASHES:
-        h = hashlib.sha256()
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _HASHES[key] = h.hexdigest()
+            _HASHES[key] = hashlib.file_digest(f, "sha256").hexdigest()
     return _HASHES[key]
 
 

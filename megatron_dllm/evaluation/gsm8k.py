@@ -25,6 +25,7 @@ as at batch size 1, and the throughput is then that of batch N.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import importlib.util
@@ -35,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.generation_batches import in_batches
 from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
@@ -182,9 +184,7 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
     finally:
         hook.remove()
     correct = tokens = 0
-    tmp = f"{predictions}.tmp-{os.getpid()}" if predictions else None
-    out = open(tmp, "w") if tmp else None
-    try:
+    with (atomic_write(predictions) if predictions else contextlib.nullcontext()) as out:
         for problem, generated in zip(problems, generations):
             text = prompt_text(problem.question)
             tokens += len(generated)
@@ -196,14 +196,6 @@ def evaluate_gsm8k(inference_model, problems: list[Problem], protocol: str = "le
                 out.write(json.dumps({**asdict(problem), "prompt": text, "generation": generation,
                                       "generated_tokens": len(generated), "ended_with_eos": tok.eod in generated,
                                       "extracted": answer, "correct": ok}) + "\n")
-        if out:
-            out.close()
-            os.replace(tmp, predictions)
-    finally:
-        if out and not out.closed:
-            out.close()
-        if tmp and os.path.exists(tmp):
-            os.remove(tmp)
     n = len(problems)
     return {"accuracy": correct / n, "correct": correct, "problems": n, "prompts_truncated": truncated,
             "generated_tokens": tokens, "generation_seconds": seconds,

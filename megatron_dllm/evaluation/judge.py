@@ -59,11 +59,8 @@ def smollm2_gguf() -> tuple[str, str]:
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def cached_gguf_dir(directory: str, gguf_file: str, cache_dir: str | None = None,

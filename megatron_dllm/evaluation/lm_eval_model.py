@@ -4,7 +4,8 @@
     (after `import megatron_dllm.evaluation.lm_eval_model`; `tools/evaluate.py downstream` does it)
 
 It loads a megatron checkpoint (any TP/PP layout, resharded to one device) or an exported HF
-directory through `sampling.loading`, for all four families, and scores requests with
+directory through `sampling.loading`, for every family whose bound scores a sequence of any length
+(BD3-LM's needs whole blocks: refused at load), and scores requests with
 `evaluation.likelihood.LikelihoodEstimator` (AR exact; MDLM, Duo, Eso-LM a Monte-Carlo NELBO,
 `conditional` or `joint` mode, see there). Tokenisation is lm-eval's own (`TemplateLM`: the
 context's trailing spaces move to the continuation; the pair is encoded whole and split), with

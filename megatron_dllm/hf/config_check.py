@@ -21,7 +21,9 @@ def check_config(config: dict, identity: ModelIdentity, source: str) -> None:
     if config.get("attention", family.attention) != family.attention:
         raise InputError(f"{source}: attention {config['attention']!r} contradicts family {identity.family!r}, "
                          f"whose attention is {family.attention!r}")
-    expected = ["DLLMForCausalLM" if family.next_token else "DLLMForMaskedLM"]
+    from megatron_dllm.hf.export import model_class_name
+
+    expected = [model_class_name(identity.family)]
     if config.get("architectures", expected) != expected:
         raise InputError(f"{source}: architectures {config['architectures']!r} contradicts family "
                          f"{identity.family!r}, expected {expected!r}")

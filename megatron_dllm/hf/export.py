@@ -190,7 +190,7 @@ def save_megatron_checkpoint(save: str, model, identity: ModelIdentity, iteratio
 
 def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> dict:
     causal_lm = FAMILIES[identity.family].next_token
-    arch_name = "DLLMForCausalLM" if causal_lm else "DLLMForMaskedLM"
+    arch_name = model_class_name(identity.family)
     auto = {"AutoConfig": "configuration_dllm.DLLMConfig", "AutoModel": f"modeling_dllm.{arch_name}",
             ("AutoModelForCausalLM" if causal_lm else "AutoModelForMaskedLM"): f"modeling_dllm.{arch_name}"}
     dit = {"cond_dim": constants.COND_DIM, "time_freq_dim": constants.TIME_FREQ_DIM,
@@ -203,11 +203,16 @@ def hf_config_dict(identity: ModelIdentity, attention: str, max_length: int) -> 
             "use_cache": False, "torch_dtype": "float32"}
 
 
-def model_class(family: str):
+def model_class_name(family: str) -> str:
     """The transformers class of a family: DLLMForCausalLM for next-token models, else DLLMForMaskedLM."""
-    from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+    return "DLLMForCausalLM" if FAMILIES[family].next_token else "DLLMForMaskedLM"
 
-    return DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM
+
+def model_class(family: str):
+    """The class `model_class_name` names (imported here: modeling_dllm needs transformers)."""
+    from megatron_dllm.hf import modeling_dllm
+
+    return getattr(modeling_dllm, model_class_name(family))
 
 
 def hf_model(state_dict: dict, identity: ModelIdentity, attention: str, max_length: int, vocab_size: int | None = None):
@@ -315,8 +320,6 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
     if (ours.vocab_size, ours.mask_id) != (vocab_size, mask_id):
         raise InputError(f"--tokenizer-model {tokenizer_model}: vocab_size {ours.vocab_size} / mask id "
                          f"{ours.mask_id} do not match the checkpoint's {vocab_size} / {mask_id}")
-    import tempfile
-
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -484,7 +484,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
 
 
 class DLLMForMaskedLM(DLLMPreTrainedModel):
-    """Diffusion families (mdlm, duo, esolm): logits for every position, and `generate` with the
+    """Diffusion families (mdlm, duo, esolm, bd3lm): logits for every position, and `generate` with the
     family's own sampler (megatron_dllm's sampling code, which every export ships beside this file)."""
 
     def generate(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,

@@ -7,7 +7,7 @@ import torch
 
 from megatron_dllm.families import FAMILIES
 from megatron_dllm.hf.configuration_dllm import DLLMConfig
-from megatron_dllm.hf.modeling_dllm import DLLMForCausalLM, DLLMForMaskedLM
+from megatron_dllm.hf.export import model_class
 
 
 def random_dense_model(family: str, vocab_size: int, length: int, *, hidden_size: int = 32, num_layers: int = 2,
@@ -17,7 +17,7 @@ def random_dense_model(family: str, vocab_size: int, length: int, *, hidden_size
                         vocab_size=vocab_size, mask_token_id=vocab_size - 1, cond_dim=cond_dim,
                         max_position_embeddings=length, attention=FAMILIES[family].attention, **config)
     torch.manual_seed(seed)
-    model = (DLLMForCausalLM if FAMILIES[family].next_token else DLLMForMaskedLM)(config)
+    model = model_class(family)(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:

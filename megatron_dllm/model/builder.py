@@ -27,7 +27,7 @@ class Architecture:
     preset: Preset
     vocab_size: int  # real vocabulary including [MASK], before TP padding
     seq_length: int
-    attention: str  # "bidirectional" | "causal"
+    attention: str  # "bidirectional" | "causal" | "block_diffusion"
     make_vocab_size_divisible_by: int = 128
     gpt: GPTShape | None = None  # the GPT (Llama-style) backbone's shape; None: the DiT
 

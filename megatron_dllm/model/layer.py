@@ -111,8 +111,8 @@ class DiTLayer(MegatronModule):
 
 
 def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str | None = None) -> ModuleSpec:
-    """The block's spec for an attention layout (`bidirectional` or `causal`) and a core-attention
-    backend (`model.attention`; default: TE's with TE linears, else megatron-core's local one)."""
+    """The block's spec for an attention layout (`bidirectional`, `causal` or `block_diffusion`) and
+    a core-attention backend (`model.attention`; default: TE's with TE linears, else megatron-core's local one)."""
     if use_te:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 

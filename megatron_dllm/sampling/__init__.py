@@ -1,6 +1,6 @@
 """Generation for every family (`generate`, `decode`) from one `InferenceModel` (`loading.py`).
 
-Each family's sampler lives in its own file (ar.py, mdlm.py, duo.py, esolm.py) and is reached
+Each family's sampler lives in its own file (ar.py, mdlm.py, duo.py, esolm.py, bd3lm.py) and is reached
 through `registry.py` (`get_sampler`); categorical.py holds the shared float64 sampling.
 """
 from megatron_dllm.sampling.config import PREDICTORS, SamplingConfig

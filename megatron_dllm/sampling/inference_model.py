@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class InferenceModel:
-    model: torch.nn.Module  # DLLMForMaskedLM (mdlm, duo, esolm) or DLLMForCausalLM (ar), eval mode
+    model: torch.nn.Module  # DLLMForMaskedLM (mdlm, duo, esolm, bd3lm) or DLLMForCausalLM (ar), eval mode
     family: str
     mask_id: int
     vocab_size: int         # real vocabulary including [MASK]

@@ -44,8 +44,5 @@ class PaddedKVCache:
         """Drop the rows where the boolean `keep` [b] is False."""
         if bool(keep.all()):
             return
-        for layer in range(len(self.kv.keys)):
-            if self.kv.keys[layer] is not None:
-                self.kv.keys[layer] = self.kv.keys[layer][keep]
-                self.kv.values[layer] = self.kv.values[layer][keep]
+        self.kv = self.kv.rows(keep)
         self.valid = self.valid[keep]

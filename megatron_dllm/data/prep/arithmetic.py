@@ -20,6 +20,7 @@ import os
 import random
 import sys
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 REASONING = ("columns", "direct")
@@ -53,16 +54,13 @@ def write_task(out_dir: str, max_operand: int = 100, max_second: int = 10, test_
     test, train = pairs[:test_size], pairs[test_size:]
     os.makedirs(out_dir, exist_ok=True)
     paths = {"train": os.path.join(out_dir, "train.txt"), "test": os.path.join(out_dir, "test.jsonl")}
-    with open(paths["train"] + ".tmp", "w") as f:
+    with atomic_write(paths["train"]) as train_file, atomic_write(paths["test"]) as test_file:  # both or neither
         for a, b in train:
             q, r, ans = problem(a, b, reasoning)
-            f.write(f"{q}||{r} #### {ans}\n")
-    with open(paths["test"] + ".tmp", "w") as f:
+            train_file.write(f"{q}||{r} #### {ans}\n")
         for a, b in test:
             q, r, ans = problem(a, b, reasoning)
-            f.write(json.dumps({"question": q, "answer": f"{r}\n#### {ans}"}) + "\n")
-    for path in paths.values():
-        os.replace(path + ".tmp", path)
+            test_file.write(json.dumps({"question": q, "answer": f"{r}\n#### {ans}"}) + "\n")
     return {"train_problems": len(train), "test_problems": len(test), **paths}
 
 

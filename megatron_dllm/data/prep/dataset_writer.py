@@ -12,8 +12,9 @@ from typing import Iterable, Optional, Tuple
 
 import numpy as np
 
+from megatron_dllm.atomic_file import atomic_write, staging_tag
 from megatron_dllm.data.indexed_dataset import CODE_OF_DTYPE, MAGIC, VERSION, bin_path, idx_path, meta_path
-from megatron_dllm.data.prep.output import publish_pair, staging_tag
+from megatron_dllm.data.prep.output import publish_pair
 from megatron_dllm.errors import InputError
 
 _CHUNK = 1 << 22  # lengths per chunk of an index write (bounded memory)
@@ -23,10 +24,8 @@ _SPILL = 1 << 20  # document lengths kept in memory before spilling to disk
 def write_metadata(prefix: str, metadata: dict) -> None:
     """Sidecar `{prefix}.meta.json` saying how the dataset was made (tokenizer, vocabulary), so
     training can name both sides of a tokenizer mismatch. Written atomically; Megatron ignores it."""
-    tmp = meta_path(prefix) + staging_tag()
-    with open(tmp, "w") as f:
+    with atomic_write(meta_path(prefix)) as f:
         json.dump(metadata, f, indent=1, sort_keys=True)
-    os.replace(tmp, meta_path(prefix))
 
 
 

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Dict, List
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 RECIPE_VERSION = 1
@@ -93,10 +94,8 @@ def _train_tokenizer(train_files: List[str], model_path: str) -> None:
         character_coverage=1.0, num_threads=1,  # one thread: the BPE merges are then deterministic
         minloglevel=2,
     )
-    tmp = model_path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_write(model_path, "wb") as f:
         f.write(proto.getvalue())
-    os.replace(tmp, model_path)
 
 
 def _prepare(cache_dir: str, marker: str) -> Dict:
@@ -124,9 +123,8 @@ def _prepare(cache_dir: str, marker: str) -> Dict:
         info[f"{split}_documents"] = key.written
         info[f"{split}_tokens"] = key.tokens
     info["seconds"] = round(time.time() - t0, 2)
-    with open(marker + ".tmp", "w") as f:
+    with atomic_write(marker) as f:
         json.dump(info, f, indent=2)
-    os.replace(marker + ".tmp", marker)
     _log(f"prepared in {info['seconds']} s: {info['train_documents']} plays / {info['train_tokens']} "
          f"tokens train, {info['valid_documents']} / {info['valid_tokens']} valid, in {cache_dir}")
     return info

@@ -48,10 +48,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_dllm.atomic_file import atomic_write, staging_tag
 from megatron_dllm.data.binary_header import read_binary_header
 from megatron_dllm.data.indexed_dataset import optimal_dtype, validate_indexed_dataset
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive, staging_tag
+from megatron_dllm.data.prep.output import claim_outputs, release_all, staging_owner_alive
 from megatron_dllm.errors import InputError
 
 MAGIC = b"LITPKDS"
@@ -308,12 +309,8 @@ def state_path(output_prefix: str) -> str:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(path, fsync=True) as f:
         json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _resume_state(output_prefix: str, fingerprint: str, log) -> Optional[dict]:
@@ -339,9 +336,9 @@ def _remove_temporaries(output_prefix: str) -> None:
     """An interrupted run's temporaries and state file (of a run that cannot be resumed); not
     those of a writer still running here (one that bypassed the lock)."""
     state = state_path(output_prefix)
-    stale = [p for p in glob.glob(glob.escape(output_prefix) + ".*" + TEMP_TAG + "*")
-             if not staging_owner_alive(p)]
-    for p in stale + [state, state + ".tmp"]:
+    stale = [p for pattern in (glob.escape(output_prefix) + ".*" + TEMP_TAG + "*", glob.escape(state) + ".tmp-*")
+             for p in glob.glob(pattern) if not staging_owner_alive(p)]
+    for p in stale + [state]:
         if os.path.exists(p):
             os.remove(p)
 

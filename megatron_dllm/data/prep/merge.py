@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_dllm.atomic_file import staging_tag
 from megatron_dllm.data.indexed_dataset import (
     _CHUNK,
     CODE_OF_DTYPE,
@@ -47,7 +48,6 @@ from megatron_dllm.data.prep.output import (
     publish_pair,
     release_all,
     remove_stale_temporaries,
-    staging_tag,
 )
 from megatron_dllm.errors import InputError
 from megatron_dllm.result_files import check_result_file, write_result_file

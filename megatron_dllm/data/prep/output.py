@@ -4,8 +4,9 @@
   permission bits), then each dataset prefix is locked (`output_lock`: a second writer stops with
   one line naming the first), then, unless `--overwrite`, a prefix that already holds a dataset
   is refused. The lock comes before the "already exists" check so that check sees a settled disk.
-- `staging_tag`: temporaries are named `.tmp-{pid}-{random}`, so two writers of one prefix (the
-  lock bypassed, or a filesystem that ignores it) never write into each other's files.
+- temporaries are named by `atomic_file.staging_tag`, `.tmp-{pid}-{random}`, so two writers of
+  one prefix (the lock bypassed, or a filesystem that ignores it) never write into each other's
+  files, and a leftover's writer can be told (`staging_pid`).
 - `publish_pair`: renames a staged `.bin/.idx` into place so that what is left is one writer's
   pair, never a `.bin` of one writer beside the `.idx` of another (see its docstring).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import secrets
 import tempfile
 from typing import Callable, Optional, Sequence
 
@@ -22,10 +22,6 @@ from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix, pid_alive
 
 DATASET_SUFFIXES = (".bin", ".idx", ".meta.json")
-
-
-def staging_tag() -> str:
-    return f".tmp-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def staging_pid(path: str) -> Optional[int]:

@@ -14,8 +14,8 @@ from typing import Callable, Dict, Sequence
 
 import numpy as np
 
+from megatron_dllm.atomic_file import staging_tag
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.output import staging_tag
 from megatron_dllm.data.prep.preprocess_stats import (
     MAX_KEPT_REJECTIONS,
     MAX_PRINTED_REJECTIONS,

@@ -16,8 +16,8 @@ import json
 import os
 from typing import Optional, Sequence, Tuple
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.data.indexed_dataset import DatasetFormatError, validate_indexed_dataset
-from megatron_dllm.data.prep.output import staging_tag
 from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 from megatron_dllm.errors import InputError
 
@@ -98,14 +98,5 @@ def finished(marker: str, expected: dict, prefixes: Sequence[str]) -> Tuple[Opti
 
 def write_marker(marker: str, shard_fingerprint: dict, stats: dict) -> None:
     """Durably, under a temporary name renamed into place; a failed write leaves no temporary."""
-    tmp = marker + staging_tag()
-    try:
-        with open(tmp, "w") as f:
-            json.dump({"fingerprint": shard_fingerprint, "stats": stats}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, marker)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_write(marker, fsync=True) as f:
+        json.dump({"fingerprint": shard_fingerprint, "stats": stats}, f, indent=1)

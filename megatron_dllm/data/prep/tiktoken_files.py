@@ -1,19 +1,18 @@
 """Writing `.tiktoken` vocabulary files (offline: converting a tokenizer for `TikTokenizer`)."""
 from __future__ import annotations
 
-import os
 from typing import Iterable
+
+from megatron_dllm.atomic_file import atomic_write
 
 
 def write_tiktoken_file(path: str, tokens: Iterable[bytes]) -> None:
     """Write token byte strings as a `.tiktoken` file, rank = position (atomic)."""
     import base64
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb") as f:
         for rank, token in enumerate(tokens):
             f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
-    os.replace(tmp, path)
 
 
 def write_tiktoken_from_bytelevel(path: str, vocab: dict) -> None:

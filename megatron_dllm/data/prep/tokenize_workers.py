@@ -21,7 +21,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-REJECT_REASONS = ("invalid_utf8", "invalid_json", "missing_key", "not_text", "empty_text")
 MAX_SEEN_KEYS = 50  # field names remembered to name in a "no record has key" error
 
 
@@ -36,7 +35,7 @@ def _init_worker(tok, json_keys: Sequence[str], append_eod: bool, dtype_name: st
 
 
 @contextlib.contextmanager
-def _children_ignore_ctrl_c():
+def _children_block_ctrl_c():
     """Processes started in this block never receive SIGINT: it is blocked here, and a blocked
     signal stays blocked across exec (Python does not unblock it). A Ctrl-C, which reaches the
     whole process group, then interrupts only this process (held pending while blocked, it is
@@ -163,7 +162,7 @@ def encoded_chunks(chunks, tokenizer, json_keys: Sequence[str], append_eod: bool
     pending = deque()
     try:
         for chunk in chunks:
-            with _children_ignore_ctrl_c():  # workers start inside submit
+            with _children_block_ctrl_c():  # workers start inside submit
                 pending.append((ex.submit(_encode_chunk, chunk.records), chunk))
             chunk.records = None
             while len(pending) >= max_inflight:
