@@ -9,6 +9,10 @@
 #   DRY=1 benchmarks/gpu_runbook.sh all      # every stage's dry run
 #
 # Stages, in priority order (minutes on one H100 are estimates until a session records them):
+#   s    a session with 15 minutes of device time: its one call. Install, SDPA's kernel for the
+#        1.7B heads, the whole 1.7B step with sdpa + fusion for every family at the largest
+#        micro-batch, the local spec's mdlm step beside it, the profile breakdown of the sdpa step,
+#        then stage t's GPU tests less the Eso-LM kernel's (no extension build)
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
@@ -38,7 +42,7 @@
 # the figures (table rows and verdict lines) of its log.
 set -uo pipefail
 
-STAGES="a b b2 c c2 d d2 d3 d4 d5 e1 e2 t"
+STAGES="s a b b2 c c2 d d2 d3 d4 d5 e1 e2 t"
 STAGE=${1:-}
 if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -167,7 +171,25 @@ profile() {  # profile NAME BACKEND KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 cop
 --warmup $((PROFILE_STEPS > 1 ? 3 : 1)) --trace $trace $* && $copy"
 }
 
+gpu_tests() {  # gpu_tests NAME MAX FILES...: the fast tests of FILES (a dry run only collects them)
+  local name=$1 max=$2 tests="-q -n 8 --timeout 170 -rfEs"
+  shift 2
+  [[ $DRY == 1 ]] && tests="--collect-only -q"
+  step "$name" "$max" "$PY -m pytest $tests -p no:cacheprovider $* -k 'not slow or gpu'"
+}
+
 case $STAGE in
+  s)
+    install_wheels
+    step sdpa_kernel 90 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
+    train_step step_sdpa_fused 300 --families mdlm duo esolm ar --recompute-granularity off \
+      --attention-backend sdpa --fusion default --max-micro-batch $MAXMB
+    train_step step_local_fused 90 --families mdlm --recompute-granularity off --attention-backend local \
+      --fusion default --max-micro-batch 1
+    profile profile_sdpa sdpa 1
+    gpu_tests gpu_tests 150 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
+      tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py
+    ;;
   a)
     install_wheels
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
@@ -299,14 +321,8 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
   t)
     install_wheels
     build_extensions
-    if [[ $DRY == 1 ]]; then
-      tests="--collect-only -q"
-    else
-      tests="-q -n 8 --timeout 170 -rfEs"
-    fi
-    step gpu_tests 420 "$PY -m pytest $tests -p no:cacheprovider tests/test_attention_backend.py \
-tests/test_fusion.py tests/test_reference_dit.py tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py \
--k 'not slow or gpu'"
+    gpu_tests gpu_tests 420 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
+      tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py
     ;;
 esac
 
