@@ -73,7 +73,8 @@ def to_device(tensor: torch.Tensor) -> torch.Tensor:
     host allocator keeps the pinned block until the copy has run)."""
     if not HAS_CUDA:
         return tensor
-    return tensor.pin_memory().to(device(), non_blocking=True)
+    # pin_memory refuses a view whose elements overlap (an expand()ed tensor): copy it out first
+    return tensor.contiguous().pin_memory().to(device(), non_blocking=True)
 
 
 def tool_device(requested: str | None = None) -> str:

@@ -136,8 +136,21 @@ def _prewarmed(env: dict):
 
     with _server_lock:  # tests launch from threads too
         if _server is None:
-            _server = Server(launch_env(1))
+            _server = Server(_server_env())
     return _server if _server.serves(env) else None
+
+
+def _server_env() -> dict:
+    """The prewarmed server's environment: a one-rank launch's, with the GPUs hidden. A forked
+    child cannot initialise CUDA once its parent has, and importing megatron-core with a GPU visible
+    does (seen on an H100), so on a GPU machine the server serves the launches that run on the CPU
+    (ranks beyond the GPU count) and a GPU launch starts a plain process."""
+    import torch
+
+    env = launch_env(1)
+    if torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def run_python(argv: list[str], cwd, env: dict, timeout: float | None = None, nproc: int = 1):

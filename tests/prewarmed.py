@@ -8,7 +8,9 @@ status and interpreter shutdown), so a test sees what it would see from `subproc
 import is shared. Launches whose start-up itself is under test (warnings printed at import, what a
 process imports, torchrun's own behaviour) use `subprocess` instead.
 
-Fork safety: the server starts no threads and touches no tensor before forking (checked at start).
+Fork safety: the server starts no threads, touches no tensor and initialises no CUDA before forking
+(checked at start: a forked child cannot initialise CUDA again, so on a GPU machine conftest hides
+the GPUs from the server and starts GPU launches as plain processes).
 Python reseeds `random` in every child; torch's generator is in its import-time state, as in a
 fresh interpreter.
 """
@@ -254,6 +256,8 @@ if __name__ == "__main__":
         importlib.import_module(module)
     if threading.active_count() != 1:  # forking a threaded process could copy a held lock
         raise SystemExit(f"prewarmed server: importing {PRELOAD} started threads: {threading.enumerate()}")
+    if sys.modules["torch"].cuda.is_initialized():  # no child could use the GPU
+        raise SystemExit(f"prewarmed server: importing {PRELOAD} initialised CUDA: hide the GPUs from it")
     sys.stdout.flush()
     sys.stderr.flush()
     _run_child(_serve(sys.argv[1]))

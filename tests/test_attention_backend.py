@@ -54,16 +54,17 @@ def test_core_attention_equals_megatron_dot_product_attention(case):
     """The core-attention contract alone: [s, b, n, d] in, [s, b, n * d] out, forward and backward."""
     mask_type, overrides, sq, sk, with_mask = CORE_CASES[case]
     config = core_config(**overrides)
-    q, k, v = qkv(sq, sk, config.num_query_groups or 4)
+    # on the platform's device: megatron's DotProductAttention takes its score buffer there
+    q, k, v = (t.to(platform.device()) for t in qkv(sq, sk, config.num_query_groups or 4))
     # megatron's mask: True = masked out; the second sample's last 5 keys are padding
-    mask = torch.zeros(2, 1, sq, sk, dtype=torch.bool)
+    mask = torch.zeros(2, 1, sq, sk, dtype=torch.bool, device=platform.device())
     mask[1, ..., -5:] = True
     outs, grads = [], []
     for cls in (DotProductAttention, SDPAttention):
         module = cls(config, layer_number=3, attn_mask_type=mask_type, attention_type="self")
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out = module(*inputs, attention_mask=mask if with_mask else None, attn_mask_type=mask_type)
-        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).view_as(out))
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype, device=out.device)).view_as(out))
         outs.append(out.detach())
         grads.append([t.grad for t in inputs])
     assert outs[0].shape == (sq, 2, 64)

@@ -17,12 +17,13 @@ from megatron_dllm import platform
 from megatron_dllm.config import parse_args
 from megatron_dllm.training.profile_breakdown import (
     CATEGORIES,
+    breakdown,
     event_key,
     exclusive_timeline,
     kineto_links,
     profile_steps,
 )
-from megatron_dllm.training.profile_regions import INPUT_WAIT, LOSS_HEAD, OPTIMIZER
+from megatron_dllm.training.profile_regions import ATTENTION, INPUT_WAIT, LOSS_HEAD, OPTIMIZER, STEP
 from megatron_dllm.training.trainer import Trainer
 
 BENCH = os.path.join(REPO, "benchmarks", "bench_profile_breakdown.py")
@@ -103,6 +104,42 @@ def test_device_timeline_gives_each_instant_to_one_category():
     assert out == {"attention": 15, "matmul": 30, "communication": 20, "input wait": 10, "idle": 30}
 
 
+class Event:
+    """The part of a torch.profiler FunctionEvent that the breakdown reads, made by hand."""
+
+    def __init__(self, name, start, end, device=DeviceType.CPU, id=0, link=0, children=(), annotation=False,
+                 thread=1):
+        self.name, self.device_type, self.id, self.link, self.thread = name, device, id, link, thread
+        self.time_range = torch.autograd.profiler_util.Interval(start, end)
+        self.cpu_children, self.cpu_parent, self.is_user_annotation = list(children), None, annotation
+        self.self_cpu_time_total = end - start - sum(c.time_range.elapsed_us() for c in self.cpu_children)
+        self.sequence_nr, self.scope, self.fwd_thread, self.is_async = -1, 0, thread, False
+        for child in self.cpu_children:
+            child.cpu_parent = self
+
+
+def test_device_timeline_of_a_compiled_step_on_a_gpu():
+    """What the H100 profile of the 1.7B step holds: each region also drawn as a span on the device
+    timeline (no kernel: the gap under it stays device idle), TorchInductor's kernels under records
+    of their own names (compiled elementwise work, not other), a cuBLAS kernel outside any region
+    (matmul) and cuDNN's attention kernel under the attention region."""
+    attention = Event(ATTENTION, 10, 20, id=3, children=[Event("aten::_cudnn_attention_forward", 11, 19, id=4)])
+    triton = Event("triton_red_fused__to_copy_add_mul_native_layer_norm_0", 30, 35, id=5)
+    mm = Event("aten::mm", 40, 45, id=6)
+    step = Event(STEP, 0, 100, id=1, children=[attention, triton, mm], annotation=True)
+    cuda = DeviceType.CUDA
+    kernels = [Event(STEP, 2, 98, cuda, id=90, link=1, annotation=True),  # the step's span on the GPU
+               Event(ATTENTION, 12, 30, cuda, id=91, link=3, annotation=True),
+               Event("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 12, 30, cuda, id=92, link=4),
+               Event("triton_red_fused__to_copy_add_mul_native_layer_norm_0", 32, 50, cuda, id=93, link=5),
+               Event("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 50, 70, cuda, id=94, link=6)]
+    result = breakdown([step, *kernels], True, lambda e: e.link)
+    ms = {c: result.us[c] for c in CATEGORIES if result.us[c]}
+    assert ms == {"attention": 18, "elementwise/normalisation": 18, "matmul": 20, "other": 44}, ms
+    assert result.device_idle_us == 44  # 0-12, 30-32 and 70-100: the step's span covers none of it
+    assert any(name.startswith("triton_red_fused") for name in result.top_ops["elementwise/normalisation"])
+
+
 @pytest.mark.slow
 def test_the_script_prints_the_table_and_writes_the_trace(demo_cache, tmp_path):
     trace = tmp_path / "trace.json"
@@ -156,6 +193,10 @@ def test_every_kernel_links_to_the_op_that_launched_it():
     ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and links.get(event_key(e)) == 0}
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     assert kernels
-    for kernel in kernels:
-        op = ops[links[event_key(kernel)]]
-        assert kernel.name in [k.name for k in op.kernels], (kernel.name, op.name)
+    by_id = {}
+    for e in events:
+        by_id.setdefault(e.id, []).append((e.name, str(e.device_type), links.get(event_key(e))))
+    for kernel in kernels:  # unlinked: the kernel, its link, and every event with the link's id
+        link = links[event_key(kernel)]
+        assert link in ops, (kernel.name, link, by_id.get(link))
+        assert kernel.name in [k.name for k in ops[link].kernels], (kernel.name, ops[link].name)

@@ -19,7 +19,8 @@ The rule (the same on CPU and GPU):
   on a thread of its own (on GPU); a region opened inside a backward function (activation
   recompute) is innermost there;
 * else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear) is matmul, any other
-  ATen op is elementwise/normalisation, and the rest is other.
+  ATen op and every TorchInductor kernel (`--compile-elementwise`'s regions, recorded under their
+  kernel names) is elementwise/normalisation, and the rest is other.
 
 What is measured:
 * CPU: the host's main thread. Each profiled event contributes its self time (its duration less
@@ -28,7 +29,9 @@ What is measured:
   instant goes to the category of the kernel running then (that of the op that launched it; a
   GEMM kernel launched outside any region is matmul, an NCCL kernel communication; where
   kernels overlap: compute first, then communication); an instant with no kernel running is
-  input wait while the host fetches a batch, else other (reported separately as device idle).
+  input wait while the host fetches a batch, else other (reported separately as device idle: the
+  GPU waiting for the host). The profiler also draws each region's span on the device timeline
+  (a user annotation); that span is no kernel and covers nothing.
 """
 from __future__ import annotations
 
@@ -48,7 +51,10 @@ REGION_CATEGORY = {regions.ATTENTION: "attention", regions.LOSS_HEAD: "loss head
                    regions.OPTIMIZER: "optimizer", regions.INPUT_WAIT: "input wait"}
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
             "aten::addbmm", "aten::_scaled_mm", "aten::mv", "aten::addmv"}
-GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet")
+# triton_tem: TorchInductor's GEMM templates
+GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet", "triton_tem")
+COMPILED_KERNEL_PREFIXES = ("triton_", "cpp_fused_")  # TorchInductor's kernels (GPU, CPU)
+ANNOTATIONS = {regions.STEP, *REGION_CATEGORY}
 # Where device kernels overlap (several streams), the first of these running wins.
 DEVICE_ORDER = ("attention", "loss head", "optimizer", "matmul", "elementwise/normalisation", "other",
                 "communication", "input wait")
@@ -181,7 +187,7 @@ def _category(e, ctx: _Context) -> str:
         return ctx.region
     if ctx.gemm:
         return "matmul"
-    return "elementwise/normalisation" if e.name.startswith("aten::") else "other"
+    return "elementwise/normalisation" if e.name.startswith(("aten::", *COMPILED_KERNEL_PREFIXES)) else "other"
 
 
 def _is_backward(e) -> bool:
@@ -200,14 +206,9 @@ def _short(name: str) -> str:
 def _device_breakdown(events, step_events, op_category: dict, fetches: list, total: float, linked) -> Breakdown:
     kernels, top = [], {c: Counter() for c in CATEGORIES}
     for e in events:
-        if e.device_type != DeviceType.CUDA:
+        category = device_category(e, op_category, linked) if e.device_type == DeviceType.CUDA else None
+        if category is None:
             continue
-        category = op_category.get(linked(e), "other")
-        lowered = e.name.lower()
-        if lowered.startswith("nccl"):
-            category = "communication"
-        elif category in ("elementwise/normalisation", "other") and any(m in lowered for m in GEMM_KERNEL_MARKS):
-            category = "matmul"
         kernels.append((e.time_range.start, e.time_range.end, category))
         top[category][_short(e.name)] += e.time_range.elapsed_us()
     windows = [(e.time_range.start, e.time_range.end) for e in step_events]
@@ -215,6 +216,21 @@ def _device_breakdown(events, step_events, op_category: dict, fetches: list, tot
     idle = us.pop("device idle")
     us["other"] += idle
     return Breakdown(len(step_events), total, us, "device timeline over each step's wall time", top, idle)
+
+
+def device_category(e, op_category: dict, linked) -> str | None:
+    """A device event's category: its op's (`op_category`: op id -> category), with a GEMM kernel
+    outside any region as matmul and an NCCL kernel as communication; None for a region's span
+    that the profiler draws on the device timeline (a user annotation, no kernel)."""
+    if getattr(e, "is_user_annotation", False) or e.name in ANNOTATIONS:
+        return None
+    lowered = e.name.lower()
+    if lowered.startswith("nccl"):
+        return "communication"
+    category = op_category.get(linked(e), "other")
+    if category in ("elementwise/normalisation", "other") and any(m in lowered for m in GEMM_KERNEL_MARKS):
+        return "matmul"
+    return category
 
 
 def exclusive_timeline(windows, intervals, order, idle: str) -> dict:
