@@ -10,9 +10,10 @@
 #
 # Stages, in priority order (minutes on one H100 are estimates until a session records them):
 #   s    a session with 15 minutes of device time: its one call. Install, SDPA's kernel for the
-#        1.7B heads, the whole 1.7B step with sdpa + fusion for every family at the largest
-#        micro-batch, the local spec's mdlm step beside it, the profile breakdown of the sdpa step,
-#        then stage t's GPU tests less the Eso-LM kernel's (no extension build)
+#        1.7B heads, stage t's GPU tests less the Eso-LM kernel's (no extension build), the whole
+#        1.7B step with sdpa + fusion for every family at the largest micro-batch, the local
+#        spec's mdlm step beside it, then the profile breakdown of the sdpa step at the
+#        micro-batch that fits (4, two per step)
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
@@ -71,12 +72,12 @@ STEPS_DONE=()
 
 # Sizes: the measurement, or the smallest that exercises the same code on a CPU
 if [[ $DRY == 1 ]]; then
-  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1
+  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2
   SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
   GEN_BIG=cpu-micro GEN_MID=cpu-micro GEN_SMALL=cpu-micro GEN_L=32 GEN_L2=16 GEN_T="4" GEN_T3="4 8"
   GEN_SIZE="--vocab 32001 --max-batch 2 --max-new-tokens 6" GEN_PROMPTS=2  # the tokenizer of the GSM8K rows has 32,001 ids
 else
-  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5
+  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4  # SDPA_MB: what fits at 1.7B
   SDPA_SHAPE=()
   GEN_BIG=1708M GEN_MID=413M GEN_SMALL=163M GEN_L=2048 GEN_L2=1024 GEN_T="16 64" GEN_T3="16 64 256"
   GEN_SIZE="" GEN_PROMPTS=4
@@ -161,13 +162,13 @@ train_step() {  # train_step NAME MAX FLAGS...: bench_gpu_train_step.py at the s
 --steps $STEPS --warmup $WARMUP $*" "needs TransformerEngine"
 }
 
-profile() {  # profile NAME BACKEND KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 copies its gzipped trace to $OUT
-  local name=$1 backend=$2 keep=$3
-  shift 3
+profile() {  # profile NAME BACKEND MICRO_BATCH KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 copies its gzipped trace to $OUT
+  local name=$1 backend=$2 micro=$3 keep=$4
+  shift 4
   local trace=/tmp/trace-$name.json copy=true
   ((keep)) && copy="gzip -f $trace && if (( \$(stat -c %s $trace.gz) < 16000000 )); then cp $trace.gz $OUT/; fi"
   step "$name" 240 "$PY benchmarks/bench_profile_breakdown.py --preset $PRESET --seq-length $SEQ --bf16 \
---micro-batch-size 1 --global-batch-size $GBS --attention-backend $backend --steps $PROFILE_STEPS \
+--micro-batch-size $micro --global-batch-size $GBS --attention-backend $backend --steps $PROFILE_STEPS \
 --warmup $((PROFILE_STEPS > 1 ? 3 : 1)) --trace $trace $* && $copy"
 }
 
@@ -182,13 +183,13 @@ case $STAGE in
   s)
     install_wheels
     step sdpa_kernel 90 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
+    gpu_tests gpu_tests 150 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
+      tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py
     train_step step_sdpa_fused 300 --families mdlm duo esolm ar --recompute-granularity off \
       --attention-backend sdpa --fusion default --max-micro-batch $MAXMB
     train_step step_local_fused 90 --families mdlm --recompute-granularity off --attention-backend local \
       --fusion default --max-micro-batch 1
-    profile profile_sdpa sdpa 1
-    gpu_tests gpu_tests 150 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
-      tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py
+    profile profile_sdpa sdpa $SDPA_MB 1
     ;;
   a)
     install_wheels
@@ -210,12 +211,12 @@ case $STAGE in
     ;;
   b2)
     install_wheels
-    profile profile_sdpa sdpa 1
-    profile profile_local local 0
+    profile profile_sdpa sdpa 1 1
+    profile profile_local local 1 0
     step optimizer_step 150 "$PY benchmarks/bench_optimizer_step.py --preset $PRESET --vocab $VOCAB \
 --steps $((STEPS * 2)) --rounds 3"
     step data_32k 120 "benchmarks/demo_corpus_32k.sh /tmp/demo32k"
-    profile profile_sdpa_32k sdpa 0 --data-path /tmp/demo32k/shakespeare32k_text_document \
+    profile profile_sdpa_32k sdpa 1 0 --data-path /tmp/demo32k/shakespeare32k_text_document \
       --tokenizer-type SentencePieceTokenizer --tokenizer-model /tmp/demo32k/spm32k.model
     ;;
   c)
