@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import FAMILIES, MASK_ID, OPTIONS, VOCAB, batch, build, rel_diff, train_step
+from attention_cases import FAMILIES, MASK_ID, OPTIONS, PRESET, VOCAB, batch, build, rel_diff, train_step
 from megatron.core.transformer import mlp as megatron_mlp
 
 from megatron_dllm import platform
@@ -58,6 +58,7 @@ def test_fused_training_step_equals_eager(family, monkeypatch):
     assert calls, "megatron's fused bias-GELU did not run"
     assert chosen == {False, True}  # eager for the reference, compiled for the fused model
     assert real_regions(True).norm_modulate._torchdynamo_orig_callable is elementwise.norm_modulate
+    assert real_regions(True).rotary._torchdynamo_orig_callable is elementwise.rotary
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo built graphs in this process
     assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3  # every part shapes the result
     assert got["logits"] < REL and got["grads"] < REL, got
@@ -76,6 +77,28 @@ def test_fused_with_full_recompute_equals_eager():
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     got = compare("esolm", ALL, recompute=recompute)
     assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.slow
+def test_compiled_rotary_stands_in_for_megatrons_and_is_checked(monkeypatch):
+    """Compiled, the queries and keys rotate in `elementwise.rotary` (megatron-core's rotary does not
+    run); a region that rotated other pairs than megatron's halves (interleaved, as GPT-J) fails."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    calls, real_rope = [], megatron_attention.apply_rotary_pos_emb
+    monkeypatch.setattr(megatron_attention, "apply_rotary_pos_emb",
+                        lambda *a, **k: calls.append(1) or real_rope(*a, **k))
+    assert compare("mdlm", Fusion(compile_elementwise=True))["logits"] < REL
+    assert len(calls) == 2 * PRESET.num_layers  # the eager model's queries and keys; none of the compiled one's
+
+    def interleaved(x, freqs):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat((x1, x2), -1) * freqs.cos() + torch.cat((-x2, x1), -1) * freqs.sin()
+
+    real_regions = dit_layer.regions
+    monkeypatch.setattr(dit_layer, "regions", lambda compiled: real_regions(compiled)._replace(rotary=interleaved))
+    got = compare("mdlm", Fusion(compile_elementwise=True))
+    assert got["logits"] > 100 * REL and got["grads"] > 100 * REL, got
 
 
 @pytest.mark.slow

@@ -3,13 +3,15 @@
 
     norm_modulate    LN(x) * (1 + scale) + shift   weight-only LayerNorm in fp32, then adaLN modulation
     gated_residual   x + gate * (out + bias)        the DiT's bias-dropout-add: no dropout, an adaLN gate
+    rotary           x * cos + rotate_half(x) * sin the rotary embedding of the queries and the keys
 
 Each is compiled on its own (static shapes, no graph breaks) rather than the whole layer: the
 layer's linears are megatron-core's custom autograd Functions (tensor parallelism, gradient
 accumulation), which stay outside the compiled graphs. The norm cannot join the qkv GEMM
 (TransformerEngine's LayerNormLinear) because the modulation sits between them. The bias + GELU
-between the MLP's GEMMs is megatron-core's own fused kernel (`--bias-gelu-fusion`); rotary
-embeddings are applied inside megatron-core's attention (see `model/fusion.py`).
+between the MLP's GEMMs is megatron-core's own fused kernel (`--bias-gelu-fusion`). Eager, the
+rotary embedding is megatron-core's own (inside its attention); compiled, `layer.DiTSelfAttention`
+applies `rotary` in its place (see `model/fusion.py`).
 """
 from __future__ import annotations
 
@@ -36,15 +38,27 @@ def gated_residual(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     return x + gate * out
 
 
+def rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """megatron-core's rotary embedding (`_apply_rotary_pos_emb_bshd`: non-interleaved halves, no
+    scaling): x [s, b, n, d] at the angles freqs [s, b or 1, 1, d_rot]; dimensions past d_rot pass."""
+    rot = freqs.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * freqs.cos().to(x.dtype) + torch.cat((-x2, x1), dim=-1) * freqs.sin().to(x.dtype)
+    return torch.cat((out, rest), dim=-1)
+
+
 class Regions(NamedTuple):
     norm_modulate: Callable
     gated_residual: Callable
+    rotary: Callable
 
 
 @functools.cache
 def regions(compiled: bool) -> Regions:
     """The regions eager, or compiled once per process (each graph is specialised to its shapes;
     a new shape compiles anew, up to dynamo's recompile limit, then runs eager)."""
+    eager = Regions(norm_modulate, gated_residual, rotary)
     if not compiled:
-        return Regions(norm_modulate, gated_residual)
-    return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False) for fn in (norm_modulate, gated_residual)))
+        return eager
+    return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False) for fn in eager))

@@ -11,7 +11,8 @@ against the platform into megatron-core's TransformerConfig fields.
                                                         megatron-core's unfused softmax, as Megatron-LM)
     --rope-fusion             apply_rope_fusion         never (an error): TransformerEngine's fused RoPE takes
                                                         one position table for the whole batch
-    --compile-elementwise     -                         torch.compile of `elementwise.py`'s regions
+    --compile-elementwise     -                         torch.compile of `elementwise.py`'s regions, the
+                                                        rotary embedding included (`layer.DiTSelfAttention`)
 
 Megatron-LM fuses by default and spells only the `--no-...` forms; here every flag takes both
 forms and an absent flag takes the platform's default (`platform.fusion_defaults()`).
@@ -52,7 +53,7 @@ def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bia
     if rope:
         raise InputError("--rope-fusion: TransformerEngine's fused RoPE takes one position table for the whole "
                          "batch, the DiT's positions are per sample (Eso-LM permutes them); drop the flag "
-                         "(rotary runs megatron-core's unfused code)")
+                         "(--compile-elementwise compiles the rotary embedding instead)")
     defaults = platform.fusion_defaults()
     # Only megatron-core's local core attention reads the flag: SDPA and TransformerEngine fuse the
     # softmax inside their attention kernels whatever it says (config/validate.py refuses the flag

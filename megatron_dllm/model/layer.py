@@ -58,6 +58,33 @@ class DiTLayerNorm(torch.nn.Module):
         return regions(compiled).norm_modulate(x, self.weight, shift, scale, self.eps)
 
 
+class DiTSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention; with `--compile-elementwise` the rotary embedding runs as one
+    compiled region on the new queries and keys (`elementwise.rotary`) instead of megatron-core's
+    unfused one (cos, sin, a rotate-half and two products per tensor, forward and backward, each a
+    kernel of its own). TransformerEngine's fused RoPE cannot stand in: it takes one position table
+    for the whole batch, and the DiT's positions are per sample."""
+
+    _freqs = None  # the rotary angles of the forward in progress (compiled path)
+
+    def forward(self, hidden_states, attention_mask, rotary_pos_emb=None, **kwargs):
+        if not getattr(self.config, "compile_elementwise", False) or rotary_pos_emb is None:
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        self._freqs = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, **kwargs)  # megatron's rotary is skipped
+        finally:
+            self._freqs = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        qkv = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._freqs is None:
+            return qkv
+        query, key, *rest = qkv  # split_qkv: megatron fuses qkv with rope only when it applies rope
+        rotate = regions(True).rotary
+        return (rotate(query, self._freqs), rotate(key, self._freqs), *rest)
+
+
 class AdaLNModulation(torch.nn.Module):
     """Linear(cond_dim, chunks * hidden) over the conditioning vector, zero-initialised so every
     block starts as the identity. Replicated over TP: it acts once per sequence, not per token."""
@@ -124,7 +151,7 @@ def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str 
         module=DiTLayer,
         submodules=DiTLayerSubmodules(
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=DiTSelfAttention,
                 params={"attn_mask_type": ATTENTION_MASKS[attention]},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=column, core_attention=core_attention, linear_proj=row,
