@@ -85,6 +85,35 @@ def test_a_fixed_shape_step_traces_once_at_every_cache_length(models, family):  
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+def test_an_inductor_compiled_fixed_shape_cache_leaves_a_tensor_kv_keep_alone(models):  # noqa: F811
+    """TorchInductor (CPU), a tensor `kv_keep` from a fresh cache's first forward on, as Eso-LM's
+    sampler passes under CUDA graphs (one tensor per value, kept across steps and samples): the
+    cache counts what it keeps and `kv_keep` stays as given. A count made inside the first forward
+    was 0 + kv_keep, which Inductor folds to kv_keep itself, so the cache then advanced kv_keep in
+    place and the next sample wrote past the cache's end (an index-out-of-bounds assert)."""
+    import torch._dynamo
+
+    model = models["esolm"].model
+    layers = model.config.num_layers
+    x, positions = ids_and_positions("esolm")
+    chunks = [(4, 4), (20, 4)]  # the second slice reaches the cache's end
+    want = incremental_logits(model, x, positions, KVCache(layers, L), chunks)
+    keep = torch.tensor(4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for _ in range(2):  # two samples
+        cache = KVCache(layers, L, fixed_shape=True)
+        at = 0
+        for (size, _), ref in zip(chunks, want):
+            got = compiled(input_ids=x[:, at:at + size], position_ids=positions[:, at:at + size], kv_cache=cache,
+                           kv_keep=keep).logits
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # float32 rotary and norms, fused
+            at += 4
+        assert int(keep) == 4 and len(cache) == 8
+    torch._dynamo.reset()
+
+
 def test_cuda_graphs_are_refused_off_cuda(models):  # noqa: F811
     with pytest.raises(InputError, match="--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on cpu"):
         get_sampler(models["ar"], SamplingConfig(cuda_graphs=True))

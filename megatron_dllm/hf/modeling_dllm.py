@@ -119,10 +119,13 @@ class KVCache:
     (`filled`), new K/V are written at it with `index_copy_` and attention reads the whole buffers
     under a mask of the written keys, so a forward's shapes, addresses and host code are the same
     at every step: a CUDA graph captured once replays at any length (sampling/cuda_graphs.py).
-    `kv_keep` may then be a device tensor too.
+    `kv_keep` may then be a device tensor too. `filled` is made here, on `device` (the model's),
+    not by the first forward: made inside a compiled one, it would be 0 + kv_keep, which
+    TorchInductor folds to kv_keep itself, so the cache would then advance the caller's kv_keep
+    tensor in place (a CUDA graph's, reused by later steps and samples) and write past max_length.
     """
 
-    def __init__(self, num_layers, max_length=None, fixed_shape=False):
+    def __init__(self, num_layers, max_length=None, fixed_shape=False, device=None):
         if fixed_shape and max_length is None:
             raise ValueError("KVCache: fixed_shape needs max_length")
         self.keys = [None] * num_layers
@@ -130,7 +133,8 @@ class KVCache:
         self.max_length = max_length
         self.fixed_shape = fixed_shape
         self.length = 0  # cached tokens (fixed_shape: `filled` holds them)
-        self.filled = None  # fixed_shape: the cached count, a long scalar on the model's device
+        # fixed_shape: the cached count, a long scalar on the model's device
+        self.filled = torch.zeros((), dtype=torch.long, device=device) if fixed_shape else None
 
     def __len__(self):
         return int(self.filled) if self.filled is not None else self.length
@@ -139,8 +143,8 @@ class KVCache:
         """The position of the first new token: the cached count (a device tensor when fixed-shape)."""
         if not self.fixed_shape:
             return self.length
-        if self.filled is None:
-            self.filled = torch.zeros((), dtype=torch.long, device=device)
+        if self.filled.device != device:
+            raise ValueError(f"KVCache: a fixed-shape cache made on {self.filled.device} (device=) is used on {device}")
         return self.filled
 
     def extend(self, layer, k, v):
@@ -179,7 +183,7 @@ class KVCache:
 
     def rows(self, index):
         """A copy holding only the batch rows `index` (rows that leave a batch, or a call on some rows)."""
-        out = KVCache(len(self.keys), self.max_length, self.fixed_shape)
+        out = KVCache(len(self.keys), self.max_length, self.fixed_shape, getattr(self.filled, "device", None))
         out.keys = [None if k is None else k[index] for k in self.keys]
         out.values = [None if v is None else v[index] for v in self.values]
         out.length = self.length

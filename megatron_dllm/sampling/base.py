@@ -140,7 +140,7 @@ class Sampler:
         graphs), static or growing."""
         layers = self.model.config.num_layers
         if self.fixed_shape:
-            return KVCache(layers, tokens, fixed_shape=True)
+            return KVCache(layers, tokens, fixed_shape=True, device=self.inf.device)
         return KVCache(layers, self.kv_cache_length(tokens))
 
     def canvas(self, prompt: torch.Tensor, filler: torch.Tensor | None = None) -> torch.Tensor:
