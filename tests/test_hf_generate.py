@@ -268,7 +268,9 @@ def test_resize_token_embeddings_resizes_the_logits_too(tmp_path, family):
         before = model(ids).logits
         model.resize_token_embeddings(V + 3, mean_resizing=False)
         after = model(ids).logits
-    assert after.shape[-1] == model.config.vocab_size == V + 3 and torch.equal(after[..., :V], before)
+    assert after.shape[-1] == model.config.vocab_size == V + 3
+    # float64 rounding only: a wider output projection may take another GEMM kernel (4e-16 seen)
+    torch.testing.assert_close(after[..., :V], before, rtol=0, atol=1e-12)
 
 
 def test_the_forward_refuses_what_it_cannot_do(tmp_path):
