@@ -269,13 +269,24 @@ def test_sigkill_during_an_async_save_never_leaves_a_checkpoint_that_loads_as_co
     flags = ["--demo-cache-dir", demo_cache, *BASE, "--save", str(ckpt), "--load", str(ckpt),
              "--save-interval", "1", "--async-save"]
 
-    def writing():  # a background save under way after a completed one
-        staged = glob.glob(str(ckpt / "iter_*.incomplete"))
-        return staged[0] if staged and (ckpt / TRACKER).exists() else None
+    def writing():  # a background save under way after a completed one (the tracker read first)
+        done = int((ckpt / TRACKER).read_text()) if (ckpt / TRACKER).exists() else None
+        staged = [p for p in glob.glob(str(ckpt / "iter_*.incomplete"))
+                  if done is not None and int(os.path.basename(p)[len("iter_"):].split(".")[0]) > done]
+        return staged[0] if staged else None
+
+    def caught():  # the run stopped (the rank and its forked writer) while `writing` still holds
+        if not writing():
+            return None
+        os.killpg(proc.pid, signal.SIGSTOP)
+        staged = writing()  # the save may have finished between the two looks
+        if staged is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+        return staged
 
     proc, log = _start(flags, tmp_path, tmp_path / "killed.jsonl")
     try:
-        staged = _wait_for(proc, writing)
+        staged = _wait_for(proc, caught)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the rank and its forked checkpoint writer
         proc.wait()
