@@ -91,9 +91,11 @@ def test_compiled_rotary_stands_in_for_megatrons_and_is_checked(monkeypatch):
     assert compare("mdlm", Fusion(compile_elementwise=True))["logits"] < REL
     assert len(calls) == 2 * PRESET.num_layers  # the eager model's queries and keys; none of the compiled one's
 
-    def interleaved(x, freqs):
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat((x1, x2), -1) * freqs.cos() + torch.cat((-x2, x1), -1) * freqs.sin()
+    def interleaved(query, key, freqs):
+        def rotate(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.cat((x1, x2), -1) * freqs.cos() + torch.cat((-x2, x1), -1) * freqs.sin()
+        return rotate(query), rotate(key)
 
     real_regions = dit_layer.regions
     monkeypatch.setattr(dit_layer, "regions", lambda compiled: real_regions(compiled)._replace(rotary=interleaved))

@@ -3,7 +3,7 @@
 
     norm_modulate    LN(x) * (1 + scale) + shift   weight-only LayerNorm in fp32, then adaLN modulation
     gated_residual   x + gate * (out + bias)        the DiT's bias-dropout-add: no dropout, an adaLN gate
-    rotary           x * cos + rotate_half(x) * sin the rotary embedding of the queries and the keys
+    rotary           x * cos + rotate_half(x) * sin the rotary embedding of the queries and keys together
 
 Each is compiled on its own (static shapes, no graph breaks) rather than the whole layer: the
 layer's linears are megatron-core's custom autograd Functions (tensor parallelism, gradient
@@ -38,14 +38,19 @@ def gated_residual(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     return x + gate * out
 
 
-def rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rotary(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron-core's rotary embedding (`_apply_rotary_pos_emb_bshd`: non-interleaved halves, no
-    scaling): x [s, b, n, d] at the angles freqs [s, b or 1, 1, d_rot]; dimensions past d_rot pass."""
-    rot = freqs.shape[-1]
-    x, rest = x[..., :rot], x[..., rot:]
-    x1, x2 = x.chunk(2, dim=-1)
-    out = x * freqs.cos().to(x.dtype) + torch.cat((-x2, x1), dim=-1) * freqs.sin().to(x.dtype)
-    return torch.cat((out, rest), dim=-1)
+    scaling) of the queries and the keys [s, b, n, d] at the angles freqs [s, b or 1, 1, d_rot], in
+    one region (one call, one cos and sin); dimensions past d_rot pass."""
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def rotate(x):
+        x, rest = x[..., :freqs.shape[-1]], x[..., freqs.shape[-1]:]
+        x1, x2 = x.chunk(2, dim=-1)
+        out = x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+        return torch.cat((out, rest), dim=-1)
+
+    return rotate(query), rotate(key)
 
 
 class Regions(NamedTuple):

@@ -81,8 +81,7 @@ class DiTSelfAttention(SelfAttention):
         if self._freqs is None:
             return qkv
         query, key, *rest = qkv  # split_qkv: megatron fuses qkv with rope only when it applies rope
-        rotate = regions(True).rotary
-        return (rotate(query, self._freqs), rotate(key, self._freqs), *rest)
+        return (*regions(True).rotary(query, key, self._freqs), *rest)
 
 
 class AdaLNModulation(torch.nn.Module):
