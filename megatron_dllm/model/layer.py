@@ -67,12 +67,12 @@ class DiTSelfAttention(SelfAttention):
 
     _freqs = None  # the rotary angles of the forward in progress (compiled path)
 
-    def forward(self, hidden_states, attention_mask, rotary_pos_emb=None, **kwargs):
+    def forward(self, *args, rotary_pos_emb=None, **kwargs):
         if not getattr(self.config, "compile_elementwise", False) or rotary_pos_emb is None:
-            return super().forward(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb, **kwargs)
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         self._freqs = rotary_pos_emb
         try:
-            return super().forward(hidden_states, attention_mask, **kwargs)  # megatron's rotary is skipped
+            return super().forward(*args, **kwargs)  # megatron's rotary is skipped
         finally:
             self._freqs = None
 
