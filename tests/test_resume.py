@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
-from megatron_dllm.cli.chaos_resume import signal_tree
+from megatron_dllm.cli.chaos_resume import process_tree, running, signal_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -65,19 +65,27 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
     env = launch_env(nproc)
     log = open(os.path.join(str(workdir), "killed-run.log"), "w")  # kept for a failing test's reader
     proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, start_new_session=True, stdout=log, stderr=log)
-    caught, deadline = None, time.time() + timeout
+    caught, deadline, tree = None, time.time() + timeout, []
     try:
         while proc.poll() is None and time.time() < deadline:
             caught = condition()
             if caught:
+                tree = process_tree(proc.pid)
                 signal_tree(proc.pid, signal.SIGKILL)  # a node failure: the whole tree at once
                 break
             time.sleep(0.001)
     finally:
         if proc.poll() is None:
+            tree = process_tree(proc.pid)
             signal_tree(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+    # A killed rank holds its files, the output's lock among them, until it has exited, which can
+    # take a while mid-save (a write to finish); the next job starts once the node's processes are
+    # gone, as a scheduler's would.
+    gone_by = time.time() + 30
+    while any(running(p) for p in tree) and time.time() < gone_by:
+        time.sleep(0.01)
     return caught
 
 
