@@ -191,9 +191,8 @@ case $STAGE in
     # that with the trace the files back stay at 8)
     # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
     # allocator's expandable segments, against fragmentation?
-    step step_sdpa_expandable 120 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $PY \
-benchmarks/bench_gpu_train_step.py --presets $PRESET --seq $SEQ --vocab $VOCAB --steps $STEPS --warmup $WARMUP \
---families mdlm --recompute-granularity off --attention-backend sdpa --fusion default --max-micro-batch $((MAXMB / 2))"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train_step step_sdpa_expandable 120 --families mdlm \
+      --recompute-granularity off --attention-backend sdpa --fusion default --max-micro-batch $((MAXMB / 2))
     profile profile_sdpa sdpa $SDPA_MB 1
     ;;
   a)
