@@ -70,14 +70,12 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
         while proc.poll() is None and time.time() < deadline:
             caught = condition()
             if caught:
-                tree = process_tree(proc.pid)
-                signal_tree(proc.pid, signal.SIGKILL)  # a node failure: the whole tree at once
                 break
             time.sleep(0.001)
     finally:
         if proc.poll() is None:
             tree = process_tree(proc.pid)
-            signal_tree(proc.pid, signal.SIGKILL)
+            signal_tree(proc.pid, signal.SIGKILL)  # a node failure: the whole tree at once
         proc.wait()
         log.close()
     # A killed rank holds its files, the output's lock among them, until it has exited, which can
