@@ -42,10 +42,10 @@ def rotary(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> tuple
     """megatron-core's rotary embedding (`_apply_rotary_pos_emb_bshd`: non-interleaved halves, no
     scaling) of the queries and the keys [s, b, n, d] at the angles freqs [s, b or 1, 1, d_rot], in
     one region (one call, one cos and sin); dimensions past d_rot pass."""
-    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin, rot = freqs.cos(), freqs.sin(), freqs.shape[-1]
 
     def rotate(x):
-        x, rest = x[..., :freqs.shape[-1]], x[..., freqs.shape[-1]:]
+        x, rest = x[..., :rot], x[..., rot:]
         x1, x2 = x.chunk(2, dim=-1)
         out = x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
         return torch.cat((out, rest), dim=-1)
