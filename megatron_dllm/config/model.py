@@ -77,6 +77,16 @@ class ModelConfig(FlagGroup):
                                       "(--no-rope-fusion is accepted, --rope-fusion is an error)")
     compile_elementwise: bool | None = switch("torch.compile the DiT's LayerNorm + modulation and bias + gate + "
                                               "residual (default: on with CUDA, off on CPU)")
+    # Megatron-LM's CUDA-graph flags; only the full-iteration graph (training/cuda_graph.py) is built here
+    cuda_graph_impl: str = flag("none", choices=["none", "local", "transformer_engine"],
+                                help="local with --cuda-graph-scope full_iteration: capture each training "
+                                     "iteration's forward and backward once as a CUDA graph and replay it (GPU)")
+    cuda_graph_scope: list | None = flag(nargs="+", choices=["full_iteration", "attn", "mlp", "moe", "moe_router",
+                                                             "moe_preprocess", "mamba", "full"],
+                                         help="full_iteration (the only scope of the DiT)")
+    cuda_graph_warmup_steps: int = flag(3, type=positive_int,
+                                        help="eager iterations before the capture (the compiled regions compile "
+                                             "in the first)")
 
     def recompute(self) -> dict:
         """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them (the

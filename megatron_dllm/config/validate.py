@@ -263,6 +263,42 @@ def kernels(config, world_size=None) -> None:
                          "sdpa, whose kernels fuse the softmax, or drop the flag")
 
 
+def cuda_graph(config, world_size=None) -> None:
+    """Megatron-LM's CUDA-graph flags: only the full-iteration graph applies to the DiT, on a
+    layout and with the features its capture has been checked with (training/cuda_graph.py)."""
+    model, parallel = config.model, config.parallel
+    scope = model.cuda_graph_scope or []
+    if model.cuda_graph_impl == "none":
+        if scope:
+            raise InputError(f"--cuda-graph-scope {' '.join(scope)} needs --cuda-graph-impl local")
+        return
+    if model.cuda_graph_impl != "local" or scope != ["full_iteration"]:
+        raise InputError(f"--cuda-graph-impl {model.cuda_graph_impl} --cuda-graph-scope {' '.join(scope) or '(none)'}: "
+                         f"per-layer CUDA graphs (megatron-core's and TransformerEngine's) capture megatron-core's "
+                         f"TransformerLayer, not the DiT's layer; use --cuda-graph-impl local --cuda-graph-scope "
+                         f"full_iteration")
+    refused = {
+        "--tensor-model-parallel-size > 1": parallel.tensor_model_parallel_size > 1,
+        "--pipeline-model-parallel-size > 1": parallel.pipeline_model_parallel_size > 1,
+        "--overlap-grad-reduce": parallel.overlap_grad_reduce,
+        "TransformerEngine layers (give --transformer-impl local)":
+            model.transformer_impl == "transformer_engine" or config.precision.fp8_format is not None
+            or (world_size is not None and model.uses_te()),
+        "activation recompute": bool(model.recompute().get("recompute_granularity")),
+        "--variable-seq-length-prob": config.data.variable_seq_length_prob > 0,
+    }
+    clash = [name for name, given in refused.items() if given]
+    if clash:
+        raise InputError(f"--cuda-graph-scope full_iteration does not support {', '.join(clash)}: the graph runs "
+                         f"one device's forward and backward at fixed shapes, with data-parallel gradient "
+                         f"reduction after it")
+    if world_size is not None:
+        from megatron_dllm import platform
+
+        if not platform.HAS_CUDA:
+            raise InputError("--cuda-graph-impl local --cuda-graph-scope full_iteration needs a CUDA GPU (none found)")
+
+
 # ------------------------------------------------------------------ logging
 
 
@@ -276,4 +312,4 @@ def profile(config, world_size=None) -> None:
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save,
          schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options, family_loss, family_settings,
-         attention_anneal, backbone, layout, batch, kernels, warmup_before_decay)
+         attention_anneal, backbone, layout, batch, kernels, cuda_graph, warmup_before_decay)

@@ -16,6 +16,7 @@ from megatron_dllm.model.attention import resolve_backend
 from megatron_dllm.model.builder import Architecture, build_model, transformer_config
 from megatron_dllm.training.attention_anneal import AttentionAnneal
 from megatron_dllm.training.batches import BatchSchedule
+from megatron_dllm.training.cuda_graph import FullIterationGraph
 from megatron_dllm.training.optim import build_optimizer, wrap_ddp
 
 
@@ -27,6 +28,7 @@ class TrainingModel:
     optimizer: object
     scheduler: object
     layer_impl: str  # for the start-of-run line
+    graph: FullIterationGraph | None = None  # --cuda-graph-scope full_iteration
 
 
 def build_family(config: RunConfig, tokenizer):
@@ -63,7 +65,11 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
     annealed = f" (causal to bidirectional over {anneal} iterations)" if anneal else ""
     layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
                   f"attention {attention}{annealed}, {fusion.describe()}")
-    return TrainingModel(arch, block_config, ddp_chunks, optimizer, scheduler, layer_impl)
+    graph = None
+    if model.cuda_graph_impl != "none":  # validated: local, full_iteration
+        graph = FullIterationGraph(block_config, model.cuda_graph_warmup_steps)
+        layer_impl += f", full-iteration CUDA graph after {model.cuda_graph_warmup_steps} eager iterations"
+    return TrainingModel(arch, block_config, ddp_chunks, optimizer, scheduler, layer_impl, graph)
 
 
 def build_batches(config: RunConfig, family, inputs, sequence_parallel: bool) -> tuple[BatchSchedule, BatchSchedule]:

@@ -37,19 +37,23 @@ def forward_step(family, training: bool, timers, data_iterator, model):
 
 
 def forward_backward(model: list, family, batches, consumed: int, config: RunConfig, timers,
-                     training: bool, iteration: int | None = None) -> float | None:
+                     training: bool, iteration: int | None = None, graph=None) -> float | None:
     """Forward (and, training, backward) over one global batch; returns the token-weighted mean
     loss on the last pipeline stage (None elsewhere). `iteration`: the number of the training
-    iteration (1-based), for batches whose attention depends on it (annealing)."""
+    iteration (1-based), for batches whose attention depends on it (annealing); `graph`: a
+    training iteration's `cuda_graph.FullIterationGraph` (one model chunk)."""
     chunks = len(model)
     iterators = [batches.iteration(consumed, iteration) for _ in range(chunks)]
-    losses = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, family, training, timers),
-        data_iterator=iterators if chunks > 1 else iterators[0],
+    schedule = partial(
+        get_forward_backward_func(), forward_step_func=partial(forward_step, family, training, timers),
         model=model if chunks > 1 else model[0],
         num_microbatches=batches.num_microbatches, seq_length=config.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
     )
+    if graph is not None and training:
+        losses = graph(schedule, iterators[0])
+    else:
+        losses = schedule(data_iterator=iterators if chunks > 1 else iterators[0])
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     summed = torch.stack([d["loss"] for d in losses]).sum(0)
@@ -58,15 +62,17 @@ def forward_backward(model: list, family, batches, consumed: int, config: RunCon
 
 
 def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, config: RunConfig, timers,
-               ema=None, iteration: int | None = None) -> tuple[float | None, float | None]:
+               ema=None, iteration: int | None = None, graph=None) -> tuple[float | None, float | None]:
     """One iteration (number `iteration`, 1-based, where the batches need it): (loss on the last
     stage, total gradient norm). A None norm means the weights did not move: under
-    --check-for-nan-in-loss-and-grad the loss or norm was not finite."""
+    --check-for-nan-in-loss-and-grad the loss or norm was not finite. `graph`: the run's
+    full-iteration CUDA graph (`--cuda-graph-scope full_iteration`), or None."""
     for chunk in model:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = forward_backward(model, family, batches, consumed, config, timers, training=True, iteration=iteration)
+    loss = forward_backward(model, family, batches, consumed, config, timers, training=True, iteration=iteration,
+                            graph=graph)
     timers("optimizer", log_level=1).start()
     if config.training.check_for_nan_in_loss_and_grad:
         # megatron-core's step in two halves, so a non-finite norm never reaches Adam

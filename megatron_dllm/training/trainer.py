@@ -47,6 +47,7 @@ class Trainer:
         built = build_training_model(config, self.family, self.tokenizer.vocab_size, self.meter.timers)
         self.arch, self.transformer_config, self.layer_impl = built.arch, built.transformer_config, built.layer_impl
         self.model, self.optimizer, self.scheduler = built.model, built.optimizer, built.scheduler
+        self.graph = built.graph
         self.train_batches, self.valid_batches = build_batches(config, self.family, inputs,
                                                                self.transformer_config.sequence_parallel)
         self.logger = Logger(logging.tensorboard_dir, logging.metrics_file)
@@ -83,7 +84,8 @@ class Trainer:
         """One iteration (the shared step); (loss, grad norm), None for a skipped step's norm."""
         loss, grad_norm = step.train_step(self.model, self.optimizer, self.scheduler, self.family,
                                           self.train_batches, self.consumed_samples, self.config,
-                                          self.meter.timers, self.ema, iteration=self.iteration + 1)
+                                          self.meter.timers, self.ema, iteration=self.iteration + 1,
+                                          graph=self.graph)
         self.iteration += 1  # a skipped batch is consumed too; weights and optimizer stay as they were
         self.consumed_samples += self.config.training.global_batch_size
         if self.config.training.check_for_nan_in_loss_and_grad:

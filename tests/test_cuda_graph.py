@@ -1,0 +1,211 @@
+"""The full-iteration CUDA graph (`--cuda-graph-scope full_iteration`, training/cuda_graph.py) on
+CPU: what its capture needs (no operation in any family's forward and backward that makes the
+host wait for the device), its bookkeeping (static buffers, the finalisation after the replay, a
+new capture when the micro-batches change form) run with a stand-in that re-runs the captured
+function, and the flags' rules. On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32
+and bf16, against the eager step, and a run of pretrain_dllm.py."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_dllm import platform
+from megatron_dllm.config import parse_args, parse_flags, resolve_defaults, validate
+from megatron_dllm.errors import InputError
+from megatron_dllm.families import FAMILIES, Noise, get_family
+from megatron_dllm.training import observability, step
+from megatron_dllm.training.build import build_training_model
+
+VOCAB = 100
+OPTIONS = {"bd3lm": {"block_size": 4}}
+GRAPH = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+aten = torch.ops.aten
+# Operations that read a device value on the host (CUDA waits for the device before returning).
+SYNCHRONISING = {aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.masked_select, aten._unique2,
+                 aten.unique_consecutive, aten.unique_dim, aten.equal, aten.bincount}
+
+
+class Synchronisations(TorchDispatchMode):
+    """Records the synchronising operations dispatched: those above, indexing by a boolean mask
+    (its positions are counted on the host) and a masked write of a value that is not a scalar
+    (a scalar takes masked_fill, which does not wait)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func.overloadpacket
+        masks = [i for i in (args[1] if packet in (aten.index, aten.index_put_, aten.index_put) else ())
+                 if i is not None and i.dtype == torch.bool]
+        if packet in SYNCHRONISING or (masks and (packet is aten.index or args[2].dim() > 0)):
+            self.found.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class RerunGraph:
+    """A CPU stand-in for cuda_graph.CudaGraph. A capture runs nothing, so `capture` runs fn for its
+    outputs and then puts the gradient buffers back as they were; `replay` runs fn again and writes
+    its outputs into the captured ones, as a replay rewrites them. `mode`: a dispatch mode to
+    capture under."""
+
+    def __init__(self, model, mode=None):
+        self.model, self.mode, self.fn, self.outputs = model, mode, None, None
+
+    def capture(self, fn):
+        grads = [p.main_grad.clone() for p in self.model[0].parameters()]
+        if self.mode is None:
+            self.outputs = fn()
+        else:
+            with self.mode:
+                self.outputs = fn()
+        for p, g in zip(self.model[0].parameters(), grads):
+            p.main_grad.copy_(g)
+        self.fn = fn
+        return self.outputs
+
+    def replay(self):
+        for old, new in zip(self.outputs, self.fn()):
+            for name, value in new.items():
+                old[name].copy_(value)
+
+
+class Batches:
+    """Two micro-batches of 2 per iteration, drawn anew from the iteration's first sample; with
+    `mask_until`, iterations before that carry an explicit attention mask that masks nothing."""
+
+    def __init__(self, family, seq: int, mask_until: int = 0):
+        self.family, self.seq, self.mask_until = family, seq, mask_until
+        self.mbs, self.num_microbatches = 2, 2
+
+    def iteration(self, consumed: int, number: int | None = None):
+        for m in range(self.num_microbatches):
+            start = consumed + m * self.mbs
+            gen = torch.Generator().manual_seed(start)
+            tokens = torch.randint(0, VOCAB - 1, (self.mbs, self.seq + int(self.family.extra_token)), generator=gen)
+            ids = torch.arange(start, start + self.mbs)
+            inp = self.family.corrupt(tokens, Noise(0, ids, strata=ids - consumed, num_strata=4))
+            if number is not None and number < self.mask_until:
+                inp.attention_mask = torch.zeros(1, 1, self.seq, self.seq, dtype=torch.bool)
+            yield inp.map(platform.to_device)
+
+
+def build(family_name: str, *flags: str):
+    family = get_family(family_name, VOCAB - 1, VOCAB, **OPTIONS.get(family_name, {}))
+    config = resolve_defaults(parse_args(["--family", family_name, "--preset", "cpu-micro", "--seq-length", "16",
+                         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10",
+                         "--lr", "0.01", "--lr-warmup-iters", "0", "--seed", "0", "--attention-backend", "sdpa",
+                         *[f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.get(family_name, {}).items()], *flags]))
+    return config, family, build_training_model(config, family, VOCAB, observability.make_timers(1))
+
+
+def train(family_name: str, iterations: int, *flags: str, mask_until: int = 0, stand_in: bool = True):
+    """(losses, final weights, the built model) of `iterations` steps; with GRAPH flags the graph
+    is a RerunGraph (`stand_in`) or a CUDA graph."""
+    config, family, built = build(family_name, *flags)
+    if built.graph is not None and stand_in:
+        built.graph.graph_type = lambda: RerunGraph(built.model)
+    batches = Batches(family, config.model.seq_length, mask_until)
+    losses = [step.train_step(built.model, built.optimizer, built.scheduler, family, batches, 4 * i, config,
+                              built.transformer_config.timers, iteration=i + 1, graph=built.graph)[0]
+              for i in range(iterations)]
+    return losses, [p.detach().clone() for p in built.model[0].parameters()], built
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_no_family_makes_the_host_wait_inside_what_the_graph_captures(family_name, world_of_one):
+    """A capture refuses any read of a device value on the host: every family's forward, loss and
+    backward over two micro-batches (megatron-core's schedule, its finalisation left out) must
+    dispatch none. The finalisation does compare the token count on the host; the graph runs it
+    after the replay."""
+    config, family, built = build(family_name, *GRAPH, "--cuda-graph-warmup-steps", "1")
+    mode = Synchronisations()
+    built.graph.graph_type = lambda: RerunGraph(built.model, mode)
+    batches = Batches(family, config.model.seq_length)
+    for i in range(2):  # one eager iteration, then the capture
+        step.train_step(built.model, built.optimizer, built.scheduler, family, batches, 4 * i, config,
+                        built.transformer_config.timers, iteration=i + 1, graph=built.graph)
+    assert built.graph.captures == 1
+    assert mode.found == []
+
+
+def test_the_detector_sees_a_host_read_and_a_boolean_mask():
+    with Synchronisations() as mode:
+        x = torch.arange(4.0)
+        x.sum().item()
+        x[x > 1]
+        x[x > 1] = 0.0  # a scalar: masked_fill, no wait
+    assert mode.found == ["aten._local_scalar_dense.default", "aten.index.Tensor"]
+
+
+@pytest.mark.parametrize("family_name", ["mdlm", "esolm"])
+def test_the_graph_trains_exactly_as_the_eager_step(family_name, world_of_one):
+    """Four iterations of fresh micro-batches: the warm-up iteration, the capture, two replays whose
+    inputs are copied into the capture's buffers; the losses and the weights equal the eager
+    step's (the same operations in the same order, fp32)."""
+    eager_losses, eager_weights, _ = train(family_name, 4)
+    losses, weights, built = train(family_name, 4, *GRAPH, "--cuda-graph-warmup-steps", "1")
+    assert built.graph.captures == 1
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
+
+
+def test_micro_batches_of_another_form_drop_the_graph_and_capture_anew(world_of_one):
+    """An annealed attention mask ends (a mask, then None): the graph of the masked form is dropped,
+    the warm-up runs eagerly again, and a new capture serves the rest, still equal to eager."""
+    eager_losses, eager_weights, _ = train("mdlm", 6, mask_until=3)
+    losses, weights, built = train("mdlm", 6, *GRAPH, "--cuda-graph-warmup-steps", "1", mask_until=3)
+    assert built.graph.captures == 2  # iteration 2 (masked), iteration 5 (after the eager iteration 4)
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cuda-graph-scope", "full_iteration"], "needs --cuda-graph-impl local"),
+    (["--cuda-graph-impl", "local"], "per-layer CUDA graphs"),
+    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"], "per-layer CUDA graphs"),
+    (GRAPH + ["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+    (GRAPH + ["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
+    (GRAPH + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    (GRAPH + ["--transformer-impl", "transformer_engine"], "TransformerEngine layers"),
+    (GRAPH + ["--recompute-granularity", "selective"], "activation recompute"),
+    (GRAPH + ["--variable-seq-length-prob", "0.1"], "--variable-seq-length-prob"),
+])
+def test_flags_the_graph_does_not_support_are_refused(flags, message):
+    with pytest.raises(InputError, match=message.replace("-", r"\-").replace(">", ".")):
+        validate(parse_flags(["--preset", "cpu-micro", *flags]))
+
+
+def test_a_machine_without_cuda_refuses_the_graph():
+    config = parse_args(["--preset", "cpu-micro", *GRAPH])  # ahead of a launch: accepted
+    with pytest.raises(InputError, match="needs a CUDA GPU"):
+        validate(config, world_size=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("family_name", ["mdlm", "esolm", "ar"])
+def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(family_name, precision, world_of_one):
+    """The real capture and replay (with the compiled regions, on by default with CUDA): five
+    iterations, the capture at the third, equal to the eager step's losses and weights."""
+    flags = ["--bf16"] if precision == "bf16" else []
+    eager_losses, eager_weights, _ = train(family_name, 5, *flags)
+    losses, weights, built = train(family_name, 5, *flags, *GRAPH, "--cuda-graph-warmup-steps", "2", stand_in=False)
+    assert built.graph.captures == 1
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if precision == "fp32" else {"rtol": 2e-2, "atol": 2e-3}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), **tolerance)
+    for a, b in zip(weights, eager_weights):
+        torch.testing.assert_close(a.float(), b.float(), **tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_on_cuda_pretrain_with_the_graph_logs_the_eager_runs_losses(pretrain, tmp_path):
+    """pretrain_dllm.py on the demo corpus in bf16: the same losses with and without the graph."""
+    runs = []
+    for name, flags in (("eager", []), ("graph", GRAPH)):
+        _, records = pretrain(1, "--bf16", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "12",
+                              "--eval-iters", "1", "--save", str(tmp_path / name), "--tensorboard-dir",
+                              str(tmp_path / f"tb-{name}"), *flags)
+        runs.append([r["loss"] for r in records if "loss" in r])
+    assert len(runs[1]) == 12
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)
