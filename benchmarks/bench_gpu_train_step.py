@@ -7,7 +7,7 @@
                                               [--attention-backend local|sdpa|fused|flash|unfused|auto]
                                               [--transformer-impl local|transformer_engine]
                                               [--fp8-format hybrid|e4m3] [--fp8-recipe delayed|tensorwise|...]
-                                              [--fusion default|none|all]
+                                              [--fusion default|none|all] [--cuda-graph]
 
 For every preset, recompute setting (`--recompute-granularity`, alias `--recompute`: off,
 selective = core attention, full = every layer; default off and full) and family:
@@ -101,7 +101,12 @@ def main(argv=None) -> None:
     p.add_argument("--fusion", default="default", choices=["default", "none", "all"],
                    help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager; "
                         "all: compiled regions and bias fusions forced on")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="the trainer's full-iteration CUDA graph (--cuda-graph-scope full_iteration), captured at "
+                        "the second warm-up step")
     args = p.parse_args(argv)
+    if args.cuda_graph and args.warmup < 2:
+        p.error("--cuda-graph needs --warmup 2 or more (the first step runs eagerly, the second captures)")
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend or ("auto" if te else "local")
     if args.fp8_format and not te:
@@ -114,13 +119,14 @@ def main(argv=None) -> None:
         p.error("measures a CUDA GPU; without one it only checks the command, with cpu-* presets "
                 f"(got {' '.join(args.presets)})")
     options = {"attention_backend": backend, "fusion": args.fusion, "transformer_impl": args.transformer_impl,
-               "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe}
+               "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe, "cuda_graph": args.cuda_graph}
     precision = f"fp8 {args.fp8_format} ({args.fp8_recipe})" if args.fp8_format else "bf16"
 
     platform.init_distributed(1, 1, seed=0)
     device = platform.device_name() or "CPU (a check of the command, not a measurement: fp32, no search)"
     print(f"{device}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, {precision}, "
           f"{args.transformer_impl} spec, {backend} core attention, fusion {args.fusion}, "
+          f"{'full-iteration CUDA graph, ' if args.cuda_graph else ''}"
           f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")

@@ -85,12 +85,13 @@ class FixedBatch:
 
 def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend: str | None = None,
                bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
-               fp8_recipe: str = "delayed", fusion: str = "default", transformer_impl: str | None = None):
+               fp8_recipe: str = "delayed", fusion: str = "default", transformer_impl: str | None = None,
+               cuda_graph: bool = False):
     """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, `transformer_impl`'s
     layers (default: local, TransformerEngine's with `fp8`). `fusion`: "default" takes the
     platform's fusion defaults (as the trainer does), "none" runs every elementwise operation
     eager, "all" forces the compiled regions and the bias fusions on (masked-softmax fusion stays
-    at its default)."""
+    at its default). `cuda_graph`: the full-iteration CUDA graph, captured at the second step."""
     from megatron_dllm.config import parse_args, validate
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
@@ -111,6 +112,8 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     elif recompute:
         flags += ["--recompute-granularity", recompute]
+    if cuda_graph:
+        flags += ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--cuda-graph-warmup-steps", 1]
     if fusion == "none":
         flags += ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
                   "--no-compile-elementwise"]
@@ -125,16 +128,17 @@ class MegatronStep:
     def __init__(self, preset, vocab: int, batch: int, seq: int, family, inp, train_iters: int,
                  keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
                  recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed",
-                 fusion: str = "default", transformer_impl: str | None = None):
+                 fusion: str = "default", transformer_impl: str | None = None, cuda_graph: bool = False):
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
         self.config = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8,
-                                 fp8_recipe, fusion, transformer_impl)
+                                 fp8_recipe, fusion, transformer_impl, cuda_graph)
         self.timers = observability.make_timers(self.config.logging.timing_log_level)  # as the trainer's
         built = build_training_model(self.config, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \
             built.scheduler
+        self.graph = built.graph
         self.initial_state = ({k: v.clone() for k, v in self.model[0].module.state_dict().items()
                                if torch.is_tensor(v)} if keep_initial else None)  # the plain step's weights
         self.family, self.inp, self.batches = family, inp, FixedBatch(inp, batch)
@@ -143,7 +147,7 @@ class MegatronStep:
         from megatron_dllm.training.step import train_step
 
         loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.config,
-                             self.timers)
+                             self.timers, graph=self.graph)
         # The loss is read before the optimizer step. Its kernels have finished here only because the
         # trainer's "optimizer" timer synchronises (megatron's timers do at --timing-log-level >= 1):
         # a timed step must not depend on that setting.

@@ -9,11 +9,11 @@
 #   DRY=1 benchmarks/gpu_runbook.sh all      # every stage's dry run
 #
 # Stages, in priority order (minutes on one H100 are estimates until a session records them):
-#   s    a session with 15 minutes of device time: its one call. Install, SDPA's kernel for the
-#        1.7B heads, stage t's GPU tests less the Eso-LM kernel's (no extension build), the whole
-#        1.7B step with sdpa + fusion for every family at the largest micro-batch, mdlm at
-#        micro-batch 8 with expandable segments, then the profile breakdown of the sdpa step at the
-#        micro-batch that fits (4, two per step) with its trace
+#   s    a session with 15 minutes of device time: its one call. Install, stage t's GPU tests less
+#        the Eso-LM kernel's (no extension build) with the full-iteration CUDA graph's, the whole
+#        1.7B sdpa + fusion step through the graph for every family at micro-batch 4, MDLM's step
+#        without it beside, MDLM's graph at micro-batch 8 with expandable segments, then the
+#        profile breakdown of the sdpa step (no graph) at micro-batch 4, two per step, with its trace
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
@@ -162,6 +162,14 @@ train_step() {  # train_step NAME MAX FLAGS...: bench_gpu_train_step.py at the s
 --steps $STEPS --warmup $WARMUP $*" "needs TransformerEngine"
 }
 
+graph_step() {  # graph_step NAME MAX FLAGS...: train_step's sdpa step through the full-iteration CUDA graph
+  local name=$1 max=$2
+  shift 2
+  step "$name" "$max" "$PY benchmarks/bench_gpu_train_step.py --presets $PRESET --seq $SEQ --vocab $VOCAB \
+--steps $STEPS --warmup $((WARMUP > 2 ? WARMUP : 2)) --recompute-granularity off --attention-backend sdpa \
+--fusion default --cuda-graph $*" "needs a CUDA GPU"
+}
+
 profile() {  # profile NAME BACKEND MICRO_BATCH KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 copies its gzipped trace to $OUT
   local name=$1 backend=$2 micro=$3 keep=$4
   shift 4
@@ -182,17 +190,18 @@ gpu_tests() {  # gpu_tests NAME MAX FILES...: the fast tests of FILES (a dry run
 case $STAGE in
   s)
     install_wheels
-    step sdpa_kernel 90 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
-    gpu_tests gpu_tests 150 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
-      tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py
-    train_step step_sdpa_fused 300 --families mdlm duo esolm ar --recompute-granularity off \
-      --attention-backend sdpa --fusion default --max-micro-batch $MAXMB
-    # (the local spec's step beside these ran on 2026-11-27: 3.64x fewer tokens/s; not repeated, so
-    # that with the trace the files back stay at 8)
+    gpu_tests gpu_tests 180 tests/test_cuda_graph.py tests/test_attention_backend.py tests/test_fusion.py \
+      tests/test_reference_dit.py tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py \
+      tests/test_profile_breakdown.py
+    # the host's dispatch left the GPU idle a fifth of the step on 2026-11-27: the full-iteration
+    # graph for every family, then the same step without it (MDLM) beside it
+    graph_step step_sdpa_graph 220 --families mdlm duo esolm ar --max-micro-batch $SDPA_MB
+    train_step step_sdpa_fused 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
+      --fusion default --max-micro-batch $SDPA_MB
     # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
     # allocator's expandable segments, against fragmentation?
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train_step step_sdpa_expandable 120 --families mdlm \
-      --recompute-granularity off --attention-backend sdpa --fusion default --max-micro-batch $((MAXMB / 2))
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True graph_step step_graph_expandable 100 --families mdlm \
+      --max-micro-batch $((SDPA_MB * 2))
     profile profile_sdpa sdpa $SDPA_MB 1
     ;;
   a)

@@ -43,7 +43,7 @@ class CudaGraph:
 
     def capture(self, fn):
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
             return fn()
 
     def replay(self) -> None:
