@@ -26,6 +26,9 @@ whole), MFU = model TFLOP/s / `--peak-tflops` (H100 SXM dense bf16: 989.4), and 
 torch's allocator saw. Model FLOPs are 3 x forward whether or not activations are recomputed
 (recompute runs a fourth forward that is not counted, as in Megatron-LM's MFU).
 
+With `--cuda-graph` the step is the trainer's full-iteration CUDA graph (`training/cuda_graph.py`):
+the first warm-up step runs eagerly, the second captures and replays, the timed ones replay.
+
 Without a GPU the script only checks a command (cpu-* presets, fp32, `--max-micro-batch` itself
 with no search, since the CPU cannot back off from running out of memory): the runbook's dry run.
 """
