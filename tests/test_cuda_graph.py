@@ -6,6 +6,7 @@ function, and the flags' rules. On a CUDA GPU (marked `gpu`): the real capture a
 and bf16, against the eager step, and a run of pretrain_dllm.py."""
 import pytest
 import torch
+from conftest import run_worker_on_two_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dllm import platform
@@ -71,16 +72,17 @@ class RerunGraph:
 
 
 class Batches:
-    """Two micro-batches of 2 per iteration, drawn anew from the iteration's first sample; with
-    `mask_until`, iterations before that carry an explicit attention mask that masks nothing."""
+    """Two micro-batches of 2 per iteration, drawn anew from the iteration's first sample (plus
+    `first`: another data-parallel rank's samples); with `mask_until`, iterations before that
+    carry an explicit attention mask that masks nothing."""
 
-    def __init__(self, family, seq: int, mask_until: int = 0):
-        self.family, self.seq, self.mask_until = family, seq, mask_until
+    def __init__(self, family, seq: int, mask_until: int = 0, first: int = 0):
+        self.family, self.seq, self.mask_until, self.first = family, seq, mask_until, first
         self.mbs, self.num_microbatches = 2, 2
 
     def iteration(self, consumed: int, number: int | None = None):
         for m in range(self.num_microbatches):
-            start = consumed + m * self.mbs
+            start = self.first + consumed + m * self.mbs
             gen = torch.Generator().manual_seed(start)
             tokens = torch.randint(0, VOCAB - 1, (self.mbs, self.seq + int(self.family.extra_token)), generator=gen)
             ids = torch.arange(start, start + self.mbs)
@@ -99,16 +101,18 @@ def build(family_name: str, *flags: str):
     return config, family, build_training_model(config, family, VOCAB, observability.make_timers(1))
 
 
-def train(family_name: str, iterations: int, *flags: str, mask_until: int = 0, stand_in: bool = True):
-    """(losses, gradient norms, final weights, the built model) of `iterations` steps; with GRAPH
-    flags the graph is a RerunGraph (`stand_in`) or a CUDA graph."""
+def train(family_name: str, iterations: int, *flags: str, mask_until: int = 0, stand_in: bool = True,
+          first: int = 0):
+    """(losses, gradient norms, final weights, the built model) of `iterations` steps on the
+    Batches from sample `first`; with GRAPH flags the graph is a RerunGraph (`stand_in`) or a
+    CUDA graph."""
     config, family, built = build(family_name, *flags)
     with torch.no_grad():  # live adaLN gates and head: gradients reach every layer (zero-initialised, only the head's)
         initialize_weights(built.model[0].module, seed=7, adaln_zero=False)
     built.optimizer.reload_model_params()  # bf16: the optimizer's fp32 copies too
     if built.graph is not None and stand_in:
         built.graph.graph_type = lambda: RerunGraph(built.model)
-    batches = Batches(family, config.model.seq_length, mask_until)
+    batches = Batches(family, config.model.seq_length, mask_until, first)
     steps = [step.train_step(built.model, built.optimizer, built.scheduler, family, batches, 4 * i, config,
                              built.transformer_config.timers, iteration=i + 1, graph=built.graph)
              for i in range(iterations)]
@@ -164,6 +168,16 @@ def test_micro_batches_of_another_form_drop_the_graph_and_capture_anew(world_of_
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_data_parallel_ranks_reduce_their_gradients_after_the_replay(tmp_path):
+    """Two data-parallel ranks (gloo), each on samples of its own: with the graph, the gradient
+    all-reduce runs after each replay (megatron-core's finalisation), and each rank's losses and
+    weights equal the eager step's exactly; the ranks' weights agree."""
+    result = run_worker_on_two_ranks("cuda_graph_worker.py", tmp_path, timeout=240)
+    assert result == {"losses_equal": True, "weights_equal": True, "ranks_agree": True, "captures": 1}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--cuda-graph-scope", "full_iteration"], "needs --cuda-graph-impl local"),
     (["--cuda-graph-impl", "local"], "per-layer CUDA graphs"),
@@ -212,9 +226,10 @@ def test_on_cuda_pretrain_with_the_graph_logs_the_eager_runs_losses(pretrain, tm
     """pretrain_dllm.py on the demo corpus in bf16: the same losses with and without the graph."""
     runs = []
     for name, flags in (("eager", []), ("graph", GRAPH)):
-        _, records = pretrain(1, "--bf16", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "12",
+        proc, records = pretrain(1, "--bf16", "--train-iters", "12", "--log-interval", "1", "--eval-interval", "12",
                               "--eval-iters", "1", "--save", str(tmp_path / name), "--tensorboard-dir",
                               str(tmp_path / f"tb-{name}"), *flags)
         runs.append([r["loss"] for r in records if "loss" in r])
+    assert "iteration 4: forward and backward captured as a CUDA graph" in proc.stdout + proc.stderr
     assert len(runs[1]) == 12
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=2e-2, atol=1e-3)

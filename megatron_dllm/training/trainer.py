@@ -82,11 +82,15 @@ class Trainer:
 
     def train_step(self) -> tuple[float | None, float | None]:
         """One iteration (the shared step); (loss, grad norm), None for a skipped step's norm."""
+        captures = self.graph.captures if self.graph is not None else 0
         loss, grad_norm = step.train_step(self.model, self.optimizer, self.scheduler, self.family,
                                           self.train_batches, self.consumed_samples, self.config,
                                           self.meter.timers, self.ema, iteration=self.iteration + 1,
                                           graph=self.graph)
         self.iteration += 1  # a skipped batch is consumed too; weights and optimizer stay as they were
+        if self.graph is not None and self.graph.captures > captures:
+            self.logger.info(f"iteration {self.iteration}: forward and backward captured as a CUDA graph, "
+                             f"replayed from now on")
         self.consumed_samples += self.config.training.global_batch_size
         if self.config.training.check_for_nan_in_loss_and_grad:
             self._count_nonfinite(grad_norm is not None)
