@@ -2,7 +2,7 @@
 CPU: what its capture needs (no operation in any family's forward and backward that makes the
 host wait for the device), its bookkeeping (static buffers, the finalisation after the replay, a
 new capture when the micro-batches change form) run with a stand-in that re-runs the captured
-function, and the flags' rules. On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32
+function (the flags' rules: test_validate.py). On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32
 and bf16, against the eager step, and a run of pretrain_dllm.py."""
 import pytest
 import torch
@@ -10,8 +10,7 @@ from conftest import run_worker_on_two_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dllm import platform
-from megatron_dllm.config import parse_args, parse_flags, resolve_defaults, validate
-from megatron_dllm.errors import InputError
+from megatron_dllm.config import parse_args, resolve_defaults
 from megatron_dllm.families import FAMILIES, Noise, get_family
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.training import observability, step
@@ -176,28 +175,6 @@ def test_data_parallel_ranks_reduce_their_gradients_after_the_replay(tmp_path):
     weights equal the eager step's exactly; the ranks' weights agree."""
     result = run_worker_on_two_ranks("cuda_graph_worker.py", tmp_path, timeout=240)
     assert result == {"losses_equal": True, "weights_equal": True, "ranks_agree": True, "captures": 1}
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--cuda-graph-scope", "full_iteration"], "needs --cuda-graph-impl local"),
-    (["--cuda-graph-impl", "local"], "per-layer CUDA graphs"),
-    (["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"], "per-layer CUDA graphs"),
-    (GRAPH + ["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
-    (GRAPH + ["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size > 1"),
-    (GRAPH + ["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (GRAPH + ["--transformer-impl", "transformer_engine"], "TransformerEngine layers"),
-    (GRAPH + ["--recompute-granularity", "selective"], "activation recompute"),
-    (GRAPH + ["--variable-seq-length-prob", "0.1"], "--variable-seq-length-prob"),
-])
-def test_flags_the_graph_does_not_support_are_refused(flags, message):
-    with pytest.raises(InputError, match=message.replace("-", r"\-").replace(">", ".")):
-        validate(parse_flags(["--preset", "cpu-micro", *flags]))
-
-
-def test_a_machine_without_cuda_refuses_the_graph():
-    config = parse_args(["--preset", "cpu-micro", *GRAPH])  # ahead of a launch: accepted
-    with pytest.raises(InputError, match="needs a CUDA GPU"):
-        validate(config, world_size=1)
 
 
 @pytest.mark.gpu

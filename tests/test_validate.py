@@ -106,6 +106,29 @@ CASES = [
     ("layout", ["--preset", "cpu-tiny", "--hidden-size", "36"], None, False,
      "--hidden-size 36 / --num-attention-heads 4 = 9 channels per head: rotary embeddings need an even number"),
 ]
+GRAPH = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+UNSUPPORTED = "--cuda-graph-scope full_iteration does not support "
+CASES += [
+    ("cuda_graph", ["--cuda-graph-scope", "full_iteration"], None, False,
+     "--cuda-graph-scope full_iteration needs --cuda-graph-impl local"),
+    ("cuda_graph", ["--cuda-graph-impl", "local"], None, False,
+     "per-layer CUDA graphs (megatron-core's and TransformerEngine's) capture megatron-core's TransformerLayer"),
+    ("cuda_graph", ["--cuda-graph-impl", "transformer_engine", "--cuda-graph-scope", "attn"], None, False,
+     "use --cuda-graph-impl local --cuda-graph-scope full_iteration"),
+    ("cuda_graph", [*GRAPH, "--preset", "cpu-tiny", "--tensor-model-parallel-size", "2"], None, False,
+     UNSUPPORTED + "--tensor-model-parallel-size > 1"),
+    ("cuda_graph", [*GRAPH, "--preset", "cpu-tiny", "--pipeline-model-parallel-size", "2"], None, False,
+     UNSUPPORTED + "--pipeline-model-parallel-size > 1"),
+    ("cuda_graph", [*GRAPH, "--overlap-grad-reduce", "--recompute-activations"], None, False,
+     UNSUPPORTED + "--overlap-grad-reduce, activation recompute"),
+    ("cuda_graph", [*GRAPH, "--transformer-impl", "transformer_engine"], None, False,
+     UNSUPPORTED + "TransformerEngine layers (give --transformer-impl local)"),
+    ("cuda_graph", [*GRAPH, "--variable-seq-length-prob", "0.1"], None, False,
+     UNSUPPORTED + "--variable-seq-length-prob"),
+]
+if not platform.HAS_CUDA:
+    CASES += [("cuda_graph", GRAPH, 1, False, "--cuda-graph-impl local --cuda-graph-scope full_iteration needs a CUDA "
+                                              "GPU (none found)")]
 if not platform.HAS_TE:
     CASES += [("kernels", ["--transformer-impl", "transformer_engine"], 1, False, NO_TE),
               ("kernels", ["--fp8-format", "hybrid"], 1, False, NO_TE)]
