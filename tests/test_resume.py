@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
-from megatron_dllm.cli.chaos_resume import process_tree, running, signal_tree
+from megatron_dllm.cli.chaos_resume import marked_processes, process_tree, running, signal_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -80,9 +80,10 @@ def _run_until(nproc: int, flags: list, workdir, metrics, condition, timeout: fl
         log.close()
     # A killed rank holds its files, the output's lock among them, until it has exited, which can
     # take a while mid-save (a write to finish); the next job starts once the node's processes are
-    # gone, as a scheduler's would.
+    # gone, as a scheduler's would: those of the tree when it was killed, and any forked after that
+    # look (their command lines name this test's directory).
     gone_by = time.time() + 30
-    while any(running(p) for p in tree) and time.time() < gone_by:
+    while (any(running(p) for p in tree) or marked_processes(str(workdir))) and time.time() < gone_by:
         time.sleep(0.01)
     return caught
 
