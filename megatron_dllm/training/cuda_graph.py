@@ -43,6 +43,9 @@ class CudaGraph:
 
     def capture(self, fn):
         torch.cuda.synchronize()
+        # The capture allocates from a memory pool of its own and cannot free cached blocks while it
+        # runs: the warm-up's free cached memory goes back to the driver first.
+        torch.cuda.empty_cache()
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # other threads may use CUDA
             return fn()
 
