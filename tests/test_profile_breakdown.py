@@ -140,6 +140,25 @@ def test_device_timeline_of_a_compiled_step_on_a_gpu():
     assert any(name.startswith("triton_red_fused") for name in result.top_ops["elementwise/normalisation"])
 
 
+def test_the_kernels_of_a_cuda_graph_replay_go_by_their_names():
+    """A full-iteration CUDA graph's replay launches every kernel of the forward and backward from
+    one call inside the step (no op, no region of theirs): each kernel is categorised by its name
+    (kernel names from the H100 trace of the 1.7B step)."""
+    step = Event(STEP, 0, 100, id=1, annotation=True)
+    cuda = DeviceType.CUDA
+    names = {"nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN": "matmul",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64": "attention",
+             "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*)": "attention",
+             "triton_poi_fused_add_mul_rsub_tanh_0": "elementwise/normalisation",
+             "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl>": "elementwise/normalisation",
+             "some_library_kernel": "other"}
+    kernels = [Event(name, 10 * i, 10 * i + 5, cuda, id=90 + i, link=1) for i, name in enumerate(names)]
+    result = breakdown([step, *kernels], True, lambda e: e.link)
+    want = {"matmul": 5, "attention": 10, "elementwise/normalisation": 10, "other": 100 - 25}
+    assert {c: result.us[c] for c in CATEGORIES if result.us[c]} == want
+    assert result.device_idle_us == 100 - 30
+
+
 @pytest.mark.slow
 def test_the_script_prints_the_table_and_writes_the_trace(demo_cache, tmp_path):
     trace = tmp_path / "trace.json"

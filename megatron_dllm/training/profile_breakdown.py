@@ -31,7 +31,11 @@ What is measured:
   kernels overlap: compute first, then communication); an instant with no kernel running is
   input wait while the host fetches a batch, else other (reported separately as device idle: the
   GPU waiting for the host). The profiler also draws each region's span on the device timeline
-  (a user annotation); that span is no kernel and covers nothing.
+  (a user annotation); that span is no kernel and covers nothing. A kernel that no op of a
+  category launched goes by its name (`kernel_category`): the kernels a full-iteration CUDA
+  graph replays link to the replay's launch, not to their ops, so there the regions cannot name
+  them (the loss head's kernels count as matmul and elementwise work, the attention's as
+  attention by the kernels' names).
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matm
 # triton_tem: TorchInductor's GEMM templates
 GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet", "triton_tem")
 COMPILED_KERNEL_PREFIXES = ("triton_", "cpp_fused_")  # TorchInductor's kernels (GPU, CPU)
+ATTENTION_KERNEL_MARKS = ("sdpa", "fmha", "flash", "cudnn")  # cuDNN's fused attention (and its helpers), flash
 ANNOTATIONS = {regions.STEP, *REGION_CATEGORY}
 # Where device kernels overlap (several streams), the first of these running wins.
 DEVICE_ORDER = ("attention", "loss head", "optimizer", "matmul", "elementwise/normalisation", "other",
@@ -228,9 +233,23 @@ def device_category(e, op_category: dict, linked) -> str | None:
     if lowered.startswith("nccl"):
         return "communication"
     category = op_category.get(linked(e), "other")
-    if category in ("elementwise/normalisation", "other") and any(m in lowered for m in GEMM_KERNEL_MARKS):
+    if category == "other":  # launched by no op of a category: a CUDA graph's replay, for one
+        return kernel_category(lowered)
+    if category == "elementwise/normalisation" and any(m in lowered for m in GEMM_KERNEL_MARKS):
         return "matmul"
     return category
+
+
+def kernel_category(lowered: str) -> str:
+    """A kernel's category by its (lower-cased) name alone: cuBLAS's and Inductor's GEMMs, cuDNN's
+    and flash attention, Inductor's and ATen's elementwise kernels, else other."""
+    if any(m in lowered for m in GEMM_KERNEL_MARKS):
+        return "matmul"
+    if any(m in lowered for m in ATTENTION_KERNEL_MARKS):
+        return "attention"
+    if lowered.startswith(COMPILED_KERNEL_PREFIXES) or "at::native::" in lowered:
+        return "elementwise/normalisation"
+    return "other"
 
 
 def exclusive_timeline(windows, intervals, order, idle: str) -> dict:
