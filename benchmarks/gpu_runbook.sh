@@ -13,7 +13,8 @@
 #        the Eso-LM kernel's (no extension build) with the full-iteration CUDA graph's, the whole
 #        1.7B sdpa + fusion step through the graph for every family at micro-batch 4, MDLM's step
 #        without it beside, MDLM's graph at micro-batch 8 with expandable segments, then the
-#        profile breakdown of the sdpa step (no graph) at micro-batch 4, two per step, with its trace
+#        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
+#        its trace
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
@@ -177,7 +178,7 @@ profile() {  # profile NAME BACKEND MICRO_BATCH KEEP_TRACE [DATA FLAGS...]: KEEP
   ((keep)) && copy="gzip -f $trace && if (( \$(stat -c %s $trace.gz) < 16000000 )); then cp $trace.gz $OUT/; fi"
   step "$name" 240 "$PY benchmarks/bench_profile_breakdown.py --preset $PRESET --seq-length $SEQ --bf16 \
 --micro-batch-size $micro --global-batch-size $GBS --attention-backend $backend --steps $PROFILE_STEPS \
---warmup $((PROFILE_STEPS > 1 ? 3 : 1)) --trace $trace $* && $copy"
+--warmup $((PROFILE_STEPS > 1 ? 3 : 1)) --trace $trace $* && $copy" "needs a CUDA GPU"
 }
 
 gpu_tests() {  # gpu_tests NAME MAX FILES...: the fast tests of FILES (a dry run only collects them)
@@ -202,7 +203,9 @@ case $STAGE in
     # allocator's expandable segments, against fragmentation?
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True graph_step step_graph_expandable 100 --families mdlm \
       --max-micro-batch $((SDPA_MB * 2))
-    profile profile_sdpa sdpa $SDPA_MB 1
+    # what the graph leaves: its replayed kernels go by their names (training/profile_breakdown.py)
+    profile profile_sdpa_graph sdpa $SDPA_MB 1 --transformer-impl local --cuda-graph-impl local \
+      --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1
     ;;
   a)
     install_wheels
