@@ -20,6 +20,10 @@ VOCAB = 100
 OPTIONS = {"bd3lm": {"block_size": 4}}
 GRAPH = ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
 aten = torch.ops.aten
+# Two runs equal bit for bit: on CPU. On CUDA the attention backward's summation order varies from run
+# to run (and Adam turns that into differences of the learning rate's size); there the GPU-marked
+# tests compare the real graph with the weights held still.
+EXACT = pytest.mark.skipif(platform.HAS_CUDA, reason="bit-exact reruns: CPU only (the GPU-marked tests cover CUDA)")
 # Operations that read a device value on the host (CUDA waits for the device before returning).
 SYNCHRONISING = {aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.masked_select, aten._unique2,
                  aten.unique_consecutive, aten.unique_dim, aten.equal, aten.bincount}
@@ -125,7 +129,9 @@ def test_no_family_makes_the_host_wait_inside_what_the_graph_captures(family_nam
     backward over two micro-batches (megatron-core's schedule, its finalisation left out) must
     dispatch none. The finalisation does compare the token count on the host; the graph runs it
     after the replay."""
-    config, family, built = build(family_name, *GRAPH, "--cuda-graph-warmup-steps", "1")
+    # eager regions: a dispatch mode hides the operations inside compiled code (and dynamo refuses
+    # to compile under one); the compiled regions are pure elementwise arithmetic
+    config, family, built = build(family_name, *GRAPH, "--cuda-graph-warmup-steps", "1", "--no-compile-elementwise")
     mode = Synchronisations()
     built.graph.graph_type = lambda: RerunGraph(built.model, mode)
     batches = Batches(family, config.model.seq_length)
@@ -145,6 +151,7 @@ def test_the_detector_sees_a_host_read_and_a_boolean_mask():
     assert mode.found == ["aten._local_scalar_dense.default", "aten.index.Tensor"]
 
 
+@EXACT
 @pytest.mark.parametrize("family_name", ["mdlm", "esolm"])
 def test_the_graph_trains_exactly_as_the_eager_step(family_name, world_of_one):
     """Four iterations of fresh micro-batches: the warm-up iteration, the capture, two replays whose
@@ -157,6 +164,7 @@ def test_the_graph_trains_exactly_as_the_eager_step(family_name, world_of_one):
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
 
 
+@EXACT
 def test_micro_batches_of_another_form_drop_the_graph_and_capture_anew(world_of_one):
     """An annealed attention mask ends (a mask, then None): the graph of the masked form is dropped,
     the warm-up runs eagerly again, and a new capture serves the rest, still equal to eager."""
@@ -169,6 +177,7 @@ def test_micro_batches_of_another_form_drop_the_graph_and_capture_anew(world_of_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@EXACT
 def test_data_parallel_ranks_reduce_their_gradients_after_the_replay(tmp_path):
     """Two data-parallel ranks (gloo), each on samples of its own: with the graph, the gradient
     all-reduce runs after each replay (megatron-core's finalisation), and each rank's losses and
