@@ -1,9 +1,11 @@
 """The full-iteration CUDA graph (`--cuda-graph-scope full_iteration`, training/cuda_graph.py) on
 CPU: what its capture needs (no operation in any family's forward and backward that makes the
-host wait for the device), its bookkeeping (static buffers, the finalisation after the replay, a
-new capture when the micro-batches change form) run with a stand-in that re-runs the captured
-function (the flags' rules: test_validate.py). On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32
-and bf16, against the eager step, and a run of pretrain_dllm.py."""
+host wait for the device), and its bookkeeping (static buffers, the finalisation after the
+replay, a new capture when the micro-batches change form) run with a stand-in that re-runs the
+captured function. On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32 and bf16,
+against the eager step, and a run of pretrain_dllm.py. The flags' rules: test_validate.py."""
+import contextlib
+
 import pytest
 import torch
 from conftest import run_worker_on_two_ranks
@@ -58,11 +60,8 @@ class RerunGraph:
 
     def capture(self, fn):
         grads = [p.main_grad.clone() for p in self.model[0].parameters()]
-        if self.mode is None:
+        with self.mode or contextlib.nullcontext():
             self.outputs = fn()
-        else:
-            with self.mode:
-                self.outputs = fn()
         for p, g in zip(self.model[0].parameters(), grads):
             p.main_grad.copy_(g)
         self.fn = fn
