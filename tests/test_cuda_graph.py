@@ -95,11 +95,12 @@ class Batches:
 
 
 def build(family_name: str, *flags: str):
-    family = get_family(family_name, VOCAB - 1, VOCAB, **OPTIONS.get(family_name, {}))
-    config = resolve_defaults(parse_args(["--family", family_name, "--preset", "cpu-micro", "--seq-length", "16",
-                         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "10",
-                         "--lr", "0.01", "--lr-warmup-iters", "0", "--seed", "0", "--attention-backend", "sdpa",
-                         *[f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.get(family_name, {}).items()], *flags]))
+    options = OPTIONS.get(family_name, {})
+    family = get_family(family_name, VOCAB - 1, VOCAB, **options)
+    argv = ["--family", family_name, "--preset", "cpu-micro", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "10", "--lr", "0.01", "--lr-warmup-iters", "0", "--seed", "0",
+            "--attention-backend", "sdpa", *[f"--{k.replace('_', '-')}={v}" for k, v in options.items()], *flags]
+    config = resolve_defaults(parse_args(argv))
     return config, family, build_training_model(config, family, VOCAB, observability.make_timers(1))
 
 
