@@ -225,8 +225,9 @@ def _device_breakdown(events, step_events, op_category: dict, fetches: list, tot
 
 def device_category(e, op_category: dict, linked) -> str | None:
     """A device event's category: its op's (`op_category`: op id -> category), with a GEMM kernel
-    outside any region as matmul and an NCCL kernel as communication; None for a region's span
-    that the profiler draws on the device timeline (a user annotation, no kernel)."""
+    outside any region as matmul, an NCCL kernel as communication and a kernel of no op's
+    category by its name (`kernel_category`); None for a region's span that the profiler draws on
+    the device timeline (a user annotation, no kernel)."""
     if getattr(e, "is_user_annotation", False) or e.name in ANNOTATIONS:
         return None
     lowered = e.name.lower()
