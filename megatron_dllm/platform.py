@@ -209,12 +209,32 @@ def fusion_defaults() -> dict:
     and --bias-gelu-fusion, whose megatron-core kernel torch.compile builds) are on with CUDA and
     off on CPU, where compiling with inductor and g++ costs seconds in every process and gained a
     small model little (benchmarks/bench_compile.py). The masked-softmax fusion is on where apex's
-    kernels are installed (CUDA only). Bias-dropout fusion costs nothing eager: on, as Megatron-LM."""
+    kernels are installed (CUDA only). Bias-dropout fusion costs nothing eager: on, as Megatron-LM.
+    Gradient-accumulation fusion is on with CUDA (where `fp32_accumulating_gemm`), as Megatron-LM;
+    off on CPU, where it saves one add per weight and changes the last bits of the sums."""
     import importlib.util
 
     kernels = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
     return {"compile_elementwise": HAS_CUDA, "bias_gelu": HAS_CUDA, "bias_dropout": True,
-            "masked_softmax": HAS_CUDA and all(importlib.util.find_spec(k) is not None for k in kernels)}
+            "masked_softmax": HAS_CUDA and all(importlib.util.find_spec(k) is not None for k in kernels),
+            "gradient_accumulation": HAS_CUDA}
+
+
+@functools.cache
+def fp32_accumulating_gemm() -> bool:
+    """Whether a bf16 GEMM can add its product straight into an fp32 tensor (torch.addmm's
+    out_dtype, CUDA only), which gradient-accumulation fusion needs where weights are bf16. On CPU,
+    where weights are fp32 (`params_dtype`), a plain addmm does. Checked on CUDA once, on a 2x2
+    product, after the rank's device is set."""
+    if not HAS_CUDA:
+        return True
+    ones = torch.ones(2, 2, dtype=torch.bfloat16, device=device())
+    total = torch.ones(2, 2, device=device())
+    try:
+        torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
+    except RuntimeError:  # a torch whose CUDA addmm wants `self` in the factors' dtype
+        return False
+    return bool((total == 3).all())
 
 
 def profiler_activities() -> list:

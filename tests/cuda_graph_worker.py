@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks, data parallel): tests/test_cuda_graph.py's training with the
+"""torchrun worker (2 gloo ranks, data parallel): tests/step_cases.py's training with the
 stand-in graph against the eager step, each rank on samples of its own; whether every rank's
 losses and weights equal its eager run's and whether the ranks' weights agree, as JSON (last rank)."""
 import json
@@ -6,7 +6,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from test_cuda_graph import GRAPH, train
+from step_cases import GRAPH, train
 
 from megatron_dllm import platform
 

@@ -128,13 +128,15 @@ def test_checkpoints_do_not_change():
 
 def test_platform_defaults():
     defaults = platform.fusion_defaults()
+    defaults["gradient_accumulation"] &= platform.fp32_accumulating_gemm()  # where torch can (CUDA)
     assert resolve_fusion("local") == Fusion(**defaults)
     assert resolve_fusion("sdpa") == Fusion(**{**defaults, "masked_softmax": False})  # SDPA fuses it itself
     if not platform.HAS_CUDA:  # compiling costs more than it gains on CPU; no apex kernels
         assert defaults == {"compile_elementwise": False, "bias_gelu": False, "bias_dropout": True,
-                            "masked_softmax": False}
+                            "masked_softmax": False, "gradient_accumulation": False}
     assert resolve_fusion("local", bias_gelu=not defaults["bias_gelu"], bias_dropout=False,
-                          compile_elementwise=not defaults["compile_elementwise"], rope=False) == Fusion(
+                          compile_elementwise=not defaults["compile_elementwise"], rope=False,
+                          gradient_accumulation=False) == Fusion(
         bias_gelu=not defaults["bias_gelu"], compile_elementwise=not defaults["compile_elementwise"],
         masked_softmax=defaults["masked_softmax"])
 

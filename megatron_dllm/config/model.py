@@ -77,6 +77,9 @@ class ModelConfig(FlagGroup):
                                       "(--no-rope-fusion is accepted, --rope-fusion is an error)")
     compile_elementwise: bool | None = switch("torch.compile the DiT's LayerNorm + modulation and bias + gate + "
                                               "residual (default: on with CUDA, off on CPU)")
+    gradient_accumulation_fusion: bool | None = switch("add each weight gradient into its fp32 main gradient "
+                                                       "inside the weight-gradient GEMM (default: on with CUDA "
+                                                       "where torch can, off on CPU)")
     # Megatron-LM's CUDA-graph flags; only the full-iteration graph (training/cuda_graph.py) is built here
     cuda_graph_impl: str = flag("none", choices=["none", "local", "transformer_engine"],
                                 help="local with --cuda-graph-scope full_iteration: capture each training "
@@ -110,7 +113,8 @@ class ModelConfig(FlagGroup):
 
         return resolve_fusion(resolve_backend(self.attention_backend, use_te), bias_gelu=self.bias_gelu_fusion,
                               bias_dropout=self.bias_dropout_fusion, masked_softmax=self.masked_softmax_fusion,
-                              rope=self.rope_fusion, compile_elementwise=self.compile_elementwise)
+                              rope=self.rope_fusion, compile_elementwise=self.compile_elementwise,
+                              gradient_accumulation=self.gradient_accumulation_fusion)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dllm import platform
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
-from megatron_dllm.model.fusion import Fusion
+from megatron_dllm.model.fusion import Fusion, provide_weight_gradient_kernels
 from megatron_dllm.model.gpt import GPTBackbone, check_gpt_layout, gpt_layer_spec
 from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.init import initialize_weights
@@ -62,7 +62,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         ffn_hidden_size=p.ffn_hidden_size, kv_channels=p.hidden_size // p.num_attention_heads,
         layernorm_epsilon=LAYER_NORM_EPS, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         activation_func=gelu_tanh, bias_activation_fusion=False, **fusion.config_fields(),
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        persist_layer_norm=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
@@ -99,6 +99,8 @@ def build_model(arch: Architecture, config: TransformerConfig, mlp_config: Trans
     """This rank's model chunks (one per virtual pipeline stage: DiTModel, or GPTBackbone for
     `arch.gpt`), initialised from `seed`."""
     vpp = config.virtual_pipeline_model_parallel_size
+    if config.gradient_accumulation_fusion:
+        provide_weight_gradient_kernels()
     padded_vocab = arch.padded_vocab_size(config.tensor_model_parallel_size)
     if arch.gpt is None:
         spec = dit_layer_spec(arch.attention, use_te=use_te, attention_backend=attention_backend)
