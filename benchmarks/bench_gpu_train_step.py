@@ -8,6 +8,7 @@
                                               [--transformer-impl local|transformer_engine]
                                               [--fp8-format hybrid|e4m3] [--fp8-recipe delayed|tensorwise|...]
                                               [--fusion default|none|all] [--cuda-graph]
+                                              [--[no-]gradient-accumulation-fusion]
 
 For every preset, recompute setting (`--recompute-granularity`, alias `--recompute`: off,
 selective = core attention, full = every layer; default off and full) and family:
@@ -104,6 +105,9 @@ def main(argv=None) -> None:
     p.add_argument("--fusion", default="default", choices=["default", "none", "all"],
                    help="default: the fusion flags' defaults on this GPU (as the trainer); none: all eager; "
                         "all: compiled regions and bias fusions forced on")
+    p.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="the weight gradients added into the fp32 main gradients inside their GEMMs (default: "
+                        "the trainer's default on this GPU)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="the trainer's full-iteration CUDA graph (--cuda-graph-scope full_iteration), captured at "
                         "the second warm-up step")
@@ -122,13 +126,15 @@ def main(argv=None) -> None:
         p.error("measures a CUDA GPU; without one it only checks the command, with cpu-* presets "
                 f"(got {' '.join(args.presets)})")
     options = {"attention_backend": backend, "fusion": args.fusion, "transformer_impl": args.transformer_impl,
-               "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe, "cuda_graph": args.cuda_graph}
+               "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe, "cuda_graph": args.cuda_graph,
+               "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
     precision = f"fp8 {args.fp8_format} ({args.fp8_recipe})" if args.fp8_format else "bf16"
 
     platform.init_distributed(1, 1, seed=0)
     device = platform.device_name() or "CPU (a check of the command, not a measurement: fp32, no search)"
     print(f"{device}, torch {torch.__version__}, seq {args.seq}, vocab {args.vocab}, {precision}, "
-          f"{args.transformer_impl} spec, {backend} core attention, fusion {args.fusion}, "
+          f"{args.transformer_impl} spec, {backend} core attention, fusion {args.fusion}, gradient-accumulation "
+          f"fusion {({None: 'default', True: 'on', False: 'off'})[args.gradient_accumulation_fusion]}, "
           f"{'full-iteration CUDA graph, ' if args.cuda_graph else ''}"
           f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "

@@ -12,7 +12,8 @@
 #   s    a session with 15 minutes of device time: its one call. Install, stage t's GPU tests less
 #        the Eso-LM kernel's (no extension build) with the full-iteration CUDA graph's, the whole
 #        1.7B sdpa + fusion step through the graph for every family at micro-batch 4, MDLM's step
-#        without it beside, MDLM's graph at micro-batch 8 with expandable segments, then the
+#        without it beside, MDLM's graph without gradient-accumulation fusion and at micro-batch 8
+#        with expandable segments, then the
 #        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
 #        its trace
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
@@ -163,12 +164,16 @@ train_step() {  # train_step NAME MAX FLAGS...: bench_gpu_train_step.py at the s
 --steps $STEPS --warmup $WARMUP $*" "needs TransformerEngine"
 }
 
-graph_step() {  # graph_step NAME MAX FLAGS...: train_step's sdpa step through the full-iteration CUDA graph
+graph_cmd() {  # graph_cmd FLAGS...: train_step's sdpa step through the full-iteration CUDA graph
+  echo "$PY benchmarks/bench_gpu_train_step.py --presets $PRESET --seq $SEQ --vocab $VOCAB \
+--steps $STEPS --warmup $((WARMUP > 2 ? WARMUP : 2)) --recompute-granularity off --attention-backend sdpa \
+--fusion default --cuda-graph $*"
+}
+
+graph_step() {  # graph_step NAME MAX FLAGS...: graph_cmd as a step
   local name=$1 max=$2
   shift 2
-  step "$name" "$max" "$PY benchmarks/bench_gpu_train_step.py --presets $PRESET --seq $SEQ --vocab $VOCAB \
---steps $STEPS --warmup $((WARMUP > 2 ? WARMUP : 2)) --recompute-granularity off --attention-backend sdpa \
---fusion default --cuda-graph $*" "needs a CUDA GPU"
+  step "$name" "$max" "$(graph_cmd "$@")" "needs a CUDA GPU"
 }
 
 profile() {  # profile NAME BACKEND MICRO_BATCH KEEP_TRACE [DATA FLAGS...]: KEEP_TRACE 1 copies its gzipped trace to $OUT
@@ -193,16 +198,19 @@ case $STAGE in
     install_wheels
     gpu_tests gpu_tests 180 tests/test_cuda_graph.py tests/test_attention_backend.py tests/test_fusion.py \
       tests/test_reference_dit.py tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py \
-      tests/test_profile_breakdown.py
+      tests/test_profile_breakdown.py tests/test_gradient_accumulation_fusion.py
     # the host's dispatch left the GPU idle a fifth of the step on 2026-11-27: the full-iteration
     # graph for every family, then the same step without it (MDLM) beside it
     graph_step step_sdpa_graph 220 --families mdlm duo esolm ar --max-micro-batch $SDPA_MB
     train_step step_sdpa_fused 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
       --fusion default --max-micro-batch $SDPA_MB
-    # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
-    # allocator's expandable segments, against fragmentation?
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True graph_step step_graph_expandable 100 --families mdlm \
-      --max-micro-batch $((SDPA_MB * 2))
+    # one log for two rows (a call returns 8 files): the graph's MDLM step without gradient-accumulation
+    # fusion (on by default with CUDA) beside step_sdpa_graph's MDLM row; then micro-batch 8, which
+    # ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4), with the allocator's
+    # expandable segments, against fragmentation?
+    step step_graph_unfused_wgrad_mb8 160 "$(graph_cmd --families mdlm --max-micro-batch $SDPA_MB \
+      --no-gradient-accumulation-fusion); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      $(graph_cmd --families mdlm --max-micro-batch $((SDPA_MB * 2))) " "needs a CUDA GPU"
     # what the graph leaves: its replayed kernels go by their names (training/profile_breakdown.py)
     profile profile_sdpa_graph sdpa $SDPA_MB 1 --transformer-impl local --cuda-graph-impl local \
       --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1
