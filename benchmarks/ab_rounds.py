@@ -1,7 +1,8 @@
 """Two variants of the training step's forward + backward, timed side by side in one process:
 warm-up rounds, then alternating rounds (A B, B A, ...) so drift on a shared machine falls on
 both. Used by bench_attention_backend.py (local vs sdpa), bench_compile.py (eager vs fused) and
-bench_gradient_accumulation_fusion.py (unfused vs fused), which share their flags, their (preset, seq, family) grid and the way each case is built here.
+bench_gradient_accumulation_fusion.py (unfused vs fused), which share their flags, their (preset,
+seq, family) grid and the way each case is built here.
 """
 from __future__ import annotations
 
