@@ -11,9 +11,9 @@
 # Stages, in priority order (minutes on one H100 are estimates until a session records them):
 #   s    a session with 15 minutes of device time: its one call. Install, stage t's GPU tests less
 #        the Eso-LM kernel's (no extension build) with the full-iteration CUDA graph's, the whole
-#        1.7B sdpa + fusion step through the graph for every family at micro-batch 4, MDLM's step
-#        without it beside, MDLM's graph without gradient-accumulation fusion and at micro-batch 8
-#        with expandable segments, then the
+#        1.7B sdpa + fusion step through the graph for every family at micro-batch 4 (and MDLM's
+#        without gradient-accumulation fusion), MDLM's step without the graph beside, MDLM's graph
+#        at micro-batch 8 with expandable segments, then the
 #        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
 #        its trace
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
@@ -201,16 +201,16 @@ case $STAGE in
       tests/test_profile_breakdown.py tests/test_gradient_accumulation_fusion.py
     # the host's dispatch left the GPU idle a fifth of the step on 2026-11-27: the full-iteration
     # graph for every family, then the same step without it (MDLM) beside it
-    graph_step step_sdpa_graph 220 --families mdlm duo esolm ar --max-micro-batch $SDPA_MB
+    # (in the same log, as a call returns 8 files) then MDLM's without gradient-accumulation fusion,
+    # which is on by default with CUDA: its gain is the ratio to the MDLM row before it
+    step step_sdpa_graph 270 "$(graph_cmd --families mdlm duo esolm ar --max-micro-batch $SDPA_MB) && \
+$(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulation-fusion)" "needs a CUDA GPU"
     train_step step_sdpa_fused 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
       --fusion default --max-micro-batch $SDPA_MB
-    # one log for two rows (a call returns 8 files): the graph's MDLM step without gradient-accumulation
-    # fusion (on by default with CUDA) beside step_sdpa_graph's MDLM row; then micro-batch 8, which
-    # ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4), with the allocator's
-    # expandable segments, against fragmentation?
-    step step_graph_unfused_wgrad_mb8 160 "$(graph_cmd --families mdlm --max-micro-batch $SDPA_MB \
-      --no-gradient-accumulation-fusion); PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      $(graph_cmd --families mdlm --max-micro-batch $((SDPA_MB * 2))) " "needs a CUDA GPU"
+    # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
+    # allocator's expandable segments, against fragmentation?
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True graph_step step_graph_expandable 100 --families mdlm \
+      --max-micro-batch $((SDPA_MB * 2))
     # what the graph leaves: its replayed kernels go by their names (training/profile_breakdown.py)
     profile profile_sdpa_graph sdpa $SDPA_MB 1 --transformer-impl local --cuda-graph-impl local \
       --cuda-graph-scope full_iteration --cuda-graph-warmup-steps 1
