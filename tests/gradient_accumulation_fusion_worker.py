@@ -1,6 +1,8 @@
-"""torchrun worker (2 gloo ranks, TP=2 with sequence parallelism): tests/step_cases.py's training
-with and without gradient-accumulation fusion, weights held still; whether every rank's losses and
-gradient shards equal its unfused run's and the fused kernel ran, as JSON (last rank)."""
+"""torchrun worker (2 gloo ranks; argv[2]: `tp2-sp`, TP=2 with sequence parallelism, or
+`dp2-overlap`, two data-parallel ranks on samples of their own with the distributed optimizer and
+the gradient reduction overlapped with the backward): tests/step_cases.py's training with and
+without gradient-accumulation fusion, weights held still; whether every rank's losses and
+gradients equal its unfused run's and the fused kernel ran, as JSON (last rank)."""
 import json
 import sys
 
@@ -11,14 +13,19 @@ from step_cases import train
 from megatron_dllm import platform
 from megatron_dllm.model.fusion import WeightGradientKernels
 
+LAYOUTS = {"tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+           "dp2-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce"]}
+
 
 def main():
-    platform.init_distributed(2, 1, seed=0)
-    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--lr", "0", "--min-lr", "0"]
-    want_losses, _, _, plain = train("esolm", 2, *flags, "--no-gradient-accumulation-fusion")
+    tp = 2 if sys.argv[2] == "tp2-sp" else 1
+    platform.init_distributed(tp, 1, seed=0)
+    flags = ["--lr", "0", "--min-lr", "0", *LAYOUTS[sys.argv[2]]]
+    first = 0 if tp == 2 else 1000 * dist.get_rank()
+    want_losses, _, _, plain = train("esolm", 2, *flags, "--no-gradient-accumulation-fusion", first=first)
     calls, real = [], WeightGradientKernels.wgrad_gemm_accum_fp32
     WeightGradientKernels.wgrad_gemm_accum_fp32 = staticmethod(lambda *a: calls.append(1) or real(*a))
-    losses, _, _, fused = train("esolm", 2, *flags, "--gradient-accumulation-fusion")
+    losses, _, _, fused = train("esolm", 2, *flags, "--gradient-accumulation-fusion", first=first)
     want = [p.main_grad for p in plain.model[0].module.parameters()]
     got = [p.main_grad for p in fused.model[0].module.parameters()]
     scale = max(g.abs().max().item() for g in want)
