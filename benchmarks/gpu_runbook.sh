@@ -203,8 +203,9 @@ case $STAGE in
     # graph for every family, then the same step without it (MDLM) beside it
     # (in the same log, as a call returns 8 files) then MDLM's without gradient-accumulation fusion,
     # which is on by default with CUDA: its gain is the ratio to the MDLM row before it
-    step step_sdpa_graph 270 "$(graph_cmd --families mdlm duo esolm ar --max-micro-batch $SDPA_MB) && \
-$(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulation-fusion)" "needs a CUDA GPU"
+    step step_sdpa_graph 270 "$(graph_cmd --families mdlm duo esolm ar --max-micro-batch $SDPA_MB); rc=\$?; \
+$(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulation-fusion) && exit \$rc" \
+      "needs a CUDA GPU"
     train_step step_sdpa_fused 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
       --fusion default --max-micro-batch $SDPA_MB
     # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
