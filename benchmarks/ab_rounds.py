@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 from typing import Callable
 
 import torch
@@ -98,6 +99,17 @@ def alternating_rounds(steps: dict[str, MegatronStep], rounds: int, warmup: int)
         stats[what] = (statistics.median(a), statistics.median(b), statistics.median(ratios), min(ratios),
                        max(ratios))
     return stats
+
+
+def first_losses_then_rounds(preset_name: str, seq: int, family_name: str, args,
+                             variants: dict[str, dict]) -> tuple[int, dict]:
+    """(batch, `alternating_rounds`' stats) of `build_variants`' steps; each variant's first loss,
+    which shows that they compute the same step, goes to stderr."""
+    batch, steps = build_variants(preset_name, seq, family_name, args, variants)
+    first = {name: forward_backward(s) for name, s in steps.items()}
+    print(f"{preset_name} seq {seq} {family_name}: first loss " +
+          "  ".join(f"{name} {loss:.6f}" for name, loss in first.items()), file=sys.stderr)
+    return batch, alternating_rounds(steps, args.rounds, args.warmup)
 
 
 def ratio_head(names: tuple[str, str]) -> tuple[str, str]:

@@ -36,13 +36,9 @@ BACKENDS = ("local", "sdpa")
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
-    batch, steps = ab_rounds.build_variants(preset_name, seq, family_name, args,
-                                            {b: {"attention_backend": b} for b in BACKENDS})
-    first = {b: ab_rounds.forward_backward(s) for b, s in steps.items()}
-    print(f"{preset_name} seq {seq} {family_name}: first loss " +
-          "  ".join(f"{b} {v:.6f}" for b, v in first.items()), file=sys.stderr)
-    row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name}
-    row.update(ab_rounds.alternating_rounds(steps, args.rounds, args.warmup))
+    batch, stats = ab_rounds.first_losses_then_rounds(preset_name, seq, family_name, args,
+                                                      {b: {"attention_backend": b} for b in BACKENDS})
+    row = {"preset": preset_name, "seq": seq, "batch": batch, "family": family_name, **stats}
     kind = FAMILIES[family_name].attention
     print(f"| {preset_name} | {seq} x {batch} | {family_name} ({kind}) | {ab_rounds.ratio_cells(row)} | "
           f"{os.getloadavg()[0]:.1f} |", flush=True)

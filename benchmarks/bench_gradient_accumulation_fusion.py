@@ -28,13 +28,9 @@ VARIANTS = ("unfused", "fused")
 
 
 def bench(preset_name: str, seq: int, family_name: str, args) -> dict:
-    batch, steps = ab_rounds.build_variants(
+    batch, row = ab_rounds.first_losses_then_rounds(
         preset_name, seq, family_name, args,
         {v: {"attention_backend": "sdpa", "gradient_accumulation_fusion": v == "fused"} for v in VARIANTS})
-    losses = {v: ab_rounds.forward_backward(s) for v, s in steps.items()}
-    print(f"{preset_name} seq {seq} {family_name}: first loss " + "  ".join(f"{v} {x:.6f}" for v, x in losses.items()),
-          file=sys.stderr)
-    row = ab_rounds.alternating_rounds(steps, args.rounds, args.warmup)
     print(f"| {preset_name} | {seq} x {batch} | {family_name} | {ab_rounds.ratio_cells(row)} | "
           f"{os.getloadavg()[0]:.1f} |", flush=True)
     return row
