@@ -1,7 +1,7 @@
 """The paper's own DiT training step against this project's, one after the other on one GPU.
 
     python benchmarks/bench_vs_paper_step.py --paper-code PATH [--preset 1.7B] [--vocab 32001 131072]
-        [--seq 2048] [--micro-batches 2 max] [--max-micro-batch 32] [--ours sdpa sdpa+fp8]
+        [--seq 2048] [--micro-batches 2 max] [--max-micro-batch 32] [--ours sdpa sdpa+graph sdpa+fp8]
         [--steps 10] [--warmup 3] [--rounds 2] [--peak-tflops 989.4]
 
 PATH is a checkout of the paper's public code (its `models/dit.py` is imported from there at run
@@ -18,15 +18,19 @@ the same again) so drift in clocks or temperature shows as a spread rather than 
 * ours: `sdpa`, `local`, `sdpa+fp8`, ... — `bench_train_step.MegatronStep`, the trainer's own
   step (megatron DDP, megatron's optimizer, the schedule, the family loss) in bf16 with that core
   attention backend and the fusion defaults the trainer uses on a GPU (compiled elementwise
-  regions, fused bias-GELU); `+fp8` adds TransformerEngine linears with `--fp8-format hybrid`
-  (tensorwise scaling), `+full` full recompute, `+selective` selective recompute.
+  regions, fused bias-GELU, gradient-accumulation fusion); `+fp8` adds TransformerEngine linears
+  with `--fp8-format hybrid` (tensorwise scaling), `+full` full recompute, `+selective` selective
+  recompute, `+graph` the trainer's full-iteration CUDA graph (captured at the second step, so in
+  the micro-batch search too; not with `+fp8` or recompute, which the trainer refuses with it).
 
 Micro-batches: `2` is the paper's 1.7B setting (2 sequences per GPU); `max` is the largest power of
 two up to `--max-micro-batch` that fits. Reported: tokens/s, model TFLOP/s and MFU in both FLOP
 conventions of `megatron_dllm/scaling/flops.py` (`calflops`: the paper's, no attention-score
 matmuls; `full`: every matmul), peak allocated memory, and each variant's tokens/s over the
 paper's at the same micro-batch setting. If the paper's code raises (other than running out of
-memory), its row gives the error on one line, its traceback goes to stderr, and ours still run.
+memory), its row gives the error on one line, its traceback goes to stderr, and ours still run;
+a variant of ours that raises gets the same, the others still run, and the script exits 1 at the
+end.
 
 Without a GPU the script only checks a command (a cpu-* preset, fp32, no micro-batch search): it
 imports the paper's `models/dit.py` and runs this project's variants, not the paper's step, whose
@@ -42,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -108,21 +113,24 @@ class PaperStep:
 
 
 def our_options(variant: str) -> dict:
-    """MegatronStep's options for an `--ours` variant BACKEND[+fp8][+full|+selective]."""
+    """MegatronStep's options for an `--ours` variant BACKEND[+fp8][+full|+selective][+graph]."""
     backend, *extras = variant.split("+")
-    unknown = set(extras) - {"fp8", *RECOMPUTE}
+    unknown = set(extras) - {"fp8", "graph", *RECOMPUTE}
     if unknown or backend not in ATTENTION_BACKENDS:
         what = f"option {sorted(unknown)[0]!r}" if unknown else f"backend {backend!r}"
-        raise SystemExit(f"error: --ours {variant}: unknown {what} (expected BACKEND[+fp8][+full|+selective], "
-                         f"BACKEND one of {', '.join(ATTENTION_BACKENDS)})")
-    fp8 = "fp8" in extras
+        raise SystemExit(f"error: --ours {variant}: unknown {what} (expected BACKEND[+fp8][+full|+selective]"
+                         f"[+graph], BACKEND one of {', '.join(ATTENTION_BACKENDS)})")
+    fp8, graph = "fp8" in extras, "graph" in extras
     if (fp8 or backend in TE_BACKENDS) and not platform.HAS_TE:
         raise SystemExit(f"error: --ours {variant} needs TransformerEngine on a CUDA GPU (not importable here)")
     recompute = next((e for e in extras if e in RECOMPUTE), None)
+    if graph and (fp8 or recompute or backend in TE_BACKENDS):
+        raise SystemExit(f"error: --ours {variant}: the full-iteration CUDA graph takes neither TransformerEngine "
+                         "nor recompute (the trainer refuses them together)")
     kwargs = {"fp8": "hybrid", "fp8_recipe": "tensorwise"} if fp8 else {}
     if backend in TE_BACKENDS:
         kwargs["transformer_impl"] = "transformer_engine"
-    return {"attention_backend": backend, "recompute": recompute, **kwargs}
+    return {"attention_backend": backend, "recompute": recompute, "cuda_graph": graph, **kwargs}
 
 
 def build(variant: str, paper, preset, family, vocab: int, batch: int, seq: int, steps: int):
@@ -168,33 +176,37 @@ def largest_fitting(variant, paper, preset, family, vocab, seq, args) -> int | N
     return found and found[0]
 
 
-def compare(variants: list[str], paper, preset, vocab: int, setting: str, args) -> None:
+def compare(variants: list[str], paper, preset, vocab: int, setting: str, args) -> list[str]:
     """Print a row per variant at one vocabulary and micro-batch setting (an integer or `max`), the
-    variants measured in turn for `args.rounds` rounds. A variant that does not fit, or the paper's
-    step whose code failed (`harness.PaperFailed`), gets a row that says so; the others still run."""
+    variants measured in turn for `args.rounds` rounds. A variant that does not fit, the paper's
+    step whose code failed (`harness.PaperFailed`), or one of ours that raised (its traceback to
+    stderr), gets a row that says so; the others still run. Returns our variants that raised."""
     family = get_family("mdlm", vocab - 1, vocab)
     flops = {c: train_flops_per_sequence(preset, vocab, args.seq, c) for c in ("calflops", "full")}
-    failed, batches = {}, {}
-    for v in variants:
+    failed, batches, results = {}, {}, {v: [] for v in variants}
+
+    def attempt(v: str, run):
+        """run() for variant v, or None: out of memory, or a failure noted in the variant's row."""
         try:
-            batches[v] = int(setting) if setting != "max" else \
-                largest_fitting(v, paper, preset, family, vocab, args.seq, args)
-        except harness.PaperFailed as err:
-            batches[v], failed[v] = None, str(err)
-    results = {v: [] for v in variants}
+            return run()
+        except harness.PaperFailed as err:  # its traceback is on stderr already
+            failed[v] = str(err)
+        except Exception as err:
+            if not out_of_memory(err):
+                traceback.print_exc(file=sys.stderr)
+                failed[v] = f"failed: {harness.table_cell_error(err)}"
+        return None
+
+    for v in variants:
+        batches[v] = int(setting) if setting != "max" else \
+            attempt(v, lambda v=v: largest_fitting(v, paper, preset, family, vocab, args.seq, args))
     for _ in range(args.rounds):
         for v in variants:
-            if not batches[v]:
-                continue
-            try:
-                results[v].append(measure(v, paper, preset, family, vocab, batches[v], args.seq, args.steps,
-                                          args.warmup))
-            except harness.PaperFailed as err:
-                batches[v], failed[v] = None, str(err)
-            except Exception as err:
-                if not out_of_memory(err):
-                    raise
-                batches[v] = None
+            if batches[v]:
+                result = attempt(v, lambda v=v: measure(v, paper, preset, family, vocab, batches[v], args.seq,
+                                                        args.steps, args.warmup))
+                batches[v] = batches[v] if result else None
+                results[v] += [result] if result else []
     paper_rate = None
     for v in variants:
         if v in failed or not results[v] or not batches[v]:
@@ -209,6 +221,7 @@ def compare(variants: list[str], paper, preset, vocab: int, setting: str, args) 
         print(f"| {vocab} | {v} | {batches[v]} ({setting}) | {sec * 1e3:.0f} | {rate:,.0f} | {ratio} "
               f"| {tf['calflops']:.0f} | {tf['calflops'] / args.peak_tflops:.1%} | {tf['full']:.0f} "
               f"| {tf['full'] / args.peak_tflops:.1%} | {peak / 2**30:.1f} | {results[v][-1][2]:.3f} |", flush=True)
+    return [v for v in failed if v != "paper"]
 
 
 def main(argv=None) -> None:
@@ -228,7 +241,8 @@ def main(argv=None) -> None:
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 peak (H100 SXM: 989.4)")
     args = p.parse_args(argv)
     for variant in args.ours:
-        our_options(variant)  # a bad variant: one error line before anything is built
+        if our_options(variant)["cuda_graph"] and args.warmup < 2:  # a bad variant: one error line first
+            p.error(f"--ours {variant} needs --warmup 2 or more (the first step runs eagerly, the second captures)")
     if not platform.HAS_CUDA and not args.preset.startswith("cpu-"):
         p.error(f"measures a CUDA GPU; without one it only checks the command, with a cpu-* preset "
                 f"(got {args.preset})")
@@ -245,12 +259,16 @@ def main(argv=None) -> None:
     print("| vocab | variant | micro-batch | step (ms) | tokens/s | x paper | TFLOP/s calflops | MFU calflops "
           "| TFLOP/s full | MFU full | peak memory (GiB) | loss |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    failed = []
     try:
         for vocab in args.vocab:
             for setting in args.micro_batches:
-                compare(variants, paper, preset, vocab, setting, args)
+                failed += compare(variants, paper, preset, vocab, setting, args)
     finally:
         platform.destroy_distributed()
+    if failed:
+        sys.exit(f"error: --ours {' '.join(dict.fromkeys(failed))} raised (the rows above say what; tracebacks "
+                 "on stderr)")
 
 
 if __name__ == "__main__":

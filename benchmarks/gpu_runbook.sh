@@ -110,7 +110,7 @@ step() {
   elif ((rc == 124 || rc == 137)); then
     status="TIMEOUT after $limit s"
   elif [[ $DRY == 1 && -n "$gate" ]] && grep -q -- "$gate" "$log"; then
-    status="ok (dry run: stops at '$gate')"
+    status="ok (dry run: stops at '${gate//\\|/\' or \'}')"  # \| (grep's or) would split the table cell
   else
     status="FAILED (exit $rc)"
   fi
@@ -154,7 +154,7 @@ paper_step() {  # paper_step NAME VOCAB OURS...
   fi
   step "$name" 480 "$PY benchmarks/bench_vs_paper_step.py --paper-code $PAPER --preset $PRESET --seq $SEQ \
 --vocab $vocab --micro-batches 2 max --max-micro-batch $MAXMB --ours $* --steps $STEPS --warmup 3 --rounds 1" \
-    "needs TransformerEngine"
+    "needs TransformerEngine\|needs a CUDA GPU"
 }
 
 train_step() {  # train_step NAME MAX FLAGS...: bench_gpu_train_step.py at the stage's sizes
@@ -246,11 +246,11 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     ;;
   c)
     install_wheels
-    paper_step paper_vocab$PAPER_VOCAB_C $PAPER_VOCAB_C sdpa sdpa+selective
+    paper_step paper_vocab$PAPER_VOCAB_C $PAPER_VOCAB_C sdpa sdpa+selective sdpa+graph
     ;;
   c2)
     install_wheels
-    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective
+    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective sdpa+graph
     ;;
   d | d2 | d3 | d4 | d5)
     install_wheels

@@ -73,6 +73,11 @@ def papers_code():
         if platform.is_out_of_memory(err):
             raise
         traceback.print_exc(file=sys.stderr)
-        message = " ".join(str(err).split())  # one line: it goes into a table cell
-        message = message if len(message) <= 300 else message[:297] + "..."
-        raise PaperFailed(f"the paper's code failed: {type(err).__name__}: {message}".replace("|", "/")) from err
+        raise PaperFailed(f"the paper's code failed: {table_cell_error(err)}") from err
+
+
+def table_cell_error(err: BaseException) -> str:
+    """`err` as one line of at most about 300 characters that fits a markdown table cell."""
+    message = " ".join(str(err).split())
+    message = message if len(message) <= 300 else message[:297] + "..."
+    return f"{type(err).__name__}: {message}".replace("|", "/")

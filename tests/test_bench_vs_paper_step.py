@@ -35,3 +35,36 @@ def test_a_failing_paper_step_is_noted_and_ours_still_run(capsys, setting):
     assert rows[0][2] == f"{setting}: the paper's code failed: RuntimeError: flex_attention: no kernel for / this shape"
     assert rows[1][2] == f"2 ({setting})" and rows[1][5] == "n/a"  # measured; no paper rate to divide by
     assert float(rows[1][3]) > 0 and float(rows[1][-1].rstrip(" |")) > 0  # step ms, loss
+
+
+def test_one_of_ours_that_raises_is_noted_and_the_others_still_run(capsys, monkeypatch):
+    """A variant of ours whose step raises (not for lack of memory) gets a row with the error, its
+    traceback goes to stderr, the other variants are measured, and `compare` names it for main's
+    exit status."""
+    bench = load_benchmark("bench_vs_paper_step")
+    real_build = bench.build
+
+    def build(variant, *args):
+        if variant == "sdpa+selective":
+            raise RuntimeError("no kernel\nfor | this")
+        return real_build(variant, *args)
+
+    monkeypatch.setattr(bench, "build", build)
+    args = argparse.Namespace(seq=32, steps=1, warmup=1, rounds=1, max_micro_batch=2, peak_tflops=989.4)
+    failed = bench.compare(["sdpa+selective", "sdpa"], None, get_preset("cpu-micro"), 64, "2", args)
+    captured = capsys.readouterr()
+    rows = [line.split(" | ") for line in captured.out.splitlines() if line.startswith("| 64 |")]
+    assert failed == ["sdpa+selective"]
+    assert rows[0][1:3] == ["sdpa+selective", "2: failed: RuntimeError: no kernel for / this"]
+    assert rows[1][1:3] == ["sdpa", "2 (2)"] and float(rows[1][3]) > 0
+    assert "Traceback" in captured.err
+
+
+def test_our_variants_and_their_refusals():
+    bench = load_benchmark("bench_vs_paper_step")
+    assert bench.our_options("sdpa+graph") == {"attention_backend": "sdpa", "recompute": None, "cuda_graph": True}
+    assert bench.our_options("local+selective")["recompute"] == "selective"
+    with pytest.raises(SystemExit, match="sdpa\\+full\\+graph: the full-iteration CUDA graph takes neither"):
+        bench.our_options("sdpa+full+graph")
+    with pytest.raises(SystemExit, match="unknown option 'graphs'"):
+        bench.our_options("sdpa+graphs")
