@@ -22,7 +22,8 @@
 #        local fused
 #   b2   the profile breakdown of the 1.7B step: sdpa, local, then the optimizer step without TE
 #        (megatron-core's fallback vs foreach + fused AdamW), then sdpa at the paper's 32k vocabulary
-#   c    the paper's step beside ours, vocabulary 32,001 (needs .cache/genbench/paper)
+#   c    the paper's step beside ours (sdpa, sdpa+selective, sdpa+graph), vocabulary 32,001 (needs
+#        .cache/genbench/paper)
 #   c2   the same at the Nemotron vocabulary, 131,072
 #   d    generation throughput, unconditional at the 1.7B shape, L = 2048, T 16 and 64, every family
 #        beside the paper's samplers (benchmarks/bench_gpu_generation.py; needs .cache/genbench)
