@@ -41,25 +41,31 @@ class RerunGraph:
             for name, value in new.items():
                 old[name].copy_(value)
 
+    def release(self):
+        self.fn = self.outputs = None
+
 
 class Batches:
     """Two micro-batches of 2 per iteration, drawn anew from the iteration's first sample (plus
     `first`: another data-parallel rank's samples); with `mask_until`, iterations before that
-    carry an explicit attention mask that masks nothing."""
+    carry an explicit attention mask that masks nothing; `lengths`: {iteration: sequence length}
+    for iterations shorter than `seq` (as --variable-seq-length-prob draws them)."""
 
-    def __init__(self, family, seq: int, mask_until: int = 0, first: int = 0):
+    def __init__(self, family, seq: int, mask_until: int = 0, first: int = 0, lengths: dict | None = None):
         self.family, self.seq, self.mask_until, self.first = family, seq, mask_until, first
+        self.lengths = lengths or {}
         self.mbs, self.num_microbatches = 2, 2
 
     def iteration(self, consumed: int, number: int | None = None):
+        seq = self.lengths.get(number, self.seq)
         for m in range(self.num_microbatches):
             start = self.first + consumed + m * self.mbs
             gen = torch.Generator().manual_seed(start)
-            tokens = torch.randint(0, VOCAB - 1, (self.mbs, self.seq + int(self.family.extra_token)), generator=gen)
+            tokens = torch.randint(0, VOCAB - 1, (self.mbs, seq + int(self.family.extra_token)), generator=gen)
             ids = torch.arange(start, start + self.mbs)
             inp = self.family.corrupt(tokens, Noise(0, ids, strata=ids - consumed, num_strata=4))
             if number is not None and number < self.mask_until:
-                inp.attention_mask = torch.zeros(1, 1, self.seq, self.seq, dtype=torch.bool)
+                inp.attention_mask = torch.zeros(1, 1, seq, seq, dtype=torch.bool)
             yield inp.map(platform.to_device)
 
 
@@ -74,17 +80,17 @@ def build(family_name: str, *flags: str):
 
 
 def train(family_name: str, iterations: int, *flags: str, mask_until: int = 0, stand_in: bool = True,
-          first: int = 0):
+          first: int = 0, lengths: dict | None = None):
     """(losses, gradient norms, final weights, the built model) of `iterations` steps on the
-    Batches from sample `first`; with GRAPH flags the graph is a RerunGraph (`stand_in`) or a
-    CUDA graph."""
+    Batches from sample `first` (`mask_until`, `lengths`: see Batches); with GRAPH flags the graph
+    is a RerunGraph (`stand_in`) or a CUDA graph."""
     config, family, built = build(family_name, *flags)
     with torch.no_grad():  # live adaLN gates and head: gradients reach every layer (zero-initialised, only the head's)
         initialize_weights(built.model[0].module, seed=7, adaln_zero=False)
     built.optimizer.reload_model_params()  # bf16: the optimizer's fp32 copies too
     if built.graph is not None and stand_in:
         built.graph.graph_type = lambda: RerunGraph(built.model)
-    batches = Batches(family, config.model.seq_length, mask_until, first)
+    batches = Batches(family, config.model.seq_length, mask_until, first, lengths)
     steps = [step.train_step(built.model, built.optimizer, built.scheduler, family, batches, 4 * i, config,
                              built.transformer_config.timers, iteration=i + 1, graph=built.graph)
              for i in range(iterations)]

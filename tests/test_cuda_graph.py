@@ -1,9 +1,10 @@
 """The full-iteration CUDA graph (`--cuda-graph-scope full_iteration`, training/cuda_graph.py) on
 CPU: what its capture needs (no operation in any family's forward and backward that makes the
 host wait for the device), and its bookkeeping (static buffers, the finalisation after the
-replay, a new capture when the micro-batches change form) run with a stand-in that re-runs the
-captured function. On a CUDA GPU (marked `gpu`): the real capture and replay, in fp32 and bf16,
-against the eager step, and a run of pretrain_dllm.py. The flags' rules: test_validate.py."""
+replay, a new capture when the micro-batches change form: a mask that ends, a shorter iteration)
+run with a stand-in that re-runs the captured function. On a CUDA GPU (marked `gpu`): the real
+capture and replay, in fp32 and bf16, against the eager step, a shorter iteration's release and
+recapture, and a run of pretrain_dllm.py. The flags' rules: test_validate.py."""
 import pytest
 import torch
 from conftest import run_worker_on_two_ranks
@@ -94,6 +95,22 @@ def test_micro_batches_of_another_form_drop_the_graph_and_capture_anew(world_of_
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
 
 
+@EXACT
+def test_a_shorter_iteration_gives_the_graph_back_and_a_new_capture_follows(world_of_one, monkeypatch):
+    """--variable-seq-length-prob: a shorter iteration (3) drops the graph, gives its memory back and
+    runs eagerly; the next full-length iteration (the warm-up over) captures anew; still exactly
+    the eager step's losses and weights."""
+    lengths = {3: 9}
+    eager_losses, _, eager_weights, _ = train("mdlm", 6, "--variable-seq-length-prob", "0.01", lengths=lengths)
+    releases, release = [], RerunGraph.release
+    monkeypatch.setattr(RerunGraph, "release", lambda self: releases.append(1) or release(self))
+    losses, _, weights, built = train("mdlm", 6, "--variable-seq-length-prob", "0.01", *GRAPH,
+                                      "--cuda-graph-warmup-steps", "1", lengths=lengths)
+    assert built.graph.captures == 2 and len(releases) == 1  # captures at iterations 2 and 4
+    assert losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights))
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @EXACT
@@ -123,6 +140,20 @@ def test_on_cuda_the_replayed_graph_gives_the_eager_losses_and_gradients(family_
     assert len(set(eager_losses)) == 5 and min(eager_norms) > 0  # fresh batches, live gradients
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), **tolerance)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(eager_norms), **tolerance)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_shorter_iteration_gives_the_memory_back_and_a_new_capture_follows(world_of_one):
+    """bf16, weights held still: a shorter iteration (4) releases the graph (its pool) and runs
+    eagerly, a new capture follows after the warm-up; every loss and gradient norm as eager."""
+    flags = ["--lr", "0", "--min-lr", "0", "--bf16", "--variable-seq-length-prob", "0.01"]
+    lengths = {4: 9}
+    eager_losses, eager_norms, _, _ = train("mdlm", 7, *flags, lengths=lengths)
+    losses, norms, _, built = train("mdlm", 7, *flags, *GRAPH, "--cuda-graph-warmup-steps", "2", stand_in=False,
+                                    lengths=lengths)
+    assert built.graph.captures == 2  # iterations 3 and 6
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(eager_norms), rtol=1e-2, atol=1e-4)
 
 
 @pytest.mark.gpu

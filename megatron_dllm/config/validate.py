@@ -285,13 +285,11 @@ def cuda_graph(config, world_size=None) -> None:
             model.transformer_impl == "transformer_engine" or config.precision.fp8_format is not None
             or (world_size is not None and model.uses_te()),
         "activation recompute": bool(model.recompute().get("recompute_granularity")),
-        "--variable-seq-length-prob": config.data.variable_seq_length_prob > 0,
     }
     clash = [name for name, given in refused.items() if given]
     if clash:
         raise InputError(f"--cuda-graph-scope full_iteration does not support {', '.join(clash)}: the graph runs "
-                         f"one device's forward and backward at fixed shapes, with data-parallel gradient "
-                         f"reduction after it")
+                         f"one device's forward and backward, with data-parallel gradient reduction after it")
     if world_size is not None:
         from megatron_dllm import platform
 
