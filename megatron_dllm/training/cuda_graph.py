@@ -80,7 +80,7 @@ class FullIterationGraph:
     def __call__(self, forward_backward, micro_batches) -> list:
         batches = list(micro_batches)
         if self.graph is not None and [_form(b) for b in batches] != [_form(b) for b in self.inputs]:
-            self.losses = self.inputs = None  # the capture's outputs live in its memory pool
+            self.losses = self.inputs = self.finalize_call = None  # these hold tensors of its memory pool
             self.graph.release()
             self.graph, self.eager_left = None, self.warmup_steps
         if self.eager_left > 0:
