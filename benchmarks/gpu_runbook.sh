@@ -39,7 +39,8 @@
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
 #        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
-#        kernel, the samplers' CUDA graphs, the training step's full-iteration graph)
+#        kernel, the samplers' CUDA graphs, the training step's full-iteration graph, gradient-
+#        accumulation fusion)
 #
 # Every step's output goes to $OUT/NN-STEP.log (a flat folder: at most 8 files come back from a
 # call) and $OUT/summary.md, which is also printed at the end: per step its status, seconds and
@@ -350,7 +351,7 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
     build_extensions
     gpu_tests gpu_tests 420 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
       tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py \
-      tests/test_cuda_graph.py
+      tests/test_cuda_graph.py tests/test_gradient_accumulation_fusion.py
     ;;
 esac
 
