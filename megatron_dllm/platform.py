@@ -232,7 +232,7 @@ def fp32_accumulating_gemm() -> bool:
     total = torch.ones(2, 2, device=device())
     try:
         torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
-    except RuntimeError:  # a torch whose CUDA addmm wants `self` in the factors' dtype
+    except (TypeError, RuntimeError):  # a torch without out_dtype, or whose CUDA addmm wants `self` in bf16
         return False
     return bool((total == 3).all())
 
