@@ -114,6 +114,14 @@ def test_flags_and_defaults(monkeypatch):
         resolve_fusion("sdpa", gradient_accumulation=True)
 
 
+def test_the_probe_says_no_where_addmm_cannot_add_bf16_into_fp32(monkeypatch):
+    """The CUDA probe run on a device whose addmm has no bf16-into-fp32 kernel (this CPU build's,
+    standing in for an older torch's CUDA addmm) answers False instead of raising."""
+    monkeypatch.setattr(platform, "HAS_CUDA", True)
+    monkeypatch.setattr(platform, "device", lambda: torch.device("cpu"))
+    assert platform.fp32_accumulating_gemm.__wrapped__() is False
+
+
 def test_apex_kernels_are_kept_where_installed(monkeypatch):
     apex = object()
     monkeypatch.setattr(megatron_layers, "fused_weight_gradient_mlp_cuda", apex, raising=False)
