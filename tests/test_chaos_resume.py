@@ -72,3 +72,30 @@ def test_sigterm_forwarded_by_torchrun_after_an_async_save_still_saves(demo_cach
     assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(it)
     assert not list(ckpt.glob("*.incomplete"))
+
+
+def test_a_process_runs_until_its_last_thread_has_ended(tmp_path):
+    """A process whose main thread has ended while another thread goes on (as a killed rank's
+    writer thread finishing an fsync) still holds its files, its output's lock among them: it is
+    running, and found by its mark, until its last thread is gone. Its main thread alone reads as
+    a zombie, which the check once took for the whole process."""
+    from megatron_dllm.cli.chaos_resume import MARK, marked_processes, running
+
+    code = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "ctypes.CDLL(None).pthread_exit(None)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, MARK: str(tmp_path)})
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        else:
+            pytest.fail("the main thread never ended")
+        assert running(proc.pid)
+        assert [pid for pid, _ in marked_processes(str(tmp_path))] == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not running(proc.pid) and marked_processes(str(tmp_path)) == []

@@ -99,13 +99,29 @@ def children(pid: int) -> list[int]:
     return kids
 
 
-def running(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie (an ended child its parent has not reaped)."""
+def _live_thread(pid: int) -> str | None:
+    """/proc/PID/task/TID of a thread of `pid` that has not ended, or None once none is left. A
+    killed process's main thread can end (and read as a zombie, with empty command line and
+    environment) while another thread still finishes a write, a save's fsync: the process holds
+    its files, its output's lock among them, until its last thread is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return False
+        return None
+    for thread in threads:
+        path = f"/proc/{pid}/task/{thread}"
+        try:
+            with open(f"{path}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return path
+        except OSError:
+            continue
+    return None
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and has a thread that has not ended (not a zombie)."""
+    return _live_thread(pid) is not None
 
 
 def process_tree(pid: int) -> list[int]:
@@ -141,16 +157,16 @@ def marked_processes(mark: str) -> list[tuple[int, str]]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
+        thread = _live_thread(int(name))
+        if thread is None:  # a zombie runs nothing
+            continue
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
+            with open(f"{thread}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            with open(f"/proc/{name}/environ", "rb") as f:
+            with open(f"{thread}/environ", "rb") as f:
                 if needle not in f.read() + b"\0" and mark + os.sep not in cmdline:
                     continue
-            with open(f"/proc/{name}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie runs nothing
-                    continue
-        except OSError:
+        except OSError:  # gone meanwhile, or not ours to read
             continue
         found.append((int(name), cmdline))
     return found
