@@ -63,6 +63,18 @@ def test_categories_partition_the_steps_and_backward_follows_the_forward_region(
     assert trainer.family.loss.__func__ is type(trainer.family).loss  # the regions came off again
 
 
+def test_an_in_place_gemm_is_matmul():
+    """Gradient-accumulation fusion's weight-gradient GEMM (`addmm_` into the main gradient) is a
+    matmul, not elementwise work; the add it replaces is elementwise."""
+    a, total = torch.randn(128, 128), torch.zeros(128, 128)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function(STEP):
+            total.addmm_(a, a)
+            total.add_(a)
+    ops = breakdown(prof.events(), False, lambda e: 0).top_ops
+    assert "aten::addmm_" in ops["matmul"] and "aten::add_" in ops["elementwise/normalisation"]
+
+
 @pytest.mark.slow
 def test_known_delays_land_in_their_own_categories(trainer, monkeypatch):
     """Sleeps of different lengths in the batch iterator, the family loss and the optimizer step

@@ -18,7 +18,7 @@ The rule (the same on CPU and GPU):
   function's sequence number and forward thread), also where the autograd engine runs backward
   on a thread of its own (on GPU); a region opened inside a backward function (activation
   recompute) is innermost there;
-* else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear) is matmul, any other
+* else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear; in place too) is matmul, any other
   ATen op and every TorchInductor kernel (`--compile-elementwise`'s regions, recorded under their
   kernel names) is elementwise/normalisation, and the rest is other.
 
@@ -53,8 +53,10 @@ CATEGORIES = ("matmul", "attention", "elementwise/normalisation", "loss head", "
               "input wait", "other")
 REGION_CATEGORY = {regions.ATTENTION: "attention", regions.LOSS_HEAD: "loss head",
                    regions.OPTIMIZER: "optimizer", regions.INPUT_WAIT: "input wait"}
+# in place too: gradient-accumulation fusion's weight-gradient GEMM is `addmm_` into the main gradient
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
-            "aten::addbmm", "aten::_scaled_mm", "aten::mv", "aten::addmv"}
+            "aten::addbmm", "aten::_scaled_mm", "aten::mv", "aten::addmv", "aten::addmm_", "aten::baddbmm_",
+            "aten::addbmm_", "aten::addmv_"}
 # triton_tem: TorchInductor's GEMM templates
 GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet", "triton_tem")
 COMPILED_KERNEL_PREFIXES = ("triton_", "cpp_fused_")  # TorchInductor's kernels (GPU, CPU)
