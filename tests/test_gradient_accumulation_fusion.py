@@ -4,8 +4,8 @@ weight-gradient GEMM (torch's addmm standing in for Apex's kernel). On CPU in fp
 accumulated gradients and losses over iterations of two micro-batches equal the unfused step's,
 the tied embedding of the GPT backbone keeps both its gradients, the CUDA-graph stand-in replays
 it exactly, and two ranks (TP=2 with sequence parallelism; data parallel with the reduction
-overlapped) agree with their unfused run. On a GPU (marked `gpu`): the bf16 GEMM into an fp32
-gradient, and the step in bf16 with and without the graph."""
+overlapped; PP=2 with a tied embedding) agree with their unfused run. On a GPU (marked `gpu`):
+the bf16 GEMM into an fp32 gradient, and the step in bf16 with and without the graph."""
 import pytest
 import torch
 from conftest import run_worker_on_two_ranks
@@ -83,12 +83,13 @@ def test_the_graph_stand_in_replays_the_fused_step_exactly(world_of_one):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", ["tp2-sp", "dp2-overlap"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "dp2-overlap", "pp2-gpt-tied"])
 def test_two_ranks_accumulate_as_unfused(layout, tmp_path):
     """Two gloo ranks: TP=2 with sequence parallelism (the weight-gradient GEMM of the all-gathered
-    input), or two data-parallel ranks with the distributed optimizer and the reduction overlapped
-    with the backward (megatron's bucket hooks need the dummy gradient the fused path returns):
-    each rank's losses and gradients equal its unfused run's."""
+    input); two data-parallel ranks with the distributed optimizer and the reduction overlapped
+    with the backward (megatron's bucket hooks need the dummy gradient the fused path returns); or
+    PP=2 of the GPT backbone, whose tied embedding's copy on the last stage takes the output
+    layer's fused gradient: each rank's losses and gradients equal its unfused run's."""
     result = run_worker_on_two_ranks("gradient_accumulation_fusion_worker.py", tmp_path, layout, timeout=240)
     assert result == {"losses_equal": True, "gradients_equal": True, "fused_calls": True}
 
