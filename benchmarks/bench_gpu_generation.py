@@ -48,7 +48,6 @@ on one H100 (at most one run past the budget); the whole grid needs several: doc
 from __future__ import annotations
 
 import functools
-import gc
 import json
 import os
 import sys
@@ -122,7 +121,6 @@ def variant_models(inf: InferenceModel, variants) -> dict:
 
 def timed(fn, *args, **kwargs):
     """(wall seconds between device synchronisations, peak memory bytes, fn(*args, **kwargs))."""
-    gc.collect()
     platform.release_cached_memory()
     platform.reset_peak_memory()
     platform.synchronize()
@@ -250,7 +248,7 @@ def warm_up(runner, batch: int, calls: int) -> None:
     except RuntimeError as err:
         if not platform.is_out_of_memory(err):
             raise
-        platform.release_cached_memory()
+    platform.release_cached_memory()
 
 
 class Report:

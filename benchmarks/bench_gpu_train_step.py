@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import os
 import statistics
 import sys
@@ -78,7 +77,6 @@ def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | 
         return statistics.median(times), platform.peak_memory()[0], first
     finally:
         del step, inp
-        gc.collect()
         platform.release_cached_memory()
 
 

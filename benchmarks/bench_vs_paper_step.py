@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib.util
 import os
 import statistics
@@ -160,7 +159,6 @@ def measure(variant: str, paper, preset, family, vocab: int, batch: int, seq: in
         return statistics.median(times), platform.peak_memory()[0], loss
     finally:
         del step
-        gc.collect()
         platform.release_cached_memory()
 
 

@@ -210,8 +210,8 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
       "needs a CUDA GPU"
     train_step step_sdpa_fused 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
       --fusion default --max-micro-batch $SDPA_MB
-    # micro-batch 8 ran out of memory on 2026-11-27 (about 69 GiB by the peaks at 4): with the
-    # allocator's expandable segments, against fragmentation?
+    # micro-batch 8 ran out of memory on 2026-11-27 beside the failed 16's model, which the search
+    # did not free then (platform.release_cached_memory): 8 alone, with expandable segments
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True graph_step step_graph_expandable 100 --families mdlm \
       --max-micro-batch $((SDPA_MB * 2))
     # what the graph leaves: its replayed kernels go by their names (training/profile_breakdown.py)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import os
 import random
 import warnings
@@ -88,7 +89,12 @@ def tool_device(requested: str | None = None) -> str:
 
 
 def release_cached_memory() -> None:
-    """Return the CUDA caching allocator's free blocks (after an out-of-memory probe)."""
+    """Free what a finished or failed attempt left unreferenced, then return the CUDA caching
+    allocator's free blocks. A model is a reference cycle (megatron-core's DDP keeps its gradient
+    hooks, whose closures hold the DDP module), so only the cycle collector frees it. After an
+    out-of-memory error call this once the `except` clause has ended: until then the error's
+    traceback keeps the failed attempt's frames, and with them its model, alive."""
+    gc.collect()
     if HAS_CUDA:
         torch.cuda.empty_cache()
 
@@ -116,8 +122,8 @@ def halve_until_it_fits(run, batch: int):
         except Exception as err:  # also a compiler's error that wraps running out of memory
             if not (out_of_memory_raises(device()) and is_out_of_memory(err)):
                 raise
-            release_cached_memory()
-            batch //= 2
+        release_cached_memory()  # here, with the error gone: see its docstring
+        batch //= 2
     return None
 
 

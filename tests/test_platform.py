@@ -80,3 +80,46 @@ def test_halve_until_it_fits_backs_off_only_where_out_of_memory_raises(device, m
     assert platform.halve_until_it_fits(lambda b: run(99), 2) is None
     with pytest.raises(ValueError):
         platform.halve_until_it_fits(lambda b: int("x"), 8)
+
+
+@pytest.mark.parametrize("search", ["halve_until_it_fits", "largest_batch", "in_batches"])
+def test_a_batch_that_ran_out_of_memory_is_freed_before_the_next_one_runs(search, monkeypatch):
+    """A training model is a reference cycle (megatron-core's DDP keeps gradient hooks whose
+    closures hold the module), which only the cycle collector frees, and an out-of-memory error's
+    traceback holds the failed attempt's frames until its `except` clause ends. Every batch search
+    must free the failed attempt's model before it goes on: on a GPU the next, smaller batch would
+    otherwise run (and have its peak measured) beside the failed one's weights and optimizer state.
+    Automatic collection is off here, so only the search's own collection can free it."""
+    import gc
+    import weakref
+
+    import step_cases
+
+    from megatron_dllm.evaluation.generation_batches import in_batches
+    from megatron_dllm.evaluation.throughput import largest_batch
+
+    monkeypatch.setattr(platform, "device", lambda: torch.device("cuda"))  # where running out of memory raises
+    models, alive = [], []  # which models are alive at the start of each attempt, and at the end
+
+    def attempt(batch: int):
+        alive.append([m() is not None for m in models])
+        built = step_cases.build("mdlm")[2]
+        models.append(weakref.ref(built.model[0]))
+        if batch > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return [batch] * batch
+
+    searches = {"halve_until_it_fits": lambda: platform.halve_until_it_fits(attempt, 4),
+                "largest_batch": lambda: largest_batch(attempt, None, torch.device("cuda")),
+                "in_batches": lambda: in_batches([0] * 6, "auto", torch.device("cuda"), lambda c: attempt(len(c)))}
+    monkeypatch.setattr(platform, "auto_generation_batch", lambda device: 4)
+    gc.collect()
+    gc.disable()
+    try:
+        found = searches[search]()
+        alive.append([m() is not None for m in models])
+    finally:
+        gc.enable()
+    assert found == {"halve_until_it_fits": (2, [2, 2]), "largest_batch": 2, "in_batches": [2] * 6}[search]
+    failed = {"halve_until_it_fits": 0, "largest_batch": 2, "in_batches": 0}[search]  # the attempt at 4
+    assert not any(snapshot[failed] for snapshot in alive[failed + 1:]), alive

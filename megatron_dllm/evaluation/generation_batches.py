@@ -39,10 +39,11 @@ def in_batches(lengths: Sequence[int], batch_size: int | str, device, run: Calla
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not (auto and size > 1 and platform.out_of_memory_raises(device) and platform.is_out_of_memory(err)):
                 raise
-            platform.release_cached_memory()
-            size //= 2
+        else:
+            for i, out in zip(chunk, outputs):
+                results[i] = out
+            first += len(chunk)
             continue
-        for i, out in zip(chunk, outputs):
-            results[i] = out
-        first += len(chunk)
+        platform.release_cached_memory()  # with the error gone, which held the failed batch
+        size //= 2
     return results

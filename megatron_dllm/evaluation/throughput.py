@@ -48,9 +48,11 @@ def largest_batch(fits, max_batch_size: int | None, device) -> int:
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not platform.is_out_of_memory(err):
                 raise
-            platform.release_cached_memory()
-            break
-        best, b = b, b * 2
+        else:
+            best, b = b, b * 2
+            continue
+        platform.release_cached_memory()  # with the error gone, which held the failed batch
+        break
     if best is None:
         raise InputError("--batch-size auto: even a batch of 1 runs out of memory")
     return best
