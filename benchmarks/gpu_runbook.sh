@@ -35,7 +35,8 @@
 #        (d2 to d5 first run tests/test_cuda_graphs.py, once per warm machine: graphs are timed
 #        only if it passes)
 #        (d to d5 are docs/gpu.md's generation commands, "Still to measure: generation")
-#   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh
+#   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh, then the
+#        tests of both specs loading each other's checkpoints (tests/test_spec_checkpoints.py)
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
 #        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
@@ -334,6 +335,8 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
 for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000000 )); then cp \$w $OUT/; fi; done" \
         "is a CPU build"
       [[ $DRY == 1 ]] && rm -rf $wh
+      # TE's layers against the local spec's from one checkpoint, and each loading the other's
+      gpu_tests te_tests 150 tests/test_spec_checkpoints.py
     fi
     ;;
   e2)
