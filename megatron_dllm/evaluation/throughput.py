@@ -48,11 +48,9 @@ def largest_batch(fits, max_batch_size: int | None, device) -> int:
         except RuntimeError as err:  # torch.OutOfMemoryError is a RuntimeError
             if not platform.is_out_of_memory(err):
                 raise
-        else:
-            best, b = b, b * 2
-            continue
-        platform.release_cached_memory()  # with the error gone, which held the failed batch
-        break
+            break
+        best, b = b, b * 2
+    platform.release_cached_memory()  # here, with the error (which held the failed batch) gone
     if best is None:
         raise InputError("--batch-size auto: even a batch of 1 runs out of memory")
     return best
