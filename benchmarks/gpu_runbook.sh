@@ -39,6 +39,8 @@
 #        tests of both specs loading each other's checkpoints (tests/test_spec_checkpoints.py)
 #   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
 #        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
+#   e3   TransformerEngine: the loss curves of FP8 against bf16 (MDLM, Duo; 300 iterations of the
+#        embedded default), the end within 1.5%? (benchmarks/compare_loss_curves.py)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
 #        kernel, the samplers' CUDA graphs, the training step's full-iteration graph, gradient-
 #        accumulation fusion)
@@ -48,7 +50,7 @@
 # the figures (table rows and verdict lines) of its log.
 set -uo pipefail
 
-STAGES="s a b b2 c c2 d d2 d3 d4 d5 e1 e2 t"
+STAGES="s a b b2 c c2 d d2 d3 d4 d5 e1 e2 e3 t"
 STAGE=${1:-}
 if [[ -z "$STAGE" || "$STAGE" == -h || "$STAGE" == --help ]]; then
   sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -77,12 +79,12 @@ STEPS_DONE=()
 
 # Sizes: the measurement, or the smallest that exercises the same code on a CPU
 if [[ $DRY == 1 ]]; then
-  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2
+  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2 CURVE_ITERS=20
   SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
   GEN_BIG=cpu-micro GEN_MID=cpu-micro GEN_SMALL=cpu-micro GEN_L=32 GEN_L2=16 GEN_T="4" GEN_T3="4 8"
   GEN_SIZE="--vocab 32001 --max-batch 2 --max-new-tokens 6" GEN_PROMPTS=2  # the tokenizer of the GSM8K rows has 32,001 ids
 else
-  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4  # SDPA_MB: what fits at 1.7B
+  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4 CURVE_ITERS=300  # SDPA_MB: what fits at 1.7B
   SDPA_SHAPE=()
   GEN_BIG=1708M GEN_MID=413M GEN_SMALL=163M GEN_L=2048 GEN_L2=1024 GEN_T="16 64" GEN_T3="16 64 256"
   GEN_SIZE="" GEN_PROMPTS=4
@@ -348,6 +350,12 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
     train_step te_fp8_tensorwise 150 --families mdlm "${te[@]}" --fp8-format hybrid --fp8-recipe tensorwise \
       --max-micro-batch $MAXMB
     paper_step paper_fp8 $PAPER_VOCAB_C sdpa sdpa+fp8
+    ;;
+  e3)
+    install_wheels
+    # FP8 against bf16 (TE's layers): 300 iterations of the embedded default, MDLM and Duo; within 1.5%?
+    step fp8_loss_curves 480 "$PY benchmarks/compare_loss_curves.py --families mdlm duo --train-iters $CURVE_ITERS" \
+      "need TransformerEngine on a CUDA GPU"
     ;;
   t)
     install_wheels
