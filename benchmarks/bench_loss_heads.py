@@ -8,17 +8,28 @@ torch.cuda.max_memory_allocated, on CPU the process's peak RSS (VmHWM, reset thr
 /proc/self/clear_refs before each measurement). Heads alternate (A B, A B, ...).
 
     python benchmarks/bench_loss_heads.py [--batch 8 --seq 2048 --vocab 32001 --repeats 5 --bf16]
+                                          [--duo-chunk-elements N [N ...]]
+
+Each head's ATen operations per forward + backward are counted too (one more untimed pass, views
+left out): on a GPU each is a kernel launch, whatever the device that counted them.
+`--duo-chunk-elements` measures Duo's head at those chunk sizes (default: the platform's,
+`platform.vocabulary_chunk_elements`: 2^22 on CPU, 2^25 on a GPU).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from megatron_dllm import platform
-from megatron_dllm.families import Noise, get_family
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernel_count import OpCounter  # noqa: E402
+
+from megatron_dllm import platform  # noqa: E402
+from megatron_dllm.families import Noise, get_family  # noqa: E402
 
 
 def rss_peak() -> int:
@@ -68,38 +79,62 @@ def run_head(family, leaf, inp):
     return dt, extra
 
 
-def main():
+def count_ops(family, leaf, inp) -> int:
+    with OpCounter() as counter:
+        family.loss(leaf.clone(), inp).sum().backward()
+    leaf.grad = None
+    return sum(counter.ops.values())
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32001)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--duo-chunk-elements", type=int, nargs="+", default=None,
+                    help="Duo's fp32 chunk sizes to measure (default: the platform's)")
+    args = ap.parse_args(argv)
     platform.init_distributed(1, 1, seed=0)
     dev = platform.device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     V, B, L = args.vocab, args.batch, args.seq
-    heads = {name: get_family(name, V - 1, V, "nelbo") for name in ("mdlm", "duo")}
+    family = {name: get_family(name, V - 1, V, "nelbo") for name in ("mdlm", "duo")}
     tokens = torch.randint(0, V - 1, (B, L))
     ids = torch.arange(B)
-    inputs = {n: f.corrupt(tokens, Noise(1, ids, ids, B)).to(dev) for n, f in heads.items()}
+    inputs = {n: f.corrupt(tokens, Noise(1, ids, ids, B)).to(dev) for n, f in family.items()}
+    chunks = args.duo_chunk_elements or [platform.vocabulary_chunk_elements(dev)]
+    heads = {"mdlm": ("mdlm", None), **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", c) for c in chunks}}
     logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
     nbytes = logits.numel() * logits.element_size()
     print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; "
           f"{'cuda max_memory_allocated' if torch.cuda.is_available() else 'peak RSS (VmHWM)'} above the live logits")
-    results = {n: [] for n in heads}
-    for n in heads:  # warm-up
-        run_head(heads[n], logits, inputs[n])
+    chunk_of = platform.vocabulary_chunk_elements
+
+    def run(head, fn):
+        name, chunk = heads[head]
+        platform.vocabulary_chunk_elements = chunk_of if chunk is None else (lambda device: chunk)
+        try:
+            return fn(family[name], logits, inputs[name])
+        finally:
+            platform.vocabulary_chunk_elements = chunk_of
+
+    ops = {h: run(h, count_ops) for h in heads}
+    results = {h: [] for h in heads}
+    for h in heads:  # warm-up
+        run(h, run_head)
     for _ in range(args.repeats):
-        for n in heads:
-            results[n].append(run_head(heads[n], logits, inputs[n]))
-    print("| head | median fwd+bwd (s) | min (s) | median extra peak (MiB) | extra peak / logits size |")
-    print("|---|---|---|---|---|")
-    for n, r in results.items():
+        for h in heads:
+            results[h].append(run(h, run_head))
+    print("| head | ATen ops fwd+bwd | median fwd+bwd (s) | min (s) | median extra peak (MiB) "
+          "| extra peak / logits size |")
+    print("|---|---:|---|---|---|---|")
+    for h, r in results.items():
         ts, ms = [x[0] for x in r], [x[1] for x in r]
         med = statistics.median(ms)
-        print(f"| {n} | {statistics.median(ts):.3f} | {min(ts):.3f} | {med / 2**20:.0f} | {med / nbytes:.2f} |")
+        print(f"| {h} | {ops[h]} | {statistics.median(ts):.3f} | {min(ts):.3f} | {med / 2**20:.0f} "
+              f"| {med / nbytes:.2f} |")
     platform.destroy_distributed()
 
 

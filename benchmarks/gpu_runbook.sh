@@ -16,7 +16,8 @@
 #        at micro-batch 8 with expandable segments, then the
 #        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
 #        its trace
-#   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, local vs sdpa and eager
+#   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, Duo's loss head at two
+#        chunk sizes (bench_loss_heads.py), local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
 #        local fused
@@ -79,12 +80,12 @@ STEPS_DONE=()
 
 # Sizes: the measurement, or the smallest that exercises the same code on a CPU
 if [[ $DRY == 1 ]]; then
-  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2 CURVE_ITERS=20
+  PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2 CURVE_ITERS=20 LOSS_BATCH=1
   SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
   GEN_BIG=cpu-micro GEN_MID=cpu-micro GEN_SMALL=cpu-micro GEN_L=32 GEN_L2=16 GEN_T="4" GEN_T3="4 8"
   GEN_SIZE="--vocab 32001 --max-batch 2 --max-new-tokens 6" GEN_PROMPTS=2  # the tokenizer of the GSM8K rows has 32,001 ids
 else
-  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4 CURVE_ITERS=300  # SDPA_MB: what fits at 1.7B
+  PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4 CURVE_ITERS=300 LOSS_BATCH=4  # SDPA_MB: what fits at 1.7B
   SDPA_SHAPE=()
   GEN_BIG=1708M GEN_MID=413M GEN_SMALL=163M GEN_L=2048 GEN_L2=1024 GEN_T="16 64" GEN_T3="16 64 256"
   GEN_SIZE="" GEN_PROMPTS=4
@@ -224,6 +225,9 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
   a)
     install_wheels
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
+    # Duo's head at 16 and 128 MiB chunks (platform.vocabulary_chunk_elements: 128 on a GPU)
+    step loss_heads 90 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
+--repeats 5 --duo-chunk-elements 4194304 33554432"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
 --tokens $SEQ --vocab $VOCAB --families mdlm ar --rounds $ROUNDS --warmup $WARMUP"
     step ab_fusion 240 "$PY benchmarks/bench_compile.py --bf16 --presets $PRESET --seqs $SEQ --tokens $SEQ \
