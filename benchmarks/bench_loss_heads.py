@@ -12,8 +12,7 @@ torch.cuda.max_memory_allocated, on CPU the process's peak RSS (VmHWM, reset thr
 
 Each head's ATen operations per forward + backward are counted too (one more untimed pass, views
 left out): on a GPU each is a kernel launch, whatever the device that counted them.
-`--duo-chunk-elements` measures Duo's head at those chunk sizes (default: the platform's,
-`platform.vocabulary_chunk_elements`: 2^22 on CPU, 2^25 on a GPU).
+`--duo-chunk-elements` measures Duo's head at those chunk sizes (default: `duo.CHUNK_ELEMENTS`).
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel_count import OpCounter  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
-from megatron_dllm.families import Noise, get_family  # noqa: E402
+from megatron_dllm.families import Noise, duo, get_family  # noqa: E402
 
 
 def rss_peak() -> int:
@@ -104,21 +103,21 @@ def main(argv=None):
     tokens = torch.randint(0, V - 1, (B, L))
     ids = torch.arange(B)
     inputs = {n: f.corrupt(tokens, Noise(1, ids, ids, B)).to(dev) for n, f in family.items()}
-    chunks = args.duo_chunk_elements or [platform.vocabulary_chunk_elements(dev)]
+    chunks = args.duo_chunk_elements or [duo.CHUNK_ELEMENTS]
     heads = {"mdlm": ("mdlm", None), **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", c) for c in chunks}}
     logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
     nbytes = logits.numel() * logits.element_size()
     print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; "
           f"{'cuda max_memory_allocated' if torch.cuda.is_available() else 'peak RSS (VmHWM)'} above the live logits")
-    chunk_of = platform.vocabulary_chunk_elements
+    default_chunk = duo.CHUNK_ELEMENTS
 
     def run(head, fn):
         name, chunk = heads[head]
-        platform.vocabulary_chunk_elements = chunk_of if chunk is None else (lambda device: chunk)
+        duo.CHUNK_ELEMENTS = chunk or default_chunk
         try:
             return fn(family[name], logits, inputs[name])
         finally:
-            platform.vocabulary_chunk_elements = chunk_of
+            duo.CHUNK_ELEMENTS = default_chunk
 
     ops = {h: run(h, count_ops) for h in heads}
     results = {h: [] for h in heads}

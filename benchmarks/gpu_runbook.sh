@@ -225,7 +225,7 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
   a)
     install_wheels
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
-    # Duo's head at 16 and 128 MiB chunks (platform.vocabulary_chunk_elements: 128 on a GPU)
+    # Duo's head at 16 MiB chunks (duo.CHUNK_ELEMENTS) and 128: L2-resident passes or 5.5x fewer launches?
     step loss_heads 90 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
 --repeats 5 --duo-chunk-elements 4194304 33554432"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \

@@ -112,15 +112,6 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def vocabulary_chunk_elements(device) -> int:
-    """Elements per fp32 chunk of vocabulary-sized loss work on `device` (Duo's head: about 38
-    operations per chunk, forward and backward). On a GPU every operation is a kernel launch:
-    16 MiB chunks took 2,421 dispatched operations per micro-batch of 4 x 2048 tokens at V = 32,001
-    against 442 at 128 MiB (benchmarks/RESULTS.md, "Loss heads"), for 0.4 GB of temporaries. On the
-    CPU an operation's dispatch is small next to its work, and memory is scarcer: 16 MiB."""
-    return 1 << 25 if torch.device(device).type == "cuda" else 1 << 22
-
-
 def halve_until_it_fits(run, batch: int):
     """(b, run(b)) for the first b of batch, batch // 2, ..., 1 at which `run` does not run out of
     memory, or None if even 1 does. Where running out of memory kills the process instead of raising

@@ -6,8 +6,7 @@ import pytest
 import torch
 from conftest import run_worker_on_two_ranks
 
-from megatron_dllm import platform
-from megatron_dllm.families import Noise, get_family
+from megatron_dllm.families import Noise, duo, get_family
 
 VOCAB, PADDED, MASK = 50, 64, 49  # ids < 50 incl. [MASK] = 49; TP padding 50..63
 V = VOCAB - 1                     # ids a token can take: the real vocabulary minus [MASK]
@@ -63,14 +62,13 @@ def dense_loss_and_grad(inp, logits):
     return loss.detach(), leaf.grad
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 5, 1])  # None: the platform's (one chunk here)
+@pytest.mark.parametrize("chunk_rows", [None, 5, 1])  # None: CHUNK_ELEMENTS (one chunk here)
 @pytest.mark.parametrize("t_value", [EPS, 0.5, 1.0])
 def test_loss_and_grad_equal_dense_reference_tp1(t_value, chunk_rows, world_of_one, monkeypatch):
     """Also with the vocabulary work in chunks of 5 rows (the last one partial) and of 1 row, as
-    the 16 MiB and 128 MiB chunks of CPUs and GPUs (`platform.vocabulary_chunk_elements`) split
-    real batches."""
+    `duo.CHUNK_ELEMENTS` splits real batches."""
     if chunk_rows is not None:
-        monkeypatch.setattr(platform, "vocabulary_chunk_elements", lambda device: chunk_rows * PADDED)
+        monkeypatch.setattr(duo, "CHUNK_ELEMENTS", chunk_rows * PADDED)
     family, inp, logits = make_case(t_value)
     assert (inp.input_ids == inp.targets).any() and (inp.input_ids != inp.targets).any()
     got, grad = family_loss_and_grad(family, inp, logits)

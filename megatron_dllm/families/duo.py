@@ -37,10 +37,9 @@ communication (outputs are replicated over TP ranks, so each rank's upstream gra
     dL/dl_j = g_lse p_j + g_S1 (p_j W2 - r_j^2/(1 + r_j)) + g_lz [j = z] + g_lx [j = x]
 (the textbook form g_S1 (w_j - p_j W) with w = r/(1 + r) loses ~3 digits to cancellation at t ~ 1).
 
-Precision and memory. Vocabulary-sized work is fp32 over row chunks of at most
-`platform.vocabulary_chunk_elements` elements (16 MiB on CPU, 128 MiB on a GPU; bf16 logits are
-upcast per chunk); vocabulary sums accumulate in fp64; the per-token combination runs in fp64
-on [s*b] vectors (factors 1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
+Precision and memory. Vocabulary-sized work is fp32 over row chunks of at most `CHUNK_ELEMENTS`
+elements (bf16 logits are upcast per chunk); vocabulary sums accumulate in fp64; the per-token
+combination runs in fp64 on [s*b] vectors (factors 1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
 The forward allocates nothing logits-sized (it saves the logits, which exist anyway);
 the backward allocates only the logits gradient it returns (input dtype) plus chunk temporaries.
 So beyond the logits and their gradient, the head needs O(chunk) memory, not a logits-sized buffer.
@@ -51,11 +50,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dllm import platform
 from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
 from megatron_dllm.model.constants import T_EPS
+
+# fp32 temporaries per chunk: 16 MiB each. About 38 operations per chunk (forward and backward):
+# on CPU a dispatch is cheap next to a cache-resident chunk's work; on a GPU each is a launch
+# (2,421 per micro-batch of 4 x 2048 at V = 32,001; 441 at 128 MiB), but 16 MiB chunks stay in
+# the H100's L2 and 128 MiB ones do not: not yet measured there (benchmarks/RESULTS.md, "Loss heads").
+CHUNK_ELEMENTS = 1 << 22
 
 
 def _tp_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -92,7 +96,7 @@ class _DuoStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, z, x, A, B, start, excluded):
         rows, width = logits2d.shape
-        step = max(1, platform.vocabulary_chunk_elements(logits2d.device) // max(width, 1))
+        step = max(1, CHUNK_ELEMENTS // max(width, 1))
         dev = logits2d.device
         # 1. global max over the real ids
         m = torch.empty(rows, dtype=torch.float32, device=dev)
