@@ -93,7 +93,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--duo-chunk-elements", type=int, nargs="+", default=None,
-                    help="Duo's fp32 chunk sizes to measure (default: the platform's)")
+                    help="Duo's fp32 chunk sizes to measure (default: duo.CHUNK_ELEMENTS)")
     args = ap.parse_args(argv)
     platform.init_distributed(1, 1, seed=0)
     dev = platform.device()
