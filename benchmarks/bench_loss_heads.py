@@ -1,87 +1,115 @@
-"""Duo vs MDLM loss head: time and peak memory of forward + backward on the same logits.
+"""Loss heads side by side on the same logits: time, peak memory and operations of forward + backward.
 
-Logits [L, B, V] (default B=8, L=2048, V=32001, fp32) are created once; each round runs, per
-head, `loss(logits.clone()).sum().backward()` into logits.grad (the clone stands in for the model's output, which
-the heads modify in place) and records wall time and the peak memory *above the live logits and
-their clone* (so the logits gradient, one logits-sized buffer, is included): on GPU
-torch.cuda.max_memory_allocated, on CPU the process's peak RSS (VmHWM, reset through
-/proc/self/clear_refs before each measurement). Heads alternate (A B, A B, ...).
+Logits [L, B, V] (default B=8, L=2048, V=32001, fp32; `--bf16` as training has them) are created
+once. Each head runs on a fresh copy of them, standing in for the model's output (the heads work
+in place on it), and the gradient with respect to that copy is taken with `torch.autograd.grad`,
+as the output layer's backward would receive it. The heads:
+
+- `mdlm, megatron-core CE`: MDLM's head as it was, the baseline: [MASK] and the padding set to
+  -inf on the tracked logits, then megatron-core's `vocab_parallel_cross_entropy`;
+- `mdlm`: the family's head (`vocab_parallel.cross_entropy`, in place, chunked);
+- `duo`: Duo's closed-form NELBO, at each `--duo-chunk-elements` size (default `duo.CHUNK_ELEMENTS`).
 
     python benchmarks/bench_loss_heads.py [--batch 8 --seq 2048 --vocab 32001 --repeats 5 --bf16]
                                           [--duo-chunk-elements N [N ...]]
 
-Each head's ATen operations per forward + backward are counted too (one more untimed pass, views
-left out): on a GPU each is a kernel launch, whatever the device that counted them.
-`--duo-chunk-elements` measures Duo's head at those chunk sizes (default: `duo.CHUNK_ELEMENTS`).
+Heads alternate (A B C, A B C, ...) for the times. Memory and operations come from one more,
+untimed pass each: the peak allocated *above* the logits and their copy (so a gradient in a new
+buffer counts, one in the copy's own storage does not), on a GPU by torch.cuda.max_memory_allocated,
+on a CPU by sampling the C allocator's bytes in use (mallinfo2) after every ATen operation; and the
+ATen operations dispatched, views left out (on a GPU each is a kernel launch).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel_count import OpCounter  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
-from megatron_dllm.families import Noise, duo, get_family  # noqa: E402
+from megatron_dllm.families import Noise, duo, get_family, vocab_parallel  # noqa: E402
 
 
-def rss_peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
 
-def reset_peak():
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+def _malloc_in_use() -> int:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd  # heap blocks in use + mmapped blocks (large tensors)
 
 
-def current() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+class AllocatedPeak(TorchDispatchMode):
+    """The peak of bytes allocated above the entry's, sampled after every ATen operation (CPU);
+    cuda's own peak counter on a GPU."""
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.base = self.top = self.in_use()
+        return super().__enter__()
+
+    def in_use(self) -> int:
+        return torch.cuda.memory_allocated() if torch.cuda.is_available() else _malloc_in_use()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not torch.cuda.is_available():
+            self.top = max(self.top, self.in_use())
+        return out
+
+    @property
+    def extra(self) -> int:
+        top = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else self.top
+        return top - self.base
 
 
-def peak() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else rss_peak()
+def megatron_mdlm_loss(family, logits, inp):
+    """MDLM's `nelbo` head as it was before `vocab_parallel.cross_entropy`: the baseline."""
+    from megatron.core import tensor_parallel
+    for lo, hi in vocab_parallel.excluded_columns(logits, family.mask_id, family.vocab_size):
+        logits[..., lo:hi] = float("-inf")
+    nll = tensor_parallel.vocab_parallel_cross_entropy(logits, inp.targets.t().contiguous()).t()
+    return nll * (inp.input_ids == family.mask_id) * inp.valid / inp.t[:, None]
 
 
-def run_head(family, leaf, inp):
-    leaf.grad = None
-    out = leaf.clone()  # the model's output, modified in place by suppress
-    base = current()
-    reset_peak()
+def head_gradient(loss_fn, logits, inp):
+    """The gradient at the model's output (a tracked copy of the logits) of the head's summed loss."""
+    out = logits.clone()
+    return torch.autograd.grad(loss_fn(out, inp).sum(), out)[0]
+
+
+def timed(loss_fn, logits, inp) -> float:
     t0 = time.perf_counter()
-    loss = family.loss(out, inp).sum()
-    loss.backward()
+    head_gradient(loss_fn, logits, inp)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    extra = peak() - base
-    del out, loss
-    leaf.grad = None
-    return dt, extra
+    return time.perf_counter() - t0
 
 
-def count_ops(family, leaf, inp) -> int:
+def peak_extra(loss_fn, logits, inp) -> int:
+    out = logits.clone()
+    with AllocatedPeak() as peak:
+        torch.autograd.grad(loss_fn(out, inp).sum(), out)
+    return peak.extra
+
+
+def count_ops(loss_fn, logits, inp) -> int:
     with OpCounter() as counter:
-        family.loss(leaf.clone(), inp).sum().backward()
-    leaf.grad = None
+        head_gradient(loss_fn, logits, inp)
     return sum(counter.ops.values())
 
 
@@ -103,37 +131,43 @@ def main(argv=None):
     tokens = torch.randint(0, V - 1, (B, L))
     ids = torch.arange(B)
     inputs = {n: f.corrupt(tokens, Noise(1, ids, ids, B)).to(dev) for n, f in family.items()}
-    chunks = args.duo_chunk_elements or [duo.CHUNK_ELEMENTS]
-    heads = {"mdlm": ("mdlm", None), **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", c) for c in chunks}}
-    logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
-    nbytes = logits.numel() * logits.element_size()
-    print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; "
-          f"{'cuda max_memory_allocated' if torch.cuda.is_available() else 'peak RSS (VmHWM)'} above the live logits")
     default_chunk = duo.CHUNK_ELEMENTS
 
-    def run(head, fn):
-        name, chunk = heads[head]
-        duo.CHUNK_ELEMENTS = chunk or default_chunk
-        try:
-            return fn(family[name], logits, inputs[name])
-        finally:
-            duo.CHUNK_ELEMENTS = default_chunk
+    def duo_head(chunk):
+        def loss(logits, inp):
+            duo.CHUNK_ELEMENTS = chunk
+            try:
+                return family["duo"].loss(logits, inp)
+            finally:
+                duo.CHUNK_ELEMENTS = default_chunk
+        return loss
 
-    ops = {h: run(h, count_ops) for h in heads}
-    results = {h: [] for h in heads}
+    heads = {"mdlm, megatron-core CE": ("mdlm", lambda logits, inp: megatron_mdlm_loss(family["mdlm"], logits, inp)),
+             "mdlm": ("mdlm", family["mdlm"].loss),
+             **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", duo_head(c))
+                for c in args.duo_chunk_elements or [default_chunk]}}
+    logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
+    nbytes = logits.numel() * logits.element_size()
+    print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; extra peak: "
+          f"{'cuda max_memory_allocated' if torch.cuda.is_available() else 'malloc bytes in use, sampled per op'}")
+
+    def run(fn, head):
+        name, loss_fn = heads[head]
+        return fn(loss_fn, logits, inputs[name])
+
+    ops = {h: run(count_ops, h) for h in heads}
+    extra = {h: run(peak_extra, h) for h in heads}
+    times = {h: [] for h in heads}
     for h in heads:  # warm-up
-        run(h, run_head)
+        run(timed, h)
     for _ in range(args.repeats):
         for h in heads:
-            results[h].append(run(h, run_head))
-    print("| head | ATen ops fwd+bwd | median fwd+bwd (s) | min (s) | median extra peak (MiB) "
-          "| extra peak / logits size |")
-    print("|---|---:|---|---|---|---|")
-    for h, r in results.items():
-        ts, ms = [x[0] for x in r], [x[1] for x in r]
-        med = statistics.median(ms)
-        print(f"| {h} | {ops[h]} | {statistics.median(ts):.3f} | {min(ts):.3f} | {med / 2**20:.0f} "
-              f"| {med / nbytes:.2f} |")
+            times[h].append(run(timed, h))
+    print("| head | ATen ops fwd+bwd | median fwd+bwd (s) | min (s) | extra peak (MiB) | extra peak / logits size |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for h, ts in times.items():
+        print(f"| {h} | {ops[h]} | {statistics.median(ts):.3f} | {min(ts):.3f} | {extra[h] / 2**20:.0f} "
+              f"| {extra[h] / nbytes:.2f} |")
     platform.destroy_distributed()
 
 

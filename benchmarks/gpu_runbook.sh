@@ -16,8 +16,8 @@
 #        at micro-batch 8 with expandable segments, then the
 #        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
 #        its trace
-#   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, Duo's loss head at two
-#        chunk sizes (bench_loss_heads.py), local vs sdpa and eager
+#   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, the loss heads (megatron-core's
+#        cross entropy, the families' own, Duo's at two chunk sizes: bench_loss_heads.py), local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
 #        local fused
@@ -225,7 +225,8 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
   a)
     install_wheels
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
-    # Duo's head at 16 MiB chunks (duo.CHUNK_ELEMENTS) and 128: L2-resident passes or 5.5x fewer launches?
+    # the cross entropy in the logits' storage against megatron-core's (time, peak memory); Duo's head at
+    # 16 MiB chunks (duo.CHUNK_ELEMENTS) and 128: L2-resident passes or 5.5x fewer launches?
     step loss_heads 90 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
 --repeats 5 --duo-chunk-elements 4194304 33554432"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \

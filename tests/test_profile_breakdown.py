@@ -57,8 +57,8 @@ def test_categories_partition_the_steps_and_backward_follows_the_forward_region(
         assert name in ops["attention"], name
         assert not any(name in ops[c] for c in CATEGORIES if c != "attention"), name
     # the family loss (vocab-parallel cross entropy) and its backward are loss head
-    assert "_VocabParallelCrossEntropy" in ops["loss head"]
-    assert "_VocabParallelCrossEntropyBackward" in ops["loss head"]
+    assert "_CrossEntropy" in ops["loss head"]
+    assert "_CrossEntropyBackward" in ops["loss head"]
     assert "aten::mm" in ops["matmul"] and "aten::_fused_adamw_" in ops["optimizer"]  # Adam's update
     assert trainer.family.loss.__func__ is type(trainer.family).loss  # the regions came off again
 

@@ -27,7 +27,6 @@ class AR(Family):
         )
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
-        logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
-        return vocab_parallel.cross_entropy(logits, inp.targets) * inp.valid
+        return vocab_parallel.cross_entropy(logits, inp.targets, self.mask_id, self.vocab_size) * inp.valid
 
     nelbo = loss  # exact NLL

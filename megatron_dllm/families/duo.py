@@ -30,7 +30,7 @@ lse = log Σ_j exp(l_j), S1 = Σ_j log1p(r_j) (the V log(1 - a) part cancels ana
 V log xbar_theta[z]), and the logits at z and x. `_DuoStats` (a custom autograd function)
 computes them shard-locally plus tensor-parallel all-reduces of [s*b]-sized vectors (max, sum-exp,
 then S1 with W2 = Σ_j r_j^2/(1 + r_j), then the masked picks at z and x), never gathering logits.
-Suppressed columns ([MASK], TP padding; the columns of `vocab_parallel.suppress`) are set to -inf
+Suppressed columns ([MASK], TP padding; `vocab_parallel.excluded_columns`) are set to -inf
 in each fp32 chunk copy, not in the tracked logits, so r = 0 and p = 0 there; they are also
 zeroed explicitly before the S1 sum. The backward is analytic, shard-local and needs no
 communication (outputs are replicated over TP ranks, so each rank's upstream gradients agree):
@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
+from megatron_dllm.families.vocab_parallel import fp32_chunk, local_pick, tp_all_reduce
 from megatron_dllm.model.constants import T_EPS
 
 # fp32 temporaries per chunk: 16 MiB each. About 38 operations per chunk (forward and backward):
@@ -60,30 +60,6 @@ from megatron_dllm.model.constants import T_EPS
 # (2,421 per micro-batch of 4 x 2048 at V = 32,001; 441 at 128 MiB), but 16 MiB chunks stay in
 # the H100's L2 and 128 MiB ones do not: not yet measured there (benchmarks/RESULTS.md, "Loss heads").
 CHUNK_ELEMENTS = 1 << 22
-
-
-def _tp_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
-    return tensor
-
-
-def _local_pick(logits2d: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """logits2d[row, ids[row]] for ids this shard owns, 0 elsewhere (fp32, [rows])."""
-    local = ids - start
-    owned = (local >= 0) & (local < logits2d.shape[1])
-    picked = logits2d.gather(1, local.clamp(0, logits2d.shape[1] - 1)[:, None])[:, 0].float()
-    return torch.where(owned, picked, torch.zeros_like(picked))
-
-
-def _chunk(logits2d: torch.Tensor, rows: slice, excluded) -> torch.Tensor:
-    """An fp32 copy of rows of the logits with the excluded columns at -inf (vocab_parallel.suppress
-    applied to the copy: suppressing the autograd-tracked logits in place would make autograd
-    clone the whole logits gradient in backward, a second logits-sized buffer)."""
-    out = logits2d[rows].to(torch.float32, copy=True)
-    for lo, hi in excluded:
-        out[:, lo:hi] = float("-inf")
-    return out
 
 
 class _DuoStats(torch.autograd.Function):
@@ -101,14 +77,14 @@ class _DuoStats(torch.autograd.Function):
         # 1. global max over the real ids
         m = torch.empty(rows, dtype=torch.float32, device=dev)
         for r in range(0, rows, step):
-            m[r:r + step] = _chunk(logits2d, slice(r, r + step), excluded).amax(1)
-        _tp_all_reduce(m, dist.ReduceOp.MAX)
+            m[r:r + step] = fp32_chunk(logits2d, slice(r, r + step), excluded).amax(1)
+        tp_all_reduce(m, dist.ReduceOp.MAX)
         # 2. global sum of exp(l - m)
         se = torch.empty(rows, dtype=torch.float64, device=dev)  # vocabulary sums accumulate in fp64
         for r in range(0, rows, step):
-            se[r:r + step] = _chunk(logits2d, slice(r, r + step), excluded).sub_(m[r:r + step, None]).exp_().sum(
+            se[r:r + step] = fp32_chunk(logits2d, slice(r, r + step), excluded).sub_(m[r:r + step, None]).exp_().sum(
                 1, dtype=torch.float64)
-        _tp_all_reduce(se)
+        tp_all_reduce(se)
         lse64 = m.double() + se.log()
         lse = lse64.float()
         # 3. S1 = Σ_j log1p(r_j) with r_j = (A/B) p_j, and W2 = Σ_j r_j^2 / (1 + r_j), over the
@@ -116,7 +92,7 @@ class _DuoStats(torch.autograd.Function):
         log_ratio = (A / B).log()
         sw = torch.zeros(2, rows, dtype=torch.float64, device=dev)
         for r in range(0, rows, step):
-            ratio = _chunk(logits2d, slice(r, r + step), excluded).sub_(
+            ratio = fp32_chunk(logits2d, slice(r, r + step), excluded).sub_(
                 (lse[r:r + step] - log_ratio[r:r + step])[:, None]).exp_()
             tmp = torch.log1p(ratio)
             for lo, hi in excluded:  # already 0 there (p = 0); dropped explicitly all the same
@@ -125,9 +101,9 @@ class _DuoStats(torch.autograd.Function):
             torch.div(ratio, ratio + 1.0, out=tmp)
             sw[1, r:r + step] = tmp.mul_(ratio).sum(1, dtype=torch.float64)
             del ratio, tmp
-        _tp_all_reduce(sw)
-        lz = _tp_all_reduce(_local_pick(logits2d, z, start))
-        lx = _tp_all_reduce(_local_pick(logits2d, x, start))
+        tp_all_reduce(sw)
+        lz = tp_all_reduce(local_pick(logits2d, z, start))
+        lx = tp_all_reduce(local_pick(logits2d, x, start))
         ctx.save_for_backward(logits2d, z, x, A, B, lse, sw[1].clone())
         ctx.start, ctx.step, ctx.excluded = start, step, excluded
         return lse64, sw[0].clone(), lz, lx
@@ -147,7 +123,7 @@ class _DuoStats(torch.autograd.Function):
         grad = torch.empty_like(logits2d)
         for r in range(0, rows, step):
             sl = slice(r, r + step)
-            ratio = _chunk(logits2d, sl, excluded).sub_((lse[sl] - log_ratio[sl])[:, None]).exp_()
+            ratio = fp32_chunk(logits2d, sl, excluded).sub_((lse[sl] - log_ratio[sl])[:, None]).exp_()
             tmp = ratio + 1.0
             torch.div(ratio, tmp, out=tmp)
             tmp.mul_(-k2[sl, None]).add_(k1[sl, None]).mul_(ratio)
@@ -203,7 +179,7 @@ class Duo(Family):
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         s, b, width = logits.shape
         V = self.num_real
-        # [MASK] and TP padding are suppressed inside _DuoStats (the columns vocab_parallel.suppress sets)
+        # [MASK] and TP padding are suppressed inside _DuoStats (vocab_parallel.excluded_columns)
         start, _ = vocab_parallel.local_vocab_range(logits)
         excluded = vocab_parallel.excluded_columns(logits, self.mask_id, self.vocab_size)
 

@@ -61,8 +61,7 @@ class MDLM(Family):
     def _masked_nll(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
         if self.shift:  # logits are sequence-first [s, b, V/tp]
             logits = shift_right(logits, dim=0)
-        logits = vocab_parallel.suppress(logits, self.mask_id, self.vocab_size)
-        nll = vocab_parallel.cross_entropy(logits, inp.targets)
+        nll = vocab_parallel.cross_entropy(logits, inp.targets, self.mask_id, self.vocab_size)
         return nll * (inp.input_ids == self.mask_id) * inp.valid
 
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:

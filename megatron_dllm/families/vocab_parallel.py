@@ -1,12 +1,24 @@
 """Loss primitives on logits [s, b, V/tp] sharded over the vocabulary across tensor-parallel ranks.
 
 Nothing here gathers the full logits: reductions over the vocabulary are tensor-parallel
-all-reduces inside megatron's `vocab_parallel_cross_entropy`.
+all-reduces of per-token vectors. The columns no token can take ([MASK], the TP padding) are
+left out inside the losses, never set to -inf on the autograd-tracked logits: autograd would then
+clone the whole logits gradient.
+
+`cross_entropy` needs no memory beyond the logits but fp32 row chunks: its forward overwrites the
+logits with exp(l - max), in their dtype, and its backward scales those into the gradient in
+place. Megatron-core's `vocab_parallel_cross_entropy` keeps an fp32 softmax (twice the bf16
+logits) and returns an fp32 gradient that autograd casts back to bf16.
 """
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+# elements of each fp32 row chunk of the cross entropy of bf16 logits: 64 MiB, about 10 operations
+# a chunk (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001)
+CHUNK_ELEMENTS = 1 << 24
 
 
 def local_vocab_range(logits: torch.Tensor) -> tuple[int, int]:
@@ -24,20 +36,95 @@ def excluded_columns(logits: torch.Tensor, mask_id: int, vocab_size: int) -> lis
     return [(lo - start, hi - start) for lo, hi in ranges if lo < hi]
 
 
-def suppress(logits: torch.Tensor, mask_id: int, vocab_size: int) -> torch.Tensor:
-    """Never predict [MASK] or the TP padding ids (>= vocab_size): their logits become -inf.
+def tp_all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`tensor` reduced in place over the tensor-parallel group (as it is without TP)."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
+    return tensor
 
-    In place on this rank's shard (no logits-sized copy); autograd gives them zero gradient.
+
+def local_pick(logits2d: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """logits2d[row, ids[row]] for ids this shard owns, 0 elsewhere (fp32, [rows])."""
+    local = ids - start
+    owned = (local >= 0) & (local < logits2d.shape[1])
+    picked = logits2d.gather(1, local.clamp(0, logits2d.shape[1] - 1)[:, None])[:, 0].float()
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def fp32_chunk(logits2d: torch.Tensor, rows: slice, excluded) -> torch.Tensor:
+    """An fp32 copy of rows of the logits with the excluded columns at -inf."""
+    out = logits2d[rows].to(torch.float32, copy=True)
+    for lo, hi in excluded:
+        out[:, lo:hi] = float("-inf")
+    return out
+
+
+def included_columns(width: int, excluded) -> list[tuple[int, int]]:
+    """The [lo, hi) column ranges of a shard of `width` columns that `excluded` leaves."""
+    bounds = [0, *(edge for lo, hi in sorted(excluded) for edge in (lo, hi)), width]
+    return [(lo, hi) for lo, hi in zip(bounds[::2], bounds[1::2]) if lo < hi]
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """-log softmax(l)[target] per row of vocab-parallel logits [rows, V/tp], excluded columns
+    having probability 0. The logits' storage is reused: the forward overwrites it with
+    e = exp(l - max) (0 in the excluded columns and at the target), the backward with the gradient
+    (e / sum) g, and (p - 1) g at the target from the fp32 loss (p in bf16 would cancel there).
+    fp32 logits are worked on whole; lower precisions over fp32 copies of row chunks."""
+
+    @staticmethod
+    def forward(ctx, logits2d, targets, start, excluded):
+        rows, width = logits2d.shape
+        fp32 = logits2d.dtype == torch.float32
+        step = rows if fp32 else max(1, CHUNK_ELEMENTS // max(width, 1))
+        local = targets - start
+        owned = (local >= 0) & (local < width)
+        index = local.clamp(0, width - 1)[:, None]
+        m = torch.stack([logits2d[:, lo:hi].amax(1) for lo, hi in included_columns(width, excluded)])
+        m = m.amax(0).float()  # over the real ids only
+        tp_all_reduce(m, dist.ReduceOp.MAX)
+        # Σ_{j != target} e_j and the logit at the target (0 off its shard, -inf if no token can take it)
+        stats = torch.empty(2, rows, dtype=torch.float32, device=logits2d.device)
+        stats[1] = local_pick(logits2d, targets, start)
+        for lo, hi in excluded:
+            stats[1].masked_fill_((local >= lo) & (local < hi), float("-inf"))
+        for r in range(0, rows, step):
+            rows_ = slice(r, r + step)
+            chunk = logits2d[rows_].float().sub_(m[rows_, None]).exp_()
+            for lo, hi in excluded:
+                chunk[:, lo:hi] = 0.0
+            chunk.scatter_(1, index[rows_], chunk.gather(1, index[rows_]).masked_fill_(owned[rows_, None], 0.0))
+            stats[0, rows_] = chunk.sum(1)
+            if not fp32:
+                logits2d[rows_] = chunk
+        tp_all_reduce(stats)
+        rest, margin = stats[0], m - stats[1]  # margin = max - target logit >= 0
+        # -log p = margin + log(rest + e_target), e_target = exp(-margin), as log1p: exact for a
+        # confident target (margin 0, rest << 1), where log(sum) would round 1 + rest away
+        loss = margin + torch.log1p(rest + torch.expm1(-margin))
+        ctx.save_for_backward(logits2d, index, owned, rest + torch.exp(-margin), loss)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        e, index, owned, sum_e, loss = ctx.saved_tensors
+        grad = e.mul_((grad_loss / sum_e)[:, None])
+        at_target = torch.arange(len(index), device=grad.device) * grad.shape[1] + index[:, 0]  # flat positions
+        value = torch.where(owned, torch.expm1(-loss) * grad_loss, grad.view(-1)[at_target].float())
+        grad.view(-1)[at_target] = value.to(grad.dtype)
+        return grad, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask_id: int, vocab_size: int) -> torch.Tensor:
+    """-log p(target) per token in fp32, p the softmax over the real ids: [MASK] and the TP padding
+    (ids >= vocab_size) are never predicted and get zero gradient.
+
+    logits: [s, b, V/tp] as the model returns them; targets [b, s]; result [b, s]. Works in place:
+    `logits` holds exp(logits - max) afterwards and its gradient after the backward, so call it
+    once per logits and read nothing else from them.
     """
-    for lo, hi in excluded_columns(logits, mask_id, vocab_size):
-        logits[..., lo:hi] = float("-inf")
-    return logits
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """-log softmax(logits)[targets] per token, in fp32, over the sharded vocabulary.
-
-    logits: [s, b, V/tp] as the model returns them; targets [b, s]; result [b, s]. Megatron's
-    kernel works in place on `logits` (it holds exp(logits) afterwards): call it once per logits.
-    """
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, targets.t().contiguous()).t()
+    s, b, width = logits.shape
+    start, _ = local_vocab_range(logits)
+    excluded = excluded_columns(logits, mask_id, vocab_size)
+    rows = targets.t().reshape(-1).to(logits.device)
+    return _CrossEntropy.apply(logits.reshape(s * b, width), rows, start, excluded).view(s, b).t()
