@@ -100,7 +100,8 @@ def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypat
 @pytest.mark.multiprocess
 def test_heads_on_two_vocabulary_shards_equal_dense_references(tmp_path):
     """TP=2 over gloo: the cross entropy (fp32 and bf16) and Duo's NELBO on the two shards of full
-    logits; [MASK] and the padding are on the second shard, the first has no excluded column."""
+    logits; [MASK] and the padding are on the second shard, the first has no excluded column. Also
+    the cross entropy with the vocabulary padded so far that the second shard holds no real id."""
     result = run_worker_on_two_ranks("vocab_parallel_worker.py", tmp_path, timeout=180)
     for case, r in result.items():
         assert r["loss_rel_err"] <= (2e-6 if case.startswith("ce") else 1e-5), (case, r)

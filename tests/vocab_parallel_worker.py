@@ -17,22 +17,25 @@ PADDED, VOCAB, MASK = ce.PADDED, ce.VOCAB, ce.MASK
 assert (PADDED, VOCAB, MASK) == (test_duo.PADDED, test_duo.VOCAB, test_duo.MASK)
 
 
-def on_shard(loss_fn, logits, lo, hi, dtype=torch.float32):
-    """(the loss on columns lo:hi [b, s], its gradient there, whether both ranks' losses agree)."""
-    leaf = logits[..., lo:hi].detach().to(dtype, copy=True).requires_grad_()
-    loss, weight = loss_fn(leaf.clone())
+def on_shard(logits, lo, hi, dtype=torch.float32):
+    """A leaf holding this rank's columns lo:hi of the logits, in `dtype`."""
+    return logits[..., lo:hi].detach().to(dtype, copy=True).requires_grad_()
+
+
+def backward(loss, weight, leaf):
+    """(the loss [b, s], the leaf's gradient of (loss * weight).sum(), whether both ranks' losses agree)."""
     (loss * weight).sum().backward()
     gathered = [torch.empty_like(loss) for _ in range(2)]
     dist.all_gather(gathered, loss.detach().contiguous())
     return loss.detach().double(), leaf.grad.double(), bool(torch.equal(gathered[0], gathered[1]))
 
 
-def errors(loss, grad, ref, ref_grad, lo, hi, agree, grad_within):
-    """The case's worst loss error and its checks; `grad_within(grad, ref_grad)` on this shard."""
+def errors(loss, grad, ref, lo, hi, agree, grad_within):
+    """The case's worst loss error and its checks (`grad_within`: the gradient's, done by the caller)."""
     excluded = [j - lo for j in range(lo, hi) if j >= VOCAB or j == MASK]
     return {
         "loss_rel_err": ((loss - ref).abs() / (ref.abs() + ref.abs().mean())).max().item(),
-        "grad_within": bool(grad_within(grad, ref_grad[..., lo:hi])),
+        "grad_within": bool(grad_within),
         "excluded_grad_zero": bool((grad[..., excluded] == 0).all()) if excluded else True,
         "ranks_agree": agree,
     }
@@ -47,19 +50,23 @@ def main():
     for t_value in (1e-3, 0.5, 1.0):
         family, inp, logits = test_duo.make_case(t_value)
         ref, ref_grad = test_duo.dense_loss_and_grad(inp, logits)
-        loss, grad, agree = on_shard(lambda shard: (family.loss(shard, inp), 1.0), logits, lo, hi)
-        scale = ref_grad.abs().max()
-        results[f"duo t={t_value}"] = errors(loss, grad, ref, ref_grad, lo, hi, agree,
-                                             lambda g, r: (g - r).abs().max() <= 1e-5 * scale)
+        leaf = on_shard(logits, lo, hi)
+        loss, grad, agree = backward(family.loss(leaf.clone(), inp), 1.0, leaf)
+        within = (grad - ref_grad[..., lo:hi]).abs().max() <= 1e-5 * ref_grad.abs().max()
+        results[f"duo t={t_value}"] = errors(loss, grad, ref, lo, hi, agree, within)
     logits, targets, weights = ce.make_case()
-    for dtype in (torch.float32, torch.bfloat16):
-        values = logits.to(dtype).double()
+    wide = torch.cat([logits, torch.randn_like(logits)], dim=-1)  # padded to 128: the second shard holds no real id
+    for name, dtype, full in (("fp32", torch.float32, logits), ("bf16", torch.bfloat16, logits),
+                              ("fp32, a shard of padding only", torch.float32, wide)):
+        width = full.shape[-1] // 2
+        lo, hi = rank * width, (rank + 1) * width
+        values = full.to(dtype).double()
         ref, ref_grad = ce.dense_loss_and_grad(values, targets, weights)
-        loss, grad, agree = on_shard(lambda shard: (vocab_parallel.cross_entropy(shard, targets, MASK, VOCAB), weights),
-                                     values, lo, hi, dtype)
+        leaf = on_shard(values, lo, hi, dtype)
+        loss, grad, agree = backward(vocab_parallel.cross_entropy(leaf.clone(), targets, MASK, VOCAB), weights, leaf)
         rel = 1e-5 if dtype == torch.float32 else 2 ** -7  # each entry; bf16: two roundings
-        results[f"ce {dtype}"] = errors(loss, grad, ref, ref_grad, lo, hi, agree,
-                                        lambda g, r: ((g - r).abs() <= rel * r.abs()).all())
+        within = ((grad - ref_grad[..., lo:hi]).abs() <= rel * ref_grad[..., lo:hi].abs()).all()
+        results[f"ce {name}"] = errors(loss, grad, ref, lo, hi, agree, within)
     write_worst(results, sys.argv[1])
     platform.destroy_distributed()
 

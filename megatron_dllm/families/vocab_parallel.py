@@ -80,8 +80,9 @@ class _CrossEntropy(torch.autograd.Function):
         local = targets - start
         owned = (local >= 0) & (local < width)
         index = local.clamp(0, width - 1)[:, None]
-        m = torch.stack([logits2d[:, lo:hi].amax(1) for lo, hi in included_columns(width, excluded)])
-        m = m.amax(0).float()  # over the real ids only
+        m = torch.full((rows,), float("-inf"), device=logits2d.device)  # max over the real ids (a shard may hold none)
+        for lo, hi in included_columns(width, excluded):
+            torch.maximum(m, logits2d[:, lo:hi].amax(1).float(), out=m)
         tp_all_reduce(m, dist.ReduceOp.MAX)
         # Σ_{j != target} e_j and the logit at the target (0 off its shard, -inf if no token can take it)
         stats = torch.empty(2, rows, dtype=torch.float32, device=logits2d.device)
