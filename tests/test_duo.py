@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from test_vocab_parallel import assert_gradient_in_logits_storage
 
 from megatron_dllm.families import Noise, duo, get_family
 
@@ -93,6 +94,13 @@ def test_bf16_logits_are_finite_and_close_to_fp32(t_value, world_of_one):
     assert torch.allclose(bf16_loss, rounded, rtol=1e-5)  # fp32 inside: same as fp32 on the bf16 values
     fp32, _ = family_loss_and_grad(family, inp, logits)
     assert (bf16_loss.sum() / fp32.sum() - 1).abs() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypatch):
+    monkeypatch.setattr(duo, "CHUNK_ELEMENTS", 4 * PADDED)
+    family, inp, logits = make_case(0.5)
+    assert_gradient_in_logits_storage(lambda out: family.loss(out, inp), logits.to(dtype))
 
 
 def test_unknown_loss_lists_valid_ones():

@@ -73,14 +73,10 @@ def test_bf16_loss_is_fp32_inside_and_its_gradient_rounds_once_or_twice(chunk_ro
     assert (grad[..., MASK:] == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypatch):
-    """What the output layer's backward receives is the logits' own storage, and the head saves
-    nothing else of their size (megatron-core's cross entropy saves an fp32 softmax and returns a
-    new gradient: three bf16 logits' worth)."""
-    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 4 * PADDED)
-    logits, targets, weights = make_case()
-    out = logits.to(dtype).requires_grad_().clone()  # the model's output
+def assert_gradient_in_logits_storage(loss_fn, logits: torch.Tensor) -> None:
+    """The gradient of loss_fn(output).sum() that reaches the model's output (a tracked copy of
+    `logits`) is that output's own storage, and autograd saved nothing else of its size."""
+    out = logits.detach().requires_grad_().clone()
     saved = []
 
     def pack(tensor):
@@ -88,12 +84,22 @@ def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypat
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        nll = vocab_parallel.cross_entropy(out, targets, MASK, VOCAB)
-    grad, = torch.autograd.grad((nll * weights).sum(), out)
+        loss = loss_fn(out)
+    grad, = torch.autograd.grad(loss.sum(), out)
     storage = out.untyped_storage()
     assert grad.untyped_storage().data_ptr() == storage.data_ptr()
     large = [ptr for ptr, nbytes in saved if nbytes >= storage.nbytes() // 4]
     assert large and all(ptr == storage.data_ptr() for ptr in large)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypatch):
+    """What the output layer's backward receives is the logits' own storage (megatron-core's cross
+    entropy saves an fp32 softmax and returns a new gradient: three bf16 logits' worth)."""
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 4 * PADDED)
+    logits, targets, weights = make_case()
+    assert_gradient_in_logits_storage(
+        lambda out: vocab_parallel.cross_entropy(out, targets, MASK, VOCAB) * weights, logits.to(dtype))
 
 
 @pytest.mark.slow

@@ -40,9 +40,10 @@ communication (outputs are replicated over TP ranks, so each rank's upstream gra
 Precision and memory. Vocabulary-sized work is fp32 over row chunks of at most `CHUNK_ELEMENTS`
 elements (bf16 logits are upcast per chunk); vocabulary sums accumulate in fp64; the per-token
 combination runs in fp64 on [s*b] vectors (factors 1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
-The forward allocates nothing logits-sized (it saves the logits, which exist anyway);
-the backward allocates only the logits gradient it returns (input dtype) plus chunk temporaries.
-So beyond the logits and their gradient, the head needs O(chunk) memory, not a logits-sized buffer.
+The forward allocates nothing logits-sized (it saves the logits, which exist anyway), and the
+backward writes the gradient over them, chunk by chunk after reading each: beyond the logits the
+head needs O(chunk) memory. So the logits hold their gradient after the backward (as with
+`vocab_parallel.cross_entropy`): give the loss logits nothing else reads.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ class _DuoStats(torch.autograd.Function):
         k1 = ((g_lse + g_s1 * W2.double()) * (B.double() / A.double())).float()
         k2 = g_s1.float()
         log_ratio = (A / B).log()
-        grad = torch.empty_like(logits2d)
+        grad = logits2d  # each chunk is read (copied to fp32) before its gradient is written over it
         for r in range(0, rows, step):
             sl = slice(r, r + step)
             ratio = fp32_chunk(logits2d, sl, excluded).sub_((lse[sl] - log_ratio[sl])[:, None]).exp_()
