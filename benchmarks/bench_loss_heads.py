@@ -7,11 +7,12 @@ as the output layer's backward would receive it. The heads:
 
 - `mdlm, megatron-core CE`: MDLM's head as it was, the baseline: [MASK] and the padding set to
   -inf on the tracked logits, then megatron-core's `vocab_parallel_cross_entropy`;
-- `mdlm`: the family's head (`vocab_parallel.cross_entropy`, in place, chunked);
+- `mdlm`: the family's head (`vocab_parallel.cross_entropy`, in place), at each `--ce-chunk-elements`
+  size of its fp32 row chunks (bf16 logits; default `vocab_parallel.CHUNK_ELEMENTS`);
 - `duo`: Duo's closed-form NELBO, at each `--duo-chunk-elements` size (default `duo.CHUNK_ELEMENTS`).
 
     python benchmarks/bench_loss_heads.py [--batch 8 --seq 2048 --vocab 32001 --repeats 5 --bf16]
-                                          [--duo-chunk-elements N [N ...]]
+                                          [--ce-chunk-elements N [N ...]] [--duo-chunk-elements N [N ...]]
 
 Heads alternate (A B C, A B C, ...) for the times. Memory and operations come from one more,
 untimed pass each: the peak allocated *above* the logits and their copy (so a gradient in a new
@@ -120,6 +121,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32001)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--ce-chunk-elements", type=int, nargs="+", default=None,
+                    help="the cross entropy's fp32 chunk sizes to measure (default: vocab_parallel.CHUNK_ELEMENTS)")
     ap.add_argument("--duo-chunk-elements", type=int, nargs="+", default=None,
                     help="Duo's fp32 chunk sizes to measure (default: duo.CHUNK_ELEMENTS)")
     args = ap.parse_args(argv)
@@ -131,21 +134,22 @@ def main(argv=None):
     tokens = torch.randint(0, V - 1, (B, L))
     ids = torch.arange(B)
     inputs = {n: f.corrupt(tokens, Noise(1, ids, ids, B)).to(dev) for n, f in family.items()}
-    default_chunk = duo.CHUNK_ELEMENTS
 
-    def duo_head(chunk):
+    def chunked(name, module, chunk):
+        """The family's loss with `module.CHUNK_ELEMENTS` set to `chunk` while it runs."""
         def loss(logits, inp):
-            duo.CHUNK_ELEMENTS = chunk
+            default, module.CHUNK_ELEMENTS = module.CHUNK_ELEMENTS, chunk
             try:
-                return family["duo"].loss(logits, inp)
+                return family[name].loss(logits, inp)
             finally:
-                duo.CHUNK_ELEMENTS = default_chunk
+                module.CHUNK_ELEMENTS = default
         return loss
 
     heads = {"mdlm, megatron-core CE": ("mdlm", lambda logits, inp: megatron_mdlm_loss(family["mdlm"], logits, inp)),
-             "mdlm": ("mdlm", family["mdlm"].loss),
-             **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", duo_head(c))
-                for c in args.duo_chunk_elements or [default_chunk]}}
+             **{f"mdlm (chunks of {c / 2**18:g} MiB fp32)": ("mdlm", chunked("mdlm", vocab_parallel, c))
+                for c in args.ce_chunk_elements or [vocab_parallel.CHUNK_ELEMENTS]},
+             **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", chunked("duo", duo, c))
+                for c in args.duo_chunk_elements or [duo.CHUNK_ELEMENTS]}}
     logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
     nbytes = logits.numel() * logits.element_size()
     print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; extra peak: "

@@ -225,10 +225,11 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
   a)
     install_wheels
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
-    # the cross entropy in the logits' storage against megatron-core's (time, peak memory); Duo's head at
-    # 16 MiB chunks (duo.CHUNK_ELEMENTS) and 128: L2-resident passes or 5.5x fewer launches?
-    step loss_heads 90 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
---repeats 5 --duo-chunk-elements 4194304 33554432"
+    # the cross entropy in the logits' storage against megatron-core's (time, peak memory), both heads at
+    # 16 MiB fp32 chunks and at their defaults (CE 64 MiB, Duo 16 MiB) and Duo at 128: L2-resident passes
+    # or fewer launches? The faster size sets vocab_parallel.CHUNK_ELEMENTS and duo.CHUNK_ELEMENTS.
+    step loss_heads 120 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
+--repeats 5 --ce-chunk-elements 4194304 16777216 --duo-chunk-elements 4194304 33554432"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
 --tokens $SEQ --vocab $VOCAB --families mdlm ar --rounds $ROUNDS --warmup $WARMUP"
     step ab_fusion 240 "$PY benchmarks/bench_compile.py --bf16 --presets $PRESET --seqs $SEQ --tokens $SEQ \
