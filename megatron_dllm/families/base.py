@@ -143,7 +143,9 @@ class Family:
         raise NotImplementedError
 
     def loss(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
-        """Per-token training loss [b, s]; the trainer divides the sum by valid.sum()."""
+        """Per-token training loss [b, s]; the trainer divides the sum by valid.sum(). `logits` are
+        vocab-parallel [s, b, V/tp] and may be worked on in place (the losses keep their gradient
+        in their storage): pass logits nothing else reads. The same holds for `nelbo`."""
         raise NotImplementedError
 
     def nelbo(self, logits: torch.Tensor, inp: ModelInput) -> torch.Tensor:
