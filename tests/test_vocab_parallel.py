@@ -14,7 +14,7 @@ VOCAB, PADDED, MASK = 50, 64, 49  # ids < 50 incl. [MASK] = 49; TP padding 50..6
 
 def make_case(b: int = 4, s: int = 48, seed: int = 0):
     """(logits [s, b, PADDED], targets [b, s], per-token weights [b, s]: the loss's upstream
-    gradient). Every third token is predicted with confidence (its loss ~1e-3: the gradient at the
+    gradient). Two tokens in three are predicted with confidence (loss ~1e-6: the gradient at the
     target is a small difference from 1); in every fifth row [MASK] and the padding have logits of
     200, far above the real ones, so a maximum taken over them would underflow every real exp()."""
     gen = torch.Generator().manual_seed(seed)

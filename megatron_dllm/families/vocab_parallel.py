@@ -127,5 +127,5 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask_id: int, voc
     s, b, width = logits.shape
     start, _ = local_vocab_range(logits)
     excluded = excluded_columns(logits, mask_id, vocab_size)
-    rows = targets.t().reshape(-1).to(logits.device)
-    return _CrossEntropy.apply(logits.reshape(s * b, width), rows, start, excluded).view(s, b).t()
+    row_targets = targets.t().reshape(-1).to(logits.device)  # rows in the logits' (s, b) order
+    return _CrossEntropy.apply(logits.reshape(s * b, width), row_targets, start, excluded).view(s, b).t()
