@@ -123,7 +123,7 @@ class LikelihoodEstimator:
                                       else prompt.expand(len(ids), -1)).to(self.inference_model.device)
             logits = self.inference_model.model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma,
                                     attention_mask=inp.attend()).logits
-            per_token = self.family.nelbo(logits.float().transpose(0, 1).contiguous(), inp).double().cpu()
+            per_token = self.family.nelbo(logits.transpose(0, 1).contiguous(), inp).double().cpu()  # fp32 inside
             if self.mode == "conditional":
                 # position_ids name each slot's sequence position (Eso-LM's are shuffled)
                 positions = inp.position_ids.cpu()[:, :per_token.shape[1]]  # BD3-LM: the x_t copy's

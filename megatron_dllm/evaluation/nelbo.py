@@ -99,7 +99,8 @@ def evaluate_nelbo(model: torch.nn.Module, family: Family, dataset, seed: int, g
             for inp in batches.iteration(i * global_batch_size):
                 logits = model(input_ids=inp.input_ids, position_ids=inp.position_ids, sigma=inp.sigma,
                                attention_mask=inp.attend()).logits
-                per_token = family.nelbo(logits.float().transpose(0, 1).contiguous(), inp)
+                # the heads compute in fp32 from logits of any dtype: no fp32 copy of them
+                per_token = family.nelbo(logits.transpose(0, 1).contiguous(), inp)
                 nll += per_token.double().sum().cpu()
                 tokens += inp.valid.double().sum().cpu()
                 samples += inp.input_ids.shape[0]
