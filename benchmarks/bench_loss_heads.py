@@ -23,59 +23,19 @@ ATen operations dispatched, views left out (on a GPU each is a kernel launch).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import sys
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernel_count import OpCounter  # noqa: E402
+from memory_peak import AllocatedPeak  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import Noise, duo, get_family, vocab_parallel  # noqa: E402
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def _malloc_in_use() -> int:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd  # heap blocks in use + mmapped blocks (large tensors)
-
-
-class AllocatedPeak(TorchDispatchMode):
-    """The peak of bytes allocated above the entry's, sampled after every ATen operation (CPU);
-    cuda's own peak counter on a GPU."""
-
-    def __enter__(self):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self.base = self.top = self.in_use()
-        return super().__enter__()
-
-    def in_use(self) -> int:
-        return torch.cuda.memory_allocated() if torch.cuda.is_available() else _malloc_in_use()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not torch.cuda.is_available():
-            self.top = max(self.top, self.in_use())
-        return out
-
-    @property
-    def extra(self) -> int:
-        top = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else self.top
-        return top - self.base
 
 
 def megatron_mdlm_loss(family, logits, inp):

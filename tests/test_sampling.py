@@ -1,7 +1,8 @@
 """Samplers (megatron_dllm/sampling, tools/sample.py): valid ids and kept prompts for every family
 and predictor; cached == uncached for AR (KV cache), MDLM (no-change cache) and Eso-LM (KV cache);
-float64 on the sampling path by default; Duo's posterior against Bayes' rule; Eso-LM plans; clear
-errors; tools/sample.py end to end on a megatron checkpoint and on an HF directory.
+float64 on the sampling path by default, and its draws are the paper code's in fewer buffers;
+Duo's posterior against Bayes' rule; Eso-LM plans; clear errors; tools/sample.py end to end on a
+megatron checkpoint and on an HF directory.
 
 Most tests use small randomly initialised HF models (weights ~ N(0, 0.2^2): the training init
 zeroes adaLN and the output layer, which would make every distribution uniform)."""
@@ -11,6 +12,8 @@ import os
 import pytest
 import torch
 from conftest import REPO, launch_env, run_pretrain, run_python
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
 from megatron_dllm.hf.random_model import random_dense_model
@@ -106,6 +109,47 @@ def test_esolm_kv_cache_equals_uncached(models, predictor, steps, prompt):
     assert cached["calls"] == full["calls"]
     # cached: each token once as a mask and once as a clean token (at most), never more
     assert cached["tokens"] <= 4 * 2 * L < full["tokens"]
+
+
+class NewBuffers(TorchDispatchMode):
+    """The tensors of at least `numel` elements that operations return in new storage (views and
+    results written into an argument left out)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                 if isinstance(t, torch.Tensor)}
+        self.count += sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and not func.is_view
+                          and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in given)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_categorical_draws_are_the_papers_formula_in_fewer_buffers(dtype):
+    """`sample` draws exactly argmax(p / (1e-10 - log(U + 1e-10))) (the paper code's race) from the
+    same generator, with one buffer of p's size where the formula written out takes five;
+    `probabilities` is softmax(logits / T) with [MASK] at -inf from one copy of the logits, and
+    leaves them as they were (float64 logits included)."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 500, generator=gen, dtype=dtype)
+    probs[:, ::7] = 0.0
+    mine, plain = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    with NewBuffers(probs.numel()) as buffers:
+        ids = categorical.sample(probs, mine)
+    u = torch.rand(probs.shape, generator=plain, dtype=dtype)
+    assert torch.equal(ids, (probs / (1e-10 - torch.log(u + 1e-10))).argmax(-1)) and buffers.count == 1
+    for source in (torch.float32, torch.float64):
+        logits = (4 * torch.randn(64, 500, generator=gen)).to(source)
+        kept = logits.clone()
+        with NewBuffers(logits.numel()) as buffers:
+            p = categorical.probabilities(logits, dtype, temperature=0.7, suppress=3)
+        written = (logits.to(dtype) / 0.7).clone()
+        written[:, 3] = float("-inf")
+        assert torch.equal(p, written.softmax(-1)) and torch.equal(logits, kept) and buffers.count == 2
 
 
 def test_float64_is_default_and_reaches_categorical(models, monkeypatch):

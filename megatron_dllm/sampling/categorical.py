@@ -18,12 +18,13 @@ def precision(float64: bool) -> torch.dtype:
 def probabilities(logits: torch.Tensor, dtype: torch.dtype, temperature: float = 1.0,
                   top_p: float = 1.0, suppress: int | None = None) -> torch.Tensor:
     """softmax(logits / temperature) in `dtype` over the last dim, id `suppress` ([MASK]) at
-    probability 0, restricted to the top-p nucleus and renormalised."""
-    logits = logits.to(dtype)
+    probability 0, restricted to the top-p nucleus and renormalised. One copy of the logits in
+    `dtype`, worked on in place, besides the result: at a sampler's [positions, V] in float64 each
+    buffer is 8 bytes a logit."""
+    logits = logits.to(dtype, copy=True)
     if temperature != 1.0:
-        logits = logits / temperature
+        logits.div_(temperature)
     if suppress is not None:
-        logits = logits.clone()
         logits[..., suppress] = float("-inf")
     probs = logits.softmax(-1)
     return nucleus(probs, top_p) if top_p < 1.0 else probs
@@ -39,6 +40,8 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One id per row of (unnormalised) probs, in probs' dtype: argmax(p / (1e-10 - log(U + 1e-10)))."""
-    u = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
-    return (probs / (1e-10 - torch.log(u + 1e-10))).argmax(-1)
+    """One id per row of (unnormalised) probs, in probs' dtype: argmax(p / (1e-10 - log(U + 1e-10))),
+    in one buffer of probs' size (1e-10 - a is -a + 1e-10 bit for bit)."""
+    race = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
+    race.add_(1e-10).log_().neg_().add_(1e-10)
+    return torch.div(probs, race, out=race).argmax(-1)

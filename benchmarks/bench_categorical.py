@@ -1,0 +1,87 @@
+"""The sampling arithmetic of one MDLM ancestral step, as the samplers now do it (`categorical`)
+beside the same formulas written out plainly (the previous code): time and peak memory.
+
+One step at `--positions` masked positions over a `--vocab` vocabulary: p_x0 = softmax of the
+logits in float64 with [MASK] suppressed (`categorical.probabilities`), q = p_x0 (alpha_s -
+alpha_t) with q[MASK] = 1 - alpha_s, then the exponential race (`categorical.sample`). Both give
+the same ids from the same generator (checked here and in tests/test_sampling.py). The logits come
+in `--logits-dtype` (a GPU model's bf16 or a CPU model's fp32). Memory: the peak allocated above
+the logits (`memory_peak.AllocatedPeak`); at [positions, V] in float64 each buffer is 8 bytes a
+logit, so the peak bounds the largest batch a GPU fits. Variants alternate over `--repeats` rounds.
+
+    python benchmarks/bench_categorical.py [--positions 4096] [--vocab 32001] [--logits-dtype float32]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_peak import AllocatedPeak  # noqa: E402
+
+from megatron_dllm.sampling import categorical  # noqa: E402
+
+A_T, A_S = 0.3, 0.4  # alpha_t < alpha_s: one step of the schedule
+
+
+def written_out(logits, mask_id, generator):
+    """The step as the samplers wrote it before: each operation a new float64 buffer."""
+    x = logits.to(torch.float64).clone()
+    x[..., mask_id] = float("-inf")
+    q = x.softmax(-1) * (A_S - A_T)
+    q[:, mask_id] = 1 - A_S
+    u = torch.rand(q.shape, generator=generator, dtype=q.dtype, device=q.device)
+    return (q / (1e-10 - torch.log(u + 1e-10))).argmax(-1)
+
+
+def samplers(logits, mask_id, generator):
+    q = categorical.probabilities(logits, torch.float64, suppress=mask_id) * (A_S - A_T)
+    q[:, mask_id] = 1 - A_S
+    return categorical.sample(q, generator)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--positions", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32001)
+    ap.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = (3 * torch.randn(args.positions, args.vocab, device=dev)).to(getattr(torch, args.logits_dtype))
+    mask_id = args.vocab - 1
+    variants = {"written out (before)": written_out, "categorical": samplers}
+    ids = {name: fn(logits, mask_id, torch.Generator(dev).manual_seed(5)) for name, fn in variants.items()}
+    same = torch.equal(*ids.values())
+    extra = {}
+    for name, fn in variants.items():
+        with AllocatedPeak() as peak:
+            fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
+        extra[name] = peak.extra
+    times = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    buffer = args.positions * args.vocab * 8
+    print(f"[{args.positions}, {args.vocab}] logits in {args.logits_dtype} on {dev}; one float64 buffer "
+          f"{buffer / 2**20:.0f} MiB; same ids: {same}")
+    print("| variant | median (s) | min (s) | extra peak (MiB) | extra peak / float64 buffer |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f} | {extra[name] / 2**20:.0f} "
+              f"| {extra[name] / buffer:.2f} |")
+    if not same:
+        raise SystemExit("the two variants drew different ids")
+
+
+if __name__ == "__main__":
+    main()
