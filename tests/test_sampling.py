@@ -172,7 +172,7 @@ def test_float64_is_default_and_reaches_categorical(models, monkeypatch):
             assert seen and set(seen) == {dtype}, (family, float64, set(seen))
 
 
-def test_duo_posterior_matches_bayes_rule():
+def test_duo_posterior_matches_bayes_rule_in_one_buffer():
     from megatron_dllm.sampling.duo import posterior
 
     torch.manual_seed(0)
@@ -190,8 +190,10 @@ def test_duo_posterior_matches_bayes_rule():
     for z in range(n_real):
         joint = (x_theta[:, None] * q_marginal(a_s) * step[:, z][None, :]).sum(0)  # sum over x
         expected = joint / joint.sum()
-        got = posterior(x_theta[None], torch.tensor([z]), a_t, a_s, n_real, mask)[0]
+        with NewBuffers(vocab) as buffers:
+            got = posterior(x_theta[None], torch.tensor([z]), a_t, a_s, n_real, mask)[0]
         torch.testing.assert_close(got, expected)
+        assert buffers.count == 1  # q, worked on in place
 
 
 def test_esolm_plans():

@@ -28,12 +28,14 @@ from .deps import real_ids
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
               mask_id: int) -> torch.Tensor:
-    """q(z_s | z_t = z, x ~ x_theta) over the vocabulary ([MASK] at 0), in x_theta's dtype."""
+    """q(z_s | z_t = z, x ~ x_theta) over the vocabulary ([MASK] at 0), in x_theta's dtype: one
+    buffer of x_theta's size, worked on in place."""
     x_z = x_theta.gather(-1, z[..., None])
-    q = (a_s - a_t) * x_theta + (1 - a_t / a_s) * (1 - a_s) / num_real
+    q = x_theta * (a_s - a_t)
+    q.add_((1 - a_t / a_s) * (1 - a_s) / num_real)
     q[..., mask_id] = 0.0
     q.scatter_add_(-1, z[..., None], a_t * num_real * x_z + (a_t / a_s - a_t))
-    return q / (a_t * num_real * x_z + 1 - a_t)
+    return q.div_(a_t * num_real * x_z + 1 - a_t)
 
 
 def uniform_ids(b: int, n: int, family, generator, device) -> torch.Tensor:
