@@ -16,8 +16,8 @@ as the output layer's backward would receive it. The heads:
 
 Heads alternate (A B C, A B C, ...) for the times. Memory and operations come from one more,
 untimed pass each: the peak allocated *above* the logits and their copy (so a gradient in a new
-buffer counts, one in the copy's own storage does not), on a GPU by torch.cuda.max_memory_allocated,
-on a CPU by sampling the C allocator's bytes in use (mallinfo2) after every ATen operation; and the
+buffer counts, one in the copy's own storage does not; `memory_peak.AllocatedPeak`: on a GPU
+torch.cuda's peak, on a CPU the C allocator's bytes in use after every ATen operation); and the
 ATen operations dispatched, views left out (on a GPU each is a kernel launch).
 """
 from __future__ import annotations
