@@ -214,9 +214,26 @@ def test_esolm_plans():
 
 def test_nucleus_keeps_the_smallest_top_set():
     p = torch.tensor([[0.5, 0.1, 0.3, 0.1]], dtype=torch.float64)
-    torch.testing.assert_close(categorical.nucleus(p, 0.7), torch.tensor([[0.625, 0.0, 0.375, 0.0]],
-                                                                         dtype=torch.float64))
-    torch.testing.assert_close(categorical.nucleus(p, 0.2), torch.tensor([[1.0, 0, 0, 0]], dtype=torch.float64))
+    torch.testing.assert_close(categorical.nucleus(p.clone(), 0.7), torch.tensor([[0.625, 0.0, 0.375, 0.0]],
+                                                                                 dtype=torch.float64))
+    torch.testing.assert_close(categorical.nucleus(p.clone(), 0.2), torch.tensor([[1.0, 0, 0, 0]],
+                                                                                 dtype=torch.float64))
+
+
+def test_nucleus_is_the_formula_written_out_over_its_input():
+    """The kept mass renormalised, bit for bit as the formula written out (sort, mass above each id,
+    zero beyond top_p, scatter back, divide), in the input's own buffer plus the sort's values and
+    int64 order, the running mass and a bool mask (the formula written out makes eight)."""
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.rand(64, 500, generator=gen, dtype=torch.float64).softmax(-1)
+    sorted_p, order = probs.sort(-1, descending=True)
+    plain = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= 0.9, 0.0)
+    plain = torch.zeros_like(probs).scatter_(-1, order, plain)
+    plain = plain / plain.sum(-1, keepdim=True)
+    given = probs.clone()
+    with NewBuffers(probs.numel()) as buffers:
+        kept = categorical.nucleus(given, 0.9)
+    assert torch.equal(kept, plain) and kept.data_ptr() == given.data_ptr() and buffers.count == 4
 
 
 class _Tok:

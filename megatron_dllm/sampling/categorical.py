@@ -31,12 +31,14 @@ def probabilities(logits: torch.Tensor, dtype: torch.dtype, temperature: float =
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely ids whose mass reaches top_p (at least one id)."""
+    """Keep the smallest set of most likely ids whose mass reaches top_p (at least one id),
+    renormalised, written over `probs` (the sort's order is a permutation: every entry is rewritten)."""
     sorted_p, order = probs.sort(-1, descending=True)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass of the ids ranked above each id
-    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return kept / kept.sum(-1, keepdim=True)
+    before = sorted_p.cumsum(-1).sub_(sorted_p)  # mass of the ids ranked above each id
+    sorted_p.masked_fill_(before >= top_p, 0.0)
+    del before
+    kept = probs.scatter_(-1, order, sorted_p)
+    return kept.div_(kept.sum(-1, keepdim=True))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
