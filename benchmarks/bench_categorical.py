@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory_peak import AllocatedPeak  # noqa: E402
 
+from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.sampling import categorical  # noqa: E402
 
 A_T, A_S = 0.3, 0.4  # alpha_t < alpha_s: one step of the schedule
@@ -52,7 +53,7 @@ def main(argv=None):
     ap.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = platform.device()
     logits = (3 * torch.randn(args.positions, args.vocab, device=dev)).to(getattr(torch, args.logits_dtype))
     mask_id = args.vocab - 1
     variants = {"written out (before)": written_out, "categorical": samplers}
@@ -68,8 +69,7 @@ def main(argv=None):
         for name, fn in variants.items():
             t0 = time.perf_counter()
             fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
-            if dev == "cuda":
-                torch.cuda.synchronize()
+            platform.synchronize()
             times[name].append(time.perf_counter() - t0)
     buffer = args.positions * args.vocab * 8
     print(f"[{args.positions}, {args.vocab}] logits in {args.logits_dtype} on {dev}; one float64 buffer "

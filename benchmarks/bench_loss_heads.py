@@ -16,9 +16,9 @@ as the output layer's backward would receive it. The heads:
 
 Heads alternate (A B C, A B C, ...) for the times. Memory and operations come from one more,
 untimed pass each: the peak allocated *above* the logits and their copy (so a gradient in a new
-buffer counts, one in the copy's own storage does not; `memory_peak.AllocatedPeak`: on a GPU
-torch.cuda's peak, on a CPU the C allocator's bytes in use after every ATen operation); and the
-ATen operations dispatched, views left out (on a GPU each is a kernel launch).
+buffer counts, one in the copy's own storage does not; `memory_peak.AllocatedPeak`: the
+allocator's bytes in use after every ATen operation); and the ATen operations dispatched, views
+left out (on a GPU each is a kernel launch).
 """
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ def head_gradient(loss_fn, logits, inp):
 def timed(loss_fn, logits, inp) -> float:
     t0 = time.perf_counter()
     head_gradient(loss_fn, logits, inp)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    platform.synchronize()
     return time.perf_counter() - t0
 
 
@@ -113,7 +112,7 @@ def main(argv=None):
     logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
     nbytes = logits.numel() * logits.element_size()
     print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; extra peak: "
-          f"{'cuda max_memory_allocated' if torch.cuda.is_available() else 'malloc bytes in use, sampled per op'}")
+          "allocated bytes sampled per op")
 
     def run(fn, head):
         name, loss_fn = heads[head]

@@ -17,6 +17,7 @@ Nothing outside this module may branch on CPU vs GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import functools
 import gc
@@ -147,6 +148,30 @@ def peak_memory() -> tuple[int, str]:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "CPU RSS peak"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.cache
+def _mallinfo2():
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2
+
+
+def allocated_bytes() -> int:
+    """Bytes tensors hold now: the CUDA caching allocator's allocated bytes on GPU; on CPU, where
+    tensors come from the C allocator, glibc's bytes in use (heap blocks plus the mmapped blocks
+    large tensors get). Sampled after each operation, it gives a peak that can be reset, which
+    `peak_memory`'s resident set on CPU cannot."""
+    if HAS_CUDA:
+        return torch.cuda.memory_allocated()
+    info = _mallinfo2()()
+    return info.uordblks + info.hblkhd
 
 
 def reset_peak_memory() -> None:

@@ -123,3 +123,13 @@ def test_a_batch_that_ran_out_of_memory_is_freed_before_the_next_one_runs(search
     assert found == {"halve_until_it_fits": (2, [2, 2]), "largest_batch": 2, "in_batches": [2] * 6}[search]
     failed = {"halve_until_it_fits": 0, "largest_batch": 2, "in_batches": 0}[search]  # the attempt at 4
     assert not any(snapshot[failed] for snapshot in alive[failed + 1:]), alive
+
+
+def test_allocated_bytes_follow_a_tensor_allocated_and_freed():
+    """What the benchmarks' allocator-exact peaks sample: a 64 MiB tensor adds its bytes and its
+    release takes them back (the C allocator's bytes in use on CPU)."""
+    before = platform.allocated_bytes()
+    block = torch.ones(16 << 20, device=platform.device())  # 64 MiB of fp32
+    held = platform.allocated_bytes()
+    del block
+    assert 64 << 20 <= held - before < 65 << 20 and platform.allocated_bytes() - before < 1 << 20
