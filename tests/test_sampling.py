@@ -1,17 +1,22 @@
 """Samplers (megatron_dllm/sampling, tools/sample.py): valid ids and kept prompts for every family
 and predictor; cached == uncached for AR (KV cache), MDLM (no-change cache) and Eso-LM (KV cache);
+MDLM's samples against the exact distribution of the paper's chain, and its loop without host waits;
 float64 on the sampling path by default, and its draws are the paper code's in fewer buffers;
 Duo's posterior against Bayes' rule; Eso-LM plans; clear errors; tools/sample.py end to end on a
 megatron checkpoint and on an HF directory.
 
 Most tests use small randomly initialised HF models (weights ~ N(0, 0.2^2): the training init
 zeroes adaLN and the output layer, which would make every distribution uniform)."""
+import collections
+import itertools
 import json
+import math
 import os
 
 import pytest
 import torch
 from conftest import REPO, launch_env, run_pretrain, run_python
+from synchronisations import Synchronisations
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -91,6 +96,59 @@ def test_mdlm_no_change_cache_equals_uncached_and_saves_calls(models):
     assert runs[False, "calls"] >= 2 * 64  # every step (and the greedy final step if masks remain)
     # a call only after a step that unmasked something: at most one per masked token, plus the first
     assert runs[True, "calls"] <= 2 * (2 * (L - len(PROMPT)) + 1) and runs[True, "calls"] < runs[False, "calls"]
+
+
+def test_mdlm_samples_have_the_distribution_of_the_papers_step():
+    """MDLM draws when each position unmasks, up front, then ids where positions unmask. Its samples
+    must have the distribution of the paper's sampler: at each step one categorical per masked
+    position over q = [p_x0 (a_s - a_t), [MASK]: 1 - a_s], the model called on the current canvas,
+    then the greedy final step. That chain is enumerated exactly here (3 positions, 3 ids and
+    [MASK]: 64 canvases) and 20,000 samples are held to it, outcome by outcome (5 sigma)."""
+    ids, length, mask, steps, n = 3, 3, 3, 3, 20_000
+    inf = InferenceModel(random_model("mdlm", vocab=ids + 1, length=length, seed=4), "mdlm", mask, ids + 1, length,
+                         None, "hf")
+    sampler = get_sampler(inf, SamplingConfig(steps=steps))
+
+    @torch.no_grad()
+    def p_x0(x):
+        return sampler.probs(inf.model(input_ids=torch.tensor([x])).logits[0])
+
+    chain = {(mask,) * length: 1.0}
+    ts = sampler.timesteps()
+    for t, s in zip(ts[:-1], ts[1:]):
+        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
+        after = collections.defaultdict(float)
+        for x, px in chain.items():
+            p = p_x0(x) * (a_s - a_t) / (1 - a_t)
+            moves = [[(token, 1.0)] if token != mask else
+                     [(mask, (1 - a_s) / (1 - a_t)), *((v, float(p[i, v])) for v in range(ids))]
+                     for i, token in enumerate(x)]
+            for move in itertools.product(*moves):
+                after[tuple(token for token, _ in move)] += px * math.prod(q for _, q in move)
+        chain = after
+    exact = collections.defaultdict(float)
+    for x, px in chain.items():
+        greedy = p_x0(x).argmax(-1).tolist()
+        exact[tuple(greedy[i] if token == mask else token for i, token in enumerate(x))] += px
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-12)
+
+    counts = collections.Counter(map(tuple, generate(inf, SamplingConfig(steps=steps), num_samples=n, batch_size=n,
+                                                     seed=0).tolist()))
+    for outcome in exact.keys() | counts.keys():
+        p = exact.get(outcome, 0.0)
+        assert abs(counts[outcome] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (outcome, counts[outcome] / n, p)
+
+
+def test_the_mdlm_loop_makes_the_host_wait_nowhere(models):
+    """The plan's counts are read once, before the loop: 8 steps and 64 dispatch the same
+    synchronising operations (on a GPU every one of them would wait for the device)."""
+    found = {}
+    for steps in (8, 64):
+        sampler = get_sampler(models["mdlm"], SamplingConfig(steps=steps, top_p=0.9))
+        with torch.no_grad(), Synchronisations() as mode:
+            sampler.sample(torch.tensor([PROMPT, PROMPT]), torch.Generator().manual_seed(0))
+        found[steps] = mode.found
+    assert found[8] == found[64] and len(found[64]) <= 2, found
 
 
 @pytest.mark.parametrize("predictor,steps,prompt", [("ancestral", 7, None), ("ancestral", 12, PROMPT),

@@ -14,12 +14,10 @@ with its `kv_keep`. Any other forward (an attention mask, another kind of cache)
 host code reads values (a padding mask's all-true check, a Python cache length) that a replay
 would not read again.
 
-Host synchronisation in the loops: AR, Eso-LM (with the cache) and Duo wait for the GPU nowhere
-between their forwards (EOS stopping reads a copy of whether every row is done that the GPU
-writes without a wait: `base.EosStop`). MDLM's ancestral loop reads, at each step, whether any
-position is still masked and whether the step changed anything: that is its no-change cache,
-which skips a whole forward when nothing changed, worth far more than the wait (the paper's code
-reads it too).
+Host synchronisation in the loops: no sampler's `sample` waits for the GPU between its forwards
+(the batched `sample_batch` runs eagerly and reads each row's canvas width). EOS
+stopping reads a copy of whether every row is done that the GPU writes without a wait
+(`base.EosStop`); MDLM reads when its positions unmask once, before its loop (`mdlm.UnmaskingPlan`).
 """
 from __future__ import annotations
 

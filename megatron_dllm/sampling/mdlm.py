@@ -1,15 +1,28 @@
-"""MDLM ancestral sampler with the no-change cache (as in the paper's code, "MDLM ancestral").
+"""MDLM ancestral sampler (the paper's code's "MDLM ancestral" with its no-change cache), drawn as
+when each position unmasks, then what it becomes.
 
 From t to s on linspace(1, 1e-5, T + 1), a masked token moves to
     q(id) ∝ p_x0(id) (alpha_s - alpha_t),   q([MASK]) = 1 - alpha_s,
-and unmasked tokens are carried over (copy flag), so q is only formed at masked positions. The
-model is not time-conditioned: when a step changes nothing, the next step reuses p_x0 instead of
-calling the model again (`kv_cache=True`, the reference's `ancestral_cache`). After T steps the
-remaining masks take the denoiser's argmax (greedy final step). Top-p and temperature act on p_x0.
+and unmasked tokens are carried over (copy flag). q splits in two independent draws: the token
+unmasks with probability (alpha_s - alpha_t) / (1 - alpha_t), and if it does its id ~ p_x0. The
+first draw does not involve the model, and over the whole run it telescopes: a token masked at
+t = 1 is still masked at s with probability (1 - alpha_s) / (1 - alpha_1). So one uniform u per
+masked position, drawn up front, fixes the step at which it unmasks (`UnmaskingPlan`: the first
+step whose s has u >= (1 - alpha_s) / (1 - alpha_1)), and a step only draws ids where positions
+unmask. The samples have the distribution of the paper's sampler (not its random stream), with:
+  - float64 work only at the positions that unmask, not at every masked one (at T = L, one in
+    L/2 on average), so the sampling buffers no longer bound the batch;
+  - the model called only at steps where something unmasks: what the no-change cache saves, the
+    same count of calls (the model is not time-conditioned, so a step that changes nothing needs
+    no forward); `kv_cache=False` calls it at every step, as the paper's sampler without it;
+  - no host synchronisation inside the loop: the plan's counts are read once, before it.
+After T steps the remaining masks take the denoiser's argmax (greedy final step). Top-p and
+temperature act on p_x0.
 
 Batched conditional generation (`sample_batch`): the canvases (prompt_i + masks up to L_i) are
 right-padded and the padding is a key-padding mask, so with bidirectional attention no real token
-sees it and positions stay 0..L_i-1; each row keeps its own p_x0, draws and stopping.
+sees it and positions stay 0..L_i-1; each row plans and draws from its own generator, block by
+block, and only the rows that unmask at a step run the model.
 """
 from __future__ import annotations
 
@@ -19,34 +32,58 @@ from . import categorical
 from .base import Sampler
 
 
-def ancestral(sampler: Sampler, x: torch.Tensor, denoise, generator: torch.Generator) -> torch.Tensor:
-    """The ancestral steps on x's masked positions, in place (BD3-LM runs them on one block);
-    `denoise(x, masked)` gives p_x0 [n_masked, V] there."""
-    ts = sampler.timesteps()
-    p_x0 = None  # valid while x is unchanged since the model call that produced it
-    for t, s in zip(ts[:-1], ts[1:]):
-        masked = x == sampler.mask_id
-        if not masked.any():
+class UnmaskingPlan:
+    """When each of the masked `positions` (a 1-d tensor of indices) unmasks: step k = 0..T-1 of the
+    time grid, or T (still masked after the last step: the greedy final step). One float64 uniform
+    per position from `generator`; the counts per step are read to the host here, once."""
+
+    def __init__(self, sampler: Sampler, positions: torch.Tensor, generator: torch.Generator):
+        alphas = sampler.family.schedule.alpha(torch.tensor(sampler.timesteps(), dtype=torch.float64))
+        # still masked after step k iff u < survive[k]; survive decreases with k
+        survive = ((1 - alphas[1:]) / (1 - alphas[0])).to(positions.device)
+        u = torch.rand(len(positions), generator=generator, dtype=torch.float64, device=positions.device)
+        steps = len(survive) - torch.searchsorted(survive.flip(0), u, right=True)  # how many survive[k] > u
+        self.positions = positions[steps.argsort(stable=True)]
+        ends = torch.bincount(steps, minlength=len(survive) + 1).cumsum(0).tolist()
+        self.slices = list(zip([0, *ends[:-1]], ends))
+
+    def at(self, step: int) -> torch.Tensor:
+        """The positions that unmask at `step` (`T`: those left for the greedy final step)."""
+        lo, hi = self.slices[step]
+        return self.positions[lo:hi]
+
+    def unmasks(self, step: int) -> bool:
+        lo, hi = self.slices[step]
+        return hi > lo
+
+    def masked_before(self, step: int) -> bool:
+        """Whether any position is still masked when `step` begins."""
+        return self.slices[step][0] < len(self.positions)
+
+
+def ancestral(sampler: Sampler, x: torch.Tensor, logits_at, generator: torch.Generator) -> torch.Tensor:
+    """The ancestral steps on x's masked positions, in place; `logits_at(x, at)` gives the model's
+    logits [len(at), V] at the flat positions `at` of x."""
+    flat = x.view(-1)
+    plan = UnmaskingPlan(sampler, (flat == sampler.mask_id).nonzero().squeeze(1), generator)
+    steps = sampler.cfg.steps
+    for k in range(steps):
+        if not plan.masked_before(k):
             break
-        if p_x0 is None:
-            p_x0 = denoise(x, masked)
-        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
-        q = p_x0 * (a_s - a_t)
-        q[:, sampler.mask_id] = 1 - a_s
-        new = categorical.sample(q, generator)
-        x[masked] = new
-        if not sampler.cfg.kv_cache or bool((new != sampler.mask_id).any()):
-            p_x0 = None
-    masked = x == sampler.mask_id
-    if masked.any():  # greedy final step at t = 1e-5
-        x[masked] = (p_x0 if p_x0 is not None else denoise(x, masked)).argmax(-1)
+        if plan.unmasks(k) or not sampler.cfg.kv_cache:
+            at = plan.at(k)
+            flat[at] = categorical.sample(sampler.probs(logits_at(x, at)), generator)
+    at = plan.at(steps)
+    if len(at):  # greedy final step at t = 1e-5
+        flat[at] = sampler.probs(logits_at(x, at)).argmax(-1)
     return x
 
 
 class MDLMSampler(Sampler):
-    def denoise(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-        """p_x0 at the masked positions of x: [n_masked, V] in the sampling dtype."""
-        return self.probs(self.model(input_ids=x).logits[masked])
+    def logits_at(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """The model's logits at the flat positions `at` of x [b, L]: [len(at), V]."""
+        logits = self.model(input_ids=x).logits
+        return logits[at // x.shape[1], at % x.shape[1]]
 
     block_wise = True
 
@@ -57,7 +94,7 @@ class MDLMSampler(Sampler):
         if self.cfg.predictor == "left-to-right":  # mask the remainder, fill one position per step
             return self.fill_left_to_right(x, prompt.shape[1], generator,
                                            lambda x, pos: self.model(input_ids=x).logits[:, pos])
-        return ancestral(self, x, self.denoise, generator)
+        return ancestral(self, x, self.logits_at, generator)
 
     def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [n, w, V] of the batch rows `rows`, cut to their longest canvas w, padding unseen."""
@@ -74,35 +111,25 @@ class MDLMSampler(Sampler):
                 return self.batch_logits(x, real, rows)[torch.arange(len(rows), device=x.device), pos]
 
             return self.fill_batch_left_to_right(batch, next_logits)
-        ts = self.timesteps()
+        steps = self.cfg.steps
         for rows, span, denoiser in self.batch_blocks(batch, x, real):
-            p_x0: dict[int, torch.Tensor] = {}  # per row, as `sample` keeps it
-            for t, s in zip(ts[:-1], ts[1:]):
-                live = [r for r in rows if self.block_masks(x, r, span).any()]
+            blocks = {r: x[r, span[r][0]:span[r][1]] for r in rows}  # views: writes go to x
+            plans = {r: UnmaskingPlan(self, (blocks[r] == self.mask_id).nonzero().squeeze(1), batch.generators[r])
+                     for r in rows}
+            for k in range(steps):
+                live = [r for r in rows if plans[r].masked_before(k)]
                 if not live:
                     break
-                self.denoise_block(x, denoiser, [r for r in live if r not in p_x0], span, p_x0)
-                a_t, a_s = self.alpha(t), self.alpha(s)
-                for r in live:
-                    q = p_x0[r] * (a_s - a_t)
-                    q[:, self.mask_id] = 1 - a_s
-                    new = batch.draw(q, r)
-                    x[r, span[r][0]:span[r][1]][self.block_masks(x, r, span)] = new
-                    if not self.cfg.kv_cache or bool((new != self.mask_id).any()):
-                        del p_x0[r]
-            left = [r for r in rows if self.block_masks(x, r, span).any()]
-            self.denoise_block(x, denoiser, [r for r in left if r not in p_x0], span, p_x0)
-            for r in left:  # greedy final step at t = 1e-5
-                x[r, span[r][0]:span[r][1]][self.block_masks(x, r, span)] = p_x0[r].argmax(-1)
+                due = [r for r in live if plans[r].unmasks(k) or not self.cfg.kv_cache]
+                if due:
+                    logits = denoiser.logits(due, span)
+                    for r in due:
+                        at = plans[r].at(k)
+                        blocks[r][at] = batch.draw(self.probs(logits[r][at]), r)
+            left = [r for r in rows if len(plans[r].at(steps))]
+            if left:  # greedy final step at t = 1e-5
+                logits = denoiser.logits(left, span)
+                for r in left:
+                    at = plans[r].at(steps)
+                    blocks[r][at] = self.probs(logits[r][at]).argmax(-1)
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
-
-    def block_masks(self, x: torch.Tensor, r: int, span: dict) -> torch.Tensor:
-        """Which positions of row r's current block are still [MASK]."""
-        return x[r, span[r][0]:span[r][1]] == self.mask_id
-
-    def denoise_block(self, x, denoiser, rows: list[int], span: dict, p_x0: dict) -> None:
-        """p_x0[r] = p_x0 at the masked positions of row r's block, for the batch rows `rows`."""
-        if rows:
-            logits = denoiser.logits(rows, span)
-            for r in rows:
-                p_x0[r] = self.probs(logits[r][self.block_masks(x, r, span)])
