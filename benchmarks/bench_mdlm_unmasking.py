@@ -39,9 +39,9 @@ class FixedLogits(torch.nn.Module):
         self.logits, self.config, self.calls = logits, config, 0
         self.anchor = torch.nn.Parameter(torch.zeros(1, device=logits.device))  # the sampler reads the device
 
-    def forward(self, input_ids, **_):
+    def forward(self, input_ids, logits_at=None, **_):
         self.calls += 1
-        return SimpleNamespace(logits=self.logits)
+        return SimpleNamespace(logits=self.logits if logits_at is None else self.logits.flatten(0, 1)[logits_at])
 
 
 def previous(sampler, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

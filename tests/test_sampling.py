@@ -21,8 +21,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
+from megatron_dllm.families.shift import shift_right
 from megatron_dllm.hf.random_model import random_dense_model
+from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, categorical, decode, generate, get_sampler  # noqa: E402
+from megatron_dllm.sampling.shifted_model import ShiftedModel
 
 V, MASK, EOS, L = 33, 32, 0, 24
 FAMILIES = ["ar", "mdlm", "duo", "esolm"]
@@ -137,6 +140,35 @@ def test_mdlm_samples_have_the_distribution_of_the_papers_step():
     for outcome in exact.keys() | counts.keys():
         p = exact.get(outcome, 0.0)
         assert abs(counts[outcome] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (outcome, counts[outcome] / n, p)
+
+
+@pytest.mark.parametrize("backbone", ["dit", "gpt"])
+def test_logits_at_runs_the_output_layer_at_those_positions_only(backbone):
+    """`logits_at` (flat positions of [b, s]) gives the full forward's logits there (float64, a time
+    input per row, with and without a padding mask), and the output layer receives only those rows; a shifted model's
+    come from the position before (position 0 its own), as its full logits do."""
+    gpt = GPTShape(ffn_hidden_size=64, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                   add_bias_linear=False, untie_embeddings_and_output_weights=True).as_dict()
+    model = random_dense_model("mdlm", V, L, **({"gpt": gpt} if backbone == "gpt" else {})).double()
+    head = model.get_output_embeddings()
+    rows = []
+    head.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[:-1].numel()))
+    x = torch.randint(0, MASK, (3, L))
+    at = torch.tensor([0, 5, L - 1, L, 2 * L + 7])
+    real = torch.ones(3, L, dtype=torch.bool)
+    real[1, L - 4:] = False
+    sigma = torch.tensor([0.1, 0.7, 2.0])  # a time input per row (Duo's; the DiT's adaLN reads it per row)
+    with torch.no_grad():
+        for mask in (None, real):
+            full = model(input_ids=x, sigma=sigma, attention_mask=mask).logits.flatten(0, 1)
+            part = model(input_ids=x, sigma=sigma, attention_mask=mask, logits_at=at).logits
+            torch.testing.assert_close(part, full[at], rtol=1e-12, atol=1e-12)
+        assert rows == [3 * L, len(at)] * 2
+        shifted = ShiftedModel(model)
+        full = shift_right(model(input_ids=x).logits, dim=1).flatten(0, 1)
+        torch.testing.assert_close(shifted(input_ids=x, logits_at=at).logits, full[at], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="logits_at keeps only some"):
+        model(input_ids=x, logits_at=at, labels=x)
 
 
 def test_the_mdlm_loop_makes_the_host_wait_nowhere(models):

@@ -241,11 +241,12 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.num_layers))
         self.output_layer = FinalLayer(config)
 
-    def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None):
+    def forward(self, input_ids, position_ids, sigma, attn_mask=None, kv_cache=None, kv_keep=None, logits_at=None):
         """input_ids, position_ids: [b, s]; sigma: [b]; attn_mask: None (the config's attention
         layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it (with `kv_cache`:
         over the keys its `extend` returns, [b, 1, s, n + s] for cached + new keys: batched
-        decoding with padding, or a bidirectional cache's own layout). Logits [b, s, V]."""
+        decoding with padding, or a bidirectional cache's own layout). Logits [b, s, V], or
+        [n, V] at the flat positions `logits_at` [n] of [b, s] (the output layer runs only there)."""
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
@@ -254,6 +255,8 @@ class DiT(nn.Module):
             x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
+        if logits_at is not None:
+            return self.output_layer(x.flatten(0, 1)[logits_at, None], c[logits_at // x.shape[1]])[:, 0]
         return self.output_layer(x, c)
 
 
@@ -364,8 +367,9 @@ class GPT(nn.Module):
         untied = gpt["untie_embeddings_and_output_weights"]
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if untied else None
 
-    def forward(self, input_ids, position_ids, sigma=None, attn_mask=None, kv_cache=None, kv_keep=None):
-        """As DiT.forward; sigma is ignored. Logits [b, s, V]."""
+    def forward(self, input_ids, position_ids, sigma=None, attn_mask=None, kv_cache=None, kv_keep=None,
+                logits_at=None):
+        """As DiT.forward; sigma is ignored. Logits [b, s, V] (or [n, V] at `logits_at`)."""
         x = self.embed_tokens(input_ids)
         # the frequencies are computed here, not kept as a buffer: transformers' loading leaves
         # non-persistent buffers uninitialised
@@ -379,7 +383,7 @@ class GPT(nn.Module):
             x = layer(x, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
-        x = self.norm(x)
+        x = self.norm(x if logits_at is None else x.flatten(0, 1)[logits_at])
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
 
 
@@ -471,7 +475,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
         return mask[:, None]
 
     def _logits(self, input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache=None, kv_keep=None,
-                **unsupported):
+                logits_at=None, **unsupported):
         if unsupported.get("output_hidden_states") or unsupported.get("output_attentions"):
             raise ValueError("output_hidden_states / output_attentions: this model returns logits only")
         if input_ids.dim() != 2:
@@ -484,7 +488,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
             position_ids = start + torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand_as(input_ids)
         return self.backbone(input_ids, position_ids, self._sigma(input_ids, sigma, timesteps),
-                             self._attn_mask(input_ids, attention_mask), kv_cache, kv_keep)
+                             self._attn_mask(input_ids, attention_mask), kv_cache, kv_keep, logits_at)
 
 
 class DLLMForMaskedLM(DLLMPreTrainedModel):
@@ -505,8 +509,13 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, kv_cache: Optional[KVCache] = None,
-                kv_keep: Optional[int] = None, **kwargs):
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep, **kwargs)
+                kv_keep: Optional[int] = None, logits_at: Optional[torch.LongTensor] = None, **kwargs):
+        """`logits_at`: flat positions [n] of the [batch, length] input; the logits are then [n, V],
+        the output layer run only there (a sampler that needs a few positions' logits)."""
+        if logits_at is not None and labels is not None:
+            raise ValueError("labels score every position; logits_at keeps only some")
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep,
+                              logits_at, **kwargs)
         loss = None
         if labels is not None:  # plain CE over positions with label != -100
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),

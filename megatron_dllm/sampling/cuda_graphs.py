@@ -43,7 +43,13 @@ class CUDAGraphModel:
         self.pool = None  # one memory pool for all graphs (they never run at the same time)
         self.ints: dict[int, torch.Tensor] = {}  # kv_keep values on the device
 
-    def __call__(self, kv_cache=None, kv_keep=None, **inputs):
+    def __call__(self, kv_cache=None, kv_keep=None, logits_at=None, **inputs):
+        """The forward, replayed from a graph where it can be; `logits_at` (flat positions, whose
+        count changes from call to call) picks from the logits of every position the graph computes."""
+        out = self.run(kv_cache, kv_keep, **inputs)
+        return out if logits_at is None else SimpleNamespace(logits=out.logits.flatten(0, 1)[logits_at])
+
+    def run(self, kv_cache, kv_keep, **inputs):
         given = {name for name, value in inputs.items() if value is not None}
         fixed = kv_cache is None or getattr(kv_cache, "fixed_shape", False)
         if not fixed or not given <= set(CAPTURED_INPUTS):

@@ -17,9 +17,12 @@ class ShiftedModel:
         self.model = model
         self.config = model.config
 
-    def __call__(self, input_ids: torch.Tensor, **inputs):
+    def __call__(self, input_ids: torch.Tensor, logits_at: torch.Tensor | None = None, **inputs):
         if inputs.get("kv_cache") is not None or inputs.get("position_ids") is not None:
             raise ValueError("a shifted model's logits need the whole canvas from position 0")
+        if logits_at is not None:  # flat positions: each one's logits come from the position before it
+            return self.model(input_ids=input_ids, logits_at=logits_at - (logits_at % input_ids.shape[1] > 0).long(),
+                              **inputs)
         out = self.model(input_ids=input_ids, **inputs)
         out.logits = shift_right(out.logits, dim=1)
         return out
