@@ -1,16 +1,20 @@
-"""MDLM's ancestral sampling without its model: the sampler as it is now (when each position
-unmasks drawn up front, ids drawn where positions unmask) beside the previous one (a float64
-race over q at every masked position, every step), run for run: time, peak memory, model calls.
+"""MDLM's ancestral sampling: the sampler as it is now (when each position unmasks drawn up front;
+the output layer, softmax and race only where positions unmask) beside the previous one (the
+logits of every position, a float64 race over q at every masked position, every step), run for
+run: time, peak memory, model calls.
 
-The model is a stand-in that returns one fixed logits tensor [b, L, V] (in `--logits-dtype`), so
-what is measured is the sampling arithmetic that the change alters, not the forward. Both samplers
-call the stand-in at the same number of steps (the no-change cache and the plan skip the same
-steps in expectation; the counts of this run are printed). Memory: the peak allocated above the
-logits (`memory_peak.AllocatedPeak`), in float64 buffers of [b L, V] (8 bytes a logit): the
-previous sampler's [masked positions, V] buffers bound the batch a GPU fits. The two draw from
-the same distribution, not the same ids. Variants alternate over `--repeats` rounds.
+`--model fixed` (default): a stand-in that returns one fixed logits tensor [b, L, V] (in
+`--logits-dtype`), so what is measured is the sampling arithmetic, not the forward. `--model
+dense`: a randomly initialised DiT of `--hidden-size`/`--num-layers` (fp32), the whole sampler as
+a user runs it, where the output layer's share of the forward counts too. Both samplers call the
+model at the same number of steps in expectation (the no-change cache and the plan skip the same
+steps; the counts of this run are printed). Memory: the peak allocated above what was there
+(`memory_peak.AllocatedPeak`), in float64 buffers of [b L, V] (8 bytes a logit): the previous
+sampler's [masked positions, V] buffers bound the batch a GPU fits. The two draw from the same
+distribution, not the same ids. Variants alternate over `--repeats` rounds.
 
     python benchmarks/bench_mdlm_unmasking.py [--batch 1] [--length 1024] [--vocab 32001] [--steps 16 256]
+    python benchmarks/bench_mdlm_unmasking.py --model dense --hidden-size 128 --num-layers 4 --length 128 --vocab 4097
 """
 from __future__ import annotations
 
@@ -76,17 +80,28 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", choices=["fixed", "dense"], default="fixed")
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=4)
     args = ap.parse_args(argv)
     dev = platform.device()
     mask_id = args.vocab - 1
-    config = random_dense_model("mdlm", 8, 8).config  # the sampler reads the layer count only
-    logits = (3 * torch.randn(args.batch, args.length, args.vocab, device=dev)).to(getattr(torch, args.logits_dtype))
-    model = FixedLogits(logits, config)
+    if args.model == "fixed":
+        config = random_dense_model("mdlm", 8, 8).config  # the sampler reads the layer count only
+        logits = torch.randn(args.batch, args.length, args.vocab, device=dev)
+        model = FixedLogits((3 * logits).to(getattr(torch, args.logits_dtype)), config)
+        what = f"a fixed [{args.batch}, {args.length}, {args.vocab}] logits tensor in {args.logits_dtype}"
+    else:
+        model = random_dense_model("mdlm", args.vocab, args.length, hidden_size=args.hidden_size,
+                                   num_layers=args.num_layers, num_heads=max(1, args.hidden_size // 32)).to(dev)
+        model.calls = 0
+        model.register_forward_pre_hook(lambda module, inputs: setattr(module, "calls", module.calls + 1))
+        what = (f"a random DiT (hidden {args.hidden_size}, {args.num_layers} layers, fp32), batch {args.batch}, "
+                f"L {args.length}, V {args.vocab}")
     inf = InferenceModel(model, "mdlm", mask_id, args.vocab, args.length, None, "hf")
     prompt = torch.empty(args.batch, 0, dtype=torch.long, device=dev)
     buffer = args.batch * args.length * args.vocab * 8
-    print(f"MDLM ancestral without a model: [{args.batch}, {args.length}, {args.vocab}] logits in "
-          f"{args.logits_dtype} on {dev}; one float64 buffer of [b L, V]: {buffer / 2**20:.0f} MiB")
+    print(f"MDLM ancestral over {what} on {dev}; one float64 buffer of [b L, V]: {buffer / 2**20:.0f} MiB")
     print("| T | sampler | median (s) | min (s) | model calls | extra peak (MiB) | peak / float64 buffer |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     variants = {"previous": lambda sampler, g: previous(sampler, sampler.canvas(prompt), g),
