@@ -70,9 +70,11 @@ def ancestral(sampler: Sampler, x: torch.Tensor, logits_at, generator: torch.Gen
     for k in range(steps):
         if not plan.masked_before(k):
             break
-        if plan.unmasks(k) or not sampler.cfg.kv_cache:
-            at = plan.at(k)
+        at = plan.at(k)
+        if len(at):
             flat[at] = categorical.sample(sampler.probs(logits_at(x, at)), generator)
+        elif not sampler.cfg.kv_cache:  # the paper's sampler without its cache: a call at every step
+            logits_at(x, at)
     at = plan.at(steps)
     if len(at):  # greedy final step at t = 1e-5
         flat[at] = sampler.probs(logits_at(x, at)).argmax(-1)
@@ -125,7 +127,8 @@ class MDLMSampler(Sampler):
                     logits = denoiser.logits(due, span)
                     for r in due:
                         at = plans[r].at(k)
-                        blocks[r][at] = batch.draw(self.probs(logits[r][at]), r)
+                        if len(at):
+                            blocks[r][at] = batch.draw(self.probs(logits[r][at]), r)
             left = [r for r in rows if len(plans[r].at(steps))]
             if left:  # greedy final step at t = 1e-5
                 logits = denoiser.logits(left, span)
