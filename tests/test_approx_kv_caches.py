@@ -49,6 +49,13 @@ def test_partial_forward_over_a_fresh_cache_equals_the_full_forward(inf, mode):
     for r in rows:
         torch.testing.assert_close(refresh[r], exact[r], rtol=0, atol=1e-12)
         torch.testing.assert_close(partial[r], exact[r], rtol=0, atol=1e-12)
+    # some positions of each block (MDLM's unmasking ones): the same logits, without a cache from
+    # the output layer run only there
+    at = {r: torch.tensor([0, span[r][1] - span[r][0] - 1])[:r + 1] for r in rows}
+    for denoiser in (BlockDenoiser(inf.model, "none", x, real), cached):
+        picked = denoiser.logits(rows, span, sigma, at=at)
+        for r in rows:
+            torch.testing.assert_close(picked[r], exact[r][at[r]], rtol=0, atol=1e-12)
     # the approximation: once the block changes, the cached positions have not seen it
     for r in rows:
         x[r, span[r][0]] = (x[r, span[r][0]] + 1) % inf.mask_id

@@ -68,15 +68,21 @@ class BlockDenoiser:
             self.cache.keep_rows(torch.isin(self.rows, rows))
         self.rows, self.stale = rows, True
 
-    def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma: float | None = None) -> dict:
-        """{r: logits [hi - lo, V]} over the block (lo, hi) = span[r] of each batch row r in `rows`.
-        With a cache every row of the current block runs (rows not asked for are left out of the
-        answer; their cache entries are rewritten with the same values)."""
+    def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma: float | None = None,
+               at: dict | None = None) -> dict:
+        """{r: logits [hi - lo, V]} over the block (lo, hi) = span[r] of each batch row r in `rows`,
+        or, given `at` ({r: positions in the block}), {r: logits [len(at[r]), V]} there (without a
+        cache the output layer runs only there). With a cache every row of the current block runs
+        (rows not asked for are left out of the answer; their cache entries are rewritten with the
+        same values)."""
         if self.cache is None:
             index = torch.tensor(rows, device=self.x.device)
             width = int(self.real[index].sum(1).max())
+            picks = None if at is None else torch.cat([j * width + span[r][0] + at[r] for j, r in enumerate(rows)])
             out = self.model(input_ids=self.x[index, :width], sigma=sigma,
-                             attention_mask=self.real[index, :width]).logits
+                             attention_mask=self.real[index, :width], logits_at=picks).logits
+            if at is not None:
+                return dict(zip(rows, out.split([len(at[r]) for r in rows])))
             return {r: out[j, span[r][0]:span[r][1]] for j, r in enumerate(rows)}
         order = self.rows.tolist()
         width = self.x.shape[1]
@@ -92,12 +98,14 @@ class BlockDenoiser:
         slots = torch.where(slots < stop[:, None], slots, width)  # padding: the scratch slot
         keys = torch.cat([self.real[self.rows], torch.zeros_like(lo, dtype=torch.bool)[:, None]], 1)
         self.cache.slots = slots
-        at = slots.clamp(max=width - 1)
-        out = self.model(input_ids=self.x[self.rows].gather(1, at), position_ids=at, sigma=sigma,
+        positions = slots.clamp(max=width - 1)
+        out = self.model(input_ids=self.x[self.rows].gather(1, positions), position_ids=positions, sigma=sigma,
                          attention_mask=keys[:, None, :].expand(-1, slots.shape[1], -1), kv_cache=self.cache).logits
         answer = {}
         for j, r in enumerate(order):
             if r in rows:
                 first = span[r][0] - int(start[j])
                 answer[r] = out[j, first:first + span[r][1] - span[r][0]]
+                if at is not None:
+                    answer[r] = answer[r][at[r]]
         return answer

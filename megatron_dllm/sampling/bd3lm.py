@@ -66,10 +66,11 @@ class CommittedBlocks:
     def positions(self, rows: list[int], lo: int, hi: int) -> torch.Tensor:
         return torch.arange(lo, hi, device=self.x.device).expand(len(rows), hi - lo)
 
-    def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma=None) -> dict:
+    def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma=None, at: dict | None = None) -> dict:
         """{r: logits [hi - lo, V]} at the positions (lo, hi) = span[r] of each batch row r in `rows`
-        (a subset of `self.rows`, in order), their block starting at `self.start`. `sigma` (Duo's
-        time input) is ignored: BD3-LM is not time-conditioned."""
+        (a subset of `self.rows`, in order), their block starting at `self.start`; given `at` ({r:
+        positions in the block}), only those. `sigma` (Duo's time input) is ignored: BD3-LM is not
+        time-conditioned."""
         s, hi = self.start, max(span[r][1] for r in rows)
         if self.kv is None:  # recompute: the block-causal layout over prefix + block
             out = self.model(input_ids=self.x[rows, :hi], position_ids=self.positions(rows, 0, hi),
@@ -78,7 +79,8 @@ class CommittedBlocks:
             cache = self.kv if rows == self.rows else self.kv.rows([self.rows.index(r) for r in rows])
             out = self.model(input_ids=self.x[rows, s:hi], position_ids=self.positions(rows, s, hi),
                              attention_mask=self.mask(rows, s, hi), kv_cache=cache, kv_keep=0).logits
-        return {r: out[j, span[r][0] - s:span[r][1] - s] for j, r in enumerate(rows)}
+        block = {r: out[j, span[r][0] - s:span[r][1] - s] for j, r in enumerate(rows)}
+        return block if at is None else {r: block[r][at[r]] for r in rows}
 
     def commit(self, rows: list[int], end: int) -> None:
         """Only the batch rows `rows` go on; their clean tokens [start, end) join the cache."""

@@ -124,15 +124,15 @@ class MDLMSampler(Sampler):
                     break
                 due = [r for r in live if plans[r].unmasks(k) or not self.cfg.kv_cache]
                 if due:
-                    logits = denoiser.logits(due, span)
+                    at = {r: plans[r].at(k) for r in due}
+                    logits = denoiser.logits(due, span, at=at)
                     for r in due:
-                        at = plans[r].at(k)
-                        if len(at):
-                            blocks[r][at] = batch.draw(self.probs(logits[r][at]), r)
+                        if len(at[r]):
+                            blocks[r][at[r]] = batch.draw(self.probs(logits[r]), r)
             left = [r for r in rows if len(plans[r].at(steps))]
             if left:  # greedy final step at t = 1e-5
-                logits = denoiser.logits(left, span)
+                at = {r: plans[r].at(steps) for r in left}
+                logits = denoiser.logits(left, span, at=at)
                 for r in left:
-                    at = plans[r].at(steps)
-                    blocks[r][at] = self.probs(logits[r][at]).argmax(-1)
+                    blocks[r][at[r]] = self.probs(logits[r]).argmax(-1)
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
