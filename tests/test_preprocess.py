@@ -339,9 +339,8 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     assert r.returncode == 0 and "shard 0 of 2" in r.stdout, r.stderr
     final = shard_prefix(out, 1, 2) + "_text_document"
 
-    def started():
-        return [f for f in os.listdir(tmp_path / "run") if "shard00001" in f and ".bin.tmp-" in f
-                and os.path.getsize(tmp_path / "run" / f) > 0]
+    def started(run=tmp_path / "run"):
+        return [f for f in os.listdir(run) if "shard00001" in f and ".bin.tmp-" in f and os.path.getsize(run / f) > 0]
 
     # 1) SIGKILL one tokenizer worker: the shard fails loudly and leaves no finished file
     import psutil
@@ -356,15 +355,22 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
     assert not os.path.exists(final + ".idx")
 
-    # 1b) Ctrl-C, which a terminal sends to the whole process group (workers too): one line, exit 130
-    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1",
+    # 1b) Ctrl-C, which a terminal sends to the whole process group (workers too): one line, exit 130.
+    # Its own input, forty copies of the plays: a shard of 24 files could finish between the first
+    # temporary file and the signal on a loaded machine (it did once, exit 0).
+    copies = {f"{k}_{c}": v for c in range(40) for k, v in plays.items()}
+    _write_formats(str(tmp_path / "in_1b"), copies, formats=("jsonl",))
+    (tmp_path / "run_1b").mkdir()
+    flags = [str(tmp_path / "in_1b" / "jsonl" / "*.jsonl") if a == cmd[2] else a for a in cmd[1:]]
+    flags[flags.index("--output-prefix") + 1] = str(tmp_path / "run_1b" / "c")
+    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *flags, "--shard-index", "1",
                           "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
                          start_new_session=True)
-    assert _wait_for(lambda: any(f".tmp-{p.pid}-" in f for f in started()))
+    assert _wait_for(lambda: any(f".tmp-{p.pid}-" in f for f in started(tmp_path / "run_1b")))
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err.splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-3000:]
-    assert not os.path.exists(final + ".idx")
+    assert not [f for f in os.listdir(tmp_path / "run_1b") if f.endswith(".idx")]
 
     # 2) SIGKILL the whole shard process mid-run: only temporaries remain
     p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"],
