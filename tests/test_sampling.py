@@ -145,8 +145,9 @@ def test_mdlm_samples_have_the_distribution_of_the_papers_step():
 @pytest.mark.parametrize("backbone", ["dit", "gpt"])
 def test_logits_at_runs_the_output_layer_at_those_positions_only(backbone):
     """`logits_at` (flat positions of [b, s]) gives the full forward's logits there (float64, a time
-    input per row, with and without a padding mask), and the output layer receives only those rows; a shifted model's
-    come from the position before (position 0 its own), as its full logits do."""
+    input per row, with and without a padding mask), and the output layer receives only those
+    rows; a shifted model's come from the position before (position 0 its own), as its full
+    logits do."""
     gpt = GPTShape(ffn_hidden_size=64, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                    add_bias_linear=False, untie_embeddings_and_output_weights=True).as_dict()
     model = random_dense_model("mdlm", V, L, **({"gpt": gpt} if backbone == "gpt" else {})).double()
