@@ -73,7 +73,8 @@ def test_padding_that_leaked_would_be_seen(inf, monkeypatch):
     if inf.family in ("ar", "esolm"):
         original = PaddedKVCache.forward
         monkeypatch.setattr(PaddedKVCache, "forward",
-                            lambda self, ids, pos, real, keep: original(self, ids, pos, torch.ones_like(real), keep))
+                            lambda self, ids, pos, real, keep, **kw: original(
+                                self, ids, pos, torch.ones_like(real), keep, **kw))
     else:
         original = inf.model.forward
         monkeypatch.setattr(inf.model, "forward", lambda *a, attention_mask=None, **kw: original(*a, **kw))

@@ -221,9 +221,10 @@ def _compare(out_root, tok_model, specs):
         if family == "ar":
             gen = hf.generate(ids[:1, :4], max_new_tokens=5, do_sample=False)
             assert gen.shape == (1, 9) and hf.generation_config.eos_token_id == 2  # stops at </s> untold
-            with torch.no_grad():  # greedy = argmax of the megatron model's next-token logits
+            with torch.no_grad():  # greedy = argmax of the megatron model's next-token logits (up to a tie
+                # within rounding: the export runs its output layer at the last position only)
                 nxt = model(gen[:, :4], torch.arange(4)[None], torch.zeros(1)).transpose(0, 1)[0, -1, :V]
-            assert gen[0, 4].item() == nxt.argmax().item()
+            assert nxt[gen[0, 4]] >= nxt.max() - 1e-5 * nxt.abs().max(), (gen, nxt.topk(2))
         tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
         assert tok.mask_token == "[MASK]" and tok.mask_token_id == identity.mask_id
         # batches pad with EOS and truncate at the model's context; the model knows its EOS

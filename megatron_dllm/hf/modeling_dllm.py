@@ -530,22 +530,36 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
     each step; megatron_dllm's sampler decodes incrementally with `kv_cache`."""
 
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, logits_to_keep=0, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
 
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, logits_to_keep: int = 0,
-                kv_cache: Optional[KVCache] = None, kv_keep: Optional[int] = None, **kwargs):
+                kv_cache: Optional[KVCache] = None, kv_keep: Optional[int] = None,
+                logits_at: Optional[torch.LongTensor] = None, **kwargs):
+        """`logits_to_keep` k > 0 (transformers' generate passes 1): logits [b, k, V] of the last k
+        positions, the output layer run only there unless `labels` need every position.
+        `logits_at`: as DLLMForMaskedLM's."""
+        if logits_at is not None and (labels is not None or logits_to_keep):
+            raise ValueError("logits_at keeps only some positions; labels and logits_to_keep need others")
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
-        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep, **kwargs)
+        b, s = input_ids.shape[0], input_ids.shape[-1]
+        keep = min(logits_to_keep, s) if labels is None else 0
+        if keep:
+            logits_at = (torch.arange(b, device=input_ids.device)[:, None] * s
+                         + torch.arange(s - keep, s, device=input_ids.device)).flatten()
+        logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep,
+                              logits_at, **kwargs)
+        if keep:
+            logits = logits.view(b, keep, -1)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        if logits_to_keep:
+        if logits_to_keep and not keep:
             logits = logits[:, -logits_to_keep:]
         if return_dict is False:
             return (logits,) if loss is None else (loss, logits)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Sampler
+from .base import Sampler, flat_positions
 from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
 
@@ -40,8 +40,8 @@ class ARSampler(Sampler):
             # next-token logits after x[:, :pos]; with the cache only the tokens not yet fed run
             nonlocal fed
             if cache is None:
-                return self.model(input_ids=x[:, :pos]).logits[:, -1]
-            logits = self.model(input_ids=x[:, fed:pos], kv_cache=cache).logits[:, -1]
+                return self.logits_at_column(x[:, :pos], pos - 1)
+            logits = self.logits_at_column(x[:, fed:pos], pos - fed - 1, kv_cache=cache)
             fed = pos
             return logits
 
@@ -59,8 +59,8 @@ class ARSampler(Sampler):
             if last is None:  # the prompts, each at positions 0..P_i-1, padding masked
                 width = int(plen.max())
                 ids, at = x[:, :width], torch.arange(width, device=x.device).expand(batch.size, -1)
-                logits = cache.forward(ids, at, at < plen[:, None], keep=width)
-                return logits[torch.arange(batch.size, device=x.device), plen - 1]
+                return cache.forward(ids, at, at < plen[:, None], keep=width,
+                                     logits_at=flat_positions((plen - 1)[:, None], width))
             cache.keep_rows(torch.isin(cached_rows, rows))
             cached_rows = rows
             return cache.forward(last[:, None], (pos - 1)[:, None], torch.ones_like(last[:, None], dtype=torch.bool),

@@ -6,6 +6,8 @@ the prompt, unchanged. All randomness comes from the generator passed to `sample
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import categorical
@@ -18,6 +20,15 @@ from .prompt_batch import PromptBatch
 from .shifted_model import ShiftedModel
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
+
+
+def flat_positions(columns, width: int) -> torch.Tensor:
+    """The flat positions, in a [rows, width] model input, of each row's `columns` (a tensor [rows, n],
+    or a list with one 1-d tensor per row, empty for a row with none): what a model's `logits_at`
+    takes, so that its output layer runs only where a sampler draws."""
+    if isinstance(columns, torch.Tensor):
+        return (torch.arange(len(columns), device=columns.device)[:, None] * width + columns).flatten()
+    return torch.cat([j * width + c for j, c in enumerate(columns)])
 
 
 class EosStop:
@@ -162,6 +173,23 @@ class Sampler:
 
     def alpha(self, t: float) -> float:
         return float(self.family.schedule.alpha(torch.tensor(t, dtype=torch.float64)))
+
+    def logits_at_column(self, x: torch.Tensor, pos: int, **inputs) -> torch.Tensor:
+        """The model's logits [b, V] at position `pos` of every row of x [b, s], the output layer run
+        only there."""
+        b, s = x.shape
+        column = torch.full((b, 1), pos, device=x.device)
+        return self.model(input_ids=x, logits_at=flat_positions(column, s), **inputs).logits
+
+    def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor, columns,
+                     alphas: list[float] | None = None) -> torch.Tensor:
+        """Logits [n, V] at each batch row's `columns` (as `flat_positions` takes them, one entry per
+        row of `rows`), the rows cut to their longest canvas, padding unseen; `alphas`: the time
+        input per row (Duo's; None for a model that has none)."""
+        width = int(real[rows].sum(1).max())
+        sigma = None if alphas is None else torch.tensor([-math.log(a) for a in alphas], device=x.device)
+        return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width],
+                          logits_at=flat_positions(columns, width)).logits
 
     def fill_left_to_right(self, x: torch.Tensor, start: int, generator, logits_at) -> torch.Tensor:
         """One position per step from `start` on: sample from `logits_at(x, pos)` ([b, V]) there."""

@@ -14,7 +14,7 @@ What BD3-LM changes is where a block's logits come from (`batch_blocks`, `Commit
 block attends to itself and to the clean blocks before it, which never change once committed, so
 their keys and values are cached exactly. Each denoising call runs only the B tokens of the
 current block over the cache (kv_keep = 0: nothing noisy is stored) and a finished block is
-committed by one more call on its clean tokens. Without the cache (`--no-kv-cache`) every call
+committed by one more call on its clean tokens (without the output layer). Without the cache (`--no-kv-cache`) every call
 recomputes the clean prefix and the block under the block-causal layout, which gives the same
 logits: the cache changes the cost, not the result.
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Sampler
+from .base import Sampler, flat_positions
 from .blocks import end_at_eos
 from .deps import InputError, KVCache
 from .duo import DuoSampler
@@ -54,6 +54,7 @@ class CommittedBlocks:
         self.kv = KVCache(model.config.num_layers, x.shape[1]) if cached else None
         self.rows = list(range(x.shape[0]))  # the batch rows still decoding (the cache's rows, in order)
         self.start = 0  # every row in `rows` is clean and real before it (committed)
+        self.no_logits = torch.zeros(0, dtype=torch.long, device=x.device)  # `logits_at` of a commit
 
     def mask(self, rows: list[int], lo: int, hi: int) -> torch.Tensor:
         """[n, hi - lo, hi] bool: queries at positions lo..hi-1 over keys 0..hi-1, the block-causal
@@ -69,18 +70,20 @@ class CommittedBlocks:
     def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma=None, at: dict | None = None) -> dict:
         """{r: logits [hi - lo, V]} at the positions (lo, hi) = span[r] of each batch row r in `rows`
         (a subset of `self.rows`, in order), their block starting at `self.start`; given `at` ({r:
-        positions in the block}), only those. `sigma` (Duo's time input) is ignored: BD3-LM is not
-        time-conditioned."""
-        s, hi = self.start, max(span[r][1] for r in rows)
+        positions in the block}), only those. The output layer runs only there. `sigma` (Duo's time
+        input) is ignored: BD3-LM is not time-conditioned."""
+        hi = max(span[r][1] for r in rows)
         if self.kv is None:  # recompute: the block-causal layout over prefix + block
-            out = self.model(input_ids=self.x[rows, :hi], position_ids=self.positions(rows, 0, hi),
-                             attention_mask=self.mask(rows, 0, hi)).logits[:, s:]
+            first, cache = 0, None
         else:  # the rows asked for run over their cached prefix (a copy when not all rows run)
+            first = self.start
             cache = self.kv if rows == self.rows else self.kv.rows([self.rows.index(r) for r in rows])
-            out = self.model(input_ids=self.x[rows, s:hi], position_ids=self.positions(rows, s, hi),
-                             attention_mask=self.mask(rows, s, hi), kv_cache=cache, kv_keep=0).logits
-        block = {r: out[j, span[r][0] - s:span[r][1] - s] for j, r in enumerate(rows)}
-        return block if at is None else {r: block[r][at[r]] for r in rows}
+        columns = [span[r][0] - first + (torch.arange(span[r][1] - span[r][0], device=self.x.device)
+                                         if at is None else at[r]) for r in rows]
+        out = self.model(input_ids=self.x[rows, first:hi], position_ids=self.positions(rows, first, hi),
+                         attention_mask=self.mask(rows, first, hi), kv_cache=cache, kv_keep=0,  # keeps nothing
+                         logits_at=flat_positions(columns, hi - first)).logits
+        return dict(zip(rows, out.split([len(c) for c in columns])))
 
     def commit(self, rows: list[int], end: int) -> None:
         """Only the batch rows `rows` go on; their clean tokens [start, end) join the cache."""
@@ -89,7 +92,7 @@ class CommittedBlocks:
         self.rows = rows
         if self.kv is not None and rows and end > self.start:  # whole real blocks: the default layout
             self.model(input_ids=self.x[rows, self.start:end], position_ids=self.positions(rows, self.start, end),
-                       kv_cache=self.kv, kv_keep=end - self.start)
+                       kv_cache=self.kv, kv_keep=end - self.start, logits_at=self.no_logits)
         self.start = end
 
 
@@ -130,9 +133,10 @@ class BD3LMSampler(Sampler):
         for rows, span, blocks in self.batch_blocks(batch, x, real):
             at = {r: span[r][0] for r in rows}  # each row's next position in the block
             while rows:  # one position per row and model call, drawn from the block's logits there
-                logits = blocks.logits(rows, span)
+                logits = blocks.logits(rows, span, at={r: torch.tensor([at[r] - span[r][0]], device=x.device)
+                                                       for r in rows})
                 for r in rows:
-                    x[r, at[r]] = batch.draw(self.probs(logits[r][at[r] - span[r][0]][None]), r)[0]
+                    x[r, at[r]] = batch.draw(self.probs(logits[r][None]), r)[0]
                     at[r] += 1
                 rows = [r for r in rows if at[r] < span[r][1] and not (stop_at_eos and x[r, at[r] - 1] == self.eos_id)]
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(batch.prompt_lengths().tolist(), batch.lengths))]

@@ -22,7 +22,7 @@ import math
 import torch
 
 from . import categorical
-from .base import Sampler
+from .base import Sampler, flat_positions
 from .deps import real_ids
 
 
@@ -60,9 +60,10 @@ def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: t
 class DuoSampler(Sampler):
     block_wise = True
 
-    def logits(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        sigma = torch.full((x.shape[0],), -math.log(alpha), device=x.device)
-        return self.model(input_ids=x, sigma=sigma).logits
+    @staticmethod
+    def sigma(x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """The time input [b] of every row of x at alpha."""
+        return torch.full((x.shape[0],), -math.log(alpha), device=x.device)
 
     def uniform_ids(self, b: int, n: int, generator, device) -> torch.Tensor:
         return uniform_ids(b, n, self.family, generator, device)
@@ -74,15 +75,13 @@ class DuoSampler(Sampler):
         x = self.canvas(prompt, self.uniform_ids(b, self.length - p, generator, prompt.device))
         if self.cfg.predictor == "left-to-right":
             floor = self.alpha(1.0)
-            return self.fill_left_to_right(
-                x, p, generator, lambda x, pos: self.logits(x, max(pos / self.length, floor))[:, pos])
-        return ancestral(self, x, p, lambda x, a: self.logits(x, a)[:, p:], generator, self.family.num_real)
-
-    def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor, alphas: list[float]):
-        """Logits [n, w, V] of the batch rows `rows` at their alphas, cut to their longest canvas w."""
-        width = int(real[rows].sum(1).max())
-        sigma = torch.tensor([-math.log(a) for a in alphas], device=x.device)
-        return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width]).logits
+            return self.fill_left_to_right(x, p, generator, lambda x, pos: self.logits_at_column(
+                x, pos, sigma=self.sigma(x, max(pos / self.length, floor))))
+        # the prompt's positions need no logits
+        at = None if p == 0 else flat_positions(torch.arange(p, self.length, device=x.device).expand(b, -1),
+                                                self.length)
+        return ancestral(self, x, p, lambda x, a: self.model(input_ids=x, sigma=self.sigma(x, a), logits_at=at)
+                         .logits.view(b, self.length - p, -1), generator, self.family.num_real)
 
     def uniform_prior(self, batch) -> list[torch.Tensor]:  # also the remasking samplers' fillers
         """Each row's starting noise over its positions to generate, drawn from its own generator."""
@@ -99,20 +98,21 @@ class DuoSampler(Sampler):
                 if last is not None:
                     x[rows, pos - 1] = last
                 alphas = [max(q / lengths[r], floor) for r, q in zip(rows.tolist(), pos.tolist())]
-                return self.batch_logits(x, real, rows, alphas)[torch.arange(len(rows), device=x.device), pos]
+                return self.batch_logits(x, real, rows, pos[:, None], alphas)
 
             return self.fill_batch_left_to_right(batch, next_logits)
         ts = self.timesteps()
         for rows, span, denoiser in self.batch_blocks(batch, x, real):
+            block = {r: torch.arange(hi - lo, device=x.device) for r, (lo, hi) in span.items()}  # not the prompt
             for t, s in zip(ts[:-1], ts[1:]):
                 a_t, a_s = self.alpha(t), self.alpha(s)
-                logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
+                logits = denoiser.logits(rows, span, sigma=-math.log(a_t), at=block)
                 for r in rows:
                     lo, hi = span[r]
                     q = posterior(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family.num_real,
                                   self.mask_id)
                     x[r, lo:hi] = batch.draw(q, r)[0]
-            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
+            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])), at=block)
             for r in rows:  # greedy tail
                 x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import categorical
-from .base import EosStop, Sampler
+from .base import EosStop, Sampler, flat_positions
 from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
 
@@ -91,11 +91,12 @@ class EsoLMSampler(Sampler):
                 continue
             if cache is not None:
                 ids, positions = self.cached_slice(x, order[:, start:done + k], start)
-                logits = self.model(input_ids=ids, position_ids=positions, kv_cache=cache,
-                                    kv_keep=done - start).logits[:, done - start:done - start + k]
+                logits = self.model(input_ids=ids, position_ids=positions, kv_cache=cache, kv_keep=done - start,
+                                    logits_at=self.masks_at(x, done - start, k, ids.shape[1])).logits
             else:
-                logits = self.model(input_ids=x.gather(1, order), position_ids=order).logits[:, done:done + k]
-            new = categorical.sample(self.probs(logits), generator)
+                logits = self.model(input_ids=x.gather(1, order), position_ids=order,
+                                    logits_at=self.masks_at(x, done, k, self.length)).logits
+            new = categorical.sample(self.probs(logits.view(b, k, -1)), generator)
             if stop.enabled:
                 new = stop(new[:, 0])[:, None]
             x.scatter_(1, order[:, done:done + k], new)
@@ -104,6 +105,13 @@ class EsoLMSampler(Sampler):
                 x.scatter_(1, order[:, done:], self.eos_id)
                 break
         return x
+
+    @staticmethod
+    def masks_at(x: torch.Tensor, first: int, k: int, width: int) -> torch.Tensor:
+        """`logits_at` of the k masks decoded in a step, from column `first` of each row of a
+        [b, width] input (b = x's rows): the clean tokens before them need no logits (about half
+        of a cached slice)."""
+        return flat_positions(torch.arange(first, first + k, device=x.device).expand(x.shape[0], -1), width)
 
     def cached_slice(self, x: torch.Tensor, slots: torch.Tensor, cached: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, positions) of one cached step's slice (the original positions `slots` [b, s]).
@@ -140,11 +148,12 @@ class EsoLMSampler(Sampler):
                 slots[j, :c], slots[j, cw:cw + k] = orders[r][start[r]:start[r] + c], orders[r][done[r]:done[r] + k]
                 real[j, :c], real[j, cw:cw + k] = True, True
             ids = torch.where(real, x[rows].gather(1, slots), batch.pad_id)
-            logits = cache.forward(ids, slots, real, keep=cw)
+            masks = [cw + torch.arange(k, device=x.device) for k in ks]
+            logits = cache.forward(ids, slots, real, keep=cw, logits_at=flat_positions(masks, cw + kw)).split(ks)
             going = []
             for j, (r, k) in enumerate(zip(rows, ks)):
                 if k:
-                    new = batch.draw(self.probs(logits[j:j + 1, cw:cw + k]), r)[0]
+                    new = batch.draw(self.probs(logits[j][None]), r)[0]
                     x[r, orders[r][done[r]:done[r] + k]] = new
                     start[r], done[r] = done[r], done[r] + k
                     if done[r] == lengths[r] or (stop_at_eos and int(new[0]) == self.eos_id):

@@ -95,14 +95,8 @@ class MDLMSampler(Sampler):
             return self.sample_rows(prompt, generator)
         x = self.canvas(prompt)
         if self.cfg.predictor == "left-to-right":  # mask the remainder, fill one position per step
-            return self.fill_left_to_right(x, prompt.shape[1], generator,
-                                           lambda x, pos: self.model(input_ids=x).logits[:, pos])
+            return self.fill_left_to_right(x, prompt.shape[1], generator, self.logits_at_column)
         return ancestral(self, x, self.logits_at, generator)
-
-    def batch_logits(self, x: torch.Tensor, real: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits [n, w, V] of the batch rows `rows`, cut to their longest canvas w, padding unseen."""
-        width = int(real[rows].sum(1).max())
-        return self.model(input_ids=x[rows, :width], attention_mask=real[rows, :width]).logits
 
     def sample_batch(self, batch) -> list[list[int]]:
         x, real = batch.canvas(self.mask_id)
@@ -111,7 +105,7 @@ class MDLMSampler(Sampler):
             def next_logits(rows, pos, last):
                 if last is not None:
                     x[rows, pos - 1] = last
-                return self.batch_logits(x, real, rows)[torch.arange(len(rows), device=x.device), pos]
+                return self.batch_logits(x, real, rows, pos[:, None])
 
             return self.fill_batch_left_to_right(batch, next_logits)
         steps = self.cfg.steps

@@ -25,15 +25,17 @@ class PaddedKVCache:
         self.kv = KVCache(model.config.num_layers, max_length)
         self.valid = torch.zeros(rows, max_length or 0, dtype=torch.bool, device=device)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, keep: int) -> torch.Tensor:
-        """Logits [b, s, V] of the slice `ids` at rotary `positions`; caches its first `keep` entries."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, keep: int,
+                logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V] of the slice `ids` at rotary `positions` (or [n, V] at its flat positions
+        `logits_at`); caches its first `keep` entries."""
         b, s = ids.shape
         n = len(self.kv)
         own = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril() & real[:, None, :]
         own |= torch.eye(s, dtype=torch.bool, device=ids.device)
         mask = torch.cat([self.valid[:, None, :n].expand(b, s, -1), own], dim=2)
         logits = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, kv_cache=self.kv,
-                            kv_keep=keep).logits
+                            kv_keep=keep, logits_at=logits_at).logits
         if self.kv.max_length is None:
             self.valid = torch.cat([self.valid, real[:, :keep]], dim=1)
         else:

@@ -94,7 +94,9 @@ class RemaskingSampler(Sampler):
     def fillers(self, batch: PromptBatch):
         raise NotImplementedError
 
-    def step_logits(self, x, real, rows: torch.Tensor, clean_fractions: list[float]) -> torch.Tensor:
+    def step_logits(self, x, real, rows: torch.Tensor, columns: list[torch.Tensor],
+                    clean_fractions: list[float]) -> torch.Tensor:
+        """The logits [n, V] at each batch row's `columns` (`Sampler.batch_logits`)."""
         raise NotImplementedError
 
     def plan(self, start: int, end: int) -> _Row:
@@ -132,13 +134,14 @@ class RemaskingSampler(Sampler):
         live = [r for r, row in enumerate(rows) if row.start < row.end]
         while live:
             fractions = [float(committed[r, :rows[r].end].sum()) / rows[r].end for r in live]
-            logits = self.step_logits(x, real, torch.tensor(live, device=x.device), fractions)
-            for j, r in enumerate(live):
+            opens = [lo + (~committed[r, lo:hi]).nonzero()[:, 0]  # the open positions of each row's block
+                     for r in live for lo, hi in [rows[r].blocks[rows[r].block]]]
+            logits = self.step_logits(x, real, torch.tensor(live, device=x.device), opens, fractions)
+            for r, open_, row_logits in zip(live, opens, logits.split([len(o) for o in opens])):
                 row = rows[r]
                 lo, hi = row.blocks[row.block]
-                open_ = lo + (~committed[r, lo:hi]).nonzero()[:, 0]
-                x0 = batch.draw(self.probs(logits[j, open_]), r)
-                p = categorical.probabilities(logits[j, open_], self.dtype, suppress=self.mask_id)
+                x0 = batch.draw(self.probs(row_logits), r)
+                p = categorical.probabilities(row_logits, self.dtype, suppress=self.mask_id)
                 chosen = self.select(row, p, x0)
                 x[r, open_[chosen]], committed[r, open_[chosen]] = x0[chosen], True
                 row.step += 1
@@ -167,17 +170,17 @@ class MDLMRemaskingSampler(RemaskingSampler, MDLMSampler):
     def fillers(self, batch):
         return self.mask_id
 
-    def step_logits(self, x, real, rows, clean_fractions):
-        return self.batch_logits(x, real, rows)
+    def step_logits(self, x, real, rows, columns, clean_fractions):
+        return self.batch_logits(x, real, rows, columns)
 
 
 class DuoRemaskingSampler(RemaskingSampler, DuoSampler):
     def fillers(self, batch):
         return self.uniform_prior(batch)
 
-    def step_logits(self, x, real, rows, clean_fractions):
+    def step_logits(self, x, real, rows, columns, clean_fractions):
         floor = self.alpha(1.0)
-        return self.batch_logits(x, real, rows, [max(f, floor) for f in clean_fractions])
+        return self.batch_logits(x, real, rows, columns, [max(f, floor) for f in clean_fractions])
 
 
 REMASKING_SAMPLERS = {"mdlm": MDLMRemaskingSampler, "duo": DuoRemaskingSampler}
