@@ -1,6 +1,7 @@
 """Samplers (megatron_dllm/sampling, tools/sample.py): valid ids and kept prompts for every family
 and predictor; cached == uncached for AR (KV cache), MDLM (no-change cache) and Eso-LM (KV cache);
 MDLM's samples against the exact distribution of the paper's chain, and its loop without host waits;
+every sampler's output layer only where it draws (and the AR export's `logits_to_keep`);
 float64 on the sampling path by default, and its draws are the paper code's in fewer buffers;
 Duo's posterior against Bayes' rule; Eso-LM plans; clear errors; tools/sample.py end to end on a
 megatron checkpoint and on an HF directory.
@@ -170,6 +171,77 @@ def test_logits_at_runs_the_output_layer_at_those_positions_only(backbone):
         torch.testing.assert_close(shifted(input_ids=x, logits_at=at).logits, full[at], rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="logits_at keeps only some"):
         model(input_ids=x, logits_at=at, labels=x)
+
+
+def test_ar_logits_to_keep_runs_the_output_layer_at_the_last_positions_only():
+    """transformers' `generate` asks an AR export for `logits_to_keep=1`: the last positions' logits
+    (float64: equal to the full forward's), the output layer run only there, every position when
+    `labels` need them; greedy `generate` then equals the argmax chain of full forwards."""
+    model = random_model("ar").double()
+    rows = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[:-1].numel()))
+    x = torch.randint(0, MASK, (3, L))
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+        torch.testing.assert_close(model(input_ids=x, logits_to_keep=2).logits, full[:, -2:], rtol=1e-12, atol=1e-12)
+        out = model(input_ids=x, logits_to_keep=2, labels=x)
+        torch.testing.assert_close(out.logits, full[:, -2:], rtol=1e-12, atol=1e-12)
+        assert rows == [3 * L, 3 * 2, 3 * L]
+        rows.clear()
+        greedy = x[:1, :4]
+        for _ in range(3):
+            greedy = torch.cat([greedy, model(input_ids=greedy).logits[:, -1:].argmax(-1)], 1)
+        rows.clear()
+        assert torch.equal(model.generate(x[:1, :4], max_new_tokens=3, do_sample=False, eos_token_id=None), greedy)
+    assert rows == [1, 1, 1]
+    with pytest.raises(ValueError, match="logits_at keeps only some"):
+        model(input_ids=x, logits_at=torch.tensor([0]), logits_to_keep=1)
+
+
+DRAWING_CASES = [
+    ("ar", {"kv_cache": True}), ("ar", {"kv_cache": False}),
+    ("mdlm", {}), ("mdlm", {"kv_cache": False}), ("mdlm", {"predictor": "left-to-right"}),
+    ("mdlm", {"predictor": "low-confidence"}), ("mdlm", {"block_length": 5, "approx_kv_cache": "prefix"}),
+    ("duo", {}), ("duo", {"predictor": "left-to-right"}), ("duo", {"predictor": "threshold"}),
+    ("duo", {"block_length": 5, "approx_kv_cache": "dual"}),
+    ("esolm", {"kv_cache": True}), ("esolm", {"kv_cache": False}), ("esolm", {"predictor": "block", "steps": 2}),
+    ("esolm", {"predictor": "left-to-right"}),
+    ("bd3lm", {"kv_cache": True}), ("bd3lm", {"kv_cache": False}), ("bd3lm", {"predictor": "left-to-right"}),
+    ("bd3lm-uniform", {}),
+]
+
+
+@pytest.mark.parametrize("family,options", DRAWING_CASES, ids=lambda c: str(c))
+def test_the_output_layer_runs_only_where_a_sampler_draws(models, family, options):
+    """Every logit row the output layer computes goes into the sampler's probabilities, and nothing
+    else does: the prompt, an Eso-LM slice's clean tokens, the positions a left-to-right step does
+    not fill, the rest of an approximate cache's window and BD3-LM's commits get none. For `sample`
+    and for a batch of prompts and canvases of different lengths (`sample_batch`)."""
+    from megatron_dllm.sampling.prompt_batch import PromptBatch
+
+    if family.startswith("bd3lm"):
+        noise = "uniform" if family == "bd3lm-uniform" else "mask"
+        extra = {"block_size": 4, "noise": noise}
+        inf = InferenceModel(random_dense_model("bd3lm", V, L, family_options=extra), "bd3lm", MASK, V, L, None, "hf",
+                             family_options=extra)
+    else:
+        inf = models[family]
+    head_rows, drawn_rows = [], []
+    handle = inf.model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: head_rows.append(args[0].shape[:-1].numel()))
+    sampler = get_sampler(inf, SamplingConfig(**{"steps": 4, "eos_id": EOS, **options}))
+    probs = sampler.probs
+    sampler.probs = lambda logits: drawn_rows.append(logits.numel() // logits.shape[-1]) or probs(logits)
+    try:
+        with torch.no_grad():
+            sampler.sample(torch.tensor([PROMPT, PROMPT]), torch.Generator().manual_seed(0))
+            one = (sum(head_rows), sum(drawn_rows))
+            prompts = [PROMPT, PROMPT[:2]]
+            sampler.sample_batch(PromptBatch(prompts, [L, L - 3], [torch.Generator().manual_seed(s) for s in (1, 2)],
+                                             torch.device("cpu")))
+    finally:
+        handle.remove()
+    assert one[0] == one[1] > 0 and sum(head_rows) == sum(drawn_rows) > one[0], (one, head_rows, drawn_rows)
 
 
 def test_the_mdlm_loop_makes_the_host_wait_nowhere(models):

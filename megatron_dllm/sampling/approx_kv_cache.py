@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .positions import flat_positions
+
 MODES = ("none", "prefix", "dual")
 
 
@@ -71,19 +73,20 @@ class BlockDenoiser:
     def logits(self, rows: list[int], span: dict[int, tuple[int, int]], sigma: float | None = None,
                at: dict | None = None) -> dict:
         """{r: logits [hi - lo, V]} over the block (lo, hi) = span[r] of each batch row r in `rows`,
-        or, given `at` ({r: positions in the block}), {r: logits [len(at[r]), V]} there (without a
-        cache the output layer runs only there). With a cache every row of the current block runs
-        (rows not asked for are left out of the answer; their cache entries are rewritten with the
-        same values)."""
+        or, given `at` ({r: positions in the block}), {r: logits [len(at[r]), V]} there; the output
+        layer runs only there. With a cache every row of the current block runs (the rows not asked
+        for get no logits; their cache entries are rewritten with the same values)."""
+        def wanted(r: int, first: int) -> torch.Tensor:  # r's positions asked for, from column `first`
+            lo, hi = span[r]
+            return lo - first + (torch.arange(hi - lo, device=self.x.device) if at is None else at[r])
+
         if self.cache is None:
             index = torch.tensor(rows, device=self.x.device)
             width = int(self.real[index].sum(1).max())
-            picks = None if at is None else torch.cat([j * width + span[r][0] + at[r] for j, r in enumerate(rows)])
-            out = self.model(input_ids=self.x[index, :width], sigma=sigma,
-                             attention_mask=self.real[index, :width], logits_at=picks).logits
-            if at is not None:
-                return dict(zip(rows, out.split([len(at[r]) for r in rows])))
-            return {r: out[j, span[r][0]:span[r][1]] for j, r in enumerate(rows)}
+            columns = [wanted(r, 0) for r in rows]
+            out = self.model(input_ids=self.x[index, :width], sigma=sigma, attention_mask=self.real[index, :width],
+                             logits_at=flat_positions(columns, width)).logits
+            return dict(zip(rows, out.split([len(c) for c in columns])))
         order = self.rows.tolist()
         width = self.x.shape[1]
         lo = torch.tensor([span[r][0] for r in order], device=self.x.device)
@@ -99,13 +102,8 @@ class BlockDenoiser:
         keys = torch.cat([self.real[self.rows], torch.zeros_like(lo, dtype=torch.bool)[:, None]], 1)
         self.cache.slots = slots
         positions = slots.clamp(max=width - 1)
+        columns = [wanted(r, int(start[j])) if r in rows else lo.new_zeros(0) for j, r in enumerate(order)]
         out = self.model(input_ids=self.x[self.rows].gather(1, positions), position_ids=positions, sigma=sigma,
-                         attention_mask=keys[:, None, :].expand(-1, slots.shape[1], -1), kv_cache=self.cache).logits
-        answer = {}
-        for j, r in enumerate(order):
-            if r in rows:
-                first = span[r][0] - int(start[j])
-                answer[r] = out[j, first:first + span[r][1] - span[r][0]]
-                if at is not None:
-                    answer[r] = answer[r][at[r]]
-        return answer
+                         attention_mask=keys[:, None, :].expand(-1, slots.shape[1], -1), kv_cache=self.cache,
+                         logits_at=flat_positions(columns, slots.shape[1])).logits
+        return {r: logits for r, logits in zip(order, out.split([len(c) for c in columns])) if r in rows}

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Sampler, flat_positions
+from .base import Sampler
 from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
+from .positions import flat_positions
 
 
 class ARSampler(Sampler):

@@ -16,19 +16,11 @@ from .blocks import block_spans, each_block, end_at_eos
 from .config import REMASKING_PREDICTORS, SamplingConfig
 from .cuda_graphs import CUDAGraphModel
 from .deps import InputError, KVCache
+from .positions import flat_positions
 from .prompt_batch import PromptBatch
 from .shifted_model import ShiftedModel
 
 FINAL_T = 1e-5  # last diffusion time of the grid linspace(1, 1e-5, T + 1) (as in the paper's code)
-
-
-def flat_positions(columns, width: int) -> torch.Tensor:
-    """The flat positions, in a [rows, width] model input, of each row's `columns` (a tensor [rows, n],
-    or a list with one 1-d tensor per row, empty for a row with none): what a model's `logits_at`
-    takes, so that its output layer runs only where a sampler draws."""
-    if isinstance(columns, torch.Tensor):
-        return (torch.arange(len(columns), device=columns.device)[:, None] * width + columns).flatten()
-    return torch.cat([j * width + c for j, c in enumerate(columns)])
 
 
 class EosStop:

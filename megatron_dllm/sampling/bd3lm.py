@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Sampler, flat_positions
+from .base import Sampler
 from .blocks import end_at_eos
 from .deps import InputError, KVCache
 from .duo import DuoSampler
 from .mdlm import MDLMSampler
+from .positions import flat_positions
 
 
 class CommittedBlocks:

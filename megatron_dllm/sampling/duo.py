@@ -22,8 +22,9 @@ import math
 import torch
 
 from . import categorical
-from .base import Sampler, flat_positions
+from .base import Sampler
 from .deps import real_ids
+from .positions import flat_positions
 
 
 def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,

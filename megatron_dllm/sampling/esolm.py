@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from . import categorical
-from .base import EosStop, Sampler, flat_positions
+from .base import EosStop, Sampler
 from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
+from .positions import flat_positions
 
 
 class EsoLMSampler(Sampler):

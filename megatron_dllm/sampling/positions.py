@@ -1,0 +1,12 @@
+"""Flat positions for a model's `logits_at`, so that its output layer runs only where a sampler draws."""
+from __future__ import annotations
+
+import torch
+
+
+def flat_positions(columns, width: int) -> torch.Tensor:
+    """The flat positions, in a [rows, width] model input, of each row's `columns` (a tensor [rows, n],
+    or a list with one 1-d tensor per row, empty for a row with none)."""
+    if isinstance(columns, torch.Tensor):
+        return (torch.arange(len(columns), device=columns.device)[:, None] * width + columns).flatten()
+    return torch.cat([j * width + c for j, c in enumerate(columns)])
