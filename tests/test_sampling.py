@@ -145,10 +145,10 @@ def test_mdlm_samples_have_the_distribution_of_the_papers_step():
 
 @pytest.mark.parametrize("backbone", ["dit", "gpt"])
 def test_logits_at_runs_the_output_layer_at_those_positions_only(backbone):
-    """`logits_at` (flat positions of [b, s]) gives the full forward's logits there (float64, a time
-    input per row, with and without a padding mask), and the output layer receives only those
-    rows; a shifted model's come from the position before (position 0 its own), as its full
-    logits do."""
+    """`logits_at` (flat positions of [b, s], or a slice of every row's positions) gives the full
+    forward's logits there (float64, a time input per row, with and without a padding mask), and
+    the output layer receives only those rows; a shifted model's come from the position before
+    (position 0 its own), as its full logits do."""
     gpt = GPTShape(ffn_hidden_size=64, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                    add_bias_linear=False, untie_embeddings_and_output_weights=True).as_dict()
     model = random_dense_model("mdlm", V, L, **({"gpt": gpt} if backbone == "gpt" else {})).double()
@@ -166,9 +166,20 @@ def test_logits_at_runs_the_output_layer_at_those_positions_only(backbone):
             part = model(input_ids=x, sigma=sigma, attention_mask=mask, logits_at=at).logits
             torch.testing.assert_close(part, full[at], rtol=1e-12, atol=1e-12)
         assert rows == [3 * L, len(at)] * 2
+        cuts = (slice(3, 9), slice(0, 5), slice(L - 1, None), slice(0, 0), slice(4, 4))
+        rows.clear()
+        full = model(input_ids=x, sigma=sigma).logits
+        for cut in cuts:
+            torch.testing.assert_close(model(input_ids=x, sigma=sigma, logits_at=cut).logits, full[:, cut],
+                                       rtol=1e-12, atol=1e-12)
+        assert rows == [3 * L] + [3 * len(range(L)[cut]) for cut in cuts]
         shifted = ShiftedModel(model)
-        full = shift_right(model(input_ids=x).logits, dim=1).flatten(0, 1)
-        torch.testing.assert_close(shifted(input_ids=x, logits_at=at).logits, full[at], rtol=1e-12, atol=1e-12)
+        full = shift_right(model(input_ids=x).logits, dim=1)
+        torch.testing.assert_close(shifted(input_ids=x, logits_at=at).logits, full.flatten(0, 1)[at], rtol=1e-12,
+                                   atol=1e-12)
+        for cut in cuts:
+            torch.testing.assert_close(shifted(input_ids=x, logits_at=cut).logits, full[:, cut], rtol=1e-12,
+                                       atol=1e-12)
     with pytest.raises(ValueError, match="logits_at keeps only some"):
         model(input_ids=x, logits_at=at, labels=x)
 
@@ -179,7 +190,8 @@ def test_ar_logits_to_keep_runs_the_output_layer_at_the_last_positions_only():
     `labels` need them; greedy `generate` then equals the argmax chain of full forwards."""
     model = random_model("ar").double()
     rows = []
-    model.get_output_embeddings().register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[:-1].numel()))
+    head = model.get_output_embeddings()
+    head.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[:-1].numel()))
     x = torch.randint(0, MASK, (3, L))
     with torch.no_grad():
         full = model(input_ids=x).logits

@@ -23,7 +23,8 @@ SHIFT = {"shift": True}
 class ShiftedByHand(torch.nn.Module):
     """The dense reference: the raw model, its logits moved one position right (token i read from
     the logits at i - 1, token 0 from its own), written out here rather than taken from the package;
-    `logits_at` (flat positions) picks from the shifted logits of every position."""
+    `logits_at` (flat positions or a slice of every row's) picks from the shifted logits of every
+    position."""
 
     def __init__(self, model):
         super().__init__()
@@ -32,7 +33,9 @@ class ShiftedByHand(torch.nn.Module):
     def forward(self, input_ids, logits_at=None, **inputs):
         out = self.inner(input_ids=input_ids, **inputs)
         out.logits = torch.cat([out.logits[:, :1], out.logits[:, :-1]], dim=1)
-        if logits_at is not None:
+        if isinstance(logits_at, slice):
+            out.logits = out.logits[:, logits_at]
+        elif logits_at is not None:
             out.logits = out.logits.flatten(0, 1)[logits_at]
         return out
 

@@ -245,8 +245,9 @@ class DiT(nn.Module):
         """input_ids, position_ids: [b, s]; sigma: [b]; attn_mask: None (the config's attention
         layout) or a boolean [b, 1, s, s] mask (True = attend) that replaces it (with `kv_cache`:
         over the keys its `extend` returns, [b, 1, s, n + s] for cached + new keys: batched
-        decoding with padding, or a bidirectional cache's own layout). Logits [b, s, V], or
-        [n, V] at the flat positions `logits_at` [n] of [b, s] (the output layer runs only there)."""
+        decoding with padding, or a bidirectional cache's own layout). Logits [b, s, V], or only
+        at `logits_at` (the output layer runs only there): [n, V] at flat positions [n] of [b, s],
+        [b, n, V] at a slice of the positions of every row."""
         x = self.vocab_embed(input_ids)
         c = F.silu(self.sigma_map(sigma))
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.config.rope_theta)
@@ -255,6 +256,8 @@ class DiT(nn.Module):
             x = block(x, c, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
+        if isinstance(logits_at, slice):
+            return self.output_layer(x[:, logits_at], c)
         if logits_at is not None:
             return self.output_layer(x.flatten(0, 1)[logits_at, None], c[logits_at // x.shape[1]])[:, 0]
         return self.output_layer(x, c)
@@ -369,7 +372,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids, position_ids, sigma=None, attn_mask=None, kv_cache=None, kv_keep=None,
                 logits_at=None):
-        """As DiT.forward; sigma is ignored. Logits [b, s, V] (or [n, V] at `logits_at`)."""
+        """As DiT.forward; sigma is ignored. Logits [b, s, V] (or only at `logits_at`)."""
         x = self.embed_tokens(input_ids)
         # the frequencies are computed here, not kept as a buffer: transformers' loading leaves
         # non-persistent buffers uninitialised
@@ -383,7 +386,11 @@ class GPT(nn.Module):
             x = layer(x, cos, sin, attn_mask, causal, kv_cache, i)
         if kv_cache is not None:
             kv_cache.advance(input_ids.shape[1] if kv_keep is None else kv_keep)
-        x = self.norm(x if logits_at is None else x.flatten(0, 1)[logits_at])
+        if isinstance(logits_at, slice):
+            x = x[:, logits_at]
+        elif logits_at is not None:
+            x = x.flatten(0, 1)[logits_at]
+        x = self.norm(x)
         return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)
 
 
@@ -510,8 +517,9 @@ class DLLMForMaskedLM(DLLMPreTrainedModel):
                 attention_mask: Optional[torch.Tensor] = None, labels: Optional[torch.LongTensor] = None,
                 return_dict: Optional[bool] = None, kv_cache: Optional[KVCache] = None,
                 kv_keep: Optional[int] = None, logits_at: Optional[torch.LongTensor] = None, **kwargs):
-        """`logits_at`: flat positions [n] of the [batch, length] input; the logits are then [n, V],
-        the output layer run only there (a sampler that needs a few positions' logits)."""
+        """`logits_at`: flat positions [n] of the [batch, length] input (logits [n, V]) or a slice of
+        the positions of every row (logits [batch, n, V]); the output layer runs only there (a
+        sampler that needs a few positions' logits)."""
         if logits_at is not None and labels is not None:
             raise ValueError("labels score every position; logits_at keeps only some")
         logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep,
@@ -546,20 +554,15 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
             raise ValueError("logits_at keeps only some positions; labels and logits_to_keep need others")
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
-        b, s = input_ids.shape[0], input_ids.shape[-1]
-        keep = min(logits_to_keep, s) if labels is None else 0
-        if keep:
-            logits_at = (torch.arange(b, device=input_ids.device)[:, None] * s
-                         + torch.arange(s - keep, s, device=input_ids.device)).flatten()
+        if logits_to_keep and labels is None:
+            logits_at = slice(-logits_to_keep, None)
         logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep,
                               logits_at, **kwargs)
-        if keep:
-            logits = logits.view(b, keep, -1)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
-        if logits_to_keep and not keep:
+        if logits_to_keep and labels is not None:
             logits = logits[:, -logits_to_keep:]
         if return_dict is False:
             return (logits,) if loss is None else (loss, logits)

@@ -170,6 +170,8 @@ class Sampler:
         """The model's logits [b, V] at position `pos` of every row of x [b, s], the output layer run
         only there."""
         b, s = x.shape
+        if s == 1:  # a cached decoding step: nothing to leave out
+            return self.model(input_ids=x, **inputs).logits[:, 0]
         column = torch.full((b, 1), pos, device=x.device)
         return self.model(input_ids=x, logits_at=flat_positions(column, s), **inputs).logits
 

@@ -14,9 +14,9 @@ What BD3-LM changes is where a block's logits come from (`batch_blocks`, `Commit
 block attends to itself and to the clean blocks before it, which never change once committed, so
 their keys and values are cached exactly. Each denoising call runs only the B tokens of the
 current block over the cache (kv_keep = 0: nothing noisy is stored) and a finished block is
-committed by one more call on its clean tokens (without the output layer). Without the cache (`--no-kv-cache`) every call
-recomputes the clean prefix and the block under the block-causal layout, which gives the same
-logits: the cache changes the cost, not the result.
+committed by one more call on its clean tokens (without the output layer). Without the cache
+(`--no-kv-cache`) every call recomputes the clean prefix and the block under the block-causal
+layout, which gives the same logits: the cache changes the cost, not the result.
 
 Batches (`sample_batch`, and `sample`, which runs its rows through it): rows may have prompts and
 canvases of different lengths. Blocks sit at the same positions in every row, so all rows decode
@@ -55,7 +55,6 @@ class CommittedBlocks:
         self.kv = KVCache(model.config.num_layers, x.shape[1]) if cached else None
         self.rows = list(range(x.shape[0]))  # the batch rows still decoding (the cache's rows, in order)
         self.start = 0  # every row in `rows` is clean and real before it (committed)
-        self.no_logits = torch.zeros(0, dtype=torch.long, device=x.device)  # `logits_at` of a commit
 
     def mask(self, rows: list[int], lo: int, hi: int) -> torch.Tensor:
         """[n, hi - lo, hi] bool: queries at positions lo..hi-1 over keys 0..hi-1, the block-causal
@@ -93,7 +92,7 @@ class CommittedBlocks:
         self.rows = rows
         if self.kv is not None and rows and end > self.start:  # whole real blocks: the default layout
             self.model(input_ids=self.x[rows, self.start:end], position_ids=self.positions(rows, self.start, end),
-                       kv_cache=self.kv, kv_keep=end - self.start, logits_at=self.no_logits)
+                       kv_cache=self.kv, kv_keep=end - self.start, logits_at=slice(0, 0))
         self.start = end
 
 

@@ -44,19 +44,23 @@ class CUDAGraphModel:
         self.ints: dict[int, torch.Tensor] = {}  # kv_keep values on the device
 
     def __call__(self, kv_cache=None, kv_keep=None, logits_at=None, **inputs):
-        """The forward, replayed from a graph where it can be; `logits_at` (flat positions, whose
-        count changes from call to call) picks from the logits of every position the graph computes."""
-        out = self.run(kv_cache, kv_keep, **inputs)
-        return out if logits_at is None else SimpleNamespace(logits=out.logits.flatten(0, 1)[logits_at])
-
-    def run(self, kv_cache, kv_keep, **inputs):
+        """The forward, replayed from a graph where it can be. There `logits_at` (flat positions or
+        a slice, which change from call to call) picks from the logits of every position the graph
+        computes; an eager forward runs its output layer only there."""
         given = {name for name, value in inputs.items() if value is not None}
         fixed = kv_cache is None or getattr(kv_cache, "fixed_shape", False)
         if not fixed or not given <= set(CAPTURED_INPUTS):
-            return self.model(kv_cache=kv_cache, kv_keep=kv_keep, **inputs)
+            return self.model(kv_cache=kv_cache, kv_keep=kv_keep, logits_at=logits_at, **inputs)
+        out = self.run(kv_cache, kv_keep, **inputs)
+        if isinstance(logits_at, slice):
+            return SimpleNamespace(logits=out.logits[:, logits_at])
+        return out if logits_at is None else SimpleNamespace(logits=out.logits.flatten(0, 1)[logits_at])
+
+    def run(self, kv_cache, kv_keep, **inputs):
         if kv_cache is not self.cache:  # a new sample's cache: the graphs of the last one go, and their memory
             self.graphs, self.seen, self.cache, self.pool = {}, set(), kv_cache, None
-        tensors = {name: torch.as_tensor(inputs[name], device=self.device) for name in sorted(given)}
+        tensors = {name: torch.as_tensor(value, device=self.device) for name, value in sorted(inputs.items())
+                   if value is not None}
         if kv_keep is not None:
             tensors["kv_keep"] = self.device_int(kv_keep) if isinstance(kv_keep, int) else kv_keep
         key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())

@@ -6,7 +6,9 @@ import torch
 
 def flat_positions(columns, width: int) -> torch.Tensor:
     """The flat positions, in a [rows, width] model input, of each row's `columns` (a tensor [rows, n],
-    or a list with one 1-d tensor per row, empty for a row with none)."""
+    or a list with one 1-d tensor per row, empty for a row with none). A tensor rather than a
+    slice wherever the positions change from call to call: a compiled model specialises its graph
+    on a slice's bounds, and only on a tensor's shape."""
     if isinstance(columns, torch.Tensor):
         return (torch.arange(len(columns), device=columns.device)[:, None] * width + columns).flatten()
     return torch.cat([j * width + c for j, c in enumerate(columns)])

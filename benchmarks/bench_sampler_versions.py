@@ -1,0 +1,105 @@
+"""Another checkout's samplers beside this one's, in one process: conditional generation per family
+and protocol, the two versions alternating round by round.
+
+`CHECKOUT` is a directory holding another commit of this repository (`git worktree add DIR COMMIT`);
+its `megatron_dllm/sampling/` is loaded as a package of its own beside this checkout's, over the
+same models (this checkout's model code, family code and random weights), so the figures differ
+only by the sampler files. Timing both in one process keeps the comparison clear of what differs
+between processes on a shared machine, which on this one reached 10%.
+
+The workload is `bench_batched_generation.py`'s: a fixed random model per family at the CPU
+demo's shape (hidden 128, 4 layers, vocabulary 4,097), `--batch` prompts of 8 to 48 tokens with
+`--new-tokens` each, as batch-1 calls and as one batch, left to right and native (`--steps`);
+BD3-LM with `--bd3lm-block-size`. Tokens/s from the median process CPU time of `--repeats`
+rounds; `same` says whether the two versions produced the same tokens (they may differ where
+float32 logits computed over fewer rows round differently).
+
+    git worktree add /tmp/previous COMMIT
+    python benchmarks/bench_sampler_versions.py /tmp/previous [--repeats 5] [--bd3lm-block-size 8] [--json out.json]
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import statistics
+import sys
+
+import harness
+import torch
+from bench_batched_generation import NO_EOS, build_bd3lm
+from bench_samplers import FAMILIES, build
+
+from megatron_dllm.sampling import conditional
+
+
+def load_sampling(checkout: str, name: str = "baseline_sampling"):
+    """`checkout`'s `megatron_dllm/sampling/conditional.py`, imported inside a package `name` made
+    of that checkout's sampling files (its relative imports resolve there; the rest of
+    megatron_dllm is this checkout's)."""
+    path = os.path.join(checkout, "megatron_dllm", "sampling")
+    if not os.path.isfile(os.path.join(path, "conditional.py")):
+        sys.exit(f"{checkout}: expected a checkout of this repository (no megatron_dllm/sampling/conditional.py)")
+    package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None, is_package=True))
+    package.__path__ = [path]
+    sys.modules[name] = package
+    return importlib.import_module(f"{name}.conditional")
+
+
+def generate(module, protocol: str, batched: bool, inf, prompts, seeds, new_tokens: int, kw: dict) -> list:
+    """`module`'s generation for every prompt: one batched call, or a batch-1 call per prompt."""
+    fn = getattr(module, ("generate_left_to_right" if protocol == "left-to-right" else "generate_native")
+                 + "_batch" * batched)
+    with torch.no_grad():
+        if batched:
+            return fn(inf, prompts, new_tokens, NO_EOS, seeds=seeds, **kw)
+        return [fn(inf, p, new_tokens, NO_EOS, seed=s, **kw) for p, s in zip(prompts, seeds)]
+
+
+def main():
+    ap = harness.parser(__doc__)
+    ap.add_argument("checkout", help="a checkout of another commit (git worktree add DIR COMMIT)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-length", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--bd3lm-block-size", type=int, default=0, help="also BD3-LM with blocks of B (0: not run)")
+    ap.add_argument("--families", nargs="*", choices=FAMILIES, default=FAMILIES)
+    args = harness.parse_args(ap, repeats=5)
+    versions = {"baseline": load_sampling(args.checkout), "current": conditional}
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.linspace(8, 48, args.batch).round().long().tolist()
+    prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in lengths]
+    seeds = list(range(args.batch))
+    tokens = args.batch * args.new_tokens
+    print(f"## {args.checkout} (baseline) vs this checkout (current): {args.batch} prompts (8-48 tokens), context "
+          f"{args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, torch threads "
+          f"{args.threads}, CPU tokens/s, median of {args.repeats} alternating rounds")
+    print("| family | protocol | calls | baseline | current | current / baseline | same |\n"
+          "|---|---|---|---|---|---|---|")
+    results = {}
+    for family in list(args.families) + ["bd3lm"] * bool(args.bd3lm_block_size):
+        inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
+               else build(family, args.seq_length))
+        for protocol in ["left-to-right"] + ["native"] * (family != "ar"):
+            kw = {"greedy": False} if protocol == "left-to-right" else {"steps": args.steps}
+            for batched in (False, True):
+                cpus, outs = {v: [] for v in versions}, {}
+                for r in range(args.repeats + 1):  # round 0 warms up
+                    for v in versions if r % 2 else reversed(list(versions)):
+                        _, cpu, outs[v] = harness.timed(generate, versions[v], protocol, batched, inf, prompts,
+                                                        seeds, args.new_tokens, kw)
+                        if r:
+                            cpus[v].append(cpu)
+                rate = {v: tokens / statistics.median(c) for v, c in cpus.items()}
+                same = outs["baseline"] == outs["current"]
+                label = "batched" if batched else "batch-1 loop"
+                results[f"{family}/{protocol}/{label}"] = {"cpus": cpus, "rate": rate, "same": same}
+                print(f"| {family} | {protocol} | {label} | {rate['baseline']:.1f} | {rate['current']:.1f} | "
+                      f"{rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} |", flush=True)
+    harness.write_json(args, prompt_lengths=lengths, results=results)
+
+
+if __name__ == "__main__":
+    main()
