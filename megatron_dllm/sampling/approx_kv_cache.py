@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .positions import flat_positions
+from .positions import block_columns, flat_positions
 
 MODES = ("none", "prefix", "dual")
 
@@ -76,14 +76,10 @@ class BlockDenoiser:
         or, given `at` ({r: positions in the block}), {r: logits [len(at[r]), V]} there; the output
         layer runs only there. With a cache every row of the current block runs (the rows not asked
         for get no logits; their cache entries are rewritten with the same values)."""
-        def wanted(r: int, first: int) -> torch.Tensor:  # r's positions asked for, from column `first`
-            lo, hi = span[r]
-            return lo - first + (torch.arange(hi - lo, device=self.x.device) if at is None else at[r])
-
         if self.cache is None:
             index = torch.tensor(rows, device=self.x.device)
             width = int(self.real[index].sum(1).max())
-            columns = [wanted(r, 0) for r in rows]
+            columns = [block_columns(span[r], 0, (at or {}).get(r), self.x.device) for r in rows]
             out = self.model(input_ids=self.x[index, :width], sigma=sigma, attention_mask=self.real[index, :width],
                              logits_at=flat_positions(columns, width)).logits
             return dict(zip(rows, out.split([len(c) for c in columns])))
@@ -102,7 +98,8 @@ class BlockDenoiser:
         keys = torch.cat([self.real[self.rows], torch.zeros_like(lo, dtype=torch.bool)[:, None]], 1)
         self.cache.slots = slots
         positions = slots.clamp(max=width - 1)
-        columns = [wanted(r, int(start[j])) if r in rows else lo.new_zeros(0) for j, r in enumerate(order)]
+        columns = [block_columns(span[r], int(start[j]), (at or {}).get(r), lo.device) if r in rows
+                   else lo.new_zeros(0) for j, r in enumerate(order)]
         out = self.model(input_ids=self.x[self.rows].gather(1, positions), position_ids=positions, sigma=sigma,
                          attention_mask=keys[:, None, :].expand(-1, slots.shape[1], -1), kv_cache=self.cache,
                          logits_at=flat_positions(columns, slots.shape[1])).logits

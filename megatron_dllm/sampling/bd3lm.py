@@ -42,7 +42,7 @@ from .blocks import end_at_eos
 from .deps import InputError, KVCache
 from .duo import DuoSampler
 from .mdlm import MDLMSampler
-from .positions import flat_positions
+from .positions import block_columns, flat_positions
 
 
 class CommittedBlocks:
@@ -78,8 +78,7 @@ class CommittedBlocks:
         else:  # the rows asked for run over their cached prefix (a copy when not all rows run)
             first = self.start
             cache = self.kv if rows == self.rows else self.kv.rows([self.rows.index(r) for r in rows])
-        columns = [span[r][0] - first + (torch.arange(span[r][1] - span[r][0], device=self.x.device)
-                                         if at is None else at[r]) for r in rows]
+        columns = [block_columns(span[r], first, (at or {}).get(r), self.x.device) for r in rows]
         out = self.model(input_ids=self.x[rows, first:hi], position_ids=self.positions(rows, first, hi),
                          attention_mask=self.mask(rows, first, hi), kv_cache=cache, kv_keep=0,  # keeps nothing
                          logits_at=flat_positions(columns, hi - first)).logits

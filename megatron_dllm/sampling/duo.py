@@ -104,16 +104,15 @@ class DuoSampler(Sampler):
             return self.fill_batch_left_to_right(batch, next_logits)
         ts = self.timesteps()
         for rows, span, denoiser in self.batch_blocks(batch, x, real):
-            block = {r: torch.arange(hi - lo, device=x.device) for r, (lo, hi) in span.items()}  # not the prompt
             for t, s in zip(ts[:-1], ts[1:]):
                 a_t, a_s = self.alpha(t), self.alpha(s)
-                logits = denoiser.logits(rows, span, sigma=-math.log(a_t), at=block)
+                logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
                 for r in rows:
                     lo, hi = span[r]
                     q = posterior(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family.num_real,
                                   self.mask_id)
                     x[r, lo:hi] = batch.draw(q, r)[0]
-            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])), at=block)
+            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
             for r in rows:  # greedy tail
                 x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

@@ -12,3 +12,10 @@ def flat_positions(columns, width: int) -> torch.Tensor:
     if isinstance(columns, torch.Tensor):
         return (torch.arange(len(columns), device=columns.device)[:, None] * width + columns).flatten()
     return torch.cat([j * width + c for j, c in enumerate(columns)])
+
+
+def block_columns(span: tuple[int, int], first: int, at: torch.Tensor | None, device) -> torch.Tensor:
+    """The columns of a block's positions span = (lo, hi) in an input that starts at position
+    `first`: all of them, or those at the block offsets `at`."""
+    lo, hi = span
+    return lo - first + (torch.arange(hi - lo, device=device) if at is None else at)
