@@ -26,7 +26,9 @@ if Pybind11Extension is not None:
 def _cuda_shuffle_extension():
     """The Eso-LM shuffle's CUDA kernel, only where nvcc and a CUDA build of torch both exist
     (never under build isolation, where torch is not importable); None elsewhere."""
+    import os
     import shutil
+    import sys
 
     try:
         import torch
@@ -34,6 +36,11 @@ def _cuda_shuffle_extension():
     except Exception:
         return None
     if torch.version.cuda is None or CUDA_HOME is None or not (shutil.which("nvcc") or CUDA_HOME):
+        return None
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        # torch builds for the visible GPUs' architectures and fails (IndexError) where none is visible
+        print("setup.py: not building the Eso-LM shuffle's CUDA kernel: no GPU is visible and "
+              "TORCH_CUDA_ARCH_LIST is unset (TORCH_CUDA_ARCH_LIST=9.0 builds it for H100)", file=sys.stderr)
         return None
     ext = CUDAExtension("megatron_dllm._esolm_shuffle_cuda", ["csrc/esolm_shuffle_cuda.cu"],
                         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]})

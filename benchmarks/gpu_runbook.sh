@@ -300,9 +300,10 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
           --sections unconditional --cuda-graphs off --max-run-s 90 --budget-s 420
       else
         # d2 to d5 time the CUDA-graph variants only once the graph tests pass on this machine; a
-        # warm machine remembers a pass of this checkout's tests, so the next stage skips them
+        # warm machine remembers a pass of this checkout's tests under this Python, so the next stage
+        # skips them
         graphs=off
-        passed=/tmp/gpu-runbook-graph-tests-$(cat tests/test_cuda_graphs.py megatron_dllm/sampling/*.py megatron_dllm/hf/modeling_dllm.py | md5sum | cut -c1-12)
+        passed=/tmp/gpu-runbook-graph-tests-$({ echo "$PY"; cat tests/test_cuda_graphs.py megatron_dllm/sampling/*.py megatron_dllm/hf/modeling_dllm.py; } | md5sum | cut -c1-12)
         if [[ -f $passed ]]; then
           STEPS_DONE+=("graph_tests|ok (passed earlier on this machine: $passed)|0|")
         else
