@@ -2,8 +2,10 @@
 sampling/cuda_graphs.py). On CPU, in float64: the fixed-shape cache gives the static cache's
 logits and the same samples (Eso-LM's padded slices included), and a decoding step traces as one
 graph at every cache length (TorchDynamo, fullgraph, no recompilation: nothing on the host reads
-the length), which the static cache does not; `cuda_graphs` is refused off CUDA; a compiled model
-(`InferenceModel.compile()`, TorchInductor) gives the eager samples from a few graphs. On a GPU:
+the length), which the static cache does not; `cuda_graphs` is refused off CUDA; `CUDAGraphModel`
+with an eager stand-in for its graphs gives the eager samples and runs the output layer only at
+the drawn rows; a compiled model (`InferenceModel.compile()`, TorchInductor) gives the eager
+samples from a few graphs. On a GPU:
 graphed samples, and graphed compiled ones, equal eager ones for every family, and the graphs are
 replayed. On both: stopping at EOS (on CUDA without waiting for the GPU) gives the full run cut at
 each row's first EOS."""
@@ -15,6 +17,7 @@ from test_sampling import EOS, MASK, PROMPT, V, random_model
 from megatron_dllm.errors import InputError
 from megatron_dllm.hf.modeling_dllm import KVCache
 from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate, get_sampler
+from megatron_dllm.sampling import base as sampling_base
 from megatron_dllm.sampling.base import Sampler
 from megatron_dllm.sampling.cuda_graphs import CUDAGraphModel
 
@@ -119,9 +122,63 @@ def test_cuda_graphs_are_refused_off_cuda(models):  # noqa: F811
         get_sampler(models["ar"], SamplingConfig(cuda_graphs=True))
 
 
+class EagerReplay:
+    """A CUDA graph's stand-in on CPU: its capture runs the forward on its own buffers for the
+    output tensor and puts the KV cache's length back (a capture records kernels without running
+    them), and each replay runs the forward again into that tensor, as a graph's kernels do."""
+
+    def __init__(self, forward, tensors: dict, cache):
+        self.buffers = {name: tensor.clone() for name, tensor in tensors.items()}
+        filled = None if cache is None else cache.filled.clone()
+        self.forward, self.logits, self.replays = forward, forward(self.buffers), 0
+        if filled is not None:
+            cache.filled.copy_(filled)
+
+    def replay(self):
+        self.logits.copy_(self.forward(self.buffers))
+        self.replays += 1
+
+
+GRAPH_CASES = CASES + [("mdlm", "ancestral", 16), ("duo", "ancestral", 8), ("mdlm", "left-to-right", 1),
+                       ("duo", "left-to-right", 1)]
+
+
+@pytest.mark.parametrize("family,predictor,steps", GRAPH_CASES)
+def test_graphed_forwards_give_the_eager_samples_and_run_the_output_layer_where_drawn(family, predictor, steps,
+                                                                                      monkeypatch):
+    """`CUDAGraphModel`'s own logic on CPU, its graphs replayed by a stand-in (real graphs: the GPU
+    test below). Samples equal eager fixed-shape decoding's (float64), forwards are captured and
+    replayed, and the output layer runs only at the rows a step draws from, padded to a power of
+    two, not at every position of the graph's input."""
+    graphs = []
+
+    def capture(self, tensors):
+        graphs.append(EagerReplay(self.forward, tensors, self.cache))
+        return graphs[-1], graphs[-1].buffers, graphs[-1].logits
+
+    monkeypatch.setattr(CUDAGraphModel, "capture", capture)
+    monkeypatch.setattr(sampling_base, "graphed", CUDAGraphModel)  # which refuses a model off CUDA
+    monkeypatch.setattr(Sampler, "fixed_shape_decoding", True)
+    inf = InferenceModel(random_model(family).double(), family, MASK, V, L, None, "hf")
+    head_rows, drawn_rows = [], []
+    inf.model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: head_rows.append(args[0].shape[:-1].numel()))
+    runs = []
+    for cuda_graphs in (False, True):
+        sampler = get_sampler(inf, SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False,
+                                                  cuda_graphs=cuda_graphs))
+        sampler.probs = lambda logits, probs=sampler.probs: (drawn_rows.append(logits.numel() // logits.shape[-1])
+                                                             or probs(logits))
+        head_rows.clear(), drawn_rows.clear()
+        with torch.no_grad():
+            runs.append(sampler.sample(torch.tensor([PROMPT, PROMPT]), torch.Generator().manual_seed(3)))
+    assert torch.equal(runs[0], runs[1])
+    assert graphs and sum(g.replays for g in graphs) > 0
+    assert set(head_rows) == {1 << (rows - 1).bit_length() for rows in drawn_rows}, (head_rows, drawn_rows)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family,predictor,steps", CASES + [("mdlm", "ancestral", 16), ("duo", "ancestral", 8),
-                                                            ("mdlm", "left-to-right", 1)])
+@pytest.mark.parametrize("family,predictor,steps", GRAPH_CASES)
 def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypatch):
     """Replays run the kernels of the eager fixed-shape forward on the same inputs, so the samples
     are equal exactly (float64, as the other CUDA sampling tests). A compiled model's replays run

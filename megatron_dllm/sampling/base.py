@@ -14,7 +14,7 @@ from . import categorical
 from .approx_kv_cache import BlockDenoiser
 from .blocks import block_spans, each_block, end_at_eos
 from .config import REMASKING_PREDICTORS, SamplingConfig
-from .cuda_graphs import CUDAGraphModel
+from .cuda_graphs import graphed
 from .deps import InputError, KVCache
 from .positions import flat_positions
 from .prompt_batch import PromptBatch
@@ -88,7 +88,7 @@ class Sampler:
         self.check_block_wise(inf.family, cfg)
         self.check_shift(family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg
-        model = CUDAGraphModel(inf.model) if cfg.cuda_graphs else inf.model
+        model = graphed(inf.model) if cfg.cuda_graphs else inf.model
         self.model = ShiftedModel(model) if family.shift else model
         self.fixed_shape = cfg.cuda_graphs or self.fixed_shape_decoding
         self.mask_id = inf.mask_id

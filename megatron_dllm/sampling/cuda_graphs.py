@@ -9,10 +9,11 @@ on: the inputs are copied into the graph's own buffers, and the logits come back
 buffer, valid until the next call (every sampler uses them before it calls again).
 
 Only forwards whose every input can live in such a buffer are captured: token ids, positions, the
-time input and a fixed-shape KV cache (`KVCache(fixed_shape=True)`: its length is a device tensor)
-with its `kv_keep`. Any other forward (an attention mask, another kind of cache) runs eagerly: its
-host code reads values (a padding mask's all-true check, a Python cache length) that a replay
-would not read again.
+time input, the flat positions whose logits the sampler draws from (`logits_at`, so that the
+output layer, the largest matmul at a 131k vocabulary, runs only there) and a fixed-shape KV cache
+(`KVCache(fixed_shape=True)`: its length is a device tensor) with its `kv_keep`. Any other
+forward (an attention mask, another kind of cache) runs eagerly: its host code reads values (a
+padding mask's all-true check, a Python cache length) that a replay would not read again.
 
 Host synchronisation in the loops: no sampler's `sample` waits for the GPU between its forwards
 (the batched `sample_batch` runs eagerly and reads each row's canvas width). EOS
@@ -24,6 +25,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from .deps import InputError
 
@@ -33,9 +35,6 @@ CAPTURED_INPUTS = ("input_ids", "position_ids", "sigma", "timesteps")
 class CUDAGraphModel:
     def __init__(self, model: torch.nn.Module):
         self.device = next(model.parameters()).device
-        if self.device.type != "cuda":
-            raise InputError(f"--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on "
-                             f"{self.device.type}")
         self.model, self.config = model, model.config
         self.graphs: dict = {}  # inputs' (name, shape, dtype) -> (graph, input buffers, logits buffer)
         self.seen: set = set()  # keys met once, not captured yet
@@ -44,17 +43,19 @@ class CUDAGraphModel:
         self.ints: dict[int, torch.Tensor] = {}  # kv_keep values on the device
 
     def __call__(self, kv_cache=None, kv_keep=None, logits_at=None, **inputs):
-        """The forward, replayed from a graph where it can be. There `logits_at` (flat positions or
-        a slice, which change from call to call) picks from the logits of every position the graph
-        computes; an eager forward runs its output layer only there."""
+        """The forward, replayed from a graph where it can be. Its output layer runs only at the flat
+        positions `logits_at` (padded to a power of two, so that steps whose counts differ share a
+        few graphs); a slice picks from the logits of every position the graph computes."""
         given = {name for name, value in inputs.items() if value is not None}
         fixed = kv_cache is None or getattr(kv_cache, "fixed_shape", False)
         if not fixed or not given <= set(CAPTURED_INPUTS):
             return self.model(kv_cache=kv_cache, kv_keep=kv_keep, logits_at=logits_at, **inputs)
+        if isinstance(logits_at, torch.Tensor):  # an input of the graph, which runs the output layer only there
+            n = len(logits_at)
+            out = self.run(kv_cache, kv_keep, logits_at=power_of_two_rows(logits_at), **inputs)
+            return SimpleNamespace(logits=out.logits[:n])
         out = self.run(kv_cache, kv_keep, **inputs)
-        if isinstance(logits_at, slice):
-            return SimpleNamespace(logits=out.logits[:, logits_at])
-        return out if logits_at is None else SimpleNamespace(logits=out.logits.flatten(0, 1)[logits_at])
+        return out if logits_at is None else SimpleNamespace(logits=out.logits[:, logits_at])
 
     def run(self, kv_cache, kv_keep, **inputs):
         if kv_cache is not self.cache:  # a new sample's cache: the graphs of the last one go, and their memory
@@ -104,3 +105,18 @@ class CUDAGraphModel:
             logits = self.forward(buffers)
         self.pool = graph.pool()
         return graph, buffers, logits
+
+
+def power_of_two_rows(positions: torch.Tensor) -> torch.Tensor:
+    """`positions` padded with position 0 to a power-of-two count (at least 1): the padding rows'
+    logits are computed and dropped."""
+    n = len(positions)
+    return F.pad(positions, (0, (1 << (max(n, 1) - 1).bit_length()) - n))
+
+
+def graphed(model: torch.nn.Module) -> CUDAGraphModel:
+    """`model` behind CUDA graphs (`--cuda-graphs`), which need it on a CUDA device."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise InputError(f"--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on {device.type}")
+    return CUDAGraphModel(model)
