@@ -15,6 +15,9 @@ import threading
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+# PYTHONPATH for a test's subprocess: this checkout, then the caller's own entries (a GPU node
+# without a package index keeps megatron-core in a --target directory on PYTHONPATH)
+REPO_PYTHONPATH = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 # A tiny training run on the demo corpus: the tests that train add their iterations, intervals and
 # whatever they check.
 TINY_RUN = ["--preset", "cpu-tiny", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",

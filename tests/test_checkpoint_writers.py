@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, TINY_RUN, launch_env, popen_python, run_pretrain, run_python, tmpfs
+from conftest import REPO, REPO_PYTHONPATH, TINY_RUN, launch_env, popen_python, run_pretrain, run_python, tmpfs
 
 from megatron_dllm.checkpoint import layout, manifest
 from megatron_dllm.cli.chaos_resume import children as _kids
@@ -435,5 +435,5 @@ time.sleep(0.5)
 print("queue", queue.get(), "rank saw", got, flush=True)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": REPO_PYTHONPATH})
     assert proc.returncode == 0 and "queue result rank saw ['TERM']" in proc.stdout, proc.stderr[-3000:]

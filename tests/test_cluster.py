@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY_RUN, popen_python, run_pretrain, run_python
+from conftest import REPO, REPO_PYTHONPATH, TINY_RUN, popen_python, run_pretrain, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -306,7 +306,7 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     flags = ["--demo-cache-dir", demo_cache, *BASE, "--save", str(ckpt), "--check-for-nan-in-loss-and-grad",
              "--max-consecutive-nonfinite-iters", "2"]
     proc, log = _start(flags, tmp_path, metrics, script=os.path.join(REPO, "tests", "nonfinite_worker.py"),
-                       env={"NONFINITE_ITERATIONS": "3,5,6", "PYTHONPATH": REPO})
+                       env={"NONFINITE_ITERATIONS": "3,5,6", "PYTHONPATH": REPO_PYTHONPATH})
     code = proc.wait(timeout=300)
     log.close()
     out = (tmp_path / "run.log").read_text()

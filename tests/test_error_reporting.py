@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, REPO_PYTHONPATH
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -15,7 +15,7 @@ TRACEBACK = "Traceback (most recent call last)"
 def _run(argv: list[str], debug_env: str | None = None, code: str | None = None) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGV...`, or `python -c CODE ARGV...` (CODE injects a fault, then runs a main)."""
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_DLLM_DEBUG"}
-    env["PYTHONPATH"] = REPO
+    env["PYTHONPATH"] = REPO_PYTHONPATH
     if debug_env is not None:
         env["MEGATRON_DLLM_DEBUG"] = debug_env
     cmd = [sys.executable, "-c", code, *argv] if code else [sys.executable, *argv]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, REPO_PYTHONPATH
 
 CHECK = """
 import sys
@@ -41,7 +41,7 @@ print("OK")
 
 @pytest.mark.slow
 def test_megatron_core_compiles_only_what_runs():
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-4000:]
 

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO_PYTHONPATH
 
 from megatron_dllm.cli.convert_dataset import main as convert_main
 from megatron_dllm.data.prep import litpkds
@@ -292,7 +292,7 @@ sys.exit(main(sys.argv[1:]))
 def test_sigkilled_run_resumes_to_identical_output(tmp_path):
     src = _inputs(tmp_path)
     argv = ["--from", "litpkds", src, "--eos-id", "2", "--no-progress", "--sync-interval", "0"]
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO_PYTHONPATH}
     killed = subprocess.run([sys.executable, "-c", KILLER, *argv, "--output-prefix", str(tmp_path / "k")],
                             env=env, capture_output=True, text=True)
     assert killed.returncode == -9, killed.stderr
