@@ -40,6 +40,41 @@ def test_no_family_makes_the_host_wait_inside_what_the_graph_captures(family_nam
     assert mode.found == []
 
 
+def compilations() -> int:
+    """How much dynamo, AOTAutograd and Inductor have compiled in this process (each count grows with
+    every graph built, from Inductor's cache or not; running compiled code changes none)."""
+    counters = torch._dynamo.utils.counters
+    return sum(sum(counters[kind].values()) for kind in ("stats", "aot_autograd", "inductor"))
+
+
+@pytest.mark.slow  # compiles the regions (inductor, g++)
+def test_the_compiled_regions_compile_in_the_warm_up_and_never_inside_the_capture(world_of_one):
+    """Compiling inside a CUDA graph capture fails (Inductor synchronises and loads kernels): with
+    --compile-elementwise, on by default with CUDA, the eager warm-up iteration compiles every region,
+    forward and backward, and the capture compiles nothing."""
+    config, family, built = build("mdlm", *GRAPH, "--cuda-graph-warmup-steps", "1", "--compile-elementwise")
+    inside = []
+
+    class CountingGraph(RerunGraph):
+        def capture(self, fn):
+            before = compilations()
+            outputs = super().capture(fn)
+            inside.append(compilations() - before)
+            return outputs
+
+    built.graph.graph_type = lambda: CountingGraph(built.model)
+    batches = Batches(family, config.model.seq_length)
+    torch._dynamo.reset()  # this process may have compiled the same regions for an earlier test
+    before = compilations()
+    for i in range(3):  # the warm-up iteration, the capture, a replay
+        step.train_step(built.model, built.optimizer, built.scheduler, family, batches, 4 * i, config,
+                        built.transformer_config.timers, iteration=i + 1, graph=built.graph)
+        if i == 0:
+            assert compilations() > before  # the warm-up compiled
+    assert built.graph.captures == 1
+    assert inside == [0]
+
+
 def test_the_detector_sees_a_host_read_and_a_boolean_mask():
     with Synchronisations() as mode:
         x = torch.arange(4.0)
