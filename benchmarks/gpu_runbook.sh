@@ -81,12 +81,12 @@ STEPS_DONE=()
 # Sizes: the measurement, or the smallest that exercises the same code on a CPU
 if [[ $DRY == 1 ]]; then
   PRESET=cpu-micro SEQ=64 VOCAB=4097 ROUNDS=1 WARMUP=1 STEPS=1 MAXMB=2 GBS=2 PROFILE_STEPS=1 SDPA_MB=2 CURVE_ITERS=20 LOSS_BATCH=1
-  SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64)
+  SDPA_SHAPE=(--heads 2 --head-dim 16 --seq 64) REGIONS=(--shapes 32x64 256x64 --dtype float32 --repeats 1)
   GEN_BIG=cpu-micro GEN_MID=cpu-micro GEN_SMALL=cpu-micro GEN_L=32 GEN_L2=16 GEN_T="4" GEN_T3="4 8"
   GEN_SIZE="--vocab 32001 --max-batch 2 --max-new-tokens 6" GEN_PROMPTS=2  # the tokenizer of the GSM8K rows has 32,001 ids
 else
   PRESET=1.7B SEQ=2048 VOCAB=32001 ROUNDS=6 WARMUP=2 STEPS=5 MAXMB=16 GBS=8 PROFILE_STEPS=5 SDPA_MB=4 CURVE_ITERS=300 LOSS_BATCH=4  # SDPA_MB: what fits at 1.7B
-  SDPA_SHAPE=()
+  SDPA_SHAPE=() REGIONS=(--shapes 32x64 2048x2176 8192x2176 --dtype bfloat16)
   GEN_BIG=1708M GEN_MID=413M GEN_SMALL=163M GEN_L=2048 GEN_L2=1024 GEN_T="16 64" GEN_T3="16 64 256"
   GEN_SIZE="" GEN_PROMPTS=4
 fi
@@ -230,6 +230,9 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     # or fewer launches? The faster size sets vocab_parallel.CHUNK_ELEMENTS and duo.CHUNK_ELEMENTS.
     step loss_heads 120 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
 --repeats 5 --ce-chunk-elements 4194304 16777216 --duo-chunk-elements 4194304 33554432"
+    # the attention's gate + residual and the MLP's norm + modulation as one compiled region against
+    # two (the layer ran two until 2026-11-28): 32 tokens time the host, 8192 the passes over memory
+    step elementwise_regions 90 "$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]}"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
 --tokens $SEQ --vocab $VOCAB --families mdlm ar --rounds $ROUNDS --warmup $WARMUP"
     step ab_fusion 240 "$PY benchmarks/bench_compile.py --bf16 --presets $PRESET --seqs $SEQ --tokens $SEQ \

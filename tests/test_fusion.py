@@ -58,6 +58,7 @@ def test_fused_training_step_equals_eager(family, monkeypatch):
     assert calls, "megatron's fused bias-GELU did not run"
     assert chosen == {False, True}  # eager for the reference, compiled for the fused model
     assert real_regions(True).norm_modulate._torchdynamo_orig_callable is elementwise.norm_modulate
+    assert real_regions(True).residual_norm_modulate._torchdynamo_orig_callable is elementwise.residual_norm_modulate
     assert real_regions(True).rotary._torchdynamo_orig_callable is elementwise.rotary
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # dynamo built graphs in this process
     assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-3  # every part shapes the result

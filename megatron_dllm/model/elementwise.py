@@ -3,6 +3,8 @@
 
     norm_modulate    LN(x) * (1 + scale) + shift   weight-only LayerNorm in fp32, then adaLN modulation
     gated_residual   x + gate * (out + bias)        the DiT's bias-dropout-add: no dropout, an adaLN gate
+    residual_norm_   both, one after the other      the attention's gated residual and the MLP's
+      modulate                                      modulated norm: one region, one pass over x
     rotary           x * cos + rotate_half(x) * sin the rotary embedding of the queries and keys together
 
 Each is compiled on its own (static shapes, no graph breaks) rather than the whole layer: the
@@ -38,6 +40,15 @@ def gated_residual(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None
     return x + gate * out
 
 
+def residual_norm_modulate(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                           shift: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate * out, mod(LN(that))): the residual stream after the attention and the MLP's input.
+    Compiled as one region, it reads the new stream once instead of writing it and reading it back,
+    and it costs the host one compiled call instead of two (forward and backward)."""
+    x = gated_residual(x, out, None, gate)
+    return x, norm_modulate(x, weight, shift, scale, eps)
+
+
 def rotary(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron-core's rotary embedding (`_apply_rotary_pos_emb_bshd`: non-interleaved halves, no
     scaling) of the queries and the keys [s, b, n, d] at the angles freqs [s, b or 1, 1, d_rot], in
@@ -56,6 +67,7 @@ def rotary(query: torch.Tensor, key: torch.Tensor, freqs: torch.Tensor) -> tuple
 class Regions(NamedTuple):
     norm_modulate: Callable
     gated_residual: Callable
+    residual_norm_modulate: Callable
     rotary: Callable
 
 
@@ -63,7 +75,7 @@ class Regions(NamedTuple):
 def regions(compiled: bool) -> Regions:
     """The regions eager, or compiled once per process (each graph is specialised to its shapes;
     a new shape compiles anew, up to dynamo's recompile limit, then runs eager)."""
-    eager = Regions(norm_modulate, gated_residual, rotary)
+    eager = Regions(norm_modulate, gated_residual, residual_norm_modulate, rotary)
     if not compiled:
         return eager
     return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False) for fn in eager))

@@ -57,6 +57,11 @@ class DiTLayerNorm(torch.nn.Module):
         """mod(LN(x)) with this norm's weight."""
         return regions(compiled).norm_modulate(x, self.weight, shift, scale, self.eps)
 
+    def after_residual(self, x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor,
+                       scale: torch.Tensor, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + gate * out, mod(LN(that))) with this norm's weight, in one region."""
+        return regions(compiled).residual_norm_modulate(x, out, gate, self.weight, shift, scale, self.eps)
+
 
 class DiTSelfAttention(SelfAttention):
     """megatron-core's SelfAttention; with `--compile-elementwise` the rotary embedding runs as one
@@ -125,15 +130,13 @@ class DiTLayer(MegatronModule):
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """attention_mask: None (the spec's layout) or bool [1 or b, 1, s, s], True = masked out."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
-        gated_residual = regions(self.compiled).gated_residual
         h = self.input_layernorm.modulated(x, shift_msa, scale_msa, self.compiled)
         attn_out, _ = self.self_attention(h, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
-        x = gated_residual(x, attn_out, None, gate_msa)
-        h = self.pre_mlp_layernorm.modulated(x, shift_mlp, scale_mlp, self.compiled)
+        x, h = self.pre_mlp_layernorm.after_residual(x, attn_out, gate_msa, shift_mlp, scale_mlp, self.compiled)
         mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)
         if not self.config.bias_dropout_fusion and mlp_bias is not None:  # the bias added on its own
             mlp_out, mlp_bias = mlp_out + mlp_bias, None
-        return gated_residual(x, mlp_out, mlp_bias, gate_mlp)
+        return regions(self.compiled).gated_residual(x, mlp_out, mlp_bias, gate_mlp)
 
 
 def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str | None = None) -> ModuleSpec:
