@@ -8,7 +8,7 @@
                                               [--transformer-impl local|transformer_engine]
                                               [--fp8-format hybrid|e4m3] [--fp8-recipe delayed|tensorwise|...]
                                               [--fusion default|none|all] [--cuda-graph]
-                                              [--[no-]gradient-accumulation-fusion]
+                                              [--[no-]gradient-accumulation-fusion] [--timing-log-level 0|1|2]
 
 For every preset, recompute setting (`--recompute-granularity`, alias `--recompute`: off,
 selective = core attention, full = every layer; default off and full) and family:
@@ -106,6 +106,9 @@ def main(argv=None) -> None:
     p.add_argument("--gradient-accumulation-fusion", action=argparse.BooleanOptionalAction, default=None,
                    help="the weight gradients added into the fp32 main gradients inside their GEMMs (default: "
                         "the trainer's default on this GPU)")
+    p.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=None,
+                   help="megatron-core's timers (default: the trainer's, 1; each timer at or below the level "
+                        "synchronises with the GPU when it starts and stops)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="the trainer's full-iteration CUDA graph (--cuda-graph-scope full_iteration), captured at "
                         "the second warm-up step")
@@ -125,7 +128,8 @@ def main(argv=None) -> None:
                 f"(got {' '.join(args.presets)})")
     options = {"attention_backend": backend, "fusion": args.fusion, "transformer_impl": args.transformer_impl,
                "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe, "cuda_graph": args.cuda_graph,
-               "gradient_accumulation_fusion": args.gradient_accumulation_fusion}
+               "gradient_accumulation_fusion": args.gradient_accumulation_fusion,
+               "timing_log_level": args.timing_log_level}
     precision = f"fp8 {args.fp8_format} ({args.fp8_recipe})" if args.fp8_format else "bf16"
 
     platform.init_distributed(1, 1, seed=0)
@@ -134,6 +138,7 @@ def main(argv=None) -> None:
           f"{args.transformer_impl} spec, {backend} core attention, fusion {args.fusion}, gradient-accumulation "
           f"fusion {({None: 'default', True: 'on', False: 'off'})[args.gradient_accumulation_fusion]}, "
           f"{'full-iteration CUDA graph, ' if args.cuda_graph else ''}"
+          f"timing log level {'default' if args.timing_log_level is None else args.timing_log_level}, "
           f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")

@@ -86,13 +86,16 @@ class FixedBatch:
 def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend: str | None = None,
                bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
                fp8_recipe: str = "delayed", fusion: str = "default", transformer_impl: str | None = None,
-               cuda_graph: bool = False, gradient_accumulation_fusion: bool | None = None):
+               cuda_graph: bool = False, gradient_accumulation_fusion: bool | None = None,
+               timing_log_level: int | None = None):
     """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, `transformer_impl`'s
     layers (default: local, TransformerEngine's with `fp8`). `fusion`: "default" takes the
     platform's fusion defaults (as the trainer does), "none" runs every elementwise operation
     eager, "all" forces the compiled regions and the bias fusions on (masked-softmax fusion stays
     at its default). `cuda_graph`: the full-iteration CUDA graph, captured at the second step.
-    `gradient_accumulation_fusion`: on or off (None: the platform's default)."""
+    `gradient_accumulation_fusion`: on or off (None: the platform's default). `timing_log_level`:
+    megatron-core's timers (None: the trainer's default; each timer at or below it synchronises
+    with the GPU when it starts and stops)."""
     from megatron_dllm.config import parse_args, validate
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
@@ -122,6 +125,8 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
         flags += ["--bias-gelu-fusion", "--bias-dropout-fusion", "--compile-elementwise"]
     if gradient_accumulation_fusion is not None:
         flags.append(f"--{'' if gradient_accumulation_fusion else 'no-'}gradient-accumulation-fusion")
+    if timing_log_level is not None:
+        flags += ["--timing-log-level", timing_log_level]
     return validate(parse_args([str(f) for f in flags]), platform.world_size())  # the launch's rules too
 
 
@@ -132,12 +137,13 @@ class MegatronStep:
                  keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
                  recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed",
                  fusion: str = "default", transformer_impl: str | None = None, cuda_graph: bool = False,
-                 gradient_accumulation_fusion: bool | None = None):
+                 gradient_accumulation_fusion: bool | None = None, timing_log_level: int | None = None):
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
         self.config = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8,
-                                 fp8_recipe, fusion, transformer_impl, cuda_graph, gradient_accumulation_fusion)
+                                 fp8_recipe, fusion, transformer_impl, cuda_graph, gradient_accumulation_fusion,
+                                 timing_log_level)
         self.timers = observability.make_timers(self.config.logging.timing_log_level)  # as the trainer's
         built = build_training_model(self.config, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \

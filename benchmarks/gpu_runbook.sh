@@ -247,6 +247,12 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
       --fusion none --max-micro-batch $MAXMB
     train_step step_local_fused 150 --families mdlm --recompute-granularity off --attention-backend local \
       --fusion default --max-micro-batch 2
+    # megatron-core's timers synchronise with the GPU at each start and stop (12 an iteration at the
+    # trainer's default level 1; Megatron-LM's default is 0): MDLM's step at level 0 beside level 1
+    for level in 1 0; do
+      train_step step_sdpa_timers$level 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
+        --fusion default --max-micro-batch $SDPA_MB --timing-log-level $level
+    done
     ;;
   b2)
     install_wheels
