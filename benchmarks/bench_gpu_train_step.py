@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu_train_step.py [--presets 413M 1.7B] [--families mdlm duo esolm ar]
                                               [--seq 2048] [--vocab 32001] [--max-micro-batch 64]
                                               [--steps 5] [--warmup 2] [--peak-tflops 989.4]
-                                              [--recompute-granularity off selective full]
+                                              [--recompute-granularity off selective full layernorm+mlp]
                                               [--attention-backend local|sdpa|fused|flash|unfused|auto]
                                               [--transformer-impl local|transformer_engine]
                                               [--fp8-format hybrid|e4m3] [--fp8-recipe delayed|tensorwise|...]
@@ -11,7 +11,8 @@
                                               [--[no-]gradient-accumulation-fusion] [--timing-log-level 0|1|2]
 
 For every preset, recompute setting (`--recompute-granularity`, alias `--recompute`: off,
-selective = core attention, full = every layer; default off and full) and family:
+selective = core attention, full = every layer, or modules recomputed selectively such as
+layernorm+mlp; default off and full) and family:
 `bench_train_step.py`'s `MegatronStep`, i.e. the trainer's own step (`training.step.train_step` on
 the model and optimizer that `training.build` makes at TP=1) in bf16 (FP8 linears with
 `--fp8-format`) with the local layer spec (or TransformerEngine's), at the largest power-of-two
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from bench_train_step import MegatronStep, make_batch  # noqa: E402
+from bench_train_step import MegatronStep, make_batch, recompute_setting  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
@@ -85,8 +86,9 @@ def main(argv=None) -> None:
     p.add_argument("--presets", nargs="+", default=["413M", "1.7B"])
     p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"])
     p.add_argument("--recompute-granularity", "--recompute", nargs="+", default=["off", "full"],
-                   choices=["off", "selective", "full"],
-                   help="settings to measure: off | selective (core attention) | full (every layer, uniform)")
+                   type=recompute_setting,
+                   help="settings to measure: off | selective (core attention) | full (every layer, uniform) | "
+                        "modules recomputed selectively, joined by '+' (layernorm+mlp)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=32001, help="real vocabulary including [MASK] (the paper's)")
     p.add_argument("--max-micro-batch", type=int, default=64)

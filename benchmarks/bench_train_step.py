@@ -73,6 +73,18 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 # ------------------------------------------------------------------------------- megatron path
 
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
+
+def recompute_setting(text: str) -> str:
+    """An argparse type for a recompute setting: off | full | selective (core attention) | the
+    modules to recompute selectively, joined by "+" ("layernorm+mlp")."""
+    if text in ("off", "full", "selective") or set(text.split("+")) <= set(RECOMPUTE_MODULES):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected off, full, selective or modules of "
+                                     f"{', '.join(RECOMPUTE_MODULES)} joined by '+'")
+
+
 class FixedBatch:
     """One global batch of one micro-batch, drawn once (the step's `batches` interface)."""
 
@@ -114,8 +126,10 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
         flags += ["--fp8-format", fp8, "--fp8-recipe", fp8_recipe]
     if recompute == "full":  # megatron-core's full recompute of every layer
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
-    elif recompute:
-        flags += ["--recompute-granularity", recompute]
+    elif recompute:  # "selective" (core attention), or the modules to recompute joined by "+": "layernorm+mlp"
+        flags += ["--recompute-granularity", "selective"]
+        if recompute != "selective":
+            flags += ["--recompute-modules", *recompute.split("+")]
     if cuda_graph:
         flags += ["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration", "--cuda-graph-warmup-steps", 1]
     if fusion == "none":

@@ -1,6 +1,7 @@
 """One process: the DiT's loss and every gradient under each recompute setting, against no
 recompute (which parameters' gradients are bit-identical, and the largest relative difference
-of any), plus how often each layer and each core attention ran (proof that recompute happened).
+of any), plus how often each layer, core attention, MLP and modulated norm ran (proof that recompute
+happened).
 Prints one JSON object."""
 import dataclasses
 import json
@@ -15,6 +16,9 @@ from megatron_dllm.model.presets import get_preset
 SETTINGS = {
     "none": None,
     "selective": {"recompute_granularity": "selective"},
+    "selective-layernorm": {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+    "selective-mlp": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+    "selective-all": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm", "mlp"]},
     "full-uniform-1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "full-uniform-2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
     "full-block-1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
@@ -27,10 +31,18 @@ def run(arch, recompute):
     initialize_weights(model, seed=7, adaln_zero=False)
     model.train()
     calls = {}
+
+    def count(key):
+        calls[key] = calls.get(key, 0) + 1
+
     for i, layer in enumerate(model.layers):
-        for name, module in (("layer", layer), ("core_attention", layer.self_attention.core_attention)):
-            key = f"{name}{i}"
-            module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls.get(key, 0) + 1))
+        for name, module in (("layer", layer), ("core_attention", layer.self_attention.core_attention),
+                             ("mlp", layer.mlp)):
+            module.register_forward_hook(lambda *_, key=f"{name}{i}": count(key))
+        for name, norm in (("input_norm", layer.input_layernorm), ("pre_mlp_norm", layer.pre_mlp_layernorm)):
+            for method in ("modulated", "after_residual"):  # the layer calls one or the other
+                real = getattr(norm, method)
+                setattr(norm, method, lambda *a, real=real, key=f"{name}{i}", **k: count(key) or real(*a, **k))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, arch.vocab_size, (2, arch.seq_length), generator=g)
     positions = torch.arange(arch.seq_length).expand(2, -1)

@@ -329,12 +329,19 @@ def test_selective_and_full_recompute_equal_no_recompute():
     proc = run_python([os.path.join(REPO, "tests", "recompute_worker.py")], REPO, _env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("selective", "full-uniform-1", "full-block-1"):  # the same operations in the same order
+    # the same operations in the same order
+    for name in ("selective", "selective-layernorm", "selective-mlp", "selective-all", "full-uniform-1",
+                 "full-block-1"):
         assert result[name]["loss_equal"] and result[name]["grads_max_rel_diff"] == 0.0, name
     # groups of two layers sum the conditioning's gradient in another order: rounding only
     assert result["full-uniform-2"]["loss_equal"] and result["full-uniform-2"]["grads_max_rel_diff"] < 1e-6
     calls = {name: r["calls"] for name, r in result.items()}
-    assert calls["none"] == {f"{k}{i}": 1 for k in ("layer", "core_attention") for i in range(4)}
-    assert calls["selective"] == {**calls["none"], **{f"core_attention{i}": 2 for i in range(4)}}
+    parts = ("layer", "core_attention", "mlp", "input_norm", "pre_mlp_norm")
+    assert calls["none"] == {f"{k}{i}": 1 for k in parts for i in range(4)}
+    twice = {k: {f"{k}{i}": 2 for i in range(4)} for k in parts[1:]}
+    assert calls["selective"] == {**calls["none"], **twice["core_attention"]}
+    assert calls["selective-layernorm"] == {**calls["none"], **twice["input_norm"], **twice["pre_mlp_norm"]}
+    assert calls["selective-mlp"] == {**calls["none"], **twice["mlp"]}
+    assert calls["selective-all"] == {**calls["none"], **{k: v for t in twice.values() for k, v in t.items()}}
     assert calls["full-uniform-2"] == {k: 2 for k in calls["none"]}
-    assert calls["full-block-1"] == {**calls["none"], "layer0": 2, "core_attention0": 2}
+    assert calls["full-block-1"] == {**calls["none"], **{f"{k}0": 2 for k in parts}}

@@ -73,9 +73,13 @@ def test_each_fusion_alone_equals_eager(alone):
 
 
 @pytest.mark.slow
-def test_fused_with_full_recompute_equals_eager():
-    """Full recompute re-runs the compiled regions inside autograd's backward."""
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+@pytest.mark.parametrize("recompute", [
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]},
+], ids=["full", "layernorm+mlp"])
+def test_fused_with_recompute_equals_eager(recompute):
+    """Recompute re-runs the compiled regions inside autograd's backward (the recomputed norms'
+    first run is under no_grad: a graph of its own)."""
     got = compare("esolm", ALL, recompute=recompute)
     assert got["logits"] < REL and got["grads"] < REL, got
 

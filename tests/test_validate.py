@@ -38,6 +38,14 @@ CASES = [
      "--recompute-granularity full needs --recompute-method uniform|block"),
     ("recompute", ["--recompute-activations", "--recompute-num-layers", "2"], None, False,
      "--recompute-method/--recompute-num-layers apply to --recompute-granularity full"),
+    ("recompute", ["--recompute-modules", "mlp"], None, False,
+     "--recompute-modules applies to --recompute-granularity selective"),
+    ("recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-modules",
+                   "layernorm"], None, False, "--recompute-modules applies to --recompute-granularity selective"),
+    ("recompute", ["--backbone", "gpt", "--recompute-activations", "--recompute-modules", "layernorm"], None, False,
+     "--recompute-modules layernorm with the GPT backbone needs TransformerEngine installed: megatron-core's "
+     "TransformerLayer recomputes its norms through a checkpoint that reads TransformerEngine's FP8 state (the "
+     "DiT's layer does not)"),
     ("profile", [*DATA, "--profile"], None, False,
      "--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir"),
     ("profile", ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], None, False,

@@ -59,7 +59,11 @@ class ModelConfig(FlagGroup):
                                             "selective)")
     recompute_granularity: str | None = flag(choices=["full", "selective"],
                                              help="full: keep each recomputed layer's input only; selective: "
-                                                  "recompute core attention")
+                                                  "recompute --recompute-modules")
+    recompute_modules: list | None = flag(nargs="+", choices=["core_attn", "layernorm", "mlp"],
+                                          help="selective recompute (Megatron-LM's names; default core_attn): "
+                                               "core_attn (core attention), layernorm (the norms' outputs, "
+                                               "released after use), mlp (the whole MLP)")
     recompute_method: str | None = flag(choices=["uniform", "block"],
                                         help="full recompute: uniform (every group of --recompute-num-layers) | "
                                              "block (the first --recompute-num-layers layers of each stage)")
@@ -95,6 +99,9 @@ class ModelConfig(FlagGroup):
         """megatron-core's TransformerConfig recompute fields, as Megatron-LM derives them (the
         flags' combinations are checked by config/validate.py)."""
         granularity = self.recompute_granularity or ("selective" if self.recompute_activations else None)
+        if granularity == "selective":
+            return {"recompute_granularity": granularity, "recompute_modules": list(self.recompute_modules or
+                                                                                    ["core_attn"])}
         if granularity != "full":
             return {"recompute_granularity": granularity}
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,

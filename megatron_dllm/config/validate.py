@@ -200,6 +200,17 @@ def recompute(config, world_size=None) -> None:
         raise InputError("--recompute-method/--recompute-num-layers apply to --recompute-granularity full")
     if granularity == "full" and model.recompute_method is None:
         raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
+    if model.recompute_modules and granularity != "selective":
+        raise InputError("--recompute-modules applies to --recompute-granularity selective")
+    if "layernorm" not in (model.recompute_modules or ()):
+        return
+    from megatron_dllm import platform
+
+    gpt = config.backbone.backbone == "gpt" or (model.preset is not None and config.gpt_shape() is not None)
+    if gpt and not platform.HAS_TE:
+        raise InputError("--recompute-modules layernorm with the GPT backbone needs TransformerEngine installed: "
+                         "megatron-core's TransformerLayer recomputes its norms through a checkpoint that reads "
+                         "TransformerEngine's FP8 state (the DiT's layer does not)")
 
 
 # ------------------------------------------------------------------ parallel layout

@@ -11,9 +11,11 @@ between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -64,29 +66,39 @@ class DiTLayerNorm(torch.nn.Module):
 
 
 class DiTSelfAttention(SelfAttention):
-    """megatron-core's SelfAttention; with `--compile-elementwise` the rotary embedding runs as one
-    compiled region on the new queries and keys (`elementwise.rotary`) instead of megatron-core's
-    unfused one (cos, sin, a rotate-half and two products per tensor, forward and backward, each a
-    kernel of its own). TransformerEngine's fused RoPE cannot stand in: it takes one position table
-    for the whole batch, and the DiT's positions are per sample."""
+    """megatron-core's SelfAttention, with two changes.
+
+    - With `--compile-elementwise` the rotary embedding runs as one compiled region on the new
+      queries and keys (`elementwise.rotary`) instead of megatron-core's unfused one (cos, sin, a
+      rotate-half and two products per tensor, forward and backward, each a kernel of its own).
+      TransformerEngine's fused RoPE cannot stand in: it takes one position table for the whole
+      batch, and the DiT's positions are per sample.
+    - The values get a storage of their own. megatron-core splits them out of the fused QKV
+      projection's output as a view, and core attention saves them for the backward, which keeps
+      all of that output alive: three [s, b, h] tensors where one is needed, since the rotated
+      queries and keys are new tensors. The copy costs one pass over the values."""
 
     _freqs = None  # the rotary angles of the forward in progress (compiled path)
+    _rotated = False  # whether the forward in progress rotates the queries and keys
 
     def forward(self, *args, rotary_pos_emb=None, **kwargs):
-        if not getattr(self.config, "compile_elementwise", False) or rotary_pos_emb is None:
-            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
-        self._freqs = rotary_pos_emb
+        compiled = getattr(self.config, "compile_elementwise", False) and rotary_pos_emb is not None
+        self._freqs, self._rotated = (rotary_pos_emb if compiled else None), rotary_pos_emb is not None
         try:
-            return super().forward(*args, **kwargs)  # megatron's rotary is skipped
+            if compiled:  # megatron's rotary is skipped
+                return super().forward(*args, **kwargs)
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         finally:
-            self._freqs = None
+            self._freqs, self._rotated = None, False
 
     def get_query_key_value_tensors(self, *args, **kwargs):
-        qkv = super().get_query_key_value_tensors(*args, **kwargs)
-        if self._freqs is None:
-            return qkv
-        query, key, *rest = qkv  # split_qkv: megatron fuses qkv with rope only when it applies rope
-        return (*regions(True).rotary(query, key, self._freqs), *rest)
+        # split_qkv: megatron fuses qkv with rope only when it applies rope
+        query, key, value, *rest = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._rotated:  # else the queries and keys are views into the same output and keep it
+            value = value.contiguous()
+        if self._freqs is not None:
+            query, key = regions(True).rotary(query, key, self._freqs)
+        return query, key, value, *rest
 
 
 class AdaLNModulation(torch.nn.Module):
@@ -125,18 +137,49 @@ class DiTLayer(MegatronModule):
         self.mlp = build_module(submodules.mlp, config=mlp_config,
                                 ffn_hidden_size=mlp_config.ffn_hidden_size)
         self.compiled = getattr(config, "compile_elementwise", False)  # set by builder.transformer_config
+        # selective recompute beyond core attention (which megatron's SelfAttention does itself)
+        modules = config.recompute_modules if config.recompute_granularity == "selective" else []
+        self.recompute_norms, self.recompute_mlp = "layernorm" in modules, "mlp" in modules
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """attention_mask: None (the spec's layout) or bool [1 or b, 1, s, s], True = masked out."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
-        h = self.input_layernorm.modulated(x, shift_msa, scale_msa, self.compiled)
+        h, release = self._modulated(self.input_layernorm, x, shift_msa, scale_msa)
         attn_out, _ = self.self_attention(h, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
-        x, h = self.pre_mlp_layernorm.after_residual(x, attn_out, gate_msa, shift_mlp, scale_mlp, self.compiled)
-        mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)
+        release(attn_out)
+        if self.recompute_norms and self.training:  # the norm on its own, so that it alone is recomputed
+            x = regions(self.compiled).gated_residual(x, attn_out, None, gate_msa)
+            h, release = self._modulated(self.pre_mlp_layernorm, x, shift_mlp, scale_mlp)
+        else:
+            x, h = self.pre_mlp_layernorm.after_residual(x, attn_out, gate_msa, shift_mlp, scale_mlp, self.compiled)
+        if self.recompute_mlp and self.training:  # a checkpoint cannot return fc2's bias parameter: added inside
+            mlp_out, mlp_bias = tensor_parallel.checkpoint(self._mlp_with_bias, False, h), None
+        else:
+            mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)
+        release(mlp_out)
         if not self.config.bias_dropout_fusion and mlp_bias is not None:  # the bias added on its own
             mlp_out, mlp_bias = mlp_out + mlp_bias, None
         return regions(self.compiled).gated_residual(x, mlp_out, mlp_bias, gate_mlp)
+
+    def _mlp_with_bias(self, h: torch.Tensor) -> torch.Tensor:
+        out, bias = self.mlp(h)
+        return out if bias is None else out + bias
+
+    def _modulated(self, norm: DiTLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
+        """(mod(norm(x)), release). With `--recompute-modules layernorm` (training) the output comes
+        from megatron-core's output-discarding checkpoint: `release(t)`, called with the tensor whose
+        gradient the backward computes first after the output's last use, frees the output's storage
+        (the next linear saved it) and refills it from the norm's input when that gradient is reached."""
+        if not (self.recompute_norms and self.training):
+            return norm.modulated(x, shift, scale, self.compiled), _keep
+        checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)  # None: no FP8 state
+        h = checkpoint.checkpoint(partial(norm.modulated, compiled=self.compiled), x, shift, scale)
+        return h, checkpoint.discard_output_and_register_recompute
+
+
+def _keep(hook_tensor: torch.Tensor) -> None:
+    """`DiTLayer._modulated`'s release without recompute: the output stays."""
 
 
 def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str | None = None) -> ModuleSpec:
