@@ -18,6 +18,8 @@ sigma in, vocab-parallel logits out. The differences:
   position. (GPTModel's own forward rotates by sequence index only.)
 - Norms are torch's LayerNorm/RMSNorm tagged for sequence parallelism (megatron-core's local
   spec uses the same torch modules but refuses sequence parallelism without Apex).
+- The attention's values get a storage of their own (`layer.OwnValuesSelfAttention`), as the
+  DiT's do.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.gpt_shape import GPTShape
-from megatron_dllm.model.layer import ATTENTION_MASKS
+from megatron_dllm.model.layer import ATTENTION_MASKS, OwnValuesSelfAttention
 
 
 class TorchNorm:
@@ -63,6 +65,7 @@ def gpt_layer_spec(shape: GPTShape, attention: str, use_te: bool = False,
             spec.submodules.self_attention.submodules.q_layernorm = TorchNorm
             spec.submodules.self_attention.submodules.k_layernorm = TorchNorm
     attn = spec.submodules.self_attention
+    attn.module = OwnValuesSelfAttention
     attn.params = {**attn.params, "attn_mask_type": ATTENTION_MASKS[attention]}
     attn.submodules.core_attention = core_attention_module(resolve_backend(attention_backend, use_te))
     return spec

@@ -65,40 +65,57 @@ class DiTLayerNorm(torch.nn.Module):
         return regions(compiled).residual_norm_modulate(x, out, gate, self.weight, shift, scale, self.eps)
 
 
-class DiTSelfAttention(SelfAttention):
-    """megatron-core's SelfAttention, with two changes.
+class OwnValuesSelfAttention(SelfAttention):
+    """megatron-core's SelfAttention whose values get a storage of their own when the rotary
+    embedding makes the queries and keys new tensors. megatron-core splits all three out of the
+    fused QKV projection's output as views, and core attention saves the values for the backward:
+    as a view they kept all of that output alive, queries and keys included. The copy costs one
+    pass over the values. (Query and key norms save their inputs, views into the same output,
+    which keeps it anyway: no copy then.)"""
 
-    - With `--compile-elementwise` the rotary embedding runs as one compiled region on the new
-      queries and keys (`elementwise.rotary`) instead of megatron-core's unfused one (cos, sin, a
-      rotate-half and two products per tensor, forward and backward, each a kernel of its own).
-      TransformerEngine's fused RoPE cannot stand in: it takes one position table for the whole
-      batch, and the DiT's positions are per sample.
-    - The values get a storage of their own. megatron-core splits them out of the fused QKV
-      projection's output as a view, and core attention saves them for the backward, which keeps
-      all of that output alive: three [s, b, h] tensors where one is needed, since the rotated
-      queries and keys are new tensors. The copy costs one pass over the values."""
-
-    _freqs = None  # the rotary angles of the forward in progress (compiled path)
-    _rotated = False  # whether the forward in progress rotates the queries and keys
+    _new_queries_and_keys = False  # during a forward: the queries and keys will not be views
 
     def forward(self, *args, rotary_pos_emb=None, **kwargs):
-        compiled = getattr(self.config, "compile_elementwise", False) and rotary_pos_emb is not None
-        self._freqs, self._rotated = (rotary_pos_emb if compiled else None), rotary_pos_emb is not None
+        self._new_queries_and_keys = rotary_pos_emb is not None and not self.config.qk_layernorm
         try:
-            if compiled:  # megatron's rotary is skipped
-                return super().forward(*args, **kwargs)
-            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+            return self._forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         finally:
-            self._freqs, self._rotated = None, False
+            self._new_queries_and_keys = False
+
+    def _forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
 
     def get_query_key_value_tensors(self, *args, **kwargs):
         # split_qkv: megatron fuses qkv with rope only when it applies rope
         query, key, value, *rest = super().get_query_key_value_tensors(*args, **kwargs)
-        if self._rotated:  # else the queries and keys are views into the same output and keep it
+        if self._new_queries_and_keys:
             value = value.contiguous()
-        if self._freqs is not None:
-            query, key = regions(True).rotary(query, key, self._freqs)
         return query, key, value, *rest
+
+
+class DiTSelfAttention(OwnValuesSelfAttention):
+    """With `--compile-elementwise` the rotary embedding runs as one compiled region on the new
+    queries and keys (`elementwise.rotary`) instead of megatron-core's unfused one (cos, sin, a
+    rotate-half and two products per tensor, forward and backward, each a kernel of its own).
+    TransformerEngine's fused RoPE cannot stand in: it takes one position table for the whole
+    batch, and the DiT's positions are per sample."""
+
+    _freqs = None  # the rotary angles of the forward in progress (compiled path)
+
+    def _forward(self, *args, rotary_pos_emb=None, **kwargs):
+        if not getattr(self.config, "compile_elementwise", False) or rotary_pos_emb is None:
+            return super()._forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        self._freqs = rotary_pos_emb
+        try:
+            return super()._forward(*args, **kwargs)  # megatron's rotary is skipped
+        finally:
+            self._freqs = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        query, key, *rest = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._freqs is None:
+            return query, key, *rest
+        return (*regions(True).rotary(query, key, self._freqs), *rest)
 
 
 class AdaLNModulation(torch.nn.Module):
