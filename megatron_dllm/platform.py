@@ -237,7 +237,7 @@ def sdpa_backends() -> list:
 
 def fusion_defaults() -> dict:
     """Defaults of the fusion flags (`model/fusion.py`). The compiled ones (--compile-elementwise,
-    and --bias-gelu-fusion, whose megatron-core kernel torch.compile builds) are on with CUDA and
+    --bias-gelu-fusion and --bias-swiglu-fusion, whose megatron-core kernels torch.compile builds) are on with CUDA and
     off on CPU, where compiling with inductor and g++ costs seconds in every process and gained a
     small model little (benchmarks/bench_compile.py). The masked-softmax fusion is on where apex's
     kernels are installed (CUDA only). Bias-dropout fusion costs nothing eager: on, as Megatron-LM.
@@ -246,7 +246,7 @@ def fusion_defaults() -> dict:
     import importlib.util
 
     kernels = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
-    return {"compile_elementwise": HAS_CUDA, "bias_gelu": HAS_CUDA, "bias_dropout": True,
+    return {"compile_elementwise": HAS_CUDA, "bias_gelu": HAS_CUDA, "bias_swiglu": HAS_CUDA, "bias_dropout": True,
             "masked_softmax": HAS_CUDA and all(importlib.util.find_spec(k) is not None for k in kernels),
             "gradient_accumulation": HAS_CUDA}
 

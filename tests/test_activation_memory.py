@@ -19,7 +19,8 @@ from megatron_dllm.model.fusion import Fusion
 
 ONE_HEAD = SEQ * BATCH * PRESET.hidden_size // PRESET.num_attention_heads  # smaller: per-sequence tensors
 # The GPT backbone (Llama's shape: rotary embedding, grouped queries) with a GELU MLP: megatron-core's
-# unfused SwiGLU keeps its input for the gate's half (and copies the other), its code, not ours.
+# unfused SwiGLU keeps its input for the gate's half (and copies the other); its fused one
+# (--bias-swiglu-fusion) does not, tested below.
 GPT = dataclasses.replace(LLAMA, swiglu=False)
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,6 +67,12 @@ def test_nor_on_the_gpt_backbone(family):
 @pytest.mark.slow  # compiles the elementwise regions
 def test_nor_with_the_compiled_regions():
     assert partly_saved_storages("mdlm", "sdpa", Fusion(compile_elementwise=True)) == []
+
+
+@pytest.mark.slow  # megatron-core's fused SwiGLU compiles
+def test_nor_with_the_gpt_backbone_s_fused_swiglu():
+    assert partly_saved_storages("mdlm", "sdpa", Fusion(bias_swiglu=True), gpt=LLAMA) == []
+    assert partly_saved_storages("mdlm", "sdpa", gpt=LLAMA) != []  # the unfused one keeps a half
 
 
 bench = load_benchmark("bench_activation_memory")

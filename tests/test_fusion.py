@@ -3,11 +3,12 @@ against the eager reference: a training step's logits and every gradient on CPU 
 family (Eso-LM: shuffled order, permuted positions), each fusion alone, under full recompute, the
 checkpoint (unchanged), and what the flags resolve to on this platform."""
 import argparse
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import FAMILIES, MASK_ID, OPTIONS, PRESET, VOCAB, batch, build, rel_diff, train_step
+from attention_cases import FAMILIES, LLAMA, MASK_ID, OPTIONS, PRESET, VOCAB, batch, build, rel_diff, train_step
 from megatron.core.transformer import mlp as megatron_mlp
 
 from megatron_dllm import platform
@@ -30,12 +31,13 @@ def distributed():
     platform.destroy_distributed()
 
 
-def compare(name: str, fusion: Fusion, recompute: dict | None = None, reference_fault=None) -> dict:
-    """One training step of the eager model and of the fused one, same weights and batch."""
+def compare(name: str, fusion: Fusion, recompute: dict | None = None, reference_fault=None, gpt=None) -> dict:
+    """One training step of the eager model and of the fused one, same weights and batch (`gpt`:
+    the GPT backbone of that shape)."""
     family = get_family(name, MASK_ID, VOCAB, **OPTIONS.get(name, {}))
     inp = batch(family)
-    eager = build(family.attention, "local", recompute=recompute)
-    fused = build(family.attention, "local", recompute=recompute, fusion=fusion)
+    eager = build(family.attention, "local", recompute=recompute, gpt=gpt)
+    fused = build(family.attention, "local", recompute=recompute, fusion=fusion, gpt=gpt)
     if reference_fault:
         reference_fault(eager)
     (logits_a, grads_a), (logits_b, grads_b) = train_step(eager, family, inp), train_step(fused, family, inp)
@@ -69,6 +71,17 @@ def test_fused_training_step_equals_eager(family, monkeypatch):
 @pytest.mark.parametrize("alone", ["bias_gelu", "bias_dropout", "compile_elementwise"])
 def test_each_fusion_alone_equals_eager(alone):
     got = compare("mdlm", Fusion(**{alone: True}))
+    assert got["logits"] < REL and got["grads"] < REL, got
+
+
+@pytest.mark.slow  # megatron-core's fused SwiGLU compiles (its jit_fuser is torch.compile)
+@pytest.mark.parametrize("family", ["ar", "mdlm"])
+def test_fused_swiglu_on_the_gpt_backbone_equals_eager(family, monkeypatch):
+    calls, real = [], megatron_mlp.bias_swiglu_impl
+    monkeypatch.setattr(megatron_mlp, "bias_swiglu_impl", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = compare(family, Fusion(bias_swiglu=True), gpt=LLAMA)
+    assert calls, "megatron's fused SwiGLU did not run"
+    assert got["logits_scale"] > 1 and got["min_grad_scale"] > 1e-4
     assert got["logits"] < REL and got["grads"] < REL, got
 
 
@@ -137,13 +150,20 @@ def test_platform_defaults():
     assert resolve_fusion("local") == Fusion(**defaults)
     assert resolve_fusion("sdpa") == Fusion(**{**defaults, "masked_softmax": False})  # SDPA fuses it itself
     if not platform.HAS_CUDA:  # compiling costs more than it gains on CPU; no apex kernels
-        assert defaults == {"compile_elementwise": False, "bias_gelu": False, "bias_dropout": True,
-                            "masked_softmax": False, "gradient_accumulation": False}
-    assert resolve_fusion("local", bias_gelu=not defaults["bias_gelu"], bias_dropout=False,
-                          compile_elementwise=not defaults["compile_elementwise"], rope=False,
+        assert defaults == {"compile_elementwise": False, "bias_gelu": False, "bias_swiglu": False,
+                            "bias_dropout": True, "masked_softmax": False, "gradient_accumulation": False}
+    assert resolve_fusion("local", bias_gelu=not defaults["bias_gelu"], bias_swiglu=not defaults["bias_swiglu"],
+                          bias_dropout=False, compile_elementwise=not defaults["compile_elementwise"], rope=False,
                           gradient_accumulation=False) == Fusion(
-        bias_gelu=not defaults["bias_gelu"], compile_elementwise=not defaults["compile_elementwise"],
-        masked_softmax=defaults["masked_softmax"])
+        bias_gelu=not defaults["bias_gelu"], bias_swiglu=not defaults["bias_swiglu"],
+        compile_elementwise=not defaults["compile_elementwise"], masked_softmax=defaults["masked_softmax"])
+
+
+def test_each_backbone_keeps_the_fusions_it_has():
+    every = Fusion(bias_gelu=True, bias_swiglu=True, bias_dropout=True, compile_elementwise=True)
+    assert every.for_backbone(None) == Fusion(bias_gelu=True, bias_dropout=True, compile_elementwise=True)
+    assert every.for_backbone(LLAMA) == Fusion(bias_swiglu=True, bias_dropout=True)
+    assert every.for_backbone(dataclasses.replace(LLAMA, swiglu=False)) == Fusion(bias_dropout=True)
 
 
 def test_fusions_that_cannot_apply_are_refused():

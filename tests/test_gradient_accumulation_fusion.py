@@ -103,12 +103,12 @@ def test_flags_and_defaults(monkeypatch):
         assert resolve_fusion("sdpa").gradient_accumulation is False
     if platform.fp32_accumulating_gemm():  # always on CPU; on CUDA test_on_cuda_a_bf16_gemm_... says if not
         asked = resolve_fusion("sdpa", gradient_accumulation=True)
-        assert asked == Fusion(bias_gelu=platform.HAS_CUDA, bias_dropout=True, compile_elementwise=platform.HAS_CUDA,
-                               gradient_accumulation=True)
+        assert asked == Fusion(bias_gelu=platform.HAS_CUDA, bias_swiglu=platform.HAS_CUDA, bias_dropout=True,
+                               compile_elementwise=platform.HAS_CUDA, gradient_accumulation=True)
         assert asked.config_fields()["gradient_accumulation_fusion"]
     monkeypatch.setattr(platform, "fusion_defaults",
-                        lambda: {"compile_elementwise": True, "bias_gelu": True, "bias_dropout": True,
-                                 "masked_softmax": False, "gradient_accumulation": True})
+                        lambda: {"compile_elementwise": True, "bias_gelu": True, "bias_swiglu": True,
+                                 "bias_dropout": True, "masked_softmax": False, "gradient_accumulation": True})
     monkeypatch.setattr(platform, "fp32_accumulating_gemm", lambda: False)
     assert resolve_fusion("sdpa").gradient_accumulation is False
     with pytest.raises(ValueError, match=r"^--gradient-accumulation-fusion: torch .* cannot add a bf16 GEMM"):

@@ -73,6 +73,8 @@ class ModelConfig(FlagGroup):
     # default) and the DiT's own compiled regions; their meanings: model/fusion.py.
     bias_gelu_fusion: bool | None = switch("the MLP's bias + tanh-GELU as megatron-core's fused kernel "
                                            "(default: on with CUDA, off on CPU)")
+    bias_swiglu_fusion: bool | None = switch("--backbone gpt with --swiglu: megatron-core's fused SwiGLU "
+                                             "(default: on with CUDA, off on CPU)")
     bias_dropout_fusion: bool | None = switch("the MLP's bias added inside the bias + gate + residual region "
                                               "(no dropout in the DiT; default on)")
     masked_softmax_fusion: bool | None = switch("--attention-backend local: apex's fused scale + mask + softmax "
@@ -119,8 +121,9 @@ class ModelConfig(FlagGroup):
         from megatron_dllm.model.fusion import resolve_fusion
 
         return resolve_fusion(resolve_backend(self.attention_backend, use_te), bias_gelu=self.bias_gelu_fusion,
-                              bias_dropout=self.bias_dropout_fusion, masked_softmax=self.masked_softmax_fusion,
-                              rope=self.rope_fusion, compile_elementwise=self.compile_elementwise,
+                              bias_swiglu=self.bias_swiglu_fusion, bias_dropout=self.bias_dropout_fusion,
+                              masked_softmax=self.masked_softmax_fusion, rope=self.rope_fusion,
+                              compile_elementwise=self.compile_elementwise,
                               gradient_accumulation=self.gradient_accumulation_fusion)
 
 

@@ -54,7 +54,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
     """The block config (attention without bias) and the MLP's (with bias, fan-in 4h output);
     `fusion`: the fused elementwise work (default none: the eager reference)."""
     check_layout(arch, tp, pp, vpp)
-    fusion = fusion or Fusion()
+    fusion = (fusion or Fusion()).for_backbone(arch.gpt)
     p = arch.preset
     dtype = platform.params_dtype(bf16)
     config = TransformerConfig(
@@ -83,7 +83,8 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
         **platform.megatron_config_overrides(),
     )
     if arch.gpt is not None:  # megatron-core's GPT layer: one config, no time embedder
-        config = dataclasses.replace(config, **arch.gpt.config_fields(p.hidden_size, p.num_attention_heads))
+        config = dataclasses.replace(config, **arch.gpt.config_fields(p.hidden_size, p.num_attention_heads),
+                                     bias_activation_fusion=fusion.bias_swiglu)
         return config, config
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
     config.compile_elementwise = fusion.compile_elementwise  # read by DiTLayer and FinalLayer

@@ -4,6 +4,10 @@ against the platform into megatron-core's TransformerConfig fields.
     flag                      TransformerConfig field   in the DiT
     --bias-gelu-fusion        bias_activation_fusion    the MLP's bias + tanh-GELU as megatron-core's fused
                                                         `bias_gelu_impl` (compiled by megatron-core's jit_fuser)
+    --bias-swiglu-fusion      bias_activation_fusion    the GPT backbone's SwiGLU MLPs: megatron-core's fused
+                              (GPT backbone)            `bias_swiglu_impl`, which saves the first linear's output
+                                                        once for the backward (its unfused SwiGLU keeps it for
+                                                        the gate's half and copies the other)
     --bias-dropout-fusion     bias_dropout_fusion       the MLP's bias joins the bias + gate + residual region
                                                         (the DiT's bias-dropout-add: no dropout, an adaLN gate)
     --masked-softmax-fusion   masked_softmax_fusion     `--attention-backend local`: apex's scale + mask + softmax
@@ -22,6 +26,7 @@ forms and an absent flag takes the platform's default (`platform.fusion_defaults
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +40,7 @@ class Fusion:
     """Which elementwise work runs fused. The default, all off, is the eager reference."""
 
     bias_gelu: bool = False
+    bias_swiglu: bool = False
     bias_dropout: bool = False
     masked_softmax: bool = False
     compile_elementwise: bool = False
@@ -45,14 +51,24 @@ class Fusion:
         return {"bias_dropout_fusion": self.bias_dropout, "masked_softmax_fusion": self.masked_softmax,
                 "apply_rope_fusion": False, "gradient_accumulation_fusion": self.gradient_accumulation}
 
+    def for_backbone(self, gpt) -> Fusion:
+        """The fusions that apply to a backbone: the DiT's (bias-GELU, the compiled regions), or the
+        GPT backbone's (`gpt`: its GPTShape) fused SwiGLU where its MLP has one."""
+        if gpt is None:
+            return dataclasses.replace(self, bias_swiglu=False)
+        return dataclasses.replace(self, bias_gelu=False, compile_elementwise=False,
+                                   bias_swiglu=self.bias_swiglu and gpt.swiglu)
+
     def describe(self) -> str:
-        names = {"bias_gelu": "bias-gelu", "bias_dropout": "bias-dropout", "masked_softmax": "masked-softmax",
+        names = {"bias_gelu": "bias-gelu", "bias_swiglu": "bias-swiglu", "bias_dropout": "bias-dropout",
+                 "masked_softmax": "masked-softmax",
                  "compile_elementwise": "compiled elementwise", "gradient_accumulation": "gradient-accumulation"}
         on = [name for field, name in names.items() if getattr(self, field)]
         return f"fusion: {', '.join(on) if on else 'none'}"
 
 
-def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bias_dropout: bool | None = None,
+def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bias_swiglu: bool | None = None,
+                   bias_dropout: bool | None = None,
                    masked_softmax: bool | None = None, rope: bool | None = None,
                    compile_elementwise: bool | None = None, gradient_accumulation: bool | None = None) -> Fusion:
     """The run's fusions: the flags given (True/False), the platform's defaults for the rest (None)."""
@@ -65,8 +81,9 @@ def resolve_fusion(attention_backend: str, *, bias_gelu: bool | None = None, bia
     # softmax inside their attention kernels whatever it says (config/validate.py refuses the flag
     # with local attention where apex's kernels are missing).
     local = attention_backend == "local"
-    given = {"bias_gelu": bias_gelu, "bias_dropout": bias_dropout, "masked_softmax": masked_softmax,
-             "compile_elementwise": compile_elementwise, "gradient_accumulation": gradient_accumulation}
+    given = {"bias_gelu": bias_gelu, "bias_swiglu": bias_swiglu, "bias_dropout": bias_dropout,
+             "masked_softmax": masked_softmax, "compile_elementwise": compile_elementwise,
+             "gradient_accumulation": gradient_accumulation}
     chosen = {name: defaults[name] if value is None else value for name, value in given.items()}
     chosen["masked_softmax"] = chosen["masked_softmax"] and local
     if chosen["gradient_accumulation"] and not platform.fp32_accumulating_gemm():

@@ -44,7 +44,7 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
     arch = Architecture(config.preset(), vocab_size, model.seq_length, family.attention,
                         model.make_vocab_size_divisible_by, gpt=config.gpt_shape())
     use_te = model.uses_te()
-    fusion = model.fusion(use_te)
+    fusion = model.fusion(use_te).for_backbone(arch.gpt)
     block_config, mlp_config = transformer_config(
         arch, tp=parallel.tensor_model_parallel_size, pp=parallel.pipeline_model_parallel_size,
         vpp=parallel.virtual_pipeline_model_parallel_size, sequence_parallel=parallel.sequence_parallel,
