@@ -141,7 +141,10 @@ def test_relaunch_resumes_a_run_started_without_load(tmp_path, capsys, monkeypat
 
 def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
     assert parse_args([]).model.recompute() == {"recompute_granularity": None}
-    assert parse_args(["--recompute-activations"]).model.recompute() == {"recompute_granularity": "selective"}
+    assert parse_args(["--recompute-activations"]).model.recompute() == {"recompute_granularity": "selective",
+                                                                         "recompute_modules": ["core_attn"]}
+    chosen = parse_args(["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "mlp"])
+    assert chosen.model.recompute() == {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]}
     assert parse_args(["--recompute-granularity", "full", "--recompute-method", "uniform"]).model.recompute() == {
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
@@ -237,7 +240,7 @@ def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_
     cfg = parse_args(["--yaml-cfg", example, "--family", "mdlm", "--data-path", "/data/x_text_document",
                       "--tokenizer-model", "tokenizer.json", "--save", "ckpt", "--load", "ckpt"])
     t, ckpt = cfg.training, cfg.checkpoint
-    assert cfg.model.recompute() == {"recompute_granularity": "selective"}
+    assert cfg.model.recompute() == {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
     assert t.train_iters * t.global_batch_size * cfg.model.seq_length == pytest.approx(2.1e12, rel=1e-3)
     assert t.exit_signal_handler and t.check_for_nan_in_loss_and_grad and ckpt.async_save
     on_disk = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
