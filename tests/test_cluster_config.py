@@ -240,7 +240,7 @@ def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_
     cfg = parse_args(["--yaml-cfg", example, "--family", "mdlm", "--data-path", "/data/x_text_document",
                       "--tokenizer-model", "tokenizer.json", "--save", "ckpt", "--load", "ckpt"])
     t, ckpt = cfg.training, cfg.checkpoint
-    assert cfg.model.recompute() == {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    assert cfg.model.recompute() == {"recompute_granularity": None}  # fused attention: core_attn saves nothing
     assert t.train_iters * t.global_batch_size * cfg.model.seq_length == pytest.approx(2.1e12, rel=1e-3)
     assert t.exit_signal_handler and t.check_for_nan_in_loss_and_grad and ckpt.async_save
     on_disk = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
