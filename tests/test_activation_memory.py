@@ -23,6 +23,7 @@ ONE_HEAD = SEQ * BATCH * PRESET.hidden_size // PRESET.num_attention_heads  # sma
 # (--bias-swiglu-fusion) does not, tested below.
 GPT = dataclasses.replace(LLAMA, swiglu=False)
 
+
 @pytest.fixture(scope="module", autouse=True)
 def distributed():
     platform.init_distributed(1, 1, seed=0)
