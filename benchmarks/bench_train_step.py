@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
+from megatron_dllm.config.model import RECOMPUTE_MODULES  # noqa: E402
 from megatron_dllm.families import Noise, get_family  # noqa: E402
 from megatron_dllm.hf import export  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
@@ -72,9 +73,6 @@ def make_batch(family, vocab: int, batch: int, seq: int):
 
 
 # ------------------------------------------------------------------------------- megatron path
-
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
-
 
 def recompute_setting(text: str) -> str:
     """An argparse type for a recompute setting: off | full | selective (core attention) | the

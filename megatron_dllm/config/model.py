@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, switch
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
+# what --recompute-modules takes: Megatron-LM's names of what the DiT's layer (and the GPT backbone's) recompute
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
 
 @dataclass(frozen=True)
 class ModelConfig(FlagGroup):
@@ -60,7 +63,7 @@ class ModelConfig(FlagGroup):
     recompute_granularity: str | None = flag(choices=["full", "selective"],
                                              help="full: keep each recomputed layer's input only; selective: "
                                                   "recompute --recompute-modules")
-    recompute_modules: list | None = flag(nargs="+", choices=["core_attn", "layernorm", "mlp"],
+    recompute_modules: list | None = flag(nargs="+", choices=RECOMPUTE_MODULES,
                                           help="selective recompute (Megatron-LM's names; default core_attn): "
                                                "core_attn (core attention), layernorm (the norms' outputs, "
                                                "released after use), mlp (the whole MLP)")
