@@ -20,8 +20,9 @@ the same again) so drift in clocks or temperature shows as a spread rather than 
   attention backend and the fusion defaults the trainer uses on a GPU (compiled elementwise
   regions, fused bias-GELU, gradient-accumulation fusion); `+fp8` adds TransformerEngine linears
   with `--fp8-format hybrid` (tensorwise scaling), `+full` full recompute, `+selective` selective
-  recompute, `+graph` the trainer's full-iteration CUDA graph (captured at the second step, so in
-  the micro-batch search too; not with `+fp8` or recompute, which the trainer refuses with it).
+  recompute (core attention), `+layernorm` and `+mlp` what `--recompute-modules` recomputes,
+  `+graph` the trainer's full-iteration CUDA graph (captured at the second step, so in the
+  micro-batch search too; not with `+fp8` or recompute, which the trainer refuses with it).
 
 Micro-batches: `2` is the paper's 1.7B setting (2 sequences per GPU); `max` is the largest power of
 two up to `--max-micro-batch` that fits. Reported: tokens/s, model TFLOP/s and MFU in both FLOP
@@ -58,13 +59,15 @@ import torch.nn.functional as F  # noqa: E402
 from bench_train_step import OPT, MegatronStep, make_batch  # noqa: E402
 
 from megatron_dllm import platform  # noqa: E402
+from megatron_dllm.config.model import RECOMPUTE_MODULES  # noqa: E402
 from megatron_dllm.families import get_family  # noqa: E402
 from megatron_dllm.model.attention import ATTENTION_BACKENDS, TE_BACKENDS  # noqa: E402
 from megatron_dllm.model.constants import COND_DIM  # noqa: E402
 from megatron_dllm.model.presets import get_preset  # noqa: E402
 from megatron_dllm.scaling.flops import train_flops_per_sequence  # noqa: E402
 
-RECOMPUTE = ("full", "selective")  # MegatronStep's recompute: every layer (uniform, 1 per group) | core attention
+# MegatronStep's recompute: every layer (uniform, 1 per group) | core attention | the modules named
+RECOMPUTE = ("full", "selective", *RECOMPUTE_MODULES)
 
 
 def load_paper_dit(path: str):
@@ -112,17 +115,19 @@ class PaperStep:
 
 
 def our_options(variant: str) -> dict:
-    """MegatronStep's options for an `--ours` variant BACKEND[+fp8][+full|+selective][+graph]."""
+    """MegatronStep's options for an `--ours` variant BACKEND[+fp8][+full|+selective|+MODULE...][+graph]
+    (MODULE: what `--recompute-modules` takes, e.g. sdpa+layernorm+mlp)."""
     backend, *extras = variant.split("+")
     unknown = set(extras) - {"fp8", "graph", *RECOMPUTE}
     if unknown or backend not in ATTENTION_BACKENDS:
         what = f"option {sorted(unknown)[0]!r}" if unknown else f"backend {backend!r}"
-        raise SystemExit(f"error: --ours {variant}: unknown {what} (expected BACKEND[+fp8][+full|+selective]"
-                         f"[+graph], BACKEND one of {', '.join(ATTENTION_BACKENDS)})")
+        expected = f"BACKEND[+fp8][+full|+selective|+{'|+'.join(RECOMPUTE_MODULES)}...][+graph]"
+        raise SystemExit(f"error: --ours {variant}: unknown {what} (expected {expected}, BACKEND one of "
+                         f"{', '.join(ATTENTION_BACKENDS)})")
     fp8, graph = "fp8" in extras, "graph" in extras
     if (fp8 or backend in TE_BACKENDS) and not platform.HAS_TE:
         raise SystemExit(f"error: --ours {variant} needs TransformerEngine on a CUDA GPU (not importable here)")
-    recompute = next((e for e in extras if e in RECOMPUTE), None)
+    recompute = "+".join(e for e in extras if e in RECOMPUTE) or None  # bench_train_step.run_config's setting
     if graph and (fp8 or recompute or backend in TE_BACKENDS):
         raise SystemExit(f"error: --ours {variant}: the full-iteration CUDA graph takes neither TransformerEngine "
                          "nor recompute (the trainer refuses them together)")
@@ -232,7 +237,7 @@ def main(argv=None) -> None:
     p.add_argument("--micro-batches", nargs="+", default=["2", "max"], help="integers and/or 'max'")
     p.add_argument("--max-micro-batch", type=int, default=32)
     p.add_argument("--ours", nargs="+", default=["sdpa", "sdpa+fp8"] if platform.HAS_TE else ["sdpa"],
-                   help="BACKEND[+fp8][+full|+selective] per variant of this project's step")
+                   help="BACKEND[+fp8][+full|+selective|+layernorm|+mlp][+graph] per variant of this project's step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the paper's compile happens here)")
     p.add_argument("--rounds", type=int, default=2)

@@ -23,7 +23,7 @@
 #        local fused, megatron-core's timers at levels 1 and 0, the recomputed norms (and MLP)
 #   b2   the profile breakdown of the 1.7B step: sdpa, local, then the optimizer step without TE
 #        (megatron-core's fallback vs foreach + fused AdamW), then sdpa at the paper's 32k vocabulary
-#   c    the paper's step beside ours (sdpa, sdpa+selective, sdpa+graph), vocabulary 32,001 (needs
+#   c    the paper's step beside ours (sdpa, sdpa+layernorm, sdpa+graph), vocabulary 32,001 (needs
 #        .cache/genbench/paper)
 #   c2   the same at the Nemotron vocabulary, 131,072
 #   d    generation throughput, unconditional at the 1.7B shape, L = 2048, T 16 and 64, every family
@@ -270,11 +270,11 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     ;;
   c)
     install_wheels
-    paper_step paper_vocab$PAPER_VOCAB_C $PAPER_VOCAB_C sdpa sdpa+selective sdpa+graph
+    paper_step paper_vocab$PAPER_VOCAB_C $PAPER_VOCAB_C sdpa sdpa+layernorm sdpa+graph
     ;;
   c2)
     install_wheels
-    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+selective sdpa+graph
+    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+layernorm sdpa+graph
     ;;
   d | d2 | d3 | d4 | d5)
     install_wheels

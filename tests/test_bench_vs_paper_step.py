@@ -64,6 +64,7 @@ def test_our_variants_and_their_refusals():
     bench = load_benchmark("bench_vs_paper_step")
     assert bench.our_options("sdpa+graph") == {"attention_backend": "sdpa", "recompute": None, "cuda_graph": True}
     assert bench.our_options("local+selective")["recompute"] == "selective"
+    assert bench.our_options("sdpa+layernorm+mlp")["recompute"] == "layernorm+mlp"  # bench_train_step's setting
     with pytest.raises(SystemExit, match="sdpa\\+full\\+graph: the full-iteration CUDA graph takes neither"):
         bench.our_options("sdpa+full+graph")
     with pytest.raises(SystemExit, match="unknown option 'graphs'"):
