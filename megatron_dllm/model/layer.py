@@ -161,16 +161,17 @@ class DiTLayer(MegatronModule):
     def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """attention_mask: None (the spec's layout) or bool [1 or b, 1, s, s], True = masked out."""
+        norms, mlp = self.training and self.recompute_norms, self.training and self.recompute_mlp
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)
-        h, release = self._modulated(self.input_layernorm, x, shift_msa, scale_msa)
+        h, release = self._modulated(self.input_layernorm, x, shift_msa, scale_msa, norms)
         attn_out, _ = self.self_attention(h, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         release(attn_out)
-        if self.recompute_norms and self.training:  # the norm on its own, so that it alone is recomputed
+        if norms:  # the norm on its own, so that it alone is recomputed
             x = regions(self.compiled).gated_residual(x, attn_out, None, gate_msa)
-            h, release = self._modulated(self.pre_mlp_layernorm, x, shift_mlp, scale_mlp)
+            h, release = self._modulated(self.pre_mlp_layernorm, x, shift_mlp, scale_mlp, norms)
         else:
             x, h = self.pre_mlp_layernorm.after_residual(x, attn_out, gate_msa, shift_mlp, scale_mlp, self.compiled)
-        if self.recompute_mlp and self.training:  # a checkpoint cannot return fc2's bias parameter: added inside
+        if mlp:  # a checkpoint cannot return fc2's bias parameter: added inside
             mlp_out, mlp_bias = tensor_parallel.checkpoint(self._mlp_with_bias, False, h), None
         else:
             mlp_out, mlp_bias = self.mlp(h)  # megatron's fc2 returns its bias separately (skip_bias_add)
@@ -183,12 +184,14 @@ class DiTLayer(MegatronModule):
         out, bias = self.mlp(h)
         return out if bias is None else out + bias
 
-    def _modulated(self, norm: DiTLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor):
-        """(mod(norm(x)), release). With `--recompute-modules layernorm` (training) the output comes
-        from megatron-core's output-discarding checkpoint: `release(t)`, called with the tensor whose
-        gradient the backward computes first after the output's last use, frees the output's storage
-        (the next linear saved it) and refills it from the norm's input when that gradient is reached."""
-        if not (self.recompute_norms and self.training):
+    def _modulated(self, norm: DiTLayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                   recompute: bool):
+        """(mod(norm(x)), release). With `recompute` (`--recompute-modules layernorm`, training) the
+        output comes from megatron-core's output-discarding checkpoint: `release(t)`, called with the
+        tensor whose gradient the backward computes first after the output's last use, frees the
+        output's storage (the next linear saved it) and refills it from the norm's input when that
+        gradient is reached."""
+        if not recompute:
             return norm.modulated(x, shift, scale, self.compiled), _keep
         checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)  # None: no FP8 state
         h = checkpoint.checkpoint(partial(norm.modulated, compiled=self.compiled), x, shift, scale)
