@@ -1,7 +1,8 @@
 """Activation memory per DiT layer: what the trainer's step keeps from its forward for its backward.
 
     python benchmarks/bench_activation_memory.py [--fusion none all] [--attention-backend sdpa local]
-                                                 [--recompute off selective layernorm mlp layernorm+mlp full]
+                                                 [--recompute off selective layernorm mlp_act
+                                                             layernorm+mlp_act mlp layernorm+mlp full]
 
 For every combination: the trainer's step (`bench_train_step.MegatronStep`, MDLM, fp32 on CPU)
 at 1 and at 2 layers. Every tensor autograd saves during the forward (not during the backward's
@@ -88,7 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fusion", nargs="+", choices=["none", "all"], default=["none", "all"])
     ap.add_argument("--attention-backend", nargs="+", choices=["sdpa", "local"], default=["sdpa"])
     ap.add_argument("--recompute", nargs="+", type=recompute_setting,
-                    default=["off", "selective", "layernorm", "mlp", "layernorm+mlp", "full"],
+                    default=["off", "selective", "layernorm", "mlp_act", "layernorm+mlp_act", "mlp",
+                             "layernorm+mlp", "full"],
                     help="off | full | selective (core attention) | modules recomputed selectively, joined by '+'")
     args = ap.parse_args(argv)
     platform.init_distributed(1, 1, seed=0)

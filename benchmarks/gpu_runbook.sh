@@ -20,7 +20,7 @@
 #        cross entropy, the families' own, Duo's at two chunk sizes: bench_loss_heads.py), local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
-#        local fused, megatron-core's timers at levels 1 and 0, the recomputed norms (and MLP)
+#        local fused, megatron-core's timers at levels 1 and 0, the recomputed norms and MLP activation (or MLP)
 #   b2   the profile breakdown of the 1.7B step: sdpa, local, then the optimizer step without TE
 #        (megatron-core's fallback vs foreach + fused AdamW), then sdpa at the paper's 32k vocabulary
 #   c    the paper's step beside ours (sdpa, sdpa+layernorm, sdpa+graph), vocabulary 32,001 (needs
@@ -253,9 +253,10 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
       train_step step_sdpa_timers$level 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
         --fusion default --max-micro-batch $SDPA_MB --timing-log-level $level
     done
-    # recomputed norms (and MLP) against the micro-batch they let fit: 8 and 16 by the count of
-    # bench_activation_memory.py (4 fits without): does the larger batch pay for the recompute?
-    train_step step_sdpa_recompute 200 --families mdlm --recompute-granularity layernorm layernorm+mlp \
+    # recomputed norms, MLP activation or whole MLP against the micro-batch they let fit: 8 to 16 by
+    # the count of bench_activation_memory.py (4 fits without): does the larger batch pay for the recompute?
+    train_step step_sdpa_recompute 260 --families mdlm --recompute-granularity mlp_act layernorm+mlp_act \
+      layernorm layernorm+mlp \
       --attention-backend sdpa --fusion default --max-micro-batch $MAXMB
     ;;
   b2)

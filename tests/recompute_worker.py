@@ -1,6 +1,6 @@
 """One process: the DiT's loss and every gradient under each recompute setting, against no
 recompute (which parameters' gradients are bit-identical, and the largest relative difference
-of any), plus how often each layer, core attention, MLP and modulated norm ran (proof that recompute
+of any), plus how often each layer, core attention, MLP, MLP activation and modulated norm ran (proof that recompute
 happened).
 Prints one JSON object."""
 import dataclasses
@@ -18,7 +18,10 @@ SETTINGS = {
     "selective": {"recompute_granularity": "selective"},
     "selective-layernorm": {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
     "selective-mlp": {"recompute_granularity": "selective", "recompute_modules": ["mlp"]},
+    "selective-mlp_act": {"recompute_granularity": "selective", "recompute_modules": ["mlp_act"]},
     "selective-all": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "layernorm", "mlp"]},
+    "selective-all-act": {"recompute_granularity": "selective",
+                          "recompute_modules": ["core_attn", "layernorm", "mlp_act"]},
     "full-uniform-1": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "full-uniform-2": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
     "full-block-1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
@@ -39,6 +42,8 @@ def run(arch, recompute):
         for name, module in (("layer", layer), ("core_attention", layer.self_attention.core_attention),
                              ("mlp", layer.mlp)):
             module.register_forward_hook(lambda *_, key=f"{name}{i}": count(key))
+        real = layer.mlp.activation  # called by the MLP only where it recomputes the activation
+        layer.mlp.activation = lambda *a, real=real, key=f"activation{i}": count(key) or real(*a)
         for name, norm in (("input_norm", layer.input_layernorm), ("pre_mlp_norm", layer.pre_mlp_layernorm)):
             for method in ("modulated", "after_residual"):  # the layer calls one or the other
                 real = getattr(norm, method)

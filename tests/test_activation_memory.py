@@ -2,7 +2,7 @@
 it, that is, the tensors autograd saves from one storage add up to all of it (megatron-core
 splits the values out of the fused QKV projection's output as a view; saved as they were, they
 kept all of it, rotated queries and keys being new tensors), on the DiT and the GPT backbone;
-`--recompute-modules layernorm` and `mlp` keep less by at least what they recompute
+`--recompute-modules layernorm`, `mlp` and `mlp_act` keep less by at least what they recompute
 (benchmarks/bench_activation_memory.py's count of the trainer's step)."""
 import collections
 import dataclasses
@@ -85,9 +85,12 @@ def saved_per_layer(recompute: str | None) -> float:
     return (two - one) / (bench.SEQ * bench.BATCH * bench.HIDDEN)
 
 
-@pytest.mark.slow  # eight small models' training steps
+@pytest.mark.slow  # twelve small models' training steps
 def test_selective_recompute_modules_release_what_they_recompute():
-    off, norms, mlp, both = (saved_per_layer(r) for r in (None, "layernorm", "mlp", "layernorm+mlp"))
+    settings = (None, "layernorm", "mlp", "layernorm+mlp", "mlp_act", "layernorm+mlp_act")
+    off, norms, mlp, both, act, norms_act = (saved_per_layer(r) for r in settings)
     assert norms <= off - 2  # the two modulated norms' outputs [s, b, h], which the next linears saved
     assert mlp <= off - 8  # the MLP's pre-activation and activation, [s, b, 4h] each
     assert both <= off - 10
+    assert act <= off - 4  # the activation [s, b, 4h]; its input stays
+    assert norms_act <= off - 6

@@ -330,8 +330,8 @@ def test_selective_and_full_recompute_equal_no_recompute():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # the same operations in the same order
-    for name in ("selective", "selective-layernorm", "selective-mlp", "selective-all", "full-uniform-1",
-                 "full-block-1"):
+    for name in ("selective", "selective-layernorm", "selective-mlp", "selective-mlp_act", "selective-all",
+                 "selective-all-act", "full-uniform-1", "full-block-1"):
         assert result[name]["loss_equal"] and result[name]["grads_max_rel_diff"] == 0.0, name
     # groups of two layers sum the conditioning's gradient in another order: rounding only
     assert result["full-uniform-2"]["loss_equal"] and result["full-uniform-2"]["grads_max_rel_diff"] < 1e-6
@@ -343,5 +343,10 @@ def test_selective_and_full_recompute_equal_no_recompute():
     assert calls["selective-layernorm"] == {**calls["none"], **twice["input_norm"], **twice["pre_mlp_norm"]}
     assert calls["selective-mlp"] == {**calls["none"], **twice["mlp"]}
     assert calls["selective-all"] == {**calls["none"], **{k: v for t in twice.values() for k, v in t.items()}}
+    # the activation alone, twice (forward and backward); the MLP's linears once
+    activation_twice = {f"activation{i}": 2 for i in range(4)}
+    assert calls["selective-mlp_act"] == {**calls["none"], **activation_twice}
+    assert calls["selective-all-act"] == {**calls["none"], **twice["core_attention"], **twice["input_norm"],
+                                          **twice["pre_mlp_norm"], **activation_twice}
     assert calls["full-uniform-2"] == {k: 2 for k in calls["none"]}
     assert calls["full-block-1"] == {**calls["none"], **{f"{k}0": 2 for k in parts}}

@@ -1,5 +1,6 @@
 """Cluster features without a launch: --yaml-cfg against the same flags, the resolved config
-read back, recompute flags as Megatron-LM derives them, which checkpoints retention keeps, the
+read back, recompute flags as Megatron-LM derives them (and mlp_act, which megatron-core's config
+does not take), which checkpoints retention keeps, the
 non-finite counter and loss spikes, MFU's peak and the exit interval."""
 import json
 import os
@@ -12,6 +13,9 @@ from megatron_dllm.checkpoint import retention
 from megatron_dllm.config import parse_args, resolve_defaults, resolve_iterations
 from megatron_dllm.config.training import TrainingConfig
 from megatron_dllm.config.yaml_config import RESOLVED_NAME, write_resolved
+from megatron_dllm.model.builder import Architecture, transformer_config
+from megatron_dllm.model.gpt_shape import GPTShape
+from megatron_dllm.model.presets import Preset
 from megatron_dllm.training import observability
 from megatron_dllm.training.exit_conditions import ExitConditions
 from megatron_dllm.training.nan_guard import LossSpikes, NonFiniteCounter
@@ -147,6 +151,19 @@ def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
     assert chosen.model.recompute() == {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]}
     assert parse_args(["--recompute-granularity", "full", "--recompute-method", "uniform"]).model.recompute() == {
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.mark.parametrize("gpt", [None, GPTShape(ffn_hidden_size=128, swiglu=True)])
+def test_mlp_act_reaches_the_mlps_not_megatron_core_s_config(gpt):
+    """megatron-core's config refuses the name: the MLPs read it from an attribute of their own."""
+    chosen = parse_args(["--recompute-activations", "--recompute-modules", "layernorm", "mlp_act"]).model.recompute()
+    config, mlp_config = transformer_config(Architecture(Preset(32, 2, 2), 100, 16, "bidirectional", gpt=gpt),
+                                            recompute=chosen)
+    assert config.recompute_modules == mlp_config.recompute_modules == ["layernorm"]
+    assert mlp_config.recompute_mlp_activation
+    config, mlp_config = transformer_config(Architecture(Preset(32, 2, 2), 100, 16, "bidirectional", gpt=gpt),
+                                            recompute=parse_args(["--recompute-activations"]).model.recompute())
+    assert config.recompute_modules == ["core_attn"] and not mlp_config.recompute_mlp_activation
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -89,7 +89,8 @@ def test_fused_swiglu_on_the_gpt_backbone_equals_eager(family, monkeypatch):
 @pytest.mark.parametrize("recompute", [
     {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp"]},
-], ids=["full", "layernorm+mlp"])
+    {"recompute_granularity": "selective", "recompute_modules": ["layernorm", "mlp_act"]},
+], ids=["full", "layernorm+mlp", "layernorm+mlp_act"])
 def test_fused_with_recompute_equals_eager(recompute):
     """Recompute re-runs the compiled regions inside autograd's backward (the recomputed norms'
     first run is under no_grad: a graph of its own)."""

@@ -42,6 +42,8 @@ CASES = [
      "--recompute-modules applies to --recompute-granularity selective"),
     ("recompute", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-modules",
                    "layernorm"], None, False, "--recompute-modules applies to --recompute-granularity selective"),
+    ("recompute", ["--recompute-activations", "--recompute-modules", "mlp_act", "mlp"], None, False,
+     "--recompute-modules mlp mlp_act: mlp recomputes the whole MLP, its activation included; pass one of them"),
     ("recompute", ["--backbone", "gpt", "--recompute-activations", "--recompute-modules", "layernorm"], None, False,
      "--recompute-modules layernorm with the GPT backbone needs TransformerEngine installed: megatron-core's "
      "TransformerLayer recomputes its norms through a checkpoint that reads TransformerEngine's FP8 state (the "

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from megatron_dllm.config.fields import FlagGroup, flag, fraction, positive_int, switch
 from megatron_dllm.model.presets import ALIASES, PRESETS
 
-# what --recompute-modules takes: Megatron-LM's names of what the DiT's layer (and the GPT backbone's) recompute
-RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+# what --recompute-modules takes: Megatron-LM's names of what the DiT's layer (and the GPT backbone's)
+# recompute, and mlp_act, this project's: a dense MLP's activation (Megatron-LM's moe_act is MoE-only)
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "mlp_act")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class ModelConfig(FlagGroup):
     recompute_modules: list | None = flag(nargs="+", choices=RECOMPUTE_MODULES,
                                           help="selective recompute (Megatron-LM's names; default core_attn): "
                                                "core_attn (core attention), layernorm (the norms' outputs, "
-                                               "released after use), mlp (the whole MLP)")
+                                               "released after use), mlp (the whole MLP), mlp_act (the "
+                                               "MLP's activation only, not a Megatron-LM name)")
     recompute_method: str | None = flag(choices=["uniform", "block"],
                                         help="full recompute: uniform (every group of --recompute-num-layers) | "
                                              "block (the first --recompute-num-layers layers of each stage)")

@@ -202,6 +202,9 @@ def recompute(config, world_size=None) -> None:
         raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
     if model.recompute_modules and granularity != "selective":
         raise InputError("--recompute-modules applies to --recompute-granularity selective")
+    if {"mlp", "mlp_act"} <= set(model.recompute_modules or ()):
+        raise InputError("--recompute-modules mlp mlp_act: mlp recomputes the whole MLP, its activation "
+                         "included; pass one of them")
     if "layernorm" not in (model.recompute_modules or ()):
         return
     from megatron_dllm import platform

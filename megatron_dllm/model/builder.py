@@ -55,6 +55,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
     `fusion`: the fused elementwise work (default none: the eager reference)."""
     check_layout(arch, tp, pp, vpp)
     fusion = (fusion or Fusion()).for_backbone(arch.gpt)
+    recompute, recompute_mlp_activation = megatron_recompute_fields(recompute)
     p = arch.preset
     dtype = platform.params_dtype(bf16)
     config = TransformerConfig(
@@ -85,6 +86,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
     if arch.gpt is not None:  # megatron-core's GPT layer: one config, no time embedder
         config = dataclasses.replace(config, **arch.gpt.config_fields(p.hidden_size, p.num_attention_heads),
                                      bias_activation_fusion=fusion.bias_swiglu)
+        config.recompute_mlp_activation = recompute_mlp_activation  # read by layer.ActivationRecomputingMLP
         return config, config
     config.has_cond_embedder = True  # megatron syncs `pipeline_parallel` params over PP stages
     config.compile_elementwise = fusion.compile_elementwise  # read by DiTLayer and FinalLayer
@@ -92,7 +94,18 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int
     # it for activation_func F.gelu only (Megatron-LM's default GELU), so F.gelu names it here.
     mlp_config = dataclasses.replace(config, add_bias_linear=True, bias_activation_fusion=fusion.bias_gelu,
                                      activation_func=F.gelu if fusion.bias_gelu else gelu_tanh)
+    mlp_config.recompute_mlp_activation = recompute_mlp_activation  # read by layer.ActivationRecomputingMLP
     return config, mlp_config
+
+
+def megatron_recompute_fields(recompute: dict | None) -> tuple[dict, bool]:
+    """(megatron-core's TransformerConfig recompute fields, whether the MLPs recompute their
+    activation): `mlp_act` is this project's module name, which megatron-core's config refuses."""
+    recompute = dict(recompute or {})
+    modules = recompute.get("recompute_modules") or []
+    if "mlp_act" not in modules:
+        return recompute, False
+    return {**recompute, "recompute_modules": [m for m in modules if m != "mlp_act"]}, True
 
 
 def build_model(arch: Architecture, config: TransformerConfig, mlp_config: TransformerConfig,

@@ -18,14 +18,15 @@ sigma in, vocab-parallel logits out. The differences:
   position. (GPTModel's own forward rotates by sequence index only.)
 - Norms are torch's LayerNorm/RMSNorm tagged for sequence parallelism (megatron-core's local
   spec uses the same torch modules but refuses sequence parallelism without Apex).
-- The attention's values get a storage of their own (`layer.OwnValuesSelfAttention`), as the
-  DiT's do.
+- The attention's values get a storage of their own (`layer.OwnValuesSelfAttention`), and the
+  MLP can recompute its activation (`layer.ActivationRecomputingMLP`), as the DiT's.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,7 +35,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.gpt_shape import GPTShape
-from megatron_dllm.model.layer import ATTENTION_MASKS, OwnValuesSelfAttention
+from megatron_dllm.model.layer import ATTENTION_MASKS, ActivationRecomputingMLP, OwnValuesSelfAttention
 
 
 class TorchNorm:
@@ -91,6 +92,11 @@ class GPTBackbone(GPTModel):
             rotary_base=shape.rotary_base, rope_scaling=shape.rope_scaling_factor is not None,
             rope_scaling_factor=shape.rope_scaling_factor or 8.0, vp_stage=vp_stage,
         )
+        # megatron-core's TransformerLayer hands its TP group only to a spec whose module is MLP itself
+        # (any other is built with a warning): its MLPs become the subclass, which adds methods only
+        for layer in self.decoder.layers:
+            if type(layer.mlp) is MLP:
+                layer.mlp.__class__ = ActivationRecomputingMLP
         self.shape = shape
         self.layer_offset = get_transformer_layer_offset(config, vp_stage)  # read by model.init
         self.padded_vocab_size = padded_vocab_size

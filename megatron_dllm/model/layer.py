@@ -16,6 +16,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -91,6 +93,43 @@ class OwnValuesSelfAttention(SelfAttention):
         if self._new_queries_and_keys:
             value = value.contiguous()
         return query, key, value, *rest
+
+
+class ActivationRecomputingMLP(MLP):
+    """megatron-core's MLP that, with `--recompute-modules mlp_act` (training), releases the
+    activation's output once the second linear has saved it and recomputes it from the first
+    linear's output when the backward reaches the second linear: megatron-core's output-discarding
+    checkpoint, as Megatron-LM's `moe_act` does for MoE experts. The first linear's output is kept
+    (the activation's backward needs it anyway); what goes is the activation's output, an
+    --ffn-hidden-size vector a token (4h in the DiT), for one more elementwise pass. The flag
+    reaches here as the config's `recompute_mlp_activation` (megatron-core's config knows no such
+    module)."""
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if not (self.training and getattr(self.config, "recompute_mlp_activation", False)):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        assert per_token_scale is None, "an MoE expert's per-token scale: not an MLP built here"
+        fc1_out, fc1_bias = self.linear_fc1(hidden_states)
+        checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)  # None: no FP8 state
+        out, out_bias = self.linear_fc2(checkpoint.checkpoint(self.activation, fc1_out, fc1_bias))
+        checkpoint.discard_output_and_register_recompute(out)
+        return out, out_bias
+
+    def activation(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """megatron-core's `MLP.forward` between its linears, for the MLPs built here: the DiT's
+        (tanh-)GELU and the GPT backbone's GELU or SwiGLU, fused (`--bias-gelu-fusion`,
+        `--bias-swiglu-fusion`) or not."""
+        c = self.config
+        if c.bias_activation_fusion:
+            if c.gated_linear_unit:
+                return bias_swiglu_impl(x, bias, c.activation_func_fp8_input_store, False)
+            return bias_gelu_impl(x, bias)
+        if bias is not None:
+            x = x + bias
+        if not c.gated_linear_unit:
+            return self.activation_func(x)
+        gate, linear = torch.chunk(x, 2, dim=-1)
+        return self.activation_func(gate) * linear
 
 
 class DiTSelfAttention(OwnValuesSelfAttention):
@@ -223,6 +262,7 @@ def dit_layer_spec(attention: str, use_te: bool = False, attention_backend: str 
                     q_layernorm=IdentityOp, k_layernorm=IdentityOp,
                 ),
             ),
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+            mlp=ModuleSpec(module=ActivationRecomputingMLP,
+                           submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
         ),
     )
