@@ -37,9 +37,10 @@
 #        only if it passes)
 #        (d to d5 are docs/gpu.md's generation commands, "Still to measure: generation")
 #   e1   TransformerEngine: join the core wheel's pieces, check SHA256SUMS, install_gpu_offline.sh, then the
-#        tests of both specs loading each other's checkpoints (tests/test_spec_checkpoints.py)
-#   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise), and
-#        sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
+#        tests of both specs loading each other's checkpoints (tests/test_spec_checkpoints.py) and of
+#        recompute under FP8 (tests/test_fp8_recompute.py)
+#   e2   TransformerEngine steps: bf16 with TE's fused attention, FP8 (delayed, tensorwise; tensorwise
+#        with layernorm+mlp_act recompute), and sdpa+fp8 beside the paper's step (with .cache/genbench/paper)
 #   e3   TransformerEngine: the loss curves of FP8 against bf16 (MDLM, Duo; 300 iterations of the
 #        embedded default), the end within 1.5%? (benchmarks/compare_loss_curves.py)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
@@ -358,8 +359,9 @@ exit 1; }; done; echo 'flags checked: ${flags[*]}'"
 for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000000 )); then cp \$w $OUT/; fi; done" \
         "is a CPU build"
       [[ $DRY == 1 ]] && rm -rf $wh
-      # TE's layers against the local spec's from one checkpoint, and each loading the other's
-      gpu_tests te_tests 150 tests/test_spec_checkpoints.py
+      # TE's layers against the local spec's from one checkpoint, and each loading the other's; the
+      # recompute that releases TE linears' inputs under FP8
+      gpu_tests te_tests 180 tests/test_spec_checkpoints.py tests/test_fp8_recompute.py
     fi
     ;;
   e2)
@@ -370,6 +372,10 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
       --max-micro-batch $MAXMB
     train_step te_fp8_tensorwise 150 --families mdlm "${te[@]}" --fp8-format hybrid --fp8-recipe tensorwise \
       --max-micro-batch $MAXMB
+    # the recomputed norms and MLP activation under FP8 (TE's linears keep those inputs unquantized)
+    train_step te_fp8_tensorwise_recompute 150 --families mdlm --transformer-impl transformer_engine \
+      --attention-backend fused --recompute-granularity layernorm+mlp_act --fp8-format hybrid \
+      --fp8-recipe tensorwise --max-micro-batch $MAXMB
     paper_step paper_fp8 $PAPER_VOCAB_C sdpa sdpa+fp8
     ;;
   e3)

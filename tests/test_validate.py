@@ -44,6 +44,10 @@ CASES = [
                    "layernorm"], None, False, "--recompute-modules applies to --recompute-granularity selective"),
     ("recompute", ["--recompute-activations", "--recompute-modules", "mlp_act", "mlp"], None, False,
      "--recompute-modules mlp mlp_act: mlp recomputes the whole MLP, its activation included; pass one of them"),
+    ("recompute", ["--recompute-activations", "--recompute-modules", "mlp_act", "layernorm", "--fp8-format", "hybrid"],
+     None, False, "--recompute-modules layernorm mlp_act with --fp8-format needs --fp8-recipe tensorwise, blockwise "
+     "or mxfp8: it releases inputs that TransformerEngine's linears must then keep unquantized, which delayed "
+     "scaling does not support (megatron-core refuses it too)"),
     ("recompute", ["--backbone", "gpt", "--recompute-activations", "--recompute-modules", "layernorm"], None, False,
      "--recompute-modules layernorm with the GPT backbone needs TransformerEngine installed: megatron-core's "
      "TransformerLayer recomputes its norms through a checkpoint that reads TransformerEngine's FP8 state (the "
@@ -177,6 +181,8 @@ def test_every_rule_has_a_case():
     ([*DATA, "--sft", "--train-epochs", "2"], 2),
     (["--family", "duo", "--backbone", "gpt", "--attention-mask-anneal-iters", "10", "--attention-backend", "sdpa"], 1),
     ([*GRAPH, "--variable-seq-length-prob", "0.01"], None),  # each other length: a new capture
+    (["--recompute-activations", "--recompute-modules", "layernorm", "mlp_act", "--fp8-format", "hybrid",
+      "--fp8-recipe", "tensorwise"], None),  # FP8 ahead of the launch (which needs TransformerEngine)
 ])
 def test_a_good_configuration_passes_at_every_stage(flags, world_size):
     config = validate(parse_flags(flags), world_size)

@@ -202,10 +202,17 @@ def recompute(config, world_size=None) -> None:
         raise InputError("--recompute-granularity full needs --recompute-method uniform|block")
     if model.recompute_modules and granularity != "selective":
         raise InputError("--recompute-modules applies to --recompute-granularity selective")
-    if {"mlp", "mlp_act"} <= set(model.recompute_modules or ()):
+    modules = set(model.recompute_modules or ())
+    if {"mlp", "mlp_act"} <= modules:
         raise InputError("--recompute-modules mlp mlp_act: mlp recomputes the whole MLP, its activation "
                          "included; pass one of them")
-    if "layernorm" not in (model.recompute_modules or ()):
+    released = sorted(modules & {"layernorm", "mlp_act"})
+    if released and config.precision.fp8_format and config.precision.fp8_recipe == "delayed":
+        raise InputError(f"--recompute-modules {' '.join(released)} with --fp8-format needs --fp8-recipe "
+                         f"tensorwise, blockwise or mxfp8: it releases inputs that TransformerEngine's linears "
+                         f"must then keep unquantized, which delayed scaling does not support (megatron-core "
+                         f"refuses it too)")
+    if "layernorm" not in modules:
         return
     from megatron_dllm import platform
 

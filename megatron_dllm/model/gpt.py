@@ -96,7 +96,7 @@ class GPTBackbone(GPTModel):
         # (any other is built with a warning): its MLPs become the subclass, which adds methods only
         for layer in self.decoder.layers:
             if type(layer.mlp) is MLP:
-                layer.mlp.__class__ = ActivationRecomputingMLP
+                ActivationRecomputingMLP.adopt(layer.mlp)
         self.shape = shape
         self.layer_offset = get_transformer_layer_offset(config, vp_stage)  # read by model.init
         self.padded_vocab_size = padded_vocab_size

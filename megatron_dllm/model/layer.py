@@ -95,6 +95,18 @@ class OwnValuesSelfAttention(SelfAttention):
         return query, key, value, *rest
 
 
+def keep_original_inputs(*linears: torch.nn.Module) -> None:
+    """Under FP8, TransformerEngine's linears save an FP8 copy of their input for the backward, so
+    an output-discarding checkpoint of that input would release nothing: they keep the input
+    itself instead, as megatron-core's own layers do for the same recompute (its
+    `set_save_original_input`; TE >= 2.6, and not with delayed scaling, which config/validate.py
+    refuses)."""
+    from megatron.core.extensions.transformer_engine import set_save_original_input
+
+    for linear in linears:
+        set_save_original_input(linear)
+
+
 class ActivationRecomputingMLP(MLP):
     """megatron-core's MLP that, with `--recompute-modules mlp_act` (training), releases the
     activation's output once the second linear has saved it and recomputes it from the first
@@ -104,6 +116,20 @@ class ActivationRecomputingMLP(MLP):
     --ffn-hidden-size vector a token (4h in the DiT), for one more elementwise pass. The flag
     reaches here as the config's `recompute_mlp_activation` (megatron-core's config knows no such
     module)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._keep_second_linear_s_input()
+
+    @classmethod
+    def adopt(cls, mlp: MLP) -> None:
+        """Make megatron-core's MLP `mlp`, built by another module, one of these (it adds methods only)."""
+        mlp.__class__ = cls
+        mlp._keep_second_linear_s_input()
+
+    def _keep_second_linear_s_input(self) -> None:
+        if self.config.fp8 and getattr(self.config, "recompute_mlp_activation", False):
+            keep_original_inputs(self.linear_fc2)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if not (self.training and getattr(self.config, "recompute_mlp_activation", False)):
@@ -196,6 +222,8 @@ class DiTLayer(MegatronModule):
         # selective recompute beyond core attention (which megatron's SelfAttention does itself)
         modules = config.recompute_modules if config.recompute_granularity == "selective" else []
         self.recompute_norms, self.recompute_mlp = "layernorm" in modules, "mlp" in modules
+        if config.fp8 and self.recompute_norms:  # the norms' outputs go to these two
+            keep_original_inputs(self.self_attention.linear_qkv, self.mlp.linear_fc1)
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, rotary_pos_emb: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
