@@ -25,7 +25,7 @@
 #        (megatron-core's fallback vs foreach + fused AdamW), then sdpa at the paper's 32k vocabulary
 #   c    the paper's step beside ours (sdpa, sdpa+layernorm, sdpa+graph), vocabulary 32,001 (needs
 #        .cache/genbench/paper)
-#   c2   the same at the Nemotron vocabulary, 131,072
+#   c2   the same at the Nemotron vocabulary, 131,072 (sdpa+layernorm+mlp_act in place of sdpa+layernorm)
 #   d    generation throughput, unconditional at the 1.7B shape, L = 2048, T 16 and 64, every family
 #        beside the paper's samplers (benchmarks/bench_gpu_generation.py; needs .cache/genbench)
 #   d2   batch-1 GSM8K generation at 1.7B (CUDA graphs off and on), then 413M unconditional
@@ -276,7 +276,9 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     ;;
   c2)
     install_wheels
-    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+layernorm sdpa+graph
+    # the Nemotron vocabulary's embedding, head and logits take about 7 GiB + 1.6 GiB a sequence more:
+    # micro-batch 8 wants the MLP activation released too (RESULTS.md, "Activation memory per layer")
+    paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+layernorm+mlp_act sdpa+graph
     ;;
   d | d2 | d3 | d4 | d5)
     install_wheels

@@ -127,12 +127,16 @@ class ActivationRecomputingMLP(MLP):
         mlp.__class__ = cls
         mlp._keep_second_linear_s_input()
 
+    @property
+    def recomputes_activation(self) -> bool:
+        return getattr(self.config, "recompute_mlp_activation", False)
+
     def _keep_second_linear_s_input(self) -> None:
-        if self.config.fp8 and getattr(self.config, "recompute_mlp_activation", False):
+        if self.config.fp8 and self.recomputes_activation:
             keep_original_inputs(self.linear_fc2)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        if not (self.training and getattr(self.config, "recompute_mlp_activation", False)):
+        if not (self.training and self.recomputes_activation):
             return super().forward(hidden_states, per_token_scale, **kwargs)
         assert per_token_scale is None, "an MoE expert's per-token scale: not an MLP built here"
         fc1_out, fc1_bias = self.linear_fc1(hidden_states)
