@@ -97,7 +97,7 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
                bf16: bool = False, recompute: str | None = None, fp8: str | None = None,
                fp8_recipe: str = "delayed", fusion: str = "default", transformer_impl: str | None = None,
                cuda_graph: bool = False, gradient_accumulation_fusion: bool | None = None,
-               timing_log_level: int | None = None):
+               timing_log_level: int | None = None, extra_flags: tuple = ()):
     """The RunConfig of the step: `preset`'s sizes, the benchmark's AdamW and LR, `transformer_impl`'s
     layers (default: local, TransformerEngine's with `fp8`). `fusion`: "default" takes the
     platform's fusion defaults (as the trainer does), "none" runs every elementwise operation
@@ -105,7 +105,8 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
     at its default). `cuda_graph`: the full-iteration CUDA graph, captured at the second step.
     `gradient_accumulation_fusion`: on or off (None: the platform's default). `timing_log_level`:
     megatron-core's timers (None: the trainer's default; each timer at or below it synchronises
-    with the GPU when it starts and stops)."""
+    with the GPU when it starts and stops). `extra_flags`: more of pretrain_dllm.py's flags (the
+    GPT backbone's shape)."""
     from megatron_dllm.config import parse_args, validate
 
     flags = ["--preset", "cpu-micro", "--hidden-size", preset.hidden_size, "--num-layers", preset.num_layers,
@@ -134,11 +135,12 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
         flags += ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
                   "--no-compile-elementwise"]
     elif fusion == "all":
-        flags += ["--bias-gelu-fusion", "--bias-dropout-fusion", "--compile-elementwise"]
+        flags += ["--bias-gelu-fusion", "--bias-swiglu-fusion", "--bias-dropout-fusion", "--compile-elementwise"]
     if gradient_accumulation_fusion is not None:
         flags.append(f"--{'' if gradient_accumulation_fusion else 'no-'}gradient-accumulation-fusion")
     if timing_log_level is not None:
         flags += ["--timing-log-level", timing_log_level]
+    flags += extra_flags
     return validate(parse_args([str(f) for f in flags]), platform.world_size())  # the launch's rules too
 
 
@@ -149,13 +151,14 @@ class MegatronStep:
                  keep_initial: bool = True, attention_backend: str | None = None, bf16: bool = False,
                  recompute: str | None = None, fp8: str | None = None, fp8_recipe: str = "delayed",
                  fusion: str = "default", transformer_impl: str | None = None, cuda_graph: bool = False,
-                 gradient_accumulation_fusion: bool | None = None, timing_log_level: int | None = None):
+                 gradient_accumulation_fusion: bool | None = None, timing_log_level: int | None = None,
+                 extra_flags: tuple = ()):
         from megatron_dllm.training import observability
         from megatron_dllm.training.build import build_training_model
 
         self.config = run_config(preset, batch, seq, train_iters, attention_backend, bf16, recompute, fp8,
                                  fp8_recipe, fusion, transformer_impl, cuda_graph, gradient_accumulation_fusion,
-                                 timing_log_level)
+                                 timing_log_level, extra_flags)
         self.timers = observability.make_timers(self.config.logging.timing_log_level)  # as the trainer's
         built = build_training_model(self.config, family, vocab, self.timers)
         self.arch, self.model, self.optimizer, self.scheduler = built.arch, built.model, built.optimizer, \

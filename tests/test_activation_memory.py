@@ -79,9 +79,9 @@ def test_nor_with_the_gpt_backbone_s_fused_swiglu():
 bench = load_benchmark("bench_activation_memory")
 
 
-def saved_per_layer(recompute: str | None) -> float:
+def saved_per_layer(recompute: str | None, backbone: str = "dit") -> float:
     """One layer's saved activations in the trainer's step (eager, SDPA), in units of s x b x h."""
-    one, two = (bench.saved_elements(n, "none", "sdpa", recompute)[0] for n in (1, 2))
+    one, two = (bench.saved_elements(n, "none", "sdpa", recompute, backbone)[0] for n in (1, 2))
     return (two - one) / (bench.SEQ * bench.BATCH * bench.HIDDEN)
 
 
@@ -94,3 +94,11 @@ def test_selective_recompute_modules_release_what_they_recompute():
     assert both <= off - 10
     assert act <= off - 4  # the activation [s, b, 4h]; its input stays
     assert norms_act <= off - 6
+
+
+@pytest.mark.slow  # four small models' training steps
+def test_the_gpt_backbone_s_mlp_releases_its_unfused_swiglu_s_intermediates_too():
+    off, act = saved_per_layer(None, "gpt"), saved_per_layer("mlp_act", "gpt")
+    # SwiGLU of width f = 4h: the gate's activation, the copied half and the product (f each) go;
+    # the first linear's output (2f) stays
+    assert act <= off - 12
