@@ -276,8 +276,8 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     ;;
   c2)
     install_wheels
-    # the Nemotron vocabulary's embedding, head and logits take about 7 GiB + 1.6 GiB a sequence more:
-    # micro-batch 8 wants the MLP activation released too (RESULTS.md, "Activation memory per layer")
+    # the Nemotron vocabulary's embedding, head and logits take about 7 GiB + 0.4 GiB a sequence more:
+    # the MLP activation released too leaves micro-batch 8 more room (RESULTS.md, "Activation memory per layer")
     paper_step paper_vocab$PAPER_VOCAB_C2 $PAPER_VOCAB_C2 sdpa sdpa+layernorm+mlp_act sdpa+graph
     ;;
   d | d2 | d3 | d4 | d5)
