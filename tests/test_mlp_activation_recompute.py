@@ -36,7 +36,7 @@ def mlp_step(gpt, fusion: Fusion, recompute: dict | None):
     mlp = (model.layers if gpt is None else model.decoder.layers)[0].mlp
     mlp.train()
     gen = torch.Generator().manual_seed(1)
-    h = torch.randn(SEQ, BATCH, PRESET.hidden_size, generator=gen, requires_grad=True)
+    h = torch.randn(SEQ, BATCH, PRESET.hidden_size, generator=gen).to(platform.device()).requires_grad_()
     params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
     storages = {}
 
@@ -49,7 +49,7 @@ def mlp_step(gpt, fusion: Fusion, recompute: dict | None):
         out, bias = mlp(h)
         out = out if bias is None else out + bias
         saved = sum(s.nbytes() for s in storages.values()) // h.element_size()  # discarded outputs: 0
-        (out * torch.randn(out.shape, generator=gen)).sum().backward()
+        (out * torch.randn(out.shape, generator=gen).to(out.device)).sum().backward()
     return out.detach(), {"input": h.grad, **{n: p.grad for n, p in mlp.named_parameters()}}, saved
 
 
