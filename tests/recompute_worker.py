@@ -1,7 +1,7 @@
 """One process: the DiT's loss and every gradient under each recompute setting, against no
 recompute (which parameters' gradients are bit-identical, and the largest relative difference
-of any), plus how often each layer, core attention, MLP, MLP activation and modulated norm ran (proof that recompute
-happened).
+of any), plus how often each layer, core attention, MLP, MLP activation and modulated norm ran
+(proof that recompute happened).
 Prints one JSON object."""
 import dataclasses
 import json

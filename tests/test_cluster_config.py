@@ -1,7 +1,7 @@
 """Cluster features without a launch: --yaml-cfg against the same flags, the resolved config
 read back, recompute flags as Megatron-LM derives them (and mlp_act, which megatron-core's config
-does not take), which checkpoints retention keeps, the
-non-finite counter and loss spikes, MFU's peak and the exit interval."""
+does not take), which checkpoints retention keeps, the non-finite counter and loss spikes, MFU's
+peak and the exit interval."""
 import json
 import os
 import shlex
