@@ -91,8 +91,7 @@ def _run(config, args, needed: int) -> int:
           f"{training.micro_batch_size} x {trainer.train_batches.num_microbatches} per step, "
           f"vocab {trainer.arch.vocab_size}, "
           f"{'bf16' if config.precision.bf16 and platform.HAS_CUDA else 'fp32'}, layers {trainer.layer_impl}, "
-          f"recompute {config.model.recompute()['recompute_granularity'] or 'off'}, world size {dist.get_world_size()} "
-          f"(rank 0 shown)")
+          f"world size {dist.get_world_size()} (rank 0 shown)")
     print(f"{args.warmup} warm-up steps; step {statistics.median(plain) * 1e3:.1f} ms without the profiler "
           f"(median of {args.steps}), {result.total_us / result.steps / 1e3:.1f} ms under it "
           f"(mean of {result.steps}); times: {result.clock}\n")

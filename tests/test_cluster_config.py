@@ -153,6 +153,21 @@ def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
         "recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
+@pytest.mark.parametrize("flags, described", [
+    ([], "recompute off"),
+    (["--recompute-activations"], "recompute selective (core_attn)"),
+    (["--recompute-activations", "--recompute-modules", "layernorm", "mlp_act"],
+     "recompute selective (layernorm, mlp_act)"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], "recompute full (uniform, 1 layer a group)"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+     "recompute full (uniform, 2 layers a group)"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "3"],
+     "recompute full (block, the first 3 of each stage)"),
+])
+def test_the_start_of_run_line_names_the_recompute_setting(flags, described):
+    assert parse_args(flags).model.describe_recompute() == described
+
+
 @pytest.mark.parametrize("gpt", [None, GPTShape(ffn_hidden_size=128, swiglu=True)])
 def test_mlp_act_reaches_the_mlps_not_megatron_core_s_config(gpt):
     """megatron-core's config refuses the name: the MLPs read it from an attribute of their own."""

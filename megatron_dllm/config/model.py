@@ -114,6 +114,19 @@ class ModelConfig(FlagGroup):
         return {"recompute_granularity": "full", "recompute_method": self.recompute_method,
                 "recompute_num_layers": self.recompute_num_layers or 1}
 
+    def describe_recompute(self) -> str:
+        """The recompute setting for the start-of-run line: "recompute off", "recompute selective
+        (layernorm, mlp_act)", "recompute full (uniform, 1 layer a group)"."""
+        chosen = self.recompute()
+        granularity = chosen["recompute_granularity"]
+        if granularity == "selective":
+            return f"recompute selective ({', '.join(chosen['recompute_modules'])})"
+        if granularity == "full":
+            n, method = chosen["recompute_num_layers"], chosen["recompute_method"]
+            each = f"{n} layer{'s' if n > 1 else ''} a group" if method == "uniform" else f"the first {n} of each stage"
+            return f"recompute full ({method}, {each})"
+        return "recompute off"
+
     def uses_te(self) -> bool:
         """TransformerEngine layers: --transformer-impl, by default where TransformerEngine is installed."""
         from megatron_dllm import platform

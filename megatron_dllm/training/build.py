@@ -64,7 +64,7 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
     anneal = model.attention_mask_anneal_iters
     annealed = f" (causal to bidirectional over {anneal} iterations)" if anneal else ""
     layer_impl = (f"{'gpt backbone, ' if arch.gpt else ''}{'transformer_engine' if use_te else 'local'}, "
-                  f"attention {attention}{annealed}, {fusion.describe()}")
+                  f"attention {attention}{annealed}, {model.describe_recompute()}, {fusion.describe()}")
     graph = None
     if model.cuda_graph_impl != "none":  # validated: local, full_iteration
         graph = FullIterationGraph(block_config, model.cuda_graph_warmup_steps)
