@@ -98,6 +98,27 @@ def test_fused_with_recompute_equals_eager(recompute):
     assert got["logits"] < REL and got["grads"] < REL, got
 
 
+@pytest.mark.slow  # compiles a region
+def test_a_compiled_region_takes_every_sequence_length():
+    """Variable-length micro-batches (`--variable-seq-length-prob`: lengths from U[1, L]) meet many
+    lengths. A region meeting a second length compiles once more with the length dynamic; specialised
+    to each length (dynamic=False), the ninth stopped the run, as fullgraph=True turns dynamo's
+    recompile limit into an error."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the compiles of this process's earlier tests do not count
+    counters.clear()
+    compiled, eager = elementwise.regions(True), elementwise.regions(False)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, generator=gen)
+    for length in range(1, 13):
+        x = torch.randn(length, 2, 16, generator=gen, requires_grad=True)
+        shift, scale = torch.randn(2, 1, 2, 16, generator=gen)
+        torch.testing.assert_close(compiled.norm_modulate(x, weight, shift, scale, 1e-5),
+                                   eager.norm_modulate(x, weight, shift, scale, 1e-5))
+    assert counters["stats"]["unique_graphs"] <= 3  # length 1 (dynamo specialises it), 2, then dynamic
+
+
 @pytest.mark.slow
 def test_compiled_rotary_stands_in_for_megatrons_and_is_checked(monkeypatch):
     """Compiled, the queries and keys rotate in `elementwise.rotary` (megatron-core's rotary does not
@@ -200,16 +221,19 @@ def test_flags_take_megatron_and_positive_forms(tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_compiled_run_matches_eager_and_says_so(pretrain, tmp_path):
-    """Through pretrain_dllm.py: the fused run logs its fusions and repeats the eager run's losses."""
+    """Through pretrain_dllm.py: the fused run logs its fusions and repeats the eager run's losses,
+    every micro-batch of another length (U[1, 32]: more lengths than dynamo's recompile limit, which
+    stopped the compiled run when each length compiled anew)."""
+    iterations = 16
     run = ["--family", "esolm", "--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2",
            "--global-batch-size", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100",
-           "--train-iters", "3"]
+           "--train-iters", str(iterations), "--variable-seq-length-prob", "1.0"]
     proc, eager = pretrain(1, *run, "--no-bias-gelu-fusion", "--no-compile-elementwise",
                            "--save", str(tmp_path / "eager"))
     assert "fusion: bias-dropout |" in proc.stdout + proc.stderr
     proc, fused = pretrain(1, *run, "--bias-gelu-fusion", "--compile-elementwise", "--save", str(tmp_path / "fused"))
     assert "fusion: bias-gelu, bias-dropout, compiled elementwise |" in proc.stdout + proc.stderr
     losses = [r["loss"] for r in eager if "loss" in r]
-    assert len(losses) == 3 and [r["loss"] for r in fused if "loss" in r] == pytest.approx(losses, rel=1e-6)
+    assert len(losses) == iterations and [r["loss"] for r in fused if "loss" in r] == pytest.approx(losses, rel=1e-6)
     proc, _ = pretrain(1, *run, "--rope-fusion", check=False)
     assert proc.returncode != 0 and "--rope-fusion: TransformerEngine's fused RoPE" in proc.stderr

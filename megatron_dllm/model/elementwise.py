@@ -7,8 +7,8 @@
       modulate                                      modulated norm: one region, one pass over x
     rotary           x * cos + rotate_half(x) * sin the rotary embedding of the queries and keys together
 
-Each is compiled on its own (static shapes, no graph breaks) rather than the whole layer: the
-layer's linears are megatron-core's custom autograd Functions (tensor parallelism, gradient
+Each is compiled on its own (no graph breaks; shapes: see `regions`) rather than the whole layer:
+the layer's linears are megatron-core's custom autograd Functions (tensor parallelism, gradient
 accumulation), which stay outside the compiled graphs. The norm cannot join the qkv GEMM
 (TransformerEngine's LayerNormLinear) because the modulation sits between them. The bias + GELU
 between the MLP's GEMMs is megatron-core's own fused kernel (`--bias-gelu-fusion`). Eager, the
@@ -73,9 +73,13 @@ class Regions(NamedTuple):
 
 @functools.cache
 def regions(compiled: bool) -> Regions:
-    """The regions eager, or compiled once per process (each graph is specialised to its shapes;
-    a new shape compiles anew, up to dynamo's recompile limit, then runs eager)."""
+    """The regions eager, or compiled once per process. A graph is specialised to the shapes it
+    first meets; a second size of a dimension (a variable-length micro-batch, another batch size)
+    compiles it once more with that dimension dynamic (PyTorch's automatic dynamic shapes), which
+    serves every later size. Specialised to every size instead, the regions would compile per
+    length of `--variable-seq-length-prob`'s U[1, L] draws, and the ninth would stop the run:
+    fullgraph=True turns dynamo's recompile limit (8) into an error."""
     eager = Regions(norm_modulate, gated_residual, residual_norm_modulate, rotary)
     if not compiled:
         return eager
-    return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False) for fn in eager))
+    return Regions(*(torch.compile(fn, fullgraph=True) for fn in eager))
