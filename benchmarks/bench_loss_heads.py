@@ -9,16 +9,23 @@ as the output layer's backward would receive it. The heads:
   -inf on the tracked logits, then megatron-core's `vocab_parallel_cross_entropy`;
 - `mdlm`: the family's head (`vocab_parallel.cross_entropy`, in place), at each `--ce-chunk-elements`
   size of its fp32 row chunks (bf16 logits; default `vocab_parallel.CHUNK_ELEMENTS`);
-- `duo`: Duo's closed-form NELBO, at each `--duo-chunk-elements` size (default `duo.CHUNK_ELEMENTS`).
+- `duo`: Duo's closed-form NELBO, at each `--duo-chunk-elements` size (default `duo.CHUNK_ELEMENTS`);
+- with `--compiled`, both family heads again with their chunk bodies compiled, as the training
+  step runs them under `--compile-elementwise` (`vocab_parallel.compiled_heads`). Their first
+  calls, which compile, are untimed.
 
     python benchmarks/bench_loss_heads.py [--batch 8 --seq 2048 --vocab 32001 --repeats 5 --bf16]
                                           [--ce-chunk-elements N [N ...]] [--duo-chunk-elements N [N ...]]
+                                          [--compiled]
 
 Heads alternate (A B C, A B C, ...) for the times. Memory and operations come from one more,
 untimed pass each: the peak allocated *above* the logits and their copy (so a gradient in a new
 buffer counts, one in the copy's own storage does not; `memory_peak.AllocatedPeak`: the
 allocator's bytes in use after every ATen operation); and the ATen operations dispatched, views
-left out (on a GPU each is a kernel launch).
+left out (on a GPU each is a kernel launch). A compiled head's row counts the ATen operations
+outside its chunk bodies plus one per body call (each one fused kernel: Inductor's code, checked
+by tests/test_vocab_parallel.py). Its memory needs the GPU allocator's peak: dynamo does not trace
+under the dispatch mode that samples the CPU's allocator, so on CPU that column says so.
 """
 from __future__ import annotations
 
@@ -73,6 +80,40 @@ def count_ops(loss_fn, logits, inp) -> int:
     return sum(counter.ops.values())
 
 
+def compiled_peak_extra(loss_fn, logits, inp) -> int | None:
+    """A compiled head's peak above the logits and their copy: the GPU allocator's; None on CPU."""
+    if not platform.HAS_CUDA:
+        return None
+    out = logits.clone()
+    platform.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(loss_fn(out, inp).sum(), out)
+    platform.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def count_compiled_ops(loss_fn, logits, inp) -> int:
+    """A compiled head's ATen operations outside its chunk bodies plus one per body call: the
+    bodies run eagerly here, out of the counter's sight, and are counted as calls."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    calls = []
+
+    def counted(fn):
+        def body(*args):
+            calls.append(fn.__name__)
+            with _disable_current_modes():
+                return fn(*args)
+        return body
+
+    compile_body, vocab_parallel._compile = vocab_parallel._compile, counted
+    try:
+        return count_ops(loss_fn, logits, inp) + len(calls)
+    finally:
+        vocab_parallel._compile = compile_body
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -84,6 +125,8 @@ def main(argv=None):
                     help="the cross entropy's fp32 chunk sizes to measure (default: vocab_parallel.CHUNK_ELEMENTS)")
     ap.add_argument("--duo-chunk-elements", type=int, nargs="+", default=None,
                     help="Duo's fp32 chunk sizes to measure (default: duo.CHUNK_ELEMENTS)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also both family heads with their chunk bodies compiled (--compile-elementwise)")
     args = ap.parse_args(argv)
     platform.init_distributed(1, 1, seed=0)
     dev = platform.device()
@@ -109,6 +152,13 @@ def main(argv=None):
                 for c in args.ce_chunk_elements or [vocab_parallel.CHUNK_ELEMENTS]},
              **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", chunked("duo", duo, c))
                 for c in args.duo_chunk_elements or [duo.CHUNK_ELEMENTS]}}
+    if args.compiled:
+        def compiled(name):
+            def loss(logits, inp):
+                with vocab_parallel.compiled_heads():
+                    return family[name].loss(logits, inp)
+            return loss
+        heads.update({f"{name} compiled": (name, compiled(name)) for name in ("mdlm", "duo")})
     logits = torch.randn(L, B, V, device=dev).to(dtype).requires_grad_()
     nbytes = logits.numel() * logits.element_size()
     print(f"logits [{L}, {B}, {V}] {dtype}: {nbytes / 2**20:.0f} MiB; device {dev}; extra peak: "
@@ -118,19 +168,20 @@ def main(argv=None):
         name, loss_fn = heads[head]
         return fn(loss_fn, logits, inputs[name])
 
-    ops = {h: run(count_ops, h) for h in heads}
-    extra = {h: run(peak_extra, h) for h in heads}
-    times = {h: [] for h in heads}
-    for h in heads:  # warm-up
+    for h in heads:  # warm-up (the compiled heads compile)
         run(timed, h)
+    ops = {h: run(count_compiled_ops if h.endswith("compiled") else count_ops, h) for h in heads}
+    extra = {h: run(compiled_peak_extra if h.endswith("compiled") else peak_extra, h) for h in heads}
+    times = {h: [] for h in heads}
     for _ in range(args.repeats):
         for h in heads:
             times[h].append(run(timed, h))
     print("| head | ATen ops fwd+bwd | median fwd+bwd (s) | min (s) | extra peak (MiB) | extra peak / logits size |")
     print("|---|---:|---:|---:|---:|---:|")
     for h, ts in times.items():
-        print(f"| {h} | {ops[h]} | {statistics.median(ts):.3f} | {min(ts):.3f} | {extra[h] / 2**20:.0f} "
-              f"| {extra[h] / nbytes:.2f} |")
+        memory = ("not measured on CPU | -" if extra[h] is None
+                  else f"{extra[h] / 2**20:.0f} | {extra[h] / nbytes:.2f}")
+        print(f"| {h} | {ops[h]} | {statistics.median(ts):.3f} | {min(ts):.3f} | {memory} |")
     platform.destroy_distributed()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_vocab_parallel import assert_gradient_in_logits_storage
 
-from megatron_dllm.families import Noise, duo, get_family
+from megatron_dllm.families import Noise, duo, get_family, vocab_parallel
 
 VOCAB, PADDED, MASK = 50, 64, 49  # ids < 50 incl. [MASK] = 49; TP padding 50..63
 V = VOCAB - 1                     # ids a token can take: the real vocabulary minus [MASK]
@@ -49,9 +49,10 @@ def make_case(t_value: float, b: int = 4, s: int = 48, seed: int = 0):
     return family, inp, logits
 
 
-def family_loss_and_grad(family, inp, logits, dtype=torch.float32):
+def family_loss_and_grad(family, inp, logits, dtype=torch.float32, compiled=False):
     leaf = logits.detach().to(dtype).clone().requires_grad_()
-    loss = family.loss(leaf.clone(), inp)
+    with vocab_parallel.compiled_heads(compiled):  # the backward below runs after it closed, as in training
+        loss = family.loss(leaf.clone(), inp)
     loss.sum().backward()
     return loss.detach(), leaf.grad
 
@@ -63,22 +64,25 @@ def dense_loss_and_grad(inp, logits):
     return loss.detach(), leaf.grad
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("chunk_rows", [None, 5, 1])  # None: CHUNK_ELEMENTS (one chunk here)
 @pytest.mark.parametrize("t_value", [EPS, 0.5, 1.0])
-def test_loss_and_grad_equal_dense_reference_tp1(t_value, chunk_rows, world_of_one, monkeypatch):
+def test_loss_and_grad_equal_dense_reference_tp1(t_value, chunk_rows, compiled, world_of_one, monkeypatch):
     """Also with the vocabulary work in chunks of 5 rows (the last one partial) and of 1 row, as
-    `duo.CHUNK_ELEMENTS` splits real batches."""
+    `duo.CHUNK_ELEMENTS` splits real batches, and with the chunk bodies compiled (the backward
+    runs after the context closed, as autograd runs it)."""
     if chunk_rows is not None:
         monkeypatch.setattr(duo, "CHUNK_ELEMENTS", chunk_rows * PADDED)
     family, inp, logits = make_case(t_value)
     assert (inp.input_ids == inp.targets).any() and (inp.input_ids != inp.targets).any()
-    got, grad = family_loss_and_grad(family, inp, logits)
+    got, grad = family_loss_and_grad(family, inp, logits, compiled=compiled)
     ref, ref_grad = dense_loss_and_grad(inp, logits)
     assert torch.isfinite(got).all() and (ref > 0).all()
     # relative 1e-5; tokens whose loss is a near-total cancellation (e = 1, x_theta[z] ~ 1, loss
     # ~1e-3 of its terms) are held to 1e-5 of the batch's mean token loss instead
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().mean().item())
-    assert torch.allclose(family.nelbo(logits.clone(), inp), got)
+    with vocab_parallel.compiled_heads(compiled):
+        assert torch.allclose(family.nelbo(logits.clone(), inp), got)
     scale = ref_grad.abs().amax()
     assert (grad.double() - ref_grad).abs().max() <= 1e-5 * scale
     assert (grad[..., VOCAB:] == 0).all() and (grad[..., MASK] == 0).all()  # padding and [MASK]

@@ -220,12 +220,13 @@ def test_flags_take_megatron_and_positive_forms(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrain_compiled_run_matches_eager_and_says_so(pretrain, tmp_path):
+@pytest.mark.parametrize("family", ["esolm", "duo"])  # the cross entropy's compiled chunks, Duo's head's
+def test_pretrain_compiled_run_matches_eager_and_says_so(family, pretrain, tmp_path):
     """Through pretrain_dllm.py: the fused run logs its fusions and repeats the eager run's losses,
     every micro-batch of another length (U[1, 32]: more lengths than dynamo's recompile limit, which
-    stopped the compiled run when each length compiled anew)."""
+    stopped the compiled run when each length compiled anew); the loss heads compile too."""
     iterations = 16
-    run = ["--family", "esolm", "--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2",
+    run = ["--family", family, "--preset", "cpu-micro", "--seq-length", "32", "--micro-batch-size", "2",
            "--global-batch-size", "2", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-interval", "100",
            "--train-iters", str(iterations), "--variable-seq-length-prob", "1.0"]
     proc, eager = pretrain(1, *run, "--no-bias-gelu-fusion", "--no-compile-elementwise",

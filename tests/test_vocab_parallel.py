@@ -38,18 +38,20 @@ def dense_loss_and_grad(logits, targets, weights):
     return nll.detach(), leaf.grad
 
 
-def loss_and_grad(logits, targets, weights, dtype=torch.float32):
+def loss_and_grad(logits, targets, weights, dtype=torch.float32, compiled=False):
     leaf = logits.detach().to(dtype, copy=True).requires_grad_()
-    nll = vocab_parallel.cross_entropy(leaf.clone(), targets, MASK, VOCAB)
+    with vocab_parallel.compiled_heads(compiled):  # the backward below runs after it closed, as in training
+        nll = vocab_parallel.cross_entropy(leaf.clone(), targets, MASK, VOCAB)
     (nll * weights).sum().backward()
     return nll.detach(), leaf.grad
 
 
-def test_fp32_loss_and_gradient_equal_the_dense_formula(world_of_one):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp32_loss_and_gradient_equal_the_dense_formula(compiled, world_of_one):
     """Each entry to 1e-5 relative: a confident target's loss and gradient (~1e-6) too, which
-    log(sum of exp) in fp32 gets 8% wrong."""
+    log(sum of exp) in fp32 gets 8% wrong. Also with the chunk body compiled."""
     logits, targets, weights = make_case()
-    nll, grad = loss_and_grad(logits, targets, weights)
+    nll, grad = loss_and_grad(logits, targets, weights, compiled=compiled)
     ref, ref_grad = dense_loss_and_grad(logits, targets, weights)
     assert nll.dtype == torch.float32 and torch.isfinite(nll).all()
     assert torch.allclose(nll.double(), ref, rtol=1e-6, atol=0)
@@ -57,14 +59,17 @@ def test_fp32_loss_and_gradient_equal_the_dense_formula(world_of_one):
     assert (grad[..., MASK:] == 0).all()  # [MASK] and padding
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("chunk_rows", [None, 5, 1])  # None: CHUNK_ELEMENTS (one chunk here)
-def test_bf16_loss_is_fp32_inside_and_its_gradient_rounds_once_or_twice(chunk_rows, world_of_one, monkeypatch):
+def test_bf16_loss_is_fp32_inside_and_its_gradient_rounds_once_or_twice(chunk_rows, compiled, world_of_one,
+                                                                         monkeypatch):
     """bf16 logits: the loss is the fp32 loss of the same (rounded) values; every gradient entry,
-    the confident targets' small ones included, is the dense value within two bf16 roundings."""
+    the confident targets' small ones included, is the dense value within two bf16 roundings.
+    Also with the chunk body compiled."""
     if chunk_rows is not None:
         monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", chunk_rows * PADDED)
     logits, targets, weights = make_case()
-    nll, grad = loss_and_grad(logits, targets, weights, torch.bfloat16)
+    nll, grad = loss_and_grad(logits, targets, weights, torch.bfloat16, compiled)
     rounded = logits.bfloat16().float()
     assert grad.dtype == torch.bfloat16
     assert torch.allclose(nll, loss_and_grad(rounded, targets, weights)[0], rtol=1e-6, atol=1e-6)
@@ -106,9 +111,84 @@ def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypat
 @pytest.mark.multiprocess
 def test_heads_on_two_vocabulary_shards_equal_dense_references(tmp_path):
     """TP=2 over gloo: the cross entropy (fp32 and bf16) and Duo's NELBO on the two shards of full
-    logits; [MASK] and the padding are on the second shard, the first has no excluded column. Also
-    the cross entropy with the vocabulary padded so far that the second shard holds no real id."""
+    logits, eager and compiled; [MASK] and the padding are on the second shard, the first has no
+    excluded column. Also the cross entropy with the vocabulary padded so far that the second
+    shard holds no real id."""
     result = run_worker_on_two_ranks("vocab_parallel_worker.py", tmp_path, timeout=180)
     for case, r in result.items():
         assert r["loss_rel_err"] <= (2e-6 if case.startswith("ce") else 1e-5), (case, r)
         assert r["grad_within"] and r["excluded_grad_zero"] and r["ranks_agree"], (case, r)
+
+
+def test_compiled_heads_take_every_length_and_shard_with_few_graphs(world_of_one, monkeypatch):
+    """A compiled chunk body meets chunks of many row counts (the last chunk, micro-batches of
+    `--variable-seq-length-prob`'s lengths) and, across the shards of tensor parallelism, other
+    widths and excluded columns. Each is one graph: compiled per shape, the ninth would stop the
+    run (fullgraph=True turns dynamo's recompile limit into an error)."""
+    from torch._dynamo.utils import counters
+
+    from megatron_dllm.families import get_family
+    from megatron_dllm.families.base import ModelInput
+
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 7 * PADDED)  # 7-row chunks and a shorter last one
+    torch._dynamo.reset()  # the compiles of this process's earlier tests do not count
+    counters.clear()
+    duo = get_family("duo", MASK, VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    for width, mask in ((64, 49), (72, 60), (80, 33)):  # shards of other widths, [MASK] elsewhere
+        for length in range(2, 14, 3):
+            logits = torch.randn(length, 2, width, generator=gen, dtype=torch.bfloat16)
+            targets = torch.randint(0, mask, (2, length), generator=gen)
+            with vocab_parallel.compiled_heads():
+                vocab_parallel.cross_entropy(logits.clone(), targets, mask, VOCAB)
+                inp = ModelInput(input_ids=targets, position_ids=None, sigma=None, targets=targets,
+                                 valid=torch.ones(2, length), t=torch.rand(2))
+                duo.nelbo(logits.clone(), inp)
+    # one graph per body (the cross entropy's and Duo's four) and one more where a chunk of one row
+    # made dynamo specialise its size; per width and length, the graphs would be 5 x 15
+    assert counters["stats"]["unique_graphs"] <= 10, counters["stats"]
+
+
+def _bodies():
+    """Each chunk body of the heads with the arguments of a chunk of 12 rows of bf16 logits, [MASK]
+    and the padding excluded; each writes its results into the tensors it is given."""
+    from megatron_dllm.families import duo
+
+    gen = torch.Generator().manual_seed(0)
+    rows, excluded = 12, [(MASK, VOCAB), (VOCAB, PADDED)]
+    logits = torch.randn(rows, PADDED, generator=gen).bfloat16()
+    per_row = [torch.randn(rows, generator=gen) for _ in range(3)]
+    index, owned = torch.randint(0, MASK, (rows, 1), generator=gen), torch.rand(rows, generator=gen) < 0.5
+    out = torch.zeros(rows), torch.zeros(rows, dtype=torch.float64), torch.zeros(2, rows, dtype=torch.float64)
+    return {"ce bf16": (vocab_parallel._exp_sum_, (out[0], logits, per_row[0], index, owned, excluded)),
+            "ce fp32": (vocab_parallel._exp_sum_, (out[0], logits.float(), per_row[0], index, owned, excluded)),
+            "duo max": (duo._row_max_, (out[0], logits, excluded)),
+            "duo sum-exp": (duo._row_sum_exp_, (out[1], logits, per_row[0], excluded)),
+            "duo S1, W2": (duo._row_s1_w2_, (out[2], logits, per_row[0], excluded)),
+            "duo gradient": (duo._grad_rows_, (logits, *per_row, excluded))}
+
+
+@pytest.mark.parametrize("body", list(_bodies()))
+def test_a_compiled_chunk_body_is_one_kernel_that_allocates_no_chunk(body):
+    """Compiled, each chunk body is one fused pass over its rows (eagerly, up to ten) that allocates
+    per-row buffers at most: the fp32 copy of the chunk and its temporaries stay in registers, and
+    a gradient or exp() goes straight to the logits' storage. Read from TorchInductor's generated
+    code (its CPU kernels; a GPU's Triton kernels follow the same fusion plan)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    fn, args = _bodies()[body]
+    eager_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    fn(*eager_args)
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=True), *args)
+    for got, expected in zip(args, eager_args):
+        if torch.is_tensor(got):
+            torch.testing.assert_close(got, expected, rtol=1e-5 if got.dtype != torch.bfloat16 else None,
+                                       atol=1e-6 if got.dtype != torch.bfloat16 else None)
+    call = "\n".join(code.split("def call(", 1)[1].split("\ndef ", 1)[0] for code in codes)
+    kernels = re.findall(r"\b(cpp_fused_\w+|extern_kernels\.\w+|aten\.\w+)\(", call)
+    allocations = re.findall(r"empty_strided_\w+\(\(([^)]*)\)", call)
+    assert len(kernels) == 1, kernels
+    assert all(len([d for d in shape.split(",") if d.strip()]) == 1 for shape in allocations), allocations

@@ -1,6 +1,8 @@
 """torchrun worker (2 gloo ranks, TP=2): the vocab-parallel heads on the two vocabulary shards of
 full logits against their dense references (tests/test_duo.py, tests/test_vocab_parallel.py):
-Duo's NELBO and the cross entropy in fp32 and bf16. Max errors to a JSON file (last rank)."""
+Duo's NELBO and the cross entropy in fp32 and bf16, eager and with their chunk bodies compiled (the
+first shard excludes no column, the second [MASK] and the padding). Max errors to a JSON file
+(last rank)."""
 import sys
 
 import test_duo
@@ -47,23 +49,29 @@ def main():
     width = PADDED // 2
     lo, hi = rank * width, (rank + 1) * width
     results = {}
-    for t_value in (1e-3, 0.5, 1.0):
+    for t_value, compiled in ((1e-3, False), (0.5, False), (1.0, False), (0.5, True)):
         family, inp, logits = test_duo.make_case(t_value)
         ref, ref_grad = test_duo.dense_loss_and_grad(inp, logits)
         leaf = on_shard(logits, lo, hi)
-        loss, grad, agree = backward(family.loss(leaf.clone(), inp), 1.0, leaf)
+        with vocab_parallel.compiled_heads(compiled):
+            loss = family.loss(leaf.clone(), inp)
+        loss, grad, agree = backward(loss, 1.0, leaf)
         within = (grad - ref_grad[..., lo:hi]).abs().max() <= 1e-5 * ref_grad.abs().max()
-        results[f"duo t={t_value}"] = errors(loss, grad, ref, lo, hi, agree, within)
+        results[f"duo t={t_value}{', compiled' if compiled else ''}"] = errors(loss, grad, ref, lo, hi, agree, within)
     logits, targets, weights = ce.make_case()
     wide = torch.cat([logits, torch.randn_like(logits)], dim=-1)  # padded to 128: the second shard holds no real id
-    for name, dtype, full in (("fp32", torch.float32, logits), ("bf16", torch.bfloat16, logits),
-                              ("fp32, a shard of padding only", torch.float32, wide)):
+    for name, dtype, full, compiled in (("fp32", torch.float32, logits, False),
+                                        ("bf16", torch.bfloat16, logits, False),
+                                        ("bf16, compiled", torch.bfloat16, logits, True),
+                                        ("fp32, a shard of padding only", torch.float32, wide, False)):
         width = full.shape[-1] // 2
         lo, hi = rank * width, (rank + 1) * width
         values = full.to(dtype).double()
         ref, ref_grad = ce.dense_loss_and_grad(values, targets, weights)
         leaf = on_shard(values, lo, hi, dtype)
-        loss, grad, agree = backward(vocab_parallel.cross_entropy(leaf.clone(), targets, MASK, VOCAB), weights, leaf)
+        with vocab_parallel.compiled_heads(compiled):
+            loss = vocab_parallel.cross_entropy(leaf.clone(), targets, MASK, VOCAB)
+        loss, grad, agree = backward(loss, weights, leaf)
         rel = 1e-5 if dtype == torch.float32 else 2 ** -7  # each entry; bf16: two roundings
         within = ((grad - ref_grad[..., lo:hi]).abs() <= rel * ref_grad[..., lo:hi].abs()).all()
         results[f"ce {name}"] = errors(loss, grad, ref, lo, hi, agree, within)

@@ -38,8 +38,10 @@ communication (outputs are replicated over TP ranks, so each rank's upstream gra
 (the textbook form g_S1 (w_j - p_j W) with w = r/(1 + r) loses ~3 digits to cancellation at t ~ 1).
 
 Precision and memory. Vocabulary-sized work is fp32 over row chunks of at most `CHUNK_ELEMENTS`
-elements (bf16 logits are upcast per chunk); vocabulary sums accumulate in fp64; the per-token
-combination runs in fp64 on [s*b] vectors (factors 1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
+elements (bf16 logits are upcast per chunk), in four passes whose bodies are the functions below
+the class (compiled under `--compile-elementwise`: vocab_parallel.compiled_heads); vocabulary
+sums accumulate in fp64; the per-token combination runs in fp64 on [s*b] vectors (factors
+1/(1 - a) ~ 1e3 and 1/c ~ 4e6 at t = 1e-3).
 The forward allocates nothing logits-sized (it saves the logits, which exist anyway), and the
 backward writes the gradient over them, chunk by chunk after reading each: beyond the logits the
 head needs O(chunk) memory. So the logits hold their gradient after the backward (as with
@@ -53,13 +55,14 @@ import torch.distributed as dist
 from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
-from megatron_dllm.families.vocab_parallel import fp32_chunk, local_pick, tp_all_reduce
+from megatron_dllm.families.vocab_parallel import chunk_body, fp32_chunk, heads_compiled, local_pick, tp_all_reduce
 from megatron_dllm.model.constants import T_EPS
 
-# fp32 temporaries per chunk: 16 MiB each. About 38 operations per chunk (forward and backward):
-# on CPU a dispatch is cheap next to a cache-resident chunk's work; on a GPU each is a launch
-# (2,421 per micro-batch of 4 x 2048 at V = 32,001; 441 at 128 MiB), but 16 MiB chunks stay in
-# the H100's L2 and 128 MiB ones do not: not yet measured there (benchmarks/RESULTS.md, "Loss heads").
+# fp32 temporaries per chunk: 16 MiB each. Eagerly about 38 operations per chunk (forward and
+# backward): on CPU a dispatch is cheap next to a cache-resident chunk's work; on a GPU each is a
+# launch (2,421 per micro-batch of 4 x 2048 at V = 32,001; 441 at 128 MiB), but 16 MiB chunks stay
+# in the H100's L2 and 128 MiB ones do not: not yet measured there (benchmarks/RESULTS.md, "Loss
+# heads"). Compiled (vocab_parallel.compiled_heads), 4 fused kernels per chunk and no temporaries.
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -75,44 +78,38 @@ class _DuoStats(torch.autograd.Function):
         rows, width = logits2d.shape
         step = max(1, CHUNK_ELEMENTS // max(width, 1))
         dev = logits2d.device
+        compiled = ctx.compiled = heads_compiled()
+        row_max_, row_sum_exp_, row_s1_w2_ = (chunk_body(fn, compiled)
+                                              for fn in (_row_max_, _row_sum_exp_, _row_s1_w2_))
+        chunks = [slice(r, r + step) for r in range(0, rows, step)]
         # 1. global max over the real ids
         m = torch.empty(rows, dtype=torch.float32, device=dev)
-        for r in range(0, rows, step):
-            m[r:r + step] = fp32_chunk(logits2d, slice(r, r + step), excluded).amax(1)
+        for sl in chunks:
+            row_max_(m[sl], logits2d[sl], excluded)
         tp_all_reduce(m, dist.ReduceOp.MAX)
         # 2. global sum of exp(l - m)
         se = torch.empty(rows, dtype=torch.float64, device=dev)  # vocabulary sums accumulate in fp64
-        for r in range(0, rows, step):
-            se[r:r + step] = fp32_chunk(logits2d, slice(r, r + step), excluded).sub_(m[r:r + step, None]).exp_().sum(
-                1, dtype=torch.float64)
+        for sl in chunks:
+            row_sum_exp_(se[sl], logits2d[sl], m[sl], excluded)
         tp_all_reduce(se)
         lse64 = m.double() + se.log()
         lse = lse64.float()
-        # 3. S1 = Σ_j log1p(r_j) with r_j = (A/B) p_j, and W2 = Σ_j r_j^2 / (1 + r_j), over the
-        #    real ids. log xbar_j = log B + log1p(r_j): the V log B part is added analytically.
-        log_ratio = (A / B).log()
-        sw = torch.zeros(2, rows, dtype=torch.float64, device=dev)
-        for r in range(0, rows, step):
-            ratio = fp32_chunk(logits2d, slice(r, r + step), excluded).sub_(
-                (lse[r:r + step] - log_ratio[r:r + step])[:, None]).exp_()
-            tmp = torch.log1p(ratio)
-            for lo, hi in excluded:  # already 0 there (p = 0); dropped explicitly all the same
-                tmp[:, lo:hi] = 0.0
-            sw[0, r:r + step] = tmp.sum(1, dtype=torch.float64)
-            torch.div(ratio, ratio + 1.0, out=tmp)
-            sw[1, r:r + step] = tmp.mul_(ratio).sum(1, dtype=torch.float64)
-            del ratio, tmp
+        # 3. S1 and W2 over the real ids (see `_row_s1_w2_`)
+        shift = lse - (A / B).log()
+        sw = torch.empty(2, rows, dtype=torch.float64, device=dev)
+        for sl in chunks:
+            row_s1_w2_(sw[:, sl], logits2d[sl], shift[sl], excluded)
         tp_all_reduce(sw)
         lz = tp_all_reduce(local_pick(logits2d, z, start))
         lx = tp_all_reduce(local_pick(logits2d, x, start))
-        ctx.save_for_backward(logits2d, z, x, A, B, lse, sw[1].clone())
-        ctx.start, ctx.step, ctx.excluded = start, step, excluded
+        ctx.save_for_backward(logits2d, z, x, A, B, shift, sw[1].clone())
+        ctx.start, ctx.chunks, ctx.excluded = start, chunks, excluded
         return lse64, sw[0].clone(), lz, lx
 
     @staticmethod
     def backward(ctx, g_lse, g_s1, g_lz, g_lx):
-        logits2d, z, x, A, B, lse, W2 = ctx.saved_tensors
-        step, start, excluded = ctx.step, ctx.start, ctx.excluded
+        logits2d, z, x, A, B, shift, W2 = ctx.saved_tensors
+        start, excluded = ctx.start, ctx.excluded
         rows, width = logits2d.shape
         # dS1/dl_j = w_j - p_j W with w_j = r_j / (1 + r_j), W = Σ_k w_k. Since Σ_k p_k = 1,
         # A/B - W = W2, so w_j - p_j W = p_j W2 - r_j^2 / (1 + r_j): no first-order cancellation.
@@ -120,16 +117,10 @@ class _DuoStats(torch.autograd.Function):
         g_lse, g_s1 = g_lse.double(), g_s1.double()
         k1 = ((g_lse + g_s1 * W2.double()) * (B.double() / A.double())).float()
         k2 = g_s1.float()
-        log_ratio = (A / B).log()
-        grad = logits2d  # each chunk is read (copied to fp32) before its gradient is written over it
-        for r in range(0, rows, step):
-            sl = slice(r, r + step)
-            ratio = fp32_chunk(logits2d, sl, excluded).sub_((lse[sl] - log_ratio[sl])[:, None]).exp_()
-            tmp = ratio + 1.0
-            torch.div(ratio, tmp, out=tmp)
-            tmp.mul_(-k2[sl, None]).add_(k1[sl, None]).mul_(ratio)
-            grad[sl] = tmp
-            del ratio, tmp
+        grad_rows_ = chunk_body(_grad_rows_, ctx.compiled)
+        for sl in ctx.chunks:  # each chunk is read (copied to fp32) before its gradient is written over it
+            grad_rows_(logits2d[sl], shift[sl], k1[sl], k2[sl], excluded)
+        grad = logits2d
         for ids, g in ((z, g_lz), (x, g_lx)):
             local = ids - start
             owned = (local >= 0) & (local < width)
@@ -137,6 +128,38 @@ class _DuoStats(torch.autograd.Function):
             grad.scatter_add_(1, idx, torch.where(owned, g.float(), torch.zeros_like(g.float()))[:, None]
                               .to(grad.dtype))
         return grad, None, None, None, None, None, None
+
+
+# The chunk bodies of _DuoStats, functions of a chunk of rows of the logits that write their
+# results in place (compiled, into the kernel's own stores): eager, or compiled inside
+# vocab_parallel.compiled_heads(). With shift = lse - log(A/B), r_j = exp(l_j - shift).
+
+def _row_max_(m, rows, excluded):
+    m.copy_(fp32_chunk(rows, excluded).amax(1))
+
+
+def _row_sum_exp_(se, rows, m, excluded):
+    se.copy_(fp32_chunk(rows, excluded).sub_(m[:, None]).exp_().sum(1, dtype=torch.float64))
+
+
+def _row_s1_w2_(sw, rows, shift, excluded):
+    """sw[0] = S1 = Σ_j log1p(r_j) with r_j = (A/B) p_j, and sw[1] = W2 = Σ_j r_j^2 / (1 + r_j),
+    over the real ids. log xbar_j = log B + log1p(r_j): the V log B part is added analytically."""
+    ratio = fp32_chunk(rows, excluded).sub_(shift[:, None]).exp_()
+    tmp = torch.log1p(ratio)
+    for lo, hi in excluded:  # already 0 there (p = 0); dropped explicitly all the same
+        tmp[:, lo:hi] = 0.0
+    sw[0].copy_(tmp.sum(1, dtype=torch.float64))
+    torch.div(ratio, ratio + 1.0, out=tmp)
+    sw[1].copy_(tmp.mul_(ratio).sum(1, dtype=torch.float64))
+
+
+def _grad_rows_(rows, shift, k1, k2, excluded):
+    """Writes r_j (k1 - k2 r_j / (1 + r_j)) over the rows (the gradient but at z and x)."""
+    ratio = fp32_chunk(rows, excluded).sub_(shift[:, None]).exp_()
+    tmp = ratio + 1.0
+    torch.div(ratio, tmp, out=tmp)
+    rows.copy_(tmp.mul_(-k2[:, None]).add_(k1[:, None]).mul_(ratio))
 
 
 class Duo(Family):

@@ -9,16 +9,59 @@ clone the whole logits gradient.
 logits with exp(l - max), in their dtype, and its backward scales those into the gradient in
 place. Megatron-core's `vocab_parallel_cross_entropy` keeps an fp32 softmax (twice the bf16
 logits) and returns an fp32 gradient that autograd casts back to bf16.
+
+Compiled heads. The vocabulary-sized work of a head is a loop over row chunks whose bodies are
+functions of the chunk alone (`_exp_sum_` here, Duo's in `duo.py`). Inside `compiled_heads()`
+(the training step under `--compile-elementwise`) each body runs `torch.compile`d: one or two
+fused kernels a chunk instead of about ten operations, each a pass over the chunk's fp32 copy and
+on a GPU a kernel launch. The heads pick eager or compiled in their forward and keep the choice
+for their backward, which autograd runs after the context has closed.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-# elements of each fp32 row chunk of the cross entropy of bf16 logits: 64 MiB, about 10 operations
-# a chunk (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001)
+# elements of each fp32 row chunk of the cross entropy: 64 MiB, about 10 operations a chunk eagerly
+# (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001), one compiled
 CHUNK_ELEMENTS = 1 << 24
+
+_COMPILED_HEADS = contextvars.ContextVar("compiled_heads", default=False)
+
+
+@contextlib.contextmanager
+def compiled_heads(enabled: bool = True):
+    """The loss heads called inside run their chunk bodies compiled (`enabled`) or eagerly."""
+    token = _COMPILED_HEADS.set(enabled)
+    try:
+        yield
+    finally:
+        _COMPILED_HEADS.reset(token)
+
+
+def heads_compiled() -> bool:
+    """Whether a head called now runs compiled (inside `compiled_heads()`)."""
+    return _COMPILED_HEADS.get()
+
+
+def chunk_body(fn: Callable, compiled: bool) -> Callable:
+    """A head's chunk body, eager or compiled."""
+    return _compile(fn) if compiled else fn
+
+
+@functools.cache
+def _compile(fn: Callable) -> Callable:
+    """`fn` compiled once per process, its shapes and column ranges symbolic from the first call
+    (dynamic=True): a head's chunks differ in rows (the last, a shorter micro-batch) and its
+    shards in width and excluded columns, and every one of them takes the same graph. Graphs
+    differ only by dtype and by the number of excluded ranges."""
+    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def local_vocab_range(logits: torch.Tensor) -> tuple[int, int]:
@@ -51,9 +94,9 @@ def local_pick(logits2d: torch.Tensor, ids: torch.Tensor, start: int) -> torch.T
     return torch.where(owned, picked, torch.zeros_like(picked))
 
 
-def fp32_chunk(logits2d: torch.Tensor, rows: slice, excluded) -> torch.Tensor:
+def fp32_chunk(rows: torch.Tensor, excluded) -> torch.Tensor:
     """An fp32 copy of rows of the logits with the excluded columns at -inf."""
-    out = logits2d[rows].to(torch.float32, copy=True)
+    out = rows.to(torch.float32, copy=True)
     for lo, hi in excluded:
         out[:, lo:hi] = float("-inf")
     return out
@@ -65,18 +108,33 @@ def included_columns(width: int, excluded) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds[::2], bounds[1::2]) if lo < hi]
 
 
+def _exp_sum_(rest: torch.Tensor, rows: torch.Tensor, m: torch.Tensor, index: torch.Tensor, owned: torch.Tensor,
+              excluded) -> None:
+    """rest = Σ_{j != target} exp(l_j - m) over the real ids of each row of logits, whose storage
+    takes e = exp(l - m) in its dtype (0 in the excluded columns and at an owned target). fp32
+    logits are worked on in place, others over an fp32 copy."""
+    e = rows.float().sub_(m[:, None]).exp_()
+    for lo, hi in excluded:
+        e[:, lo:hi] = 0.0
+    # a comparison, not a scatter: compiled, a scatter would need a chunk-sized buffer
+    target = index.masked_fill(~owned[:, None], -1)  # -1: a target on another shard
+    e.masked_fill_(torch.arange(e.shape[1], device=e.device) == target, 0.0)
+    if e.dtype != rows.dtype:
+        rows.copy_(e)
+    rest.copy_(e.sum(1))
+
+
 class _CrossEntropy(torch.autograd.Function):
     """-log softmax(l)[target] per row of vocab-parallel logits [rows, V/tp], excluded columns
     having probability 0. The logits' storage is reused: the forward overwrites it with
     e = exp(l - max) (0 in the excluded columns and at the target), the backward with the gradient
     (e / sum) g, and (p - 1) g at the target from the fp32 loss (p in bf16 would cancel there).
-    fp32 logits are worked on whole; lower precisions over fp32 copies of row chunks."""
+    Row chunk by row chunk: fp32 logits in place, lower precisions over fp32 copies."""
 
     @staticmethod
     def forward(ctx, logits2d, targets, start, excluded):
         rows, width = logits2d.shape
-        fp32 = logits2d.dtype == torch.float32
-        step = rows if fp32 else max(1, CHUNK_ELEMENTS // max(width, 1))
+        step = max(1, CHUNK_ELEMENTS // max(width, 1))
         local = targets - start
         owned = (local >= 0) & (local < width)
         index = local.clamp(0, width - 1)[:, None]
@@ -89,15 +147,10 @@ class _CrossEntropy(torch.autograd.Function):
         stats[1] = local_pick(logits2d, targets, start)
         for lo, hi in excluded:
             stats[1].masked_fill_((local >= lo) & (local < hi), float("-inf"))
+        exp_sum_ = chunk_body(_exp_sum_, heads_compiled())
         for r in range(0, rows, step):
             rows_ = slice(r, r + step)
-            chunk = logits2d[rows_].float().sub_(m[rows_, None]).exp_()
-            for lo, hi in excluded:
-                chunk[:, lo:hi] = 0.0
-            chunk.scatter_(1, index[rows_], chunk.gather(1, index[rows_]).masked_fill_(owned[rows_, None], 0.0))
-            stats[0, rows_] = chunk.sum(1)
-            if not fp32:
-                logits2d[rows_] = chunk
+            exp_sum_(stats[0, rows_], logits2d[rows_], m[rows_], index[rows_], owned[rows_], excluded)
         tp_all_reduce(stats)
         rest, margin = stats[0], m - stats[1]  # margin = max - target logit >= 0
         # -log p = margin + log(rest + e_target), e_target = exp(-margin), as log1p: exact for a

@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron_dllm.config import RunConfig
+from megatron_dllm.families import vocab_parallel
 from megatron_dllm.training import nan_guard
 
 
@@ -50,10 +52,12 @@ def forward_backward(model: list, family, batches, consumed: int, config: RunCon
         num_microbatches=batches.num_microbatches, seq_length=config.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
     )
-    if graph is not None and training:
-        losses = graph(schedule, iterators[0])
-    else:
-        losses = schedule(data_iterator=iterators if chunks > 1 else iterators[0])
+    # the loss heads' vocabulary work compiled with the DiT's elementwise regions (--compile-elementwise)
+    with vocab_parallel.compiled_heads(getattr(get_model_config(model[0]), "compile_elementwise", False)):
+        if graph is not None and training:
+            losses = graph(schedule, iterators[0])
+        else:
+            losses = schedule(data_iterator=iterators if chunks > 1 else iterators[0])
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     summed = torch.stack([d["loss"] for d in losses]).sum(0)
