@@ -17,7 +17,7 @@
 #        profile breakdown of the sdpa step through the graph at micro-batch 4, two per step, with
 #        its trace
 #   a    install (.whl into /tmp/site), SDPA's kernel for the 1.7B heads, the loss heads (megatron-core's
-#        cross entropy, the families' own, Duo's at two chunk sizes: bench_loss_heads.py), local vs sdpa and eager
+#        cross entropy, the families' own eager at two chunk sizes and compiled: bench_loss_heads.py), local vs sdpa and eager
 #        vs fused forward + backward of the 1.7B preset at seq 2048, then the C++/CUDA extensions
 #   b    the whole 1.7B step (AdamW included) at the largest micro-batch: sdpa fused, sdpa eager,
 #        local fused, megatron-core's timers at levels 1 and 0, the recomputed norms and MLP activation (or MLP)
@@ -228,9 +228,10 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     step sdpa_kernel 120 "$PY benchmarks/check_sdpa_kernel.py ${SDPA_SHAPE[*]}"
     # the cross entropy in the logits' storage against megatron-core's (time, peak memory), both heads at
     # 16 MiB fp32 chunks and at their defaults (CE 64 MiB, Duo 16 MiB) and Duo at 128: L2-resident passes
-    # or fewer launches? The faster size sets vocab_parallel.CHUNK_ELEMENTS and duo.CHUNK_ELEMENTS.
-    step loss_heads 120 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
---repeats 5 --ce-chunk-elements 4194304 16777216 --duo-chunk-elements 4194304 33554432"
+    # or fewer launches? The faster size sets vocab_parallel.CHUNK_ELEMENTS and duo.CHUNK_ELEMENTS (eager).
+    # --compiled: both heads as the GPU's training step runs them (--compile-elementwise), all rows a kernel
+    step loss_heads 150 "$PY benchmarks/bench_loss_heads.py --bf16 --batch $LOSS_BATCH --seq $SEQ --vocab $VOCAB \
+--repeats 5 --ce-chunk-elements 4194304 16777216 --duo-chunk-elements 4194304 33554432 --compiled"
     # the attention's gate + residual and the MLP's norm + modulation as one compiled region against
     # two (the layer ran two until 2026-11-28): 32 tokens time the host, 8192 the passes over memory
     step elementwise_regions 90 "$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]}"

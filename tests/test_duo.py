@@ -64,13 +64,14 @@ def dense_loss_and_grad(inp, logits):
     return loss.detach(), leaf.grad
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("chunk_rows", [None, 5, 1])  # None: CHUNK_ELEMENTS (one chunk here)
+@pytest.mark.parametrize("chunk_rows, compiled", [(None, False), (5, False), (1, False), (5, True)],
+                         ids=["eager", "eager-chunks-of-5", "eager-chunks-of-1", "compiled"])
 @pytest.mark.parametrize("t_value", [EPS, 0.5, 1.0])
 def test_loss_and_grad_equal_dense_reference_tp1(t_value, chunk_rows, compiled, world_of_one, monkeypatch):
     """Also with the vocabulary work in chunks of 5 rows (the last one partial) and of 1 row, as
-    `duo.CHUNK_ELEMENTS` splits real batches, and with the chunk bodies compiled (the backward
-    runs after the context closed, as autograd runs it)."""
+    `duo.CHUNK_ELEMENTS` splits real batches (None: one chunk here), and with the chunk bodies
+    compiled, which take all rows at once whatever the chunk size (the backward runs after the
+    context closed, as autograd runs it)."""
     if chunk_rows is not None:
         monkeypatch.setattr(duo, "CHUNK_ELEMENTS", chunk_rows * PADDED)
     family, inp, logits = make_case(t_value)

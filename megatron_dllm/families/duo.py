@@ -55,14 +55,15 @@ import torch.distributed as dist
 from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
-from megatron_dllm.families.vocab_parallel import chunk_body, fp32_chunk, heads_compiled, local_pick, tp_all_reduce
+from megatron_dllm.families.vocab_parallel import (chunk_body, fp32_chunk, heads_compiled, local_pick, row_chunks,
+                                                   tp_all_reduce)
 from megatron_dllm.model.constants import T_EPS
 
 # fp32 temporaries per chunk: 16 MiB each. Eagerly about 38 operations per chunk (forward and
 # backward): on CPU a dispatch is cheap next to a cache-resident chunk's work; on a GPU each is a
 # launch (2,421 per micro-batch of 4 x 2048 at V = 32,001; 441 at 128 MiB), but 16 MiB chunks stay
 # in the H100's L2 and 128 MiB ones do not: not yet measured there (benchmarks/RESULTS.md, "Loss
-# heads"). Compiled (vocab_parallel.compiled_heads), 4 fused kernels per chunk and no temporaries.
+# heads"). Compiled (vocab_parallel.compiled_heads): 4 fused kernels over all rows, no temporaries.
 CHUNK_ELEMENTS = 1 << 22
 
 
@@ -76,12 +77,11 @@ class _DuoStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, z, x, A, B, start, excluded):
         rows, width = logits2d.shape
-        step = max(1, CHUNK_ELEMENTS // max(width, 1))
         dev = logits2d.device
         compiled = ctx.compiled = heads_compiled()
         row_max_, row_sum_exp_, row_s1_w2_ = (chunk_body(fn, compiled)
                                               for fn in (_row_max_, _row_sum_exp_, _row_s1_w2_))
-        chunks = [slice(r, r + step) for r in range(0, rows, step)]
+        chunks = row_chunks(rows, width, CHUNK_ELEMENTS, compiled)
         # 1. global max over the real ids
         m = torch.empty(rows, dtype=torch.float32, device=dev)
         for sl in chunks:

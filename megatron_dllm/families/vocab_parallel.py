@@ -11,11 +11,12 @@ place. Megatron-core's `vocab_parallel_cross_entropy` keeps an fp32 softmax (twi
 logits) and returns an fp32 gradient that autograd casts back to bf16.
 
 Compiled heads. The vocabulary-sized work of a head is a loop over row chunks whose bodies are
-functions of the chunk alone (`_exp_sum_` here, Duo's in `duo.py`). Inside `compiled_heads()`
-(the training step under `--compile-elementwise`) each body runs `torch.compile`d: one or two
-fused kernels a chunk instead of about ten operations, each a pass over the chunk's fp32 copy and
-on a GPU a kernel launch. The heads pick eager or compiled in their forward and keep the choice
-for their backward, which autograd runs after the context has closed.
+functions of the chunk alone that write their results in place (`_exp_sum_` here, Duo's in
+`duo.py`). Inside `compiled_heads()` (the training step under `--compile-elementwise`) each body
+runs `torch.compile`d, as one fused kernel in place of up to ten operations (each a pass over the
+chunk's fp32 copy and on a GPU a launch). A compiled body keeps no temporaries, so it takes all
+rows at once. The heads pick eager or compiled in their forward and keep the choice for their
+backward, which autograd runs after the context has closed.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 # elements of each fp32 row chunk of the cross entropy: 64 MiB, about 10 operations a chunk eagerly
-# (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001), one compiled
+# (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001); compiled,
+# one fused kernel over all rows
 CHUNK_ELEMENTS = 1 << 24
 
 _COMPILED_HEADS = contextvars.ContextVar("compiled_heads", default=False)
@@ -53,6 +55,14 @@ def heads_compiled() -> bool:
 def chunk_body(fn: Callable, compiled: bool) -> Callable:
     """A head's chunk body, eager or compiled."""
     return _compile(fn) if compiled else fn
+
+
+def row_chunks(rows: int, width: int, chunk_elements: int, compiled: bool) -> list[slice]:
+    """The row chunks a head works in: eagerly of at most `chunk_elements` (each body's fp32
+    temporaries are chunk-sized); compiled, one (a compiled body keeps none, so chunks would only
+    cost launches)."""
+    step = max(rows, 1) if compiled else max(1, chunk_elements // max(width, 1))
+    return [slice(r, r + step) for r in range(0, rows, step)]
 
 
 @functools.cache
@@ -134,7 +144,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, targets, start, excluded):
         rows, width = logits2d.shape
-        step = max(1, CHUNK_ELEMENTS // max(width, 1))
+        compiled = heads_compiled()
         local = targets - start
         owned = (local >= 0) & (local < width)
         index = local.clamp(0, width - 1)[:, None]
@@ -147,10 +157,9 @@ class _CrossEntropy(torch.autograd.Function):
         stats[1] = local_pick(logits2d, targets, start)
         for lo, hi in excluded:
             stats[1].masked_fill_((local >= lo) & (local < hi), float("-inf"))
-        exp_sum_ = chunk_body(_exp_sum_, heads_compiled())
-        for r in range(0, rows, step):
-            rows_ = slice(r, r + step)
-            exp_sum_(stats[0, rows_], logits2d[rows_], m[rows_], index[rows_], owned[rows_], excluded)
+        exp_sum_ = chunk_body(_exp_sum_, compiled)
+        for sl in row_chunks(rows, width, CHUNK_ELEMENTS, compiled):
+            exp_sum_(stats[0, sl], logits2d[sl], m[sl], index[sl], owned[sl], excluded)
         tp_all_reduce(stats)
         rest, margin = stats[0], m - stats[1]  # margin = max - target logit >= 0
         # -log p = margin + log(rest + e_target), e_target = exp(-margin), as log1p: exact for a
