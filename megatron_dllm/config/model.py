@@ -86,8 +86,9 @@ class ModelConfig(FlagGroup):
                                                 "(default: on where apex's kernels are installed)")
     rope_fusion: bool | None = switch("TransformerEngine's fused RoPE: not for the DiT's per-sample positions "
                                       "(--no-rope-fusion is accepted, --rope-fusion is an error)")
-    compile_elementwise: bool | None = switch("torch.compile the DiT's LayerNorm + modulation and bias + gate + "
-                                              "residual (default: on with CUDA, off on CPU)")
+    compile_elementwise: bool | None = switch("torch.compile the DiT's LayerNorm + modulation, bias + gate + "
+                                              "residual and rotary embedding, and the loss heads' vocabulary "
+                                              "work (default: on with CUDA, off on CPU)")
     gradient_accumulation_fusion: bool | None = switch("add each weight gradient into its fp32 main gradient "
                                                        "inside the weight-gradient GEMM (default: on with CUDA "
                                                        "where torch can, off on CPU)")

@@ -19,7 +19,9 @@ against the platform into megatron-core's TransformerConfig fields.
       fusion                    fusion                  inside its GEMM (`WeightGradientKernels`; TE's layers
                                                         use TE's own)
     --compile-elementwise     -                         torch.compile of `elementwise.py`'s regions, the
-                                                        rotary embedding included (`layer.DiTSelfAttention`)
+                                                        rotary embedding included (`layer.DiTSelfAttention`),
+                                                        and of the loss heads' passes over the logits
+                                                        (`families.vocab_parallel.compiled_heads`)
 
 Megatron-LM fuses by default and spells only the `--no-...` forms; here every flag takes both
 forms and an absent flag takes the platform's default (`platform.fusion_defaults()`).
