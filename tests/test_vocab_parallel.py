@@ -141,10 +141,9 @@ def test_compiled_heads_take_every_length_with_one_graph_each(world_of_one):
             targets = torch.randint(0, mask, (2, length), generator=gen)
             inp = ModelInput(input_ids=targets, position_ids=None, sigma=None, targets=targets,
                              valid=torch.ones(2, length), t=torch.rand(2))
-            for head in (lambda out: vocab_parallel.cross_entropy(out, targets, mask, VOCAB),
-                         lambda out: duo.nelbo(out, inp)):
+            for head, args in ((vocab_parallel.cross_entropy, (targets, mask, VOCAB)), (duo.nelbo, (inp,))):
                 with vocab_parallel.compiled_heads():
-                    loss = head(logits.clone().requires_grad_())
+                    loss = head(logits.clone().requires_grad_(), *args)
                 loss.sum().backward()
         # the cross entropy's body and Duo's four (per length, 5 x 4 by now)
         assert counters["stats"]["unique_graphs"] <= 5 * (1 + shard), (shard, counters["stats"])

@@ -55,8 +55,7 @@ import torch.distributed as dist
 from megatron_dllm.families import uniform, vocab_parallel
 from megatron_dllm.families.base import Family, ModelInput, Noise, response_positions
 from megatron_dllm.families.schedules import LogLinear
-from megatron_dllm.families.vocab_parallel import (chunk_body, fp32_chunk, heads_compiled, local_pick, row_chunks,
-                                                   tp_all_reduce)
+from megatron_dllm.families.vocab_parallel import chunk_body, fp32_chunk, local_pick, tp_all_reduce
 from megatron_dllm.model.constants import T_EPS
 
 # fp32 temporaries per chunk: 16 MiB each. Eagerly about 38 operations per chunk (forward and
@@ -78,10 +77,10 @@ class _DuoStats(torch.autograd.Function):
     def forward(ctx, logits2d, z, x, A, B, start, excluded):
         rows, width = logits2d.shape
         dev = logits2d.device
-        compiled = ctx.compiled = heads_compiled()
+        compiled = ctx.compiled = vocab_parallel.heads_compiled()
         row_max_, row_sum_exp_, row_s1_w2_ = (chunk_body(fn, compiled)
                                               for fn in (_row_max_, _row_sum_exp_, _row_s1_w2_))
-        chunks = row_chunks(rows, width, CHUNK_ELEMENTS, compiled)
+        chunks = vocab_parallel.row_chunks(rows, width, CHUNK_ELEMENTS, compiled)
         # 1. global max over the real ids
         m = torch.empty(rows, dtype=torch.float32, device=dev)
         for sl in chunks:

@@ -68,9 +68,10 @@ def row_chunks(rows: int, width: int, chunk_elements: int, compiled: bool) -> li
 @functools.cache
 def _compile(fn: Callable) -> Callable:
     """`fn` compiled once per process, its shapes and column ranges symbolic from the first call
-    (dynamic=True): a head's chunks differ in rows (the last, a shorter micro-batch) and its
-    shards in width and excluded columns, and every one of them takes the same graph. Graphs
-    differ only by dtype and by the number of excluded ranges."""
+    (dynamic=True): the rows change with each micro-batch's length, and one graph takes them all
+    (compiled per shape, the ninth would stop the run: fullgraph=True makes dynamo's recompile
+    limit an error). A new graph comes with another dtype, another number of excluded column
+    ranges, or where two sizes dynamo took for one (equal at the first call) differ."""
     return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
