@@ -162,8 +162,9 @@ def _bodies():
     per_row = [torch.randn(rows, generator=gen) for _ in range(3)]
     index, owned = torch.randint(0, MASK, (rows, 1), generator=gen), torch.rand(rows, generator=gen) < 0.5
     out = torch.zeros(rows), torch.zeros(rows, dtype=torch.float64), torch.zeros(2, rows, dtype=torch.float64)
-    return {"ce bf16": (vocab_parallel._exp_sum_, (out[0], logits, per_row[0], index, owned, excluded)),
-            "ce fp32": (vocab_parallel._exp_sum_, (out[0], logits.float(), per_row[0], index, owned, excluded)),
+    dropped = torch.arange(PADDED) >= MASK  # the cross entropy's excluded columns, as a mask
+    return {"ce bf16": (vocab_parallel._exp_sum_, (out[0], logits, per_row[0], index, owned, dropped)),
+            "ce fp32": (vocab_parallel._exp_sum_, (out[0], logits.float(), per_row[0], index, owned, dropped)),
             "duo max": (duo._row_max_, (out[0], logits, excluded)),
             "duo sum-exp": (duo._row_sum_exp_, (out[1], logits, per_row[0], excluded)),
             "duo S1, W2": (duo._row_s1_w2_, (out[2], logits, per_row[0], excluded)),

@@ -120,16 +120,16 @@ def included_columns(width: int, excluded) -> list[tuple[int, int]]:
 
 
 def _exp_sum_(rest: torch.Tensor, rows: torch.Tensor, m: torch.Tensor, index: torch.Tensor, owned: torch.Tensor,
-              excluded) -> None:
+              excluded: torch.Tensor) -> None:
     """rest = Σ_{j != target} exp(l_j - m) over the real ids of each row of logits, whose storage
-    takes e = exp(l - m) in its dtype (0 in the excluded columns and at an owned target). fp32
-    logits are worked on in place, others over an fp32 copy."""
+    takes e = exp(l - m) in its dtype (0 in the `excluded` columns, a bool mask [width], and at an
+    owned target). fp32 logits are worked on in place, others over an fp32 copy."""
     e = rows.float().sub_(m[:, None]).exp_()
-    for lo, hi in excluded:
-        e[:, lo:hi] = 0.0
-    # a comparison, not a scatter: compiled, a scatter would need a chunk-sized buffer
-    target = index.masked_fill(~owned[:, None], -1)  # -1: a target on another shard
-    e.masked_fill_(torch.arange(e.shape[1], device=e.device) == target, 0.0)
+    # a comparison, not a scatter at the target: compiled, a scatter needs a chunk-sized buffer (and
+    # column slices beside the comparison fail torch 2.11's CPU compile: hence the excluded mask)
+    columns = torch.arange(e.shape[1], device=e.device)
+    drop = columns == index.masked_fill(~owned[:, None], -1)  # -1: a target on another shard
+    e.masked_fill_(drop.logical_or_(excluded), 0.0)
     if e.dtype != rows.dtype:
         rows.copy_(e)
     rest.copy_(e.sum(1))
@@ -159,8 +159,11 @@ class _CrossEntropy(torch.autograd.Function):
         for lo, hi in excluded:
             stats[1].masked_fill_((local >= lo) & (local < hi), float("-inf"))
         exp_sum_ = chunk_body(_exp_sum_, compiled)
+        dropped = torch.zeros(width, dtype=torch.bool, device=logits2d.device)
+        for lo, hi in excluded:
+            dropped[lo:hi] = True
         for sl in row_chunks(rows, width, CHUNK_ELEMENTS, compiled):
-            exp_sum_(stats[0, sl], logits2d[sl], m[sl], index[sl], owned[sl], excluded)
+            exp_sum_(stats[0, sl], logits2d[sl], m[sl], index[sl], owned[sl], dropped)
         tp_all_reduce(stats)
         rest, margin = stats[0], m - stats[1]  # margin = max - target logit >= 0
         # -log p = margin + log(rest + e_target), e_target = exp(-margin), as log1p: exact for a
