@@ -45,7 +45,7 @@
 #        embedded default), the end within 1.5%? (benchmarks/compare_loss_curves.py)
 #   t    the GPU equality tests (attention backends, fusion, reference DiT, test_gpu.py, the Eso-LM
 #        kernel, the samplers' CUDA graphs, the training step's full-iteration graph, gradient-
-#        accumulation fusion, the recomputed MLP activation)
+#        accumulation fusion, the recomputed MLP activation, the compiled loss heads)
 #
 # Every step's output goes to $OUT/NN-STEP.log (a flat folder: at most 8 files come back from a
 # call) and $OUT/summary.md, which is also printed at the end: per step its status, seconds and
@@ -205,7 +205,8 @@ case $STAGE in
     install_wheels
     gpu_tests gpu_tests 180 tests/test_cuda_graph.py tests/test_attention_backend.py tests/test_fusion.py \
       tests/test_reference_dit.py tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py \
-      tests/test_profile_breakdown.py tests/test_gradient_accumulation_fusion.py
+      tests/test_profile_breakdown.py tests/test_gradient_accumulation_fusion.py \
+      tests/test_vocab_parallel.py::test_compiled_heads_on_the_gpu_equal_the_eager_ones
     # the host's dispatch left the GPU idle a fifth of the step on 2026-11-27: the full-iteration
     # graph for every family, then the same step without it (MDLM) beside it
     # (in the same log, as a call returns 8 files) then MDLM's without gradient-accumulation fusion,
@@ -392,7 +393,8 @@ for w in $wh/transformer_engine_torch-*.whl; do if (( \$(stat -c %s \$w) < 16000
     build_extensions
     gpu_tests gpu_tests 420 tests/test_attention_backend.py tests/test_fusion.py tests/test_reference_dit.py \
       tests/test_gpu.py tests/test_esolm.py tests/test_cuda_graphs.py tests/test_batches.py tests/test_profile_breakdown.py \
-      tests/test_cuda_graph.py tests/test_gradient_accumulation_fusion.py tests/test_mlp_activation_recompute.py
+      tests/test_cuda_graph.py tests/test_gradient_accumulation_fusion.py tests/test_mlp_activation_recompute.py \
+      tests/test_vocab_parallel.py
     ;;
 esac
 
