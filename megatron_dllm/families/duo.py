@@ -109,7 +109,7 @@ class _DuoStats(torch.autograd.Function):
     def backward(ctx, g_lse, g_s1, g_lz, g_lx):
         logits2d, z, x, A, B, shift, W2 = ctx.saved_tensors
         start, excluded = ctx.start, ctx.excluded
-        rows, width = logits2d.shape
+        width = logits2d.shape[1]
         # dS1/dl_j = w_j - p_j W with w_j = r_j / (1 + r_j), W = Σ_k w_k. Since Σ_k p_k = 1,
         # A/B - W = W2, so w_j - p_j W = p_j W2 - r_j^2 / (1 + r_j): no first-order cancellation.
         # grad_j = g_lse p_j + g_S1 (p_j W2 - r_j^2/(1+r_j)) = r_j (k1 - g_S1 r_j / (1 + r_j)).
@@ -119,7 +119,7 @@ class _DuoStats(torch.autograd.Function):
         grad_rows_ = chunk_body(_grad_rows_, ctx.compiled)
         for sl in ctx.chunks:  # each chunk is read (copied to fp32) before its gradient is written over it
             grad_rows_(logits2d[sl], shift[sl], k1[sl], k2[sl], excluded)
-        grad = logits2d
+        grad = logits2d  # the terms at z and x follow
         for ids, g in ((z, g_lz), (x, g_lx)):
             local = ids - start
             owned = (local >= 0) & (local < width)
@@ -154,7 +154,7 @@ def _row_s1_w2_(sw, rows, shift, excluded):
 
 
 def _grad_rows_(rows, shift, k1, k2, excluded):
-    """Writes r_j (k1 - k2 r_j / (1 + r_j)) over the rows (the gradient but at z and x)."""
+    """Writes r_j (k1 - k2 r_j / (1 + r_j)) over the rows: the gradient, before its terms at z and x."""
     ratio = fp32_chunk(rows, excluded).sub_(shift[:, None]).exp_()
     tmp = ratio + 1.0
     torch.div(ratio, tmp, out=tmp)
