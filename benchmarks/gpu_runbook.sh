@@ -235,7 +235,11 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
 --repeats 5 --ce-chunk-elements 4194304 16777216 --duo-chunk-elements 4194304 33554432 --compiled"
     # the attention's gate + residual and the MLP's norm + modulation as one compiled region against
     # two (the layer ran two until 2026-11-28): 32 tokens time the host, 8192 the passes over memory
-    step elementwise_regions 90 "$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]}"
+    # then, in the same log (a call returns 8 files), the region's graph specialised to the length
+    # against its length-dynamic graph, which every micro-batch uses after the first shorter one of
+    # --variable-seq-length-prob (CPU: 5-7% slower)
+    step elementwise_regions 180 "$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]}; rc=\$?; \
+$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]} --compare dynamic && exit \$rc"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
 --tokens $SEQ --vocab $VOCAB --families mdlm ar --rounds $ROUNDS --warmup $WARMUP"
     step ab_fusion 240 "$PY benchmarks/bench_compile.py --bf16 --presets $PRESET --seqs $SEQ --tokens $SEQ \
