@@ -237,7 +237,7 @@ $(graph_cmd --families mdlm --max-micro-batch $SDPA_MB --no-gradient-accumulatio
     # two (the layer ran two until 2026-11-28): 32 tokens time the host, 8192 the passes over memory
     # then, in the same log (a call returns 8 files), the region's graph specialised to the length
     # against its length-dynamic graph, which every micro-batch uses after the first shorter one of
-    # --variable-seq-length-prob (CPU: 5-7% slower)
+    # --variable-seq-length-prob (CPU: the host's cost about the same, the memory-bound size unsettled)
     step elementwise_regions 180 "$PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]}; rc=\$?; \
 $PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]} --compare dynamic && exit \$rc"
     step ab_attention 210 "$PY benchmarks/bench_attention_backend.py --bf16 --presets $PRESET --seqs $SEQ \
