@@ -8,7 +8,8 @@ as the output layer's backward would receive it. The heads:
 - `mdlm, megatron-core CE`: MDLM's head as it was, the baseline: [MASK] and the padding set to
   -inf on the tracked logits, then megatron-core's `vocab_parallel_cross_entropy`;
 - `mdlm`: the family's head (`vocab_parallel.cross_entropy`, in place), at each `--ce-chunk-elements`
-  size of its fp32 row chunks (bf16 logits; default `vocab_parallel.CHUNK_ELEMENTS`);
+  size of its fp32 row chunks (bf16 logits; default `vocab_parallel.CHUNK_ELEMENTS`; fp32 logits
+  it works whole);
 - `duo`: Duo's closed-form NELBO, at each `--duo-chunk-elements` size (default `duo.CHUNK_ELEMENTS`);
 - with `--compiled`, both family heads again with their chunk bodies compiled, as the training
   step runs them under `--compile-elementwise` (`vocab_parallel.compiled_heads`). Their first
@@ -133,7 +134,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--ce-chunk-elements", type=int, nargs="+", default=None,
-                    help="the cross entropy's fp32 chunk sizes to measure (default: vocab_parallel.CHUNK_ELEMENTS)")
+                    help="the cross entropy's fp32 chunk sizes to measure, with --bf16 (fp32 logits it works whole; "
+                         "default: vocab_parallel.CHUNK_ELEMENTS)")
     ap.add_argument("--duo-chunk-elements", type=int, nargs="+", default=None,
                     help="Duo's fp32 chunk sizes to measure (default: duo.CHUNK_ELEMENTS)")
     ap.add_argument("--compiled", action="store_true",
@@ -158,9 +160,11 @@ def main(argv=None):
                 module.CHUNK_ELEMENTS = default
         return loss
 
+    ce_heads = ({f"mdlm (chunks of {c / 2**18:g} MiB fp32)": ("mdlm", chunked("mdlm", vocab_parallel, c))
+                 for c in args.ce_chunk_elements or [vocab_parallel.CHUNK_ELEMENTS]} if args.bf16
+                else {"mdlm (whole, in place)": ("mdlm", family["mdlm"].loss)})  # fp32 logits: no chunks
     heads = {"mdlm, megatron-core CE": ("mdlm", lambda logits, inp: megatron_mdlm_loss(family["mdlm"], logits, inp)),
-             **{f"mdlm (chunks of {c / 2**18:g} MiB fp32)": ("mdlm", chunked("mdlm", vocab_parallel, c))
-                for c in args.ce_chunk_elements or [vocab_parallel.CHUNK_ELEMENTS]},
+             **ce_heads,
              **{f"duo (chunks of {c / 2**18:g} MiB fp32)": ("duo", chunked("duo", duo, c))
                 for c in args.duo_chunk_elements or [duo.CHUNK_ELEMENTS]}}
     if args.compiled:

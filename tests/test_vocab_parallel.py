@@ -107,6 +107,32 @@ def test_the_gradient_lives_in_the_logits_storage(dtype, world_of_one, monkeypat
         lambda out: vocab_parallel.cross_entropy(out, targets, MASK, VOCAB) * weights, logits.to(dtype))
 
 
+def test_eager_fp32_makes_no_tensor_beyond_a_few_per_row_values(world_of_one):
+    """Eagerly, fp32 logits are worked on in place: besides the logits' own storage, forward and
+    backward make no tensor of more than a few values per row (a mask over the logits, as the
+    compiled body's comparison, would be a pass over them to write and one to read)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestNew(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() != storage:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    logits, targets, weights = make_case()
+    out = logits.detach().requires_grad_().clone()  # the model's output
+    storage = out.untyped_storage().data_ptr()
+    rows = logits.shape[0] * logits.shape[1]
+    with LargestNew() as seen:
+        loss = vocab_parallel.cross_entropy(out, targets, MASK, VOCAB)
+        torch.autograd.grad((loss * weights).sum(), out)
+    assert seen.largest <= 2 * rows, seen.largest
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_heads_on_two_vocabulary_shards_equal_dense_references(tmp_path):
@@ -163,8 +189,8 @@ def _bodies():
     index, owned = torch.randint(0, MASK, (rows, 1), generator=gen), torch.rand(rows, generator=gen) < 0.5
     out = torch.zeros(rows), torch.zeros(rows, dtype=torch.float64), torch.zeros(2, rows, dtype=torch.float64)
     dropped = torch.arange(PADDED) >= MASK  # the cross entropy's excluded columns, as a mask
-    return {"ce bf16": (vocab_parallel._exp_sum_, (out[0], logits, per_row[0], index, owned, dropped)),
-            "ce fp32": (vocab_parallel._exp_sum_, (out[0], logits.float(), per_row[0], index, owned, dropped)),
+    return {"ce bf16": (vocab_parallel._exp_sum_masked_, (out[0], logits, per_row[0], index, owned, dropped)),
+            "ce fp32": (vocab_parallel._exp_sum_masked_, (out[0], logits.float(), per_row[0], index, owned, dropped)),
             "duo max": (duo._row_max_, (out[0], logits, excluded)),
             "duo sum-exp": (duo._row_sum_exp_, (out[1], logits, per_row[0], excluded)),
             "duo S1, W2": (duo._row_s1_w2_, (out[2], logits, per_row[0], excluded)),

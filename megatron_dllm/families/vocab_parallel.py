@@ -11,12 +11,12 @@ place. Megatron-core's `vocab_parallel_cross_entropy` keeps an fp32 softmax (twi
 logits) and returns an fp32 gradient that autograd casts back to bf16.
 
 Compiled heads. The vocabulary-sized work of a head is a loop over row chunks whose bodies are
-functions of the chunk alone that write their results in place (`_exp_sum_` here, Duo's in
-`duo.py`). Inside `compiled_heads()` (the training step under `--compile-elementwise`) each body
-runs `torch.compile`d, as one fused kernel in place of up to ten operations (each a pass over the
-chunk's fp32 copy and on a GPU a launch). A compiled body keeps no temporaries, so it takes all
-rows at once. The heads pick eager or compiled in their forward and keep the choice for their
-backward, which autograd runs after the context has closed.
+functions of the chunk alone that write their results in place (the cross entropy's
+`_exp_sum_masked_` here, Duo's in `duo.py`). Inside `compiled_heads()` (the training step under
+`--compile-elementwise`) each body runs `torch.compile`d, as one fused kernel in place of up to ten
+operations (each a pass over the chunk's fp32 copy and on a GPU a launch). A compiled body keeps
+no temporaries, so it takes all rows at once. The heads pick eager or compiled in their forward
+and keep the choice for their backward, which autograd runs after the context has closed.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-# elements of each fp32 row chunk of the cross entropy: 64 MiB, about 10 operations a chunk eagerly
-# (each a kernel launch on a GPU; 16 chunks for a micro-batch of 4 x 2048 at V = 32,001); compiled,
-# one fused kernel over all rows
+# elements of each fp32 row chunk of the cross entropy over bf16 logits: 64 MiB, about 10
+# operations a chunk eagerly (each a kernel launch on a GPU; 16 chunks for a micro-batch of
+# 4 x 2048 at V = 32,001); fp32 logits are worked whole, and compiled, one fused kernel takes all rows
 CHUNK_ELEMENTS = 1 << 24
 
 _COMPILED_HEADS = contextvars.ContextVar("compiled_heads", default=False)
@@ -57,11 +57,11 @@ def chunk_body(fn: Callable, compiled: bool) -> Callable:
     return _compile(fn) if compiled else fn
 
 
-def row_chunks(rows: int, width: int, chunk_elements: int, compiled: bool) -> list[slice]:
-    """The row chunks a head works in: eagerly of at most `chunk_elements` (each body's fp32
-    temporaries are chunk-sized); compiled, one (a compiled body keeps none, so chunks would only
-    cost launches)."""
-    step = max(rows, 1) if compiled else max(1, chunk_elements // max(width, 1))
+def row_chunks(rows: int, width: int, chunk_elements: int, whole: bool) -> list[slice]:
+    """The row chunks a head works in: of at most `chunk_elements` (a body's fp32 temporaries are
+    chunk-sized), or all rows at once where its body keeps no temporaries (`whole`: compiled, or
+    working fp32 logits in place), so that chunks would only cost operations."""
+    step = max(rows, 1) if whole else max(1, chunk_elements // max(width, 1))
     return [slice(r, r + step) for r in range(0, rows, step)]
 
 
@@ -119,14 +119,36 @@ def included_columns(width: int, excluded) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds[::2], bounds[1::2]) if lo < hi]
 
 
+def column_mask(width: int, ranges, device) -> torch.Tensor:
+    """A bool mask [width], true in the [lo, hi) column `ranges`."""
+    mask = torch.zeros(width, dtype=torch.bool, device=device)
+    for lo, hi in ranges:
+        mask[lo:hi] = True
+    return mask
+
+
 def _exp_sum_(rest: torch.Tensor, rows: torch.Tensor, m: torch.Tensor, index: torch.Tensor, owned: torch.Tensor,
-              excluded: torch.Tensor) -> None:
+              excluded: list[tuple[int, int]]) -> None:
     """rest = Σ_{j != target} exp(l_j - m) over the real ids of each row of logits, whose storage
-    takes e = exp(l - m) in its dtype (0 in the `excluded` columns, a bool mask [width], and at an
-    owned target). fp32 logits are worked on in place, others over an fp32 copy."""
+    takes e = exp(l - m) in its dtype (0 in the `excluded` column ranges and at an owned target).
+    fp32 logits are worked on in place, others over an fp32 copy. Eager: the zeros are written
+    into a few columns (a mask over the chunk would cost two more passes over it)."""
     e = rows.float().sub_(m[:, None]).exp_()
-    # a comparison, not a scatter at the target: compiled, a scatter needs a chunk-sized buffer (and
-    # column slices beside the comparison fail torch 2.11's CPU compile: hence the excluded mask)
+    for lo, hi in excluded:
+        e[:, lo:hi] = 0.0
+    e.scatter_(1, index, e.gather(1, index).masked_fill_(owned[:, None], 0.0))
+    if e.dtype != rows.dtype:
+        rows.copy_(e)
+    rest.copy_(e.sum(1))
+
+
+def _exp_sum_masked_(rest: torch.Tensor, rows: torch.Tensor, m: torch.Tensor, index: torch.Tensor,
+                     owned: torch.Tensor, excluded: torch.Tensor) -> None:
+    """`_exp_sum_` as one fused kernel computes it (compiled): the target and the excluded columns
+    (a bool mask [width]) zeroed through one comparison, which the kernel evaluates in registers.
+    A scatter would need a chunk-sized buffer, and column slices beside the comparison fail torch
+    2.11's CPU compile."""
+    e = rows.float().sub_(m[:, None]).exp_()
     columns = torch.arange(e.shape[1], device=e.device)
     drop = columns == index.masked_fill(~owned[:, None], -1)  # -1: a target on another shard
     e.masked_fill_(drop.logical_or_(excluded), 0.0)
@@ -140,7 +162,8 @@ class _CrossEntropy(torch.autograd.Function):
     having probability 0. The logits' storage is reused: the forward overwrites it with
     e = exp(l - max) (0 in the excluded columns and at the target), the backward with the gradient
     (e / sum) g, and (p - 1) g at the target from the fp32 loss (p in bf16 would cancel there).
-    Row chunk by row chunk: fp32 logits in place, lower precisions over fp32 copies."""
+    fp32 logits are worked on whole and in place, lower precisions over fp32 copies of row chunks
+    (compiled: all rows at once)."""
 
     @staticmethod
     def forward(ctx, logits2d, targets, start, excluded):
@@ -158,11 +181,11 @@ class _CrossEntropy(torch.autograd.Function):
         stats[1] = local_pick(logits2d, targets, start)
         for lo, hi in excluded:
             stats[1].masked_fill_((local >= lo) & (local < hi), float("-inf"))
-        exp_sum_ = chunk_body(_exp_sum_, compiled)
-        dropped = torch.zeros(width, dtype=torch.bool, device=logits2d.device)
-        for lo, hi in excluded:
-            dropped[lo:hi] = True
-        for sl in row_chunks(rows, width, CHUNK_ELEMENTS, compiled):
+        if compiled:
+            exp_sum_, dropped = _compile(_exp_sum_masked_), column_mask(width, excluded, logits2d.device)
+        else:
+            exp_sum_, dropped = _exp_sum_, excluded
+        for sl in row_chunks(rows, width, CHUNK_ELEMENTS, compiled or logits2d.dtype == torch.float32):
             exp_sum_(stats[0, sl], logits2d[sl], m[sl], index[sl], owned[sl], dropped)
         tp_all_reduce(stats)
         rest, margin = stats[0], m - stats[1]  # margin = max - target logit >= 0
