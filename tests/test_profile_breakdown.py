@@ -75,6 +75,23 @@ def test_an_in_place_gemm_is_matmul():
     assert "aten::addmm_" in ops["matmul"] and "aten::add_" in ops["elementwise/normalisation"]
 
 
+def test_a_compiled_graph_on_the_cpu_is_elementwise_work():
+    """On CPU, TorchInductor's fused kernels (`--compile-elementwise`'s regions) run inside the call
+    of its compiled graph, without events of their own: that call's own time is elementwise work,
+    the GEMM it hands to ATen matmul, and dynamo's and AOTAutograd's wrappers other."""
+    fn = torch.compile(lambda x, w: (x @ w).mul(2).add(1).tanh(), fullgraph=True)
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+    fn(x, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function(STEP):
+            fn(x, w)
+    ops = breakdown(prof.events(), False, lambda e: 0).top_ops
+    assert any(name.startswith("## Call CompiledFxGraph") for name in ops["elementwise/normalisation"])
+    assert "aten::mm" in ops["matmul"]
+    assert not any("CompiledFxGraph" in name for name in ops["other"])
+    assert any(name.startswith("Torch-Compiled Region") for name in ops["other"])
+
+
 @pytest.mark.slow
 def test_known_delays_land_in_their_own_categories(trainer, monkeypatch):
     """Sleeps of different lengths in the batch iterator, the family loss and the optimizer step

@@ -20,7 +20,8 @@ The rule (the same on CPU and GPU):
   recompute) is innermost there;
 * else an op under a GEMM op (mm, addmm, bmm, baddbmm, matmul, linear; in place too) is matmul, any other
   ATen op and every TorchInductor kernel (`--compile-elementwise`'s regions, recorded under their
-  kernel names) is elementwise/normalisation, and the rest is other.
+  kernel names on GPU; on CPU they run inside the compiled graph's call, whose own time they are)
+  is elementwise/normalisation, and the rest is other (dynamo's and AOTAutograd's wrappers too).
 
 What is measured:
 * CPU: the host's main thread. Each profiled event contributes its self time (its duration less
@@ -60,6 +61,8 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matm
 # triton_tem: TorchInductor's GEMM templates
 GEMM_KERNEL_MARKS = ("gemm", "cutlass", "cublas", "xmma", "nvjet", "triton_tem")
 COMPILED_KERNEL_PREFIXES = ("triton_", "cpp_fused_")  # TorchInductor's kernels (GPU, CPU)
+# the call of a TorchInductor graph: on CPU its fused kernels run inside it without events of their own
+COMPILED_GRAPH_CALL = "## Call CompiledFxGraph"
 ATTENTION_KERNEL_MARKS = ("sdpa", "fmha", "flash", "cudnn")  # cuDNN's fused attention (and its helpers), flash
 ANNOTATIONS = {regions.STEP, *REGION_CATEGORY}
 # Where device kernels overlap (several streams), the first of these running wins.
@@ -194,7 +197,8 @@ def _category(e, ctx: _Context) -> str:
         return ctx.region
     if ctx.gemm:
         return "matmul"
-    return "elementwise/normalisation" if e.name.startswith(("aten::", *COMPILED_KERNEL_PREFIXES)) else "other"
+    elementwise = e.name.startswith(("aten::", *COMPILED_KERNEL_PREFIXES, COMPILED_GRAPH_CALL))
+    return "elementwise/normalisation" if elementwise else "other"
 
 
 def _is_backward(e) -> bool:
