@@ -188,7 +188,7 @@ def _bodies():
     per_row = [torch.randn(rows, generator=gen) for _ in range(3)]
     index, owned = torch.randint(0, MASK, (rows, 1), generator=gen), torch.rand(rows, generator=gen) < 0.5
     out = torch.zeros(rows), torch.zeros(rows, dtype=torch.float64), torch.zeros(2, rows, dtype=torch.float64)
-    dropped = torch.arange(PADDED) >= MASK  # the cross entropy's excluded columns, as a mask
+    dropped = vocab_parallel.column_mask(PADDED, excluded, "cpu")  # as the compiled cross entropy takes them
     return {"ce bf16": (vocab_parallel._exp_sum_masked_, (out[0], logits, per_row[0], index, owned, dropped)),
             "ce fp32": (vocab_parallel._exp_sum_masked_, (out[0], logits.float(), per_row[0], index, owned, dropped)),
             "duo max": (duo._row_max_, (out[0], logits, excluded)),
