@@ -327,16 +327,37 @@ def test_categorical_draws_are_the_papers_formula_in_fewer_buffers(dtype):
         assert torch.equal(p, written.softmax(-1)) and torch.equal(logits, kept) and buffers.count == 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_draws_by_cdf_invert_the_cumulative_sum_in_place(dtype):
+    """`sample_by_cdf` takes the first id whose cumulative probability reaches (1 - u) x the row's
+    total (u = 0: the last id of nonzero probability), never an id of probability 0, and makes no
+    buffer of the distribution's size (its cumulative sum is written over it)."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(64, 500, generator=gen, dtype=dtype)
+    probs[:, ::7] = 0.0
+    probs[:, -3:] = 0.0
+    u = torch.rand(64, generator=gen, dtype=dtype)
+    u[0] = 0.0
+    cdf = probs.cumsum(-1)
+    expected = [int((c >= (1 - x) * c[-1]).nonzero()[0]) for c, x in zip(cdf, u)]
+    with NewBuffers(probs.numel()) as buffers:
+        ids = categorical.sample_by_cdf(probs, u)
+    assert ids.tolist() == expected and buffers.count == 0 and torch.equal(probs, cdf)
+    assert ids[0] == 496 and (ids % 7 != 0).all()  # the last nonzero id; zeros never drawn
+
+
 def test_float64_is_default_and_reaches_categorical(models, monkeypatch):
     assert SamplingConfig().float64 is True
     seen = []
-    real = categorical.sample
 
-    def spy(probs, generator):
-        seen.append(probs.dtype)
-        return real(probs, generator)
+    def spy(real):
+        def watched(probs, noise):
+            seen.append(probs.dtype)
+            return real(probs, noise)
+        return watched
 
-    monkeypatch.setattr(categorical, "sample", spy)
+    for name in ("sample", "sample_by_cdf"):  # the race, and Duo's draw at every position
+        monkeypatch.setattr(categorical, name, spy(getattr(categorical, name)))
     for family in FAMILIES:
         for float64, dtype in ((True, torch.float64), (False, torch.float32)):
             seen.clear()
@@ -347,8 +368,11 @@ def test_float64_is_default_and_reaches_categorical(models, monkeypatch):
             assert seen and set(seen) == {dtype}, (family, float64, set(seen))
 
 
-def test_duo_posterior_matches_bayes_rule_in_one_buffer():
-    from megatron_dllm.sampling.duo import posterior
+def test_duo_mixture_is_bayes_rule():
+    """Duo's step draws from q(z_s | z_t = z, x ~ x_theta) as a mixture (stay at z, draw from
+    x_theta, uniform id) whose weights depend on x_theta[z] alone: the mixture written out equals
+    Bayes' rule over the chain's marginals, for every z."""
+    from megatron_dllm.sampling.duo import mixture
 
     torch.manual_seed(0)
     vocab, mask, n_real = 6, 5, 5
@@ -364,11 +388,56 @@ def test_duo_posterior_matches_bayes_rule_in_one_buffer():
     step = step * real * real[:, None]
     for z in range(n_real):
         joint = (x_theta[:, None] * q_marginal(a_s) * step[:, z][None, :]).sum(0)  # sum over x
-        expected = joint / joint.sum()
-        with NewBuffers(vocab) as buffers:
-            got = posterior(x_theta[None], torch.tensor([z]), a_t, a_s, n_real, mask)[0]
-        torch.testing.assert_close(got, expected)
-        assert buffers.count == 1  # q, worked on in place
+        stay, model, noise = mixture(x_theta[z], a_t, a_s, n_real)
+        q = stay * torch.eye(vocab, dtype=torch.float64)[z] + model * x_theta + noise * real.double() / n_real
+        torch.testing.assert_close(q / (stay + model + noise), joint / joint.sum(), rtol=1e-14, atol=1e-15)
+        assert float(stay + model + noise) == pytest.approx(a_t * n_real * float(x_theta[z]) + 1 - a_t, rel=1e-14)
+
+
+def test_duo_samples_have_the_distribution_of_the_papers_step():
+    """Duo draws each position from a mixture (`duo.draw`), not from the posterior formed over the
+    vocabulary as the paper's sampler does. Its samples must have the distribution of that chain:
+    uniform ids to start, at each step one categorical per position over the posterior q (Bayes'
+    rule over the chain's marginals, with the model called on the current canvas at sigma =
+    -log alpha_t), then the greedy tail. Enumerated exactly here (3 positions, 3 ids: 27 canvases)
+    and 20,000 samples are held to it, outcome by outcome (5 sigma)."""
+    ids, length, mask, steps, n = 3, 3, 3, 3, 20_000
+    inf = InferenceModel(random_model("duo", vocab=ids + 1, length=length, seed=4), "duo", mask, ids + 1, length,
+                         None, "hf")
+    sampler = get_sampler(inf, SamplingConfig(steps=steps))
+
+    @torch.no_grad()
+    def x_theta(x, a):
+        return sampler.probs(inf.model(input_ids=torch.tensor([x]), sigma=torch.tensor([-math.log(a)])).logits[0])
+
+    def posterior(x, z, a_t, a_s):  # Bayes' rule: sum over x0 of x(x0) q(z_s | x0) q(z_t = z | z_s), over z_s
+        marginal = a_s * torch.eye(ids, dtype=torch.float64) + (1 - a_s) / ids  # [x0, z_s]
+        step = (a_t / a_s) * torch.eye(ids, dtype=torch.float64)[:, z] + (1 - a_t / a_s) / ids  # [z_s]
+        joint = (x[:ids, None] * marginal).sum(0) * step
+        return joint / joint.sum()
+
+    chain = {x: ids ** -length for x in itertools.product(range(ids), repeat=length)}
+    ts = sampler.timesteps()
+    for t, s in zip(ts[:-1], ts[1:]):
+        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
+        after = collections.defaultdict(float)
+        for x, px in chain.items():
+            probs = x_theta(x, a_t)
+            moves = [posterior(probs[i], z, a_t, a_s).tolist() for i, z in enumerate(x)]
+            for move in itertools.product(range(ids), repeat=length):
+                after[move] += px * math.prod(moves[i][v] for i, v in enumerate(move))
+        chain = after
+    exact = collections.defaultdict(float)
+    for x, px in chain.items():
+        exact[tuple(x_theta(x, sampler.alpha(ts[-1])).argmax(-1).tolist())] += px
+    assert sum(exact.values()) == pytest.approx(1.0, abs=1e-12)
+
+    counts = collections.Counter(map(tuple, generate(inf, SamplingConfig(steps=steps), num_samples=n, batch_size=n,
+                                                     seed=0).tolist()))
+    assert len(counts) > 3  # the greedy tail leaves more than a few outcomes to check
+    for outcome in exact.keys() | counts.keys():
+        p = exact.get(outcome, 0.0)
+        assert abs(counts[outcome] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (outcome, counts[outcome] / n, p)
 
 
 def test_esolm_plans():

@@ -3,8 +3,10 @@
 Sampling is an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-argmax in
 probability space), so p need not be normalised. It runs in float64 by default: float32 noise
 truncates the tail of the distribution, which lowers entropy and gen-PPL artificially
-(facebookresearch/flow_matching#27). Samplers call `sample` through this module, so a test can
-watch which dtype reaches it.
+(facebookresearch/flow_matching#27). Where a draw must be made at every position of a canvas
+(Duo), `sample_by_cdf` inverts the cumulative sum at one uniform per row instead: the same
+distribution without noise of the distribution's size (a race draws and logs one uniform per id).
+Samplers call both through this module, so a test can watch which dtype reaches them.
 """
 from __future__ import annotations
 
@@ -47,3 +49,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     race = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
     race.add_(1e-10).log_().neg_().add_(1e-10)
     return torch.div(probs, race, out=race).argmax(-1)
+
+
+def sample_by_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One id per row of (unnormalised) probs: where its cumulative sum first reaches (1 - u) times
+    the row's total, for uniforms u in [0, 1) of the rows' shape. The target lies in (0, total], so
+    an id of probability 0 is never drawn. Works `probs` into its cumulative sum in place."""
+    cdf = probs.cumsum_(-1)
+    target = torch.sub(1, u).mul_(cdf[..., -1])
+    return torch.searchsorted(cdf, target[..., None])[..., 0]

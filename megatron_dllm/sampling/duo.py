@@ -5,6 +5,13 @@ t to s on linspace(1, 1e-5, T + 1), with x = x_theta (the denoiser at sigma = -l
 the sampling dtype) and z the current token,
     q(j) = [a_t V x_z 1[j = z] + (a_t/a_s - a_t) 1[j = z] + (a_s - a_t) x_j + (1 - a_t/a_s)(1 - a_s)/V]
            / (a_t V x_z + 1 - a_t).
+q is never formed: it is a mixture of three distributions whose weights depend on x_z alone,
+    stay at z:               a_t V x_z + a_t/a_s - a_t
+    draw from x:             a_s - a_t
+    uniform over the V ids:  (1 - a_t/a_s)(1 - a_s)          (the three sum to the denominator),
+so one uniform per position picks the part and another the id within it (the inverse CDF of x,
+or the uniform id). The samples have the distribution of the paper's sampler (not its random
+stream), from one buffer of x's size in place of three, without noise of that size.
 Every position may change at every step, so there is nothing to cache (the model is time-
 conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
 the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
@@ -27,16 +34,22 @@ from .deps import real_ids
 from .positions import flat_positions
 
 
-def posterior(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, num_real: int,
-              mask_id: int) -> torch.Tensor:
-    """q(z_s | z_t = z, x ~ x_theta) over the vocabulary ([MASK] at 0), in x_theta's dtype: one
-    buffer of x_theta's size, worked on in place."""
-    x_z = x_theta.gather(-1, z[..., None])
-    q = x_theta * (a_s - a_t)
-    q.add_((1 - a_t / a_s) * (1 - a_s) / num_real)
-    q[..., mask_id] = 0.0
-    q.scatter_add_(-1, z[..., None], a_t * num_real * x_z + (a_t / a_s - a_t))
-    return q.div_(a_t * num_real * x_z + 1 - a_t)
+def mixture(x_z: torch.Tensor, a_t: float, a_s: float, num_real: int):
+    """The weights (stay at z, draw from x, uniform id) of q(z_s | z_t = z) at each position, from
+    x_z = x_theta[z]; they sum to q's normaliser a_t V x_z + 1 - a_t."""
+    return a_t * num_real * x_z + (a_t / a_s - a_t), a_s - a_t, (1 - a_t / a_s) * (1 - a_s)
+
+
+def draw(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, family, generator) -> torch.Tensor:
+    """One draw per position of z from q(z_s | z_t = z, x ~ x_theta) (`mixture`), with two uniforms
+    per position from `generator`; x_theta [..., V] (normalised over the real ids) is worked into
+    its cumulative sum in place."""
+    stay, model, noise = mixture(x_theta.gather(-1, z[..., None])[..., 0], a_t, a_s, family.num_real)
+    u = torch.rand((2, *z.shape), generator=generator, dtype=x_theta.dtype, device=z.device)
+    pick = u[0] * (stay + model + noise)
+    from_model = categorical.sample_by_cdf(x_theta, u[1])
+    uniform = real_ids(u[1], family.mask_id, family.vocab_size)
+    return torch.where(pick < stay, z, torch.where(pick < stay + model, from_model, uniform))
 
 
 def uniform_ids(b: int, n: int, family, generator, device) -> torch.Tensor:
@@ -45,15 +58,13 @@ def uniform_ids(b: int, n: int, family, generator, device) -> torch.Tensor:
                     family.vocab_size)
 
 
-def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: torch.Generator,
-              num_real: int) -> torch.Tensor:
+def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: torch.Generator) -> torch.Tensor:
     """The ancestral steps on x[:, p:], in place, then the greedy tail (BD3-LM runs them on one
     block); `logits_at(x, alpha)` gives the logits [b, n - p, V] of those positions."""
     ts = sampler.timesteps()
     for t, s in zip(ts[:-1], ts[1:]):
         a_t, a_s = sampler.alpha(t), sampler.alpha(s)
-        q = posterior(sampler.probs(logits_at(x, a_t)), x[:, p:], a_t, a_s, num_real, sampler.mask_id)
-        x[:, p:] = categorical.sample(q, generator)
+        x[:, p:] = draw(sampler.probs(logits_at(x, a_t)), x[:, p:], a_t, a_s, sampler.family, generator)
     x[:, p:] = sampler.probs(logits_at(x, sampler.alpha(ts[-1]))).argmax(-1)  # greedy tail
     return x
 
@@ -82,7 +93,7 @@ class DuoSampler(Sampler):
         at = None if p == 0 else flat_positions(torch.arange(p, self.length, device=x.device).expand(b, -1),
                                                 self.length)
         return ancestral(self, x, p, lambda x, a: self.model(input_ids=x, sigma=self.sigma(x, a), logits_at=at)
-                         .logits.view(b, self.length - p, -1), generator, self.family.num_real)
+                         .logits.view(b, self.length - p, -1), generator)
 
     def uniform_prior(self, batch) -> list[torch.Tensor]:  # also the remasking samplers' fillers
         """Each row's starting noise over its positions to generate, drawn from its own generator."""
@@ -109,9 +120,8 @@ class DuoSampler(Sampler):
                 logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
                 for r in rows:
                     lo, hi = span[r]
-                    q = posterior(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family.num_real,
-                                  self.mask_id)
-                    x[r, lo:hi] = batch.draw(q, r)[0]
+                    x[r, lo:hi] = draw(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family,
+                                       batch.generators[r])[0]
             logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
             for r in rows:  # greedy tail
                 x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
