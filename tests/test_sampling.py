@@ -394,6 +394,21 @@ def test_duo_mixture_is_bayes_rule():
         assert float(stay + model + noise) == pytest.approx(a_t * n_real * float(x_theta[z]) + 1 - a_t, rel=1e-14)
 
 
+def test_duo_draw_makes_no_buffer_of_the_distributions_size(models):
+    """A Duo step's draw works x_theta into its cumulative sum in place: no tensor of its size is
+    made (the posterior and the race made two per step)."""
+    from megatron_dllm.sampling.duo import draw
+
+    family = get_sampler(models["duo"], SamplingConfig()).family
+    x_theta = torch.rand(2, L, V, dtype=torch.float64)
+    x_theta[..., MASK] = 0.0
+    x_theta /= x_theta.sum(-1, keepdim=True)
+    z = torch.randint(0, MASK, (2, L))
+    with NewBuffers(x_theta.numel()) as buffers:
+        ids = draw(x_theta, z, 0.3, 0.5, family, torch.Generator().manual_seed(0))
+    assert buffers.count == 0 and ids.shape == z.shape and (ids != MASK).all()
+
+
 def test_duo_samples_have_the_distribution_of_the_papers_step():
     """Duo draws each position from a mixture (`duo.draw`), not from the posterior formed over the
     vocabulary as the paper's sampler does. Its samples must have the distribution of that chain:

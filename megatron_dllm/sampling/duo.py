@@ -11,7 +11,8 @@ q is never formed: it is a mixture of three distributions whose weights depend o
     uniform over the V ids:  (1 - a_t/a_s)(1 - a_s)          (the three sum to the denominator),
 so one uniform per position picks the part and another the id within it (the inverse CDF of x,
 or the uniform id). The samples have the distribution of the paper's sampler (not its random
-stream), from one buffer of x's size in place of three, without noise of that size.
+stream), with no buffer of x's size beyond x (the posterior and the race made two more) and no
+noise of that size.
 Every position may change at every step, so there is nothing to cache (the model is time-
 conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
 the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
