@@ -3,8 +3,8 @@ and predictor; cached == uncached for AR (KV cache), MDLM (no-change cache) and 
 MDLM's samples against the exact distribution of the paper's chain, and its loop without host waits;
 every sampler's output layer only where it draws (and the AR export's `logits_to_keep`);
 float64 on the sampling path by default, and its draws are the paper code's in fewer buffers;
-Duo's mixture against Bayes' rule and its samples against the paper's chain; Eso-LM plans; clear errors; tools/sample.py end to end on a
-megatron checkpoint and on an HF directory.
+Duo's mixture against Bayes' rule and its samples against the paper's chain; Eso-LM plans; clear
+errors; tools/sample.py end to end on a megatron checkpoint and on an HF directory.
 
 Most tests use small randomly initialised HF models (weights ~ N(0, 0.2^2): the training init
 zeroes adaLN and the output layer, which would make every distribution uniform)."""
