@@ -45,9 +45,10 @@ def run(inf, seed=0, **cfg):
 
 def reference_one_per_step(inf, seed):
     """Low-confidence with one token per step, from the definition: each step, draw x0 at every
-    open position by the exponential race on softmax(logits) (float64, [MASK] excluded) and commit
-    the position whose draw is most likely under the model. Duo: open positions start as the
-    sampler's uniform noise, the time input is alpha = the clean fraction."""
+    open position from softmax(logits) (float64, [MASK] excluded; its cumulative sum inverted at one
+    uniform per position) and commit the position whose draw is most likely under the model. Duo:
+    open positions start as the sampler's uniform noise, the time input is alpha = the clean
+    fraction."""
     g = torch.Generator().manual_seed(seed)
     sampler = get_sampler(inf, SamplingConfig(predictor="low-confidence", tokens_per_step=1))
     x = torch.full((1, L), MASK)
@@ -65,8 +66,9 @@ def reference_one_per_step(inf, seed):
             logits = inf.model(input_ids=x, **kw).logits[0, open_].to(torch.float64)
             logits[:, MASK] = -math.inf
             p = logits.softmax(-1)
-            u = torch.rand(p.shape, generator=g, dtype=torch.float64)
-            x0 = (p / (1e-10 - torch.log(u + 1e-10))).argmax(-1)
+            u = torch.rand(len(open_), generator=g, dtype=torch.float64)
+            cdf = p.cumsum(-1)
+            x0 = (cdf < ((1 - u) * cdf[:, -1])[:, None]).sum(-1)  # the first id whose sum reaches it
             best = int(p[torch.arange(len(open_)), x0].argmax())
             x[0, open_.pop(best)] = x0[best]
     return x

@@ -304,19 +304,26 @@ class NewBuffers(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_categorical_draws_are_the_papers_formula_in_fewer_buffers(dtype):
-    """`sample` draws exactly argmax(p / (1e-10 - log(U + 1e-10))) (the paper code's race) from the
-    same generator, with one buffer of p's size where the formula written out takes five;
-    `probabilities` is softmax(logits / T) with [MASK] at -inf from one copy of the logits, and
-    leaves them as they were (float64 logits included)."""
+def test_categorical_draws_in_fewer_buffers(dtype):
+    """`sample` in float32 draws exactly argmax(p / (1e-10 - log(U + 1e-10))) (the paper code's
+    race) from the same generator, with one buffer of p's size where the formula written out takes
+    five; in float64 it inverts p's cumulative sum at one uniform per row from the generator
+    (`sample_by_cdf`), with no buffer of p's size. `probabilities` is softmax(logits / T) with
+    [MASK] at -inf from one copy of the logits, and leaves them as they were (float64 logits
+    included)."""
     gen = torch.Generator().manual_seed(3)
     probs = torch.rand(64, 500, generator=gen, dtype=dtype)
     probs[:, ::7] = 0.0
+    kept = probs.clone()
     mine, plain = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
     with NewBuffers(probs.numel()) as buffers:
         ids = categorical.sample(probs, mine)
-    u = torch.rand(probs.shape, generator=plain, dtype=dtype)
-    assert torch.equal(ids, (probs / (1e-10 - torch.log(u + 1e-10))).argmax(-1)) and buffers.count == 1
+    if dtype == torch.float64:
+        u = torch.rand(64, generator=plain, dtype=dtype)
+        assert torch.equal(ids, categorical.sample_by_cdf(kept, u)) and buffers.count == 0
+    else:
+        u = torch.rand(probs.shape, generator=plain, dtype=dtype)
+        assert torch.equal(ids, (probs / (1e-10 - torch.log(u + 1e-10))).argmax(-1)) and buffers.count == 1
     for source in (torch.float32, torch.float64):
         logits = (4 * torch.randn(64, 500, generator=gen)).to(source)
         kept = logits.clone()

@@ -1,12 +1,14 @@
-"""Categorical sampling shared by every sampler (as in the paper's code, "Categorical sampling").
+"""Categorical sampling shared by every sampler (the paper's code's "Categorical sampling", in the
+same distribution).
 
-Sampling is an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-argmax in
-probability space), so p need not be normalised. It runs in float64 by default: float32 noise
-truncates the tail of the distribution, which lowers entropy and gen-PPL artificially
-(facebookresearch/flow_matching#27). Where a draw must be made at every position of a canvas
-(Duo), `sample_by_cdf` inverts the cumulative sum at one uniform per row instead: the same
-distribution without noise of the distribution's size (a race draws and logs one uniform per id).
-Samplers call both through this module, so a test can watch which dtype reaches them.
+Sampling runs in float64 by default: float32 noise truncates the tail of the distribution, which
+lowers entropy and gen-PPL artificially (facebookresearch/flow_matching#27). The paper's code
+draws by an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-argmax in
+probability space): one uniform drawn and logged per id. In float64 `sample` inverts the
+cumulative sum at one uniform per row instead (`sample_by_cdf`), the same distribution at a
+fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose truncated noise is what
+that setting exists to show. Neither needs p normalised. Samplers call both through this module,
+so a test can watch which dtype reaches them.
 """
 from __future__ import annotations
 
@@ -44,8 +46,13 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One id per row of (unnormalised) probs, in probs' dtype: argmax(p / (1e-10 - log(U + 1e-10))),
-    in one buffer of probs' size (1e-10 - a is -a + 1e-10 bit for bit)."""
+    """One id per row of (unnormalised) probs, which it consumes: in float64 by inverting the
+    cumulative sum (`sample_by_cdf`) at one uniform per row from `generator`, written over probs;
+    in float32 the paper's race argmax(p / (1e-10 - log(U + 1e-10))), in one buffer of probs' size
+    (1e-10 - a is -a + 1e-10 bit for bit)."""
+    if probs.dtype == torch.float64:
+        return sample_by_cdf(probs, torch.rand(probs.shape[:-1], generator=generator, dtype=probs.dtype,
+                                               device=probs.device))
     race = torch.rand(probs.shape, generator=generator, dtype=probs.dtype, device=probs.device)
     race.add_(1e-10).log_().neg_().add_(1e-10)
     return torch.div(probs, race, out=race).argmax(-1)
