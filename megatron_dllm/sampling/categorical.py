@@ -7,8 +7,8 @@ draws by an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-arg
 probability space): one uniform drawn and logged per id. In float64 `sample` inverts the
 cumulative sum at one uniform per row instead (`sample_by_cdf`), the same distribution at a
 fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose truncated noise is what
-that setting exists to show. Neither needs p normalised. Samplers call both through this module,
-so a test can watch which dtype reaches them.
+that setting exists to show. Neither needs p normalised. Samplers call `sample` through this
+module, so a test can watch which dtype reaches it.
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ q is never formed: it is a mixture of three distributions whose weights depend o
     stay at z:               a_t V x_z + a_t/a_s - a_t
     draw from x:             a_s - a_t
     uniform over the V ids:  (1 - a_t/a_s)(1 - a_s)          (the three sum to the denominator),
-so one uniform per position picks the part and another the id within it (the inverse CDF of x,
-or the uniform id). The samples have the distribution of the paper's sampler (not its random
-stream), with no buffer of x's size beyond x (the posterior and the race made two more) and no
-noise of that size.
+so one uniform per position picks the part and one more the id within it (x's drawn as every
+sampler draws, `categorical.sample`). The samples have the distribution of the paper's sampler
+(not its random stream), with no buffer of x's size beyond x in float64 (the posterior and the
+race made two more).
 Every position may change at every step, so there is nothing to cache (the model is time-
 conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
 the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
@@ -42,13 +42,13 @@ def mixture(x_z: torch.Tensor, a_t: float, a_s: float, num_real: int):
 
 
 def draw(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, family, generator) -> torch.Tensor:
-    """One draw per position of z from q(z_s | z_t = z, x ~ x_theta) (`mixture`), with two uniforms
-    per position from `generator`; x_theta [..., V] (normalised over the real ids) is worked into
-    its cumulative sum in place."""
+    """One draw per position of z from q(z_s | z_t = z, x ~ x_theta) (`mixture`), from `generator`:
+    a uniform picks the part, another the uniform id, and x_theta [..., V] (normalised over the
+    real ids) gives its draw by `categorical.sample`, which consumes it."""
     stay, model, noise = mixture(x_theta.gather(-1, z[..., None])[..., 0], a_t, a_s, family.num_real)
     u = torch.rand((2, *z.shape), generator=generator, dtype=x_theta.dtype, device=z.device)
     pick = u[0] * (stay + model + noise)
-    from_model = categorical.sample_by_cdf(x_theta, u[1])
+    from_model = categorical.sample(x_theta, generator)
     uniform = real_ids(u[1], family.mask_id, family.vocab_size)
     return torch.where(pick < stay, z, torch.where(pick < stay + model, from_model, uniform))
 
