@@ -10,7 +10,7 @@ t = 1 is still masked at s with probability (1 - alpha_s) / (1 - alpha_1). So on
 masked position, drawn up front, fixes the step at which it unmasks (`UnmaskingPlan`: the first
 step whose s has u >= (1 - alpha_s) / (1 - alpha_1)), and a step only draws ids where positions
 unmask. The samples have the distribution of the paper's sampler (not its random stream), with:
-  - the output layer (the model's `logits_at`) and the float64 softmax and race only at the
+  - the output layer (the model's `logits_at`) and the float64 softmax and draw only at the
     positions that unmask, not at every position (at T = L, one in L/2 of the masked ones on
     average), so the sampling buffers no longer bound the batch;
   - the model called only at steps where something unmasks: what the no-change cache saves, the
