@@ -42,14 +42,13 @@ def mixture(x_z: torch.Tensor, a_t: float, a_s: float, num_real: int):
 
 
 def draw(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, family, generator) -> torch.Tensor:
-    """One draw per position of z from q(z_s | z_t = z, x ~ x_theta) (`mixture`), from `generator`:
-    a uniform picks the part, another the uniform id, and x_theta [..., V] (normalised over the
-    real ids) gives its draw by `categorical.sample`, which consumes it."""
+    """One draw per position of z [b, n] from q(z_s | z_t = z, x ~ x_theta) (`mixture`), from
+    `generator`: a uniform picks the part; x_theta [b, n, V] (normalised over the real ids) gives
+    its draw by `categorical.sample`, which consumes it, and `uniform_ids` the uniform one."""
     stay, model, noise = mixture(x_theta.gather(-1, z[..., None])[..., 0], a_t, a_s, family.num_real)
-    u = torch.rand((2, *z.shape), generator=generator, dtype=x_theta.dtype, device=z.device)
-    pick = u[0] * (stay + model + noise)
+    pick = torch.rand(z.shape, generator=generator, dtype=x_theta.dtype, device=z.device) * (stay + model + noise)
     from_model = categorical.sample(x_theta, generator)
-    uniform = real_ids(u[1], family.mask_id, family.vocab_size)
+    uniform = uniform_ids(*z.shape, family, generator, z.device)
     return torch.where(pick < stay, z, torch.where(pick < stay + model, from_model, uniform))
 
 
