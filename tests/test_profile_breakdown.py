@@ -7,6 +7,7 @@ whose events lack it; the script end to end and its bad input."""
 import json
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from megatron_dllm.training.profile_breakdown import (
     breakdown,
     event_key,
     exclusive_timeline,
+    folded_ops,
     kineto_links,
+    linked_ids,
     profile_steps,
 )
 from megatron_dllm.training.profile_regions import ATTENTION, INPUT_WAIT, LOSS_HEAD, OPTIMIZER, STEP
@@ -233,18 +236,42 @@ def test_kineto_links_key_every_event_as_the_profiler_built_it():
     assert len(events) > 3 and all(event_key(e) in links for e in events)
 
 
+def test_an_op_folded_into_its_parent_of_the_same_name_resolves_to_the_parent():
+    """The profile's events leave out the `aten::sum` that `aten::sum` calls (torch.profiler drops an
+    op that is the only child of an op of the same name and hands its kernels to the parent; on the
+    H100 the kernel of `.sum()` linked to the dropped op's id, which no event had): a link to a
+    dropped op resolves to the op of the same name whose span holds it."""
+    prof = _profile(platform.device().type)
+    ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and kineto_links(prof)[event_key(e)] == 0}
+    start = prof.profiler.kineto_results.trace_start_ns()
+    dropped = [ev for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CPU
+               and ev.linked_correlation_id() == 0 and ev.correlation_id() not in ops]
+    assert "aten::sum" in [ev.name() for ev in dropped]
+    folded = folded_ops(prof)
+    for ev in dropped:
+        parent = ops[folded[ev.correlation_id()]]
+        assert parent.name == ev.name() and parent.time_range.start <= (ev.start_ns() - start) / 1000
+        assert (ev.end_ns() - start) / 1000 <= parent.time_range.end
+    if hasattr(prof.events()[0], "linked_correlation_id"):  # torch >= 2.12 (on 2.11 the GPU test below)
+        sum_id = next(ev.correlation_id() for ev in dropped if ev.name() == "aten::sum")
+        kernel_of_the_dropped_sum = types.SimpleNamespace(linked_correlation_id=sum_id)
+        linked = linked_ids(prof)
+        assert ops[linked(kernel_of_the_dropped_sum)].name == "aten::sum"
+        assert all(linked(op) == 0 for op in ops.values())
+
+
 @pytest.mark.gpu
 def test_every_kernel_links_to_the_op_that_launched_it():
     prof = _profile("cuda")
-    links = kineto_links(prof)
+    linked = linked_ids(prof)
     events = prof.events()
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and links.get(event_key(e)) == 0}
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and linked(e) == 0}
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     assert kernels
     by_id = {}
     for e in events:
-        by_id.setdefault(e.id, []).append((e.name, str(e.device_type), links.get(event_key(e))))
+        by_id.setdefault(e.id, []).append((e.name, str(e.device_type), linked(e)))
     for kernel in kernels:  # unlinked: the kernel, its link, and every event with the link's id
-        link = links[event_key(kernel)]
+        link = linked(kernel)
         assert link in ops, (kernel.name, link, by_id.get(link))
         assert kernel.name in [k.name for k in ops[link].kernels], (kernel.name, ops[link].name)

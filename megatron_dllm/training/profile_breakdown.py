@@ -115,12 +115,46 @@ def profile_steps(trainer, steps: int, trace: str | None = None) -> Breakdown:
 def linked_ids(prof):
     """event -> the id of the op it belongs to (a kernel, a CUDA runtime call), 0 for an op itself.
     torch >= 2.12 keeps it on the event (`linked_correlation_id`); older ones (the GPU image has
-    2.11) only on kineto's raw events (`kineto_links`), read only where the events lack it."""
+    2.11) only on kineto's raw events (`kineto_links`), read only where the events lack it. A link
+    to an op the events leave out goes to the op that stands for it (`folded_ops`)."""
     events = prof.events()
     if events and hasattr(events[0], "linked_correlation_id"):
-        return lambda e: e.linked_correlation_id
-    links = kineto_links(prof)
-    return lambda e: links.get(event_key(e), 0)
+        def link(e):
+            return e.linked_correlation_id
+    else:
+        links = kineto_links(prof)
+
+        def link(e):
+            return links.get(event_key(e), 0)
+    folded = folded_ops(prof)
+    return lambda e: folded.get(link(e), link(e))
+
+
+def folded_ops(prof) -> dict:
+    """The id of each op that the profile's events leave out -> the id of the op that stands for it.
+    Building its events, torch.profiler drops an op that is the only child of an op of the same name
+    (`aten::sum` inside `aten::sum`, `aten::add_` inside `aten::add_`) and hands its kernels to the
+    parent, but the kernels still link to the dropped op's id. The parent is the innermost event of
+    the same name, on the same thread, whose span holds the dropped op's."""
+    results = prof.profiler.kineto_results
+    start = results.trace_start_ns()
+    kept, same_name = set(), {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU:
+            kept.add(event_key(e))
+            same_name.setdefault((e.name, e.thread), []).append(e)
+    folded = {}
+    for ev in results.events():
+        if ev.device_type() != DeviceType.CPU or ev.linked_correlation_id() != 0:
+            continue  # not an op: a kernel, a CUDA runtime call
+        begin, end = (ev.start_ns() - start) / 1000, (ev.end_ns() - start) / 1000
+        if (DeviceType.CPU, ev.correlation_id(), begin) in kept:
+            continue
+        holders = [e for e in same_name.get((ev.name(), ev.start_thread_id()), ())
+                   if e.time_range.start <= begin and end <= e.time_range.end]
+        if holders:  # else an op the profiler leaves out by name (aten::is_leaf, ...): it launches nothing
+            folded[ev.correlation_id()] = min(holders, key=lambda e: e.time_range.elapsed_us()).id
+    return folded
 
 
 def kineto_links(prof) -> dict:
