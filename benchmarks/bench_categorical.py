@@ -7,7 +7,8 @@ alpha_t) with q[MASK] = 1 - alpha_s, then one draw per position: written out, th
 exponential race (a logged uniform per id); `categorical.sample`, the cumulative sum inverted at
 one uniform per position. The same distribution, not the same ids (tests/test_sampling.py checks
 the draws against the paper's chain); the race in the samplers' buffers (float32 keeps it) was
-the `categorical` row of the runs before 2026-11-28. The logits come
+the `categorical` row of the runs before 2026-11-28; `categorical, softmax apart` is
+`probabilities` as it was until later that day, its softmax a buffer of its own. The logits come
 in `--logits-dtype` (a GPU model's bf16 or a CPU model's fp32). Memory: the peak allocated above
 the logits (`memory_peak.AllocatedPeak`); at [positions, V] in float64 each buffer is 8 bytes a
 logit, so the peak bounds the largest batch a GPU fits. Variants alternate over `--repeats` rounds.
@@ -43,10 +44,17 @@ def written_out(logits, mask_id, generator):
     return (q / (1e-10 - torch.log(u + 1e-10))).argmax(-1)
 
 
-def samplers(logits, mask_id, generator):
-    q = categorical.probabilities(logits, torch.float64, suppress=mask_id) * (A_S - A_T)
+def samplers(logits, mask_id, generator, probabilities=categorical.probabilities):
+    q = probabilities(logits, torch.float64, suppress=mask_id).mul_(A_S - A_T)
     q[:, mask_id] = 1 - A_S
     return categorical.sample(q, generator)
+
+
+def softmax_apart(logits, dtype, suppress):
+    """`categorical.probabilities` before 2026-11-28 (later): softmax into a buffer of its own."""
+    x = logits.to(dtype, copy=True)
+    x[..., suppress] = float("-inf")
+    return x.softmax(-1)
 
 
 def main(argv=None):
@@ -59,12 +67,16 @@ def main(argv=None):
     dev = platform.device()
     logits = (3 * torch.randn(args.positions, args.vocab, device=dev)).to(getattr(torch, args.logits_dtype))
     mask_id = args.vocab - 1
-    variants = {"written out (the paper's race)": written_out, "categorical": samplers}
-    extra = {}
+    variants = {"written out (the paper's race)": written_out,
+                "categorical, softmax apart": lambda *a: samplers(*a, probabilities=softmax_apart),
+                "categorical": samplers}
+    extra, ids = {}, {}
     for name, fn in variants.items():
         with AllocatedPeak() as peak:
-            fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
+            ids[name] = fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
         extra[name] = peak.extra
+    if not torch.equal(ids["categorical"], ids["categorical, softmax apart"]):
+        sys.exit("error: the softmax in place drew other ids than the softmax apart")
     times = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, fn in variants.items():

@@ -8,14 +8,17 @@ only by the sampler files. Timing both in one process keeps the comparison clear
 between processes on a shared machine, which on this one reached 10%.
 
 The workload is `bench_batched_generation.py`'s: a fixed random model per family at the CPU
-demo's shape (hidden 128, 4 layers, vocabulary 4,097), `--batch` prompts of 8 to 48 tokens with
+demo's shape (hidden 128, 4 layers, vocabulary `--vocab`, default 4,097), `--batch` prompts of 8 to 48 tokens with
 `--new-tokens` each, as batch-1 calls and as one batch, left to right and native (`--steps`);
-BD3-LM with `--bd3lm-block-size`. Tokens/s from the median process CPU time of `--repeats`
+BD3-LM with `--bd3lm-block-size`. `--unconditional`: instead, `--batch` unconditional samples of
+`--seq-length` tokens in one call per family (native, T = `--steps`; AR one token a call), as
+`bench_gpu_generation.py` times them. Tokens/s from the median process CPU time of `--repeats`
 rounds; `same` says whether the two versions produced the same tokens (they may differ where
 float32 logits computed over fewer rows round differently).
 
     git worktree add /tmp/previous COMMIT
-    python benchmarks/bench_sampler_versions.py /tmp/previous [--repeats 5] [--bd3lm-block-size 8] [--json out.json]
+    python benchmarks/bench_sampler_versions.py /tmp/previous [--repeats 5] [--vocab 4097] [--bd3lm-block-size 8]
+        [--unconditional] [--json out.json]
 """
 from __future__ import annotations
 
@@ -31,12 +34,12 @@ import torch
 from bench_batched_generation import NO_EOS, build_bd3lm
 from bench_samplers import FAMILIES, build
 
-from megatron_dllm.sampling import conditional
+MODULES = ("conditional", "generate", "config")  # what the workloads call
 
 
-def load_sampling(checkout: str, name: str = "baseline_sampling"):
-    """`checkout`'s `megatron_dllm/sampling/conditional.py`, imported inside a package `name` made
-    of that checkout's sampling files (its relative imports resolve there; the rest of
+def load_sampling(checkout: str, name: str = "baseline_sampling") -> dict:
+    """`checkout`'s sampling modules (`MODULES`), imported inside a package `name` made of that
+    checkout's `megatron_dllm/sampling/` files (its relative imports resolve there; the rest of
     megatron_dllm is this checkout's)."""
     path = os.path.join(checkout, "megatron_dllm", "sampling")
     if not os.path.isfile(os.path.join(path, "conditional.py")):
@@ -44,17 +47,35 @@ def load_sampling(checkout: str, name: str = "baseline_sampling"):
     package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, None, is_package=True))
     package.__path__ = [path]
     sys.modules[name] = package
-    return importlib.import_module(f"{name}.conditional")
+    return {m: importlib.import_module(f"{name}.{m}") for m in MODULES}
 
 
-def generate(module, protocol: str, batched: bool, inf, prompts, seeds, new_tokens: int, kw: dict) -> list:
-    """`module`'s generation for every prompt: one batched call, or a batch-1 call per prompt."""
-    fn = getattr(module, ("generate_left_to_right" if protocol == "left-to-right" else "generate_native")
-                 + "_batch" * batched)
+def generate(modules, protocol: str, batched: bool, inf, prompts, seeds, new_tokens: int, kw: dict) -> list:
+    """Conditional generation for every prompt: one batched call, or a batch-1 call per prompt."""
+    fn = getattr(modules["conditional"], ("generate_left_to_right" if protocol == "left-to-right"
+                                          else "generate_native") + "_batch" * batched)
     with torch.no_grad():
         if batched:
             return fn(inf, prompts, new_tokens, NO_EOS, seeds=seeds, **kw)
         return [fn(inf, p, new_tokens, NO_EOS, seed=s, **kw) for p, s in zip(prompts, seeds)]
+
+
+def unconditional(modules, inf, batch: int, length: int, steps: int) -> list:
+    """`batch` unconditional samples of `length` tokens in one call (native, T = `steps`), no EOS stop."""
+    cfg = modules["config"].SamplingConfig(steps=steps, seq_length=length, eos_id=0, stop_at_eos=False)
+    return modules["generate"].generate(inf, cfg, num_samples=batch, seed=0).tolist()
+
+
+def alternate(versions: dict, repeats: int, fn, *args) -> tuple[dict, bool]:
+    """Each version's process CPU seconds of `fn(modules, *args)` over `repeats` alternating rounds
+    (after one that warms up), and whether the two versions gave the same output."""
+    cpus, outs = {v: [] for v in versions}, {}
+    for r in range(repeats + 1):
+        for v in versions if r % 2 else reversed(list(versions)):
+            _, cpu, outs[v] = harness.timed(fn, versions[v], *args)
+            if r:
+                cpus[v].append(cpu)
+    return cpus, outs["baseline"] == outs["current"]
 
 
 def main():
@@ -66,34 +87,42 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--bd3lm-block-size", type=int, default=0, help="also BD3-LM with blocks of B (0: not run)")
     ap.add_argument("--families", nargs="*", choices=FAMILIES, default=FAMILIES)
+    ap.add_argument("--vocab", type=int, default=4097, help="vocabulary of the random models (not BD3-LM's)")
+    ap.add_argument("--unconditional", action="store_true",
+                    help="time --batch unconditional samples of --seq-length tokens instead (native, T = --steps)")
     args = harness.parse_args(ap, repeats=5)
-    versions = {"baseline": load_sampling(args.checkout), "current": conditional}
+    versions = {"baseline": load_sampling(args.checkout),
+                "current": {m: importlib.import_module(f"megatron_dllm.sampling.{m}") for m in MODULES}}
     g = torch.Generator().manual_seed(0)
     lengths = torch.linspace(8, 48, args.batch).round().long().tolist()
     prompts = [torch.randint(1, 4000, (n,), generator=g).tolist() for n in lengths]
     seeds = list(range(args.batch))
     tokens = args.batch * args.new_tokens
-    print(f"## {args.checkout} (baseline) vs this checkout (current): {args.batch} prompts (8-48 tokens), context "
-          f"{args.seq_length}, {args.new_tokens} new tokens per row, native T = {args.steps}, torch threads "
-          f"{args.threads}, CPU tokens/s, median of {args.repeats} alternating rounds")
+    workload = (f"{args.batch} unconditional samples of {args.seq_length} tokens" if args.unconditional else
+                f"{args.batch} prompts (8-48 tokens), context {args.seq_length}, {args.new_tokens} new tokens per row")
+    print(f"## {args.checkout} (baseline) vs this checkout (current): V = {args.vocab}, {workload}, native "
+          f"T = {args.steps}, torch threads {args.threads}, CPU tokens/s, median of {args.repeats} alternating rounds")
     print("| family | protocol | calls | baseline | current | current / baseline | same |\n"
           "|---|---|---|---|---|---|---|")
     results = {}
     for family in list(args.families) + ["bd3lm"] * bool(args.bd3lm_block_size):
         inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
-               else build(family, args.seq_length))
+               else build(family, args.seq_length, args.vocab))
+        if args.unconditional:
+            length = args.seq_length
+            cpus, same = alternate(versions, args.repeats, unconditional, inf, args.batch, length, args.steps)
+            rate = {v: args.batch * length / statistics.median(c) for v, c in cpus.items()}
+            results[f"{family}/unconditional"] = {"cpus": cpus, "rate": rate, "same": same}
+            print(f"| {family} | unconditional, L = {length} | batch {args.batch} | {rate['baseline']:.1f} | "
+                  f"{rate['current']:.1f} | {rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} |",
+                  flush=True)
+            continue
         for protocol in ["left-to-right"] + ["native"] * (family != "ar"):
             kw = {"greedy": False} if protocol == "left-to-right" else {"steps": args.steps}
             for batched in (False, True):
-                cpus, outs = {v: [] for v in versions}, {}
-                for r in range(args.repeats + 1):  # round 0 warms up
-                    for v in versions if r % 2 else reversed(list(versions)):
-                        _, cpu, outs[v] = harness.timed(generate, versions[v], protocol, batched, inf, prompts,
-                                                        seeds, args.new_tokens, kw)
-                        if r:
-                            cpus[v].append(cpu)
+                cpus, same = alternate(versions, args.repeats, generate, protocol, batched, inf, prompts, seeds,
+                                       args.new_tokens, kw)
                 rate = {v: tokens / statistics.median(c) for v, c in cpus.items()}
-                same = outs["baseline"] == outs["current"]
                 label = "batched" if batched else "batch-1 loop"
                 results[f"{family}/{protocol}/{label}"] = {"cpus": cpus, "rate": rate, "same": same}
                 print(f"| {family} | {protocol} | {label} | {rate['baseline']:.1f} | {rate['current']:.1f} | "

@@ -29,9 +29,9 @@ FAMILIES = ("ar", "mdlm", "duo", "esolm")
 VOCAB = 4097
 
 
-def build(family: str, length: int) -> InferenceModel:
-    model = random_dense_model(family, VOCAB, length, hidden_size=128, num_layers=4, num_heads=4, cond_dim=128)
-    return InferenceModel(model, family, VOCAB - 1, VOCAB, length, None, "random")
+def build(family: str, length: int, vocab: int = VOCAB) -> InferenceModel:
+    model = random_dense_model(family, vocab, length, hidden_size=128, num_layers=4, num_heads=4, cond_dim=128)
+    return InferenceModel(model, family, vocab - 1, vocab, length, None, "random")
 
 
 def run(inf: InferenceModel, **cfg) -> dict:

@@ -1,5 +1,6 @@
 """On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py,
-and the samplers on CUDA (float64 probabilities equal the CPU's; KV caches equal uncached runs;
+and the samplers on CUDA (float64 probabilities equal the CPU's; the softmax written over its
+input equals one apart; KV caches equal uncached runs;
 batched conditional generation equals batch-1 runs).
 The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 from test_sampling import FAMILIES, PROMPT, V, random_model
 
-from megatron_dllm.sampling import InferenceModel, SamplingConfig, generate
+from megatron_dllm.sampling import InferenceModel, SamplingConfig, categorical, generate
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +51,21 @@ def test_float64_probabilities_equal_the_cpu(family):
         got = gpu.model(**{k: v.cuda() for k, v in kwargs.items()}).logits.softmax(-1).cpu()
     assert want.abs().max() > 0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("vocab", [1000, 4097, 8192, 32001])
+def test_probabilities_written_over_the_logits_copy_equal_a_softmax_apart(vocab, dtype):
+    """`categorical.probabilities` writes the softmax over its own copy of the logits: each of CUDA's
+    softmax kernels (a warp a row up to 1,024 ids; a block a row, with the row in shared memory where
+    it fits, as at 8,192 float64 ids, else read from memory) gives bit for bit the softmax into a
+    buffer of its own."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    logits = (4 * torch.randn(64, vocab, device="cuda", generator=gen)).bfloat16()
+    got = categorical.probabilities(logits, dtype, temperature=0.7, suppress=3)
+    written = logits.to(dtype) / 0.7
+    written[:, 3] = float("-inf")
+    assert torch.equal(got, written.softmax(-1))
 
 
 @pytest.mark.parametrize("family,predictor,steps", [("ar", "ancestral", 16), ("mdlm", "ancestral", 16),

@@ -23,14 +23,14 @@ def probabilities(logits: torch.Tensor, dtype: torch.dtype, temperature: float =
                   top_p: float = 1.0, suppress: int | None = None) -> torch.Tensor:
     """softmax(logits / temperature) in `dtype` over the last dim, id `suppress` ([MASK]) at
     probability 0, restricted to the top-p nucleus and renormalised. One copy of the logits in
-    `dtype`, worked on in place, besides the result: at a sampler's [positions, V] in float64 each
-    buffer is 8 bytes a logit."""
+    `dtype`, worked on in place and returned: at a sampler's [positions, V] in float64 that buffer
+    is 8 bytes a logit, and a second one (softmax's own result) would halve the batch that fits."""
     logits = logits.to(dtype, copy=True)
     if temperature != 1.0:
         logits.div_(temperature)
     if suppress is not None:
         logits[..., suppress] = float("-inf")
-    probs = logits.softmax(-1)
+    probs = torch.softmax(logits, -1, out=logits)  # a row's values are read before they are written
     return nucleus(probs, top_p) if top_p < 1.0 else probs
 
 
