@@ -242,7 +242,8 @@ def test_an_op_folded_into_its_parent_of_the_same_name_resolves_to_the_parent():
     H100 the kernel of `.sum()` linked to the dropped op's id, which no event had): a link to a
     dropped op resolves to the op of the same name whose span holds it."""
     prof = _profile(platform.device().type)
-    ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and kineto_links(prof)[event_key(e)] == 0}
+    links = kineto_links(prof)
+    ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and links[event_key(e)] == 0}
     start = prof.profiler.kineto_results.trace_start_ns()
     dropped = [ev for ev in prof.profiler.kineto_results.events() if ev.device_type() == DeviceType.CPU
                and ev.linked_correlation_id() == 0 and ev.correlation_id() not in ops]
