@@ -12,7 +12,7 @@ each row's first EOS."""
 import pytest
 import torch
 from test_kv_caches import CHUNKS, L, ids_and_positions, incremental_logits, models  # noqa: F401 (the fixture)
-from test_sampling import EOS, MASK, PROMPT, V, random_model
+from test_sampling import EOS, MASK, PROMPT, V, count_rows_drawn, random_model
 
 from megatron_dllm.errors import InputError
 from megatron_dllm.hf.modeling_dllm import KVCache
@@ -167,8 +167,7 @@ def test_graphed_forwards_give_the_eager_samples_and_run_the_output_layer_where_
     for cuda_graphs in (False, True):
         sampler = get_sampler(inf, SamplingConfig(steps=steps, predictor=predictor, eos_id=EOS, stop_at_eos=False,
                                                   cuda_graphs=cuda_graphs))
-        sampler.probs = lambda logits, probs=sampler.probs: (drawn_rows.append(logits.numel() // logits.shape[-1])
-                                                             or probs(logits))
+        count_rows_drawn(sampler, drawn_rows)
         head_rows.clear(), drawn_rows.clear()
         with torch.no_grad():
             runs.append(sampler.sample(torch.tensor([PROMPT, PROMPT]), torch.Generator().manual_seed(3)))

@@ -223,10 +223,21 @@ DRAWING_CASES = [
 ]
 
 
+def count_rows_drawn(sampler, rows: list) -> None:
+    """Append to `rows` the logit rows of every call of the sampler's `probs` and `draw`."""
+    def counted(method):
+        def wrapped(logits, *args, **kwargs):
+            rows.append(logits.numel() // logits.shape[-1])
+            return method(logits, *args, **kwargs)
+        return wrapped
+
+    sampler.probs, sampler.draw = counted(sampler.probs), counted(sampler.draw)
+
+
 @pytest.mark.parametrize("family,options", DRAWING_CASES, ids=lambda c: str(c))
 def test_the_output_layer_runs_only_where_a_sampler_draws(models, family, options):
-    """Every logit row the output layer computes goes into the sampler's probabilities, and nothing
-    else does: the prompt, an Eso-LM slice's clean tokens, the positions a left-to-right step does
+    """Every logit row the output layer computes goes into the sampler's probabilities or draw, and
+    nothing else does: the prompt, an Eso-LM slice's clean tokens, the positions a left-to-right step does
     not fill, the rest of an approximate cache's window and BD3-LM's commits get none. For `sample`
     and for a batch of prompts and canvases of different lengths (`sample_batch`)."""
     from megatron_dllm.sampling.prompt_batch import PromptBatch
@@ -242,8 +253,7 @@ def test_the_output_layer_runs_only_where_a_sampler_draws(models, family, option
     handle = inf.model.get_output_embeddings().register_forward_pre_hook(
         lambda module, args: head_rows.append(args[0].shape[:-1].numel()))
     sampler = get_sampler(inf, SamplingConfig(**{"steps": 4, "eos_id": EOS, **options}))
-    probs = sampler.probs
-    sampler.probs = lambda logits: drawn_rows.append(logits.numel() // logits.shape[-1]) or probs(logits)
+    count_rows_drawn(sampler, drawn_rows)
     try:
         with torch.no_grad():
             sampler.sample(torch.tensor([PROMPT, PROMPT]), torch.Generator().manual_seed(0))
@@ -356,13 +366,13 @@ def test_draws_by_cdf_invert_the_cumulative_sum_in_place(dtype):
 def test_float64_is_default_and_reaches_categorical(models, monkeypatch):
     assert SamplingConfig().float64 is True
     seen = []
-    real = categorical.sample
+    real = categorical.probabilities
 
-    def spy(probs, generator):
-        seen.append(probs.dtype)
-        return real(probs, generator)
+    def spy(logits, dtype, *args, **kwargs):
+        seen.append(dtype)
+        return real(logits, dtype, *args, **kwargs)
 
-    monkeypatch.setattr(categorical, "sample", spy)
+    monkeypatch.setattr(categorical, "probabilities", spy)
     for family in FAMILIES:
         for float64, dtype in ((True, torch.float64), (False, torch.float32)):
             seen.clear()
@@ -399,19 +409,41 @@ def test_duo_mixture_is_bayes_rule():
         assert float(stay + model + noise) == pytest.approx(a_t * n_real * float(x_theta[z]) + 1 - a_t, rel=1e-14)
 
 
-def test_duo_draw_makes_no_buffer_of_the_distributions_size(models):
-    """A Duo step's draw in float64 works x_theta into its cumulative sum in place: no tensor of its
-    size is made (the posterior and the race made two per step)."""
+def test_duo_draw_makes_no_buffer_of_the_distributions_size(models, monkeypatch):
+    """A Duo step's draw forms x_theta in float64 a chunk of positions at a time (here 3) and works
+    it into its cumulative sum in place: no tensor of the whole distribution's size is made (the
+    posterior and the race made two per step, beside x_theta)."""
     from megatron_dllm.sampling.duo import draw
 
-    family = get_sampler(models["duo"], SamplingConfig()).family
-    x_theta = torch.rand(2, L, V, dtype=torch.float64)
-    x_theta[..., MASK] = 0.0
-    x_theta /= x_theta.sum(-1, keepdim=True)
+    monkeypatch.setitem(categorical.CHUNK_BYTES, "cpu", 3 * V * 8)
+    sampler = get_sampler(models["duo"], SamplingConfig())
+    logits = 4 * torch.randn(2, L, V, generator=torch.Generator().manual_seed(1))
     z = torch.randint(0, MASK, (2, L))
-    with NewBuffers(x_theta.numel()) as buffers:
-        ids = draw(x_theta, z, 0.3, 0.5, family, torch.Generator().manual_seed(0))
+    with NewBuffers(logits.numel()) as buffers:
+        ids = draw(sampler, logits, z, 0.3, 0.5, torch.Generator().manual_seed(0))
     assert buffers.count == 0 and ids.shape == z.shape and (ids != MASK).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_draws_a_chunk_of_rows_at_a_time_with_the_ids_of_one_draw(dtype, monkeypatch):
+    """`categorical.draw` forms the distribution a chunk of rows at a time (here 3 rows in float64)
+    and draws the ids that `sample` draws from `probabilities` over every row with the same
+    generator, bit for bit, top-p included; with `at` also each row's probability of that id. In
+    float64 no buffer of the whole distribution's size is made. Chunks: 8 MiB on a CPU, 1 GiB on a GPU."""
+    monkeypatch.setitem(categorical.CHUNK_BYTES, "cpu", 3 * 500 * 8)
+    gen = torch.Generator().manual_seed(4)
+    logits = 4 * torch.randn(4, 5, 500, generator=gen)
+    at = torch.randint(0, 500, (4, 5), generator=gen)
+    probs = categorical.probabilities(logits, dtype, temperature=0.7, top_p=0.9, suppress=3)
+    want = categorical.sample(probs.clone(), torch.Generator().manual_seed(9))
+    with NewBuffers(probs.numel()) as buffers:
+        ids, p_at = categorical.draw(logits, dtype, torch.Generator().manual_seed(9), temperature=0.7, top_p=0.9,
+                                     suppress=3, at=at)
+    assert torch.equal(ids, want) and torch.equal(p_at, probs.gather(-1, at[..., None])[..., 0])
+    if dtype == torch.float64:  # float32 keeps the race, a uniform per id of every row at once
+        assert buffers.count == 0
+    monkeypatch.undo()
+    assert [len(categorical.row_chunks(100, 32001, torch.float64, torch.device(d))) for d in ("cpu", "cuda")] == [4, 1]
 
 
 def test_duo_samples_have_the_distribution_of_the_papers_step():

@@ -160,6 +160,16 @@ class Sampler:
         return categorical.probabilities(logits, self.dtype, self.cfg.temperature, self.cfg.top_p,
                                          suppress=self.mask_id)
 
+    def draw(self, logits: torch.Tensor, generator: torch.Generator, at: torch.Tensor | None = None):
+        """One id per row of logits [..., V] from `probs`'s distribution (`categorical.draw`, a
+        chunk of rows at a time; with `at`, also each row's probability of its id there)."""
+        return categorical.draw(logits, self.dtype, generator, self.cfg.temperature, self.cfg.top_p,
+                                suppress=self.mask_id, at=at)
+
+    def draw_rows(self, logits: torch.Tensor, batch, rows: torch.Tensor) -> torch.Tensor:
+        """One id per row of logits [n, V]; row j draws from the generator of batch row rows[j]."""
+        return torch.cat([self.draw(logits[j:j + 1], batch.generators[int(r)]) for j, r in enumerate(rows)])
+
     def timesteps(self) -> list[float]:
         return torch.linspace(1.0, FINAL_T, self.cfg.steps + 1, dtype=torch.float64).tolist()
 
@@ -189,7 +199,7 @@ class Sampler:
         """One position per step from `start` on: sample from `logits_at(x, pos)` ([b, V]) there."""
         stop = EosStop(self.eos_id, x.shape[0], self.cfg.stop_at_eos, x.device)
         for pos in range(start, self.length):
-            x[:, pos] = stop(categorical.sample(self.probs(logits_at(x, pos)), generator))
+            x[:, pos] = stop(self.draw(logits_at(x, pos), generator))
             if stop.done:
                 x[:, pos + 1:] = self.eos_id
                 break
@@ -208,7 +218,7 @@ class Sampler:
         out: list[list[int]] = [[] for _ in range(batch.size)]
         last = None
         while len(rows):
-            last = batch.draw_rows(self.probs(next_logits(rows, pos, last)), rows)
+            last = self.draw_rows(next_logits(rows, pos, last), batch, rows)
             for r, token in zip(rows.tolist(), last.tolist()):
                 out[r].append(token)
             going = pos + 1 < lengths[rows]

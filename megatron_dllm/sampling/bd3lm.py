@@ -135,7 +135,7 @@ class BD3LMSampler(Sampler):
                 logits = blocks.logits(rows, span, at={r: torch.tensor([at[r] - span[r][0]], device=x.device)
                                                        for r in rows})
                 for r in rows:
-                    x[r, at[r]] = batch.draw(self.probs(logits[r][None]), r)[0]
+                    x[r, at[r]] = self.draw(logits[r][None], batch.generators[r])[0]
                     at[r] += 1
                 rows = [r for r in rows if at[r] < span[r][1] and not (stop_at_eos and x[r, at[r] - 1] == self.eos_id)]
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(batch.prompt_lengths().tolist(), batch.lengths))]

@@ -7,12 +7,21 @@ draws by an exponential race, argmax(p / E) with E = -log U ~ Exp(1) (Gumbel-arg
 probability space): one uniform drawn and logged per id. In float64 `sample` inverts the
 cumulative sum at one uniform per row instead (`sample_by_cdf`), the same distribution at a
 fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose truncated noise is what
-that setting exists to show. Neither needs p normalised. Samplers call `sample` through this
-module, so a test can watch which dtype reaches it.
+that setting exists to show. Neither needs p normalised. Samplers draw from logits through
+`draw`, which forms the float64 distribution a chunk of rows at a time, and through this module,
+so a test can watch which dtype reaches it.
 """
 from __future__ import annotations
 
 import torch
+
+# The float64 rows `draw` works on at once, in bytes. On a CPU, 8 MiB stays in cache and in
+# malloc's reused heap; a fresh buffer of 32 MiB or more is mapped anew and its pages faulted in,
+# and at V = 32,001 the draw took 3x as long. On a GPU each chunk costs a few kernel launches, so
+# a chunk is large and only bounds the step's memory. (The sampler files ship in HF exports
+# without megatron_dllm's platform module, so the device's rule is here.)
+CHUNK_BYTES = {"cpu": 8 << 20}
+GPU_CHUNK_BYTES = 1 << 30
 
 
 def precision(float64: bool) -> torch.dtype:
@@ -43,6 +52,37 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     del before
     kept = probs.scatter_(-1, order, sorted_p)
     return kept.div_(kept.sum(-1, keepdim=True))
+
+
+def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, temperature: float = 1.0,
+         top_p: float = 1.0, suppress: int | None = None, at: torch.Tensor | None = None):
+    """One id per row of logits [..., V] from `probabilities(logits, dtype, temperature, top_p,
+    suppress)`: the ids `sample` draws from them with `generator`. In float64 the rows go through
+    `row_chunks` at a time, their uniforms drawn first as `sample` draws them, so the distribution
+    is never formed over more rows than a chunk's; in float32 the race's uniform per id is drawn at
+    once, as `sample` draws it. With `at` (an id per row): (ids, each row's probability of its id
+    in `at`)."""
+    shape = logits.shape[:-1]
+    rows = logits.reshape(-1, logits.shape[-1])
+    if dtype == torch.float64:
+        u = torch.rand(rows.shape[0], generator=generator, dtype=dtype, device=rows.device)
+        chunks = row_chunks(*rows.shape, dtype, rows.device)
+    else:
+        chunks = [slice(None)]
+    ids, p_at = [], []
+    for chunk in chunks:
+        probs = probabilities(rows[chunk], dtype, temperature, top_p, suppress)
+        if at is not None:
+            p_at.append(probs.gather(-1, at.reshape(-1, 1)[chunk])[:, 0])
+        ids.append(sample_by_cdf(probs, u[chunk]) if dtype == torch.float64 else sample(probs, generator))
+    ids = torch.cat(ids).view(shape)
+    return ids if at is None else (ids, torch.cat(p_at).view(shape))
+
+
+def row_chunks(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> list[slice]:
+    """The rows of a [rows, vocab] distribution in `dtype`, in slices of about `CHUNK_BYTES`."""
+    step = max(1, CHUNK_BYTES.get(device.type, GPU_CHUNK_BYTES) // (vocab * dtype.itemsize))
+    return [slice(i, i + step) for i in range(0, rows, step)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -10,9 +10,9 @@ q is never formed: it is a mixture of three distributions whose weights depend o
     draw from x:             a_s - a_t
     uniform over the V ids:  (1 - a_t/a_s)(1 - a_s)          (the three sum to the denominator),
 so one uniform per position picks the part and one more the id within it (x's drawn as every
-sampler draws, `categorical.sample`). The samples have the distribution of the paper's sampler
-(not its random stream), with no buffer of x's size beyond x in float64 (the posterior and the
-race made two more).
+sampler draws, `categorical.draw`). The samples have the distribution of the paper's sampler
+(not its random stream), and x in float64 is formed a chunk of positions at a time (the
+posterior and the race made two more buffers of its whole size).
 Every position may change at every step, so there is nothing to cache (the model is time-
 conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
 the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
@@ -29,7 +29,6 @@ import math
 
 import torch
 
-from . import categorical
 from .base import Sampler
 from .deps import real_ids
 from .positions import flat_positions
@@ -41,14 +40,16 @@ def mixture(x_z: torch.Tensor, a_t: float, a_s: float, num_real: int):
     return a_t * num_real * x_z + (a_t / a_s - a_t), a_s - a_t, (1 - a_t / a_s) * (1 - a_s)
 
 
-def draw(x_theta: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, family, generator) -> torch.Tensor:
+def draw(sampler: Sampler, logits: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, generator) -> torch.Tensor:
     """One draw per position of z [b, n] from q(z_s | z_t = z, x ~ x_theta) (`mixture`), from
-    `generator`: a uniform picks the part; x_theta [b, n, V] (normalised over the real ids) gives
-    its draw by `categorical.sample`, which consumes it, and `uniform_ids` the uniform one."""
-    stay, model, noise = mixture(x_theta.gather(-1, z[..., None])[..., 0], a_t, a_s, family.num_real)
-    pick = torch.rand(z.shape, generator=generator, dtype=x_theta.dtype, device=z.device) * (stay + model + noise)
-    from_model = categorical.sample(x_theta, generator)
-    uniform = uniform_ids(*z.shape, family, generator, z.device)
+    `generator`: a uniform picks the part; x_theta (`sampler.probs` of logits [b, n, V]) gives its
+    draw and x_theta[z] by `sampler.draw`, a chunk of positions at a time, and `uniform_ids` the
+    uniform one."""
+    pick = torch.rand(z.shape, generator=generator, dtype=sampler.dtype, device=z.device)
+    from_model, x_z = sampler.draw(logits, generator, at=z)
+    stay, model, noise = mixture(x_z, a_t, a_s, sampler.family.num_real)
+    pick = pick * (stay + model + noise)
+    uniform = uniform_ids(*z.shape, sampler.family, generator, z.device)
     return torch.where(pick < stay, z, torch.where(pick < stay + model, from_model, uniform))
 
 
@@ -64,7 +65,7 @@ def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: t
     ts = sampler.timesteps()
     for t, s in zip(ts[:-1], ts[1:]):
         a_t, a_s = sampler.alpha(t), sampler.alpha(s)
-        x[:, p:] = draw(sampler.probs(logits_at(x, a_t)), x[:, p:], a_t, a_s, sampler.family, generator)
+        x[:, p:] = draw(sampler, logits_at(x, a_t), x[:, p:], a_t, a_s, generator)
     x[:, p:] = sampler.probs(logits_at(x, sampler.alpha(ts[-1]))).argmax(-1)  # greedy tail
     return x
 
@@ -120,8 +121,7 @@ class DuoSampler(Sampler):
                 logits = denoiser.logits(rows, span, sigma=-math.log(a_t))
                 for r in rows:
                     lo, hi = span[r]
-                    x[r, lo:hi] = draw(self.probs(logits[r][None]), x[r:r + 1, lo:hi], a_t, a_s, self.family,
-                                       batch.generators[r])[0]
+                    x[r, lo:hi] = draw(self, logits[r][None], x[r:r + 1, lo:hi], a_t, a_s, batch.generators[r])[0]
             logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
             for r in rows:  # greedy tail
                 x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import categorical
 from .base import EosStop, Sampler
 from .deps import InputError
 from .padded_kv_cache import PaddedKVCache
@@ -97,7 +96,7 @@ class EsoLMSampler(Sampler):
             else:
                 logits = self.model(input_ids=x.gather(1, order), position_ids=order,
                                     logits_at=self.masks_at(x, done, k, self.length)).logits
-            new = categorical.sample(self.probs(logits.view(b, k, -1)), generator)
+            new = self.draw(logits.view(b, k, -1), generator)
             if stop.enabled:
                 new = stop(new[:, 0])[:, None]
             x.scatter_(1, order[:, done:done + k], new)
@@ -154,7 +153,7 @@ class EsoLMSampler(Sampler):
             going = []
             for j, (r, k) in enumerate(zip(rows, ks)):
                 if k:
-                    new = batch.draw(self.probs(logits[j][None]), r)[0]
+                    new = self.draw(logits[j][None], batch.generators[r])[0]
                     x[r, orders[r][done[r]:done[r] + k]] = new
                     start[r], done[r] = done[r], done[r] + k
                     if done[r] == lengths[r] or (stop_at_eos and int(new[0]) == self.eos_id):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from . import categorical
 from .base import Sampler
 
 
@@ -73,7 +72,7 @@ def ancestral(sampler: Sampler, x: torch.Tensor, logits_at, generator: torch.Gen
             break
         at = plan.at(k)
         if len(at):
-            flat[at] = categorical.sample(sampler.probs(logits_at(x, at)), generator)
+            flat[at] = sampler.draw(logits_at(x, at), generator)
         elif not sampler.cfg.kv_cache:  # the paper's sampler without its cache: a call at every step
             logits_at(x, at)
     at = plan.at(steps)
@@ -123,7 +122,7 @@ class MDLMSampler(Sampler):
                     logits = denoiser.logits(due, span, at=at)
                     for r in due:
                         if len(at[r]):
-                            blocks[r][at[r]] = batch.draw(self.probs(logits[r]), r)
+                            blocks[r][at[r]] = self.draw(logits[r], batch.generators[r])
             left = [r for r in rows if len(plans[r].at(steps))]
             if left:  # greedy final step at t = 1e-5
                 at = {r: plans[r].at(steps) for r in left}

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import categorical
-
 
 @dataclass
 class PromptBatch:
@@ -44,11 +42,3 @@ class PromptBatch:
             x[i, len(prompt):length] = fillers if isinstance(fillers, int) else fillers[i]
         real = torch.arange(width, device=self.device)[None] < self.canvas_lengths()[:, None]
         return x, real
-
-    def draw(self, probs: torch.Tensor, row: int) -> torch.Tensor:
-        """Categorical draw from row `row`'s generator (probs shaped as that row's batch-1 call)."""
-        return categorical.sample(probs, self.generators[row])
-
-    def draw_rows(self, probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One id per row of probs [n, V]; row j draws from the generator of batch row rows[j]."""
-        return torch.cat([self.draw(probs[j:j + 1], int(r)) for j, r in enumerate(rows)])

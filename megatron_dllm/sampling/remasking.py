@@ -140,7 +140,7 @@ class RemaskingSampler(Sampler):
             for r, open_, row_logits in zip(live, opens, logits.split([len(o) for o in opens])):
                 row = rows[r]
                 lo, hi = row.blocks[row.block]
-                x0 = batch.draw(self.probs(row_logits), r)
+                x0 = self.draw(row_logits, batch.generators[r])
                 p = categorical.probabilities(row_logits, self.dtype, suppress=self.mask_id)
                 chosen = self.select(row, p, x0)
                 x[r, open_[chosen]], committed[r, open_[chosen]] = x0[chosen], True
