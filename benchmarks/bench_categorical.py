@@ -8,7 +8,10 @@ exponential race (a logged uniform per id); `categorical.sample`, the cumulative
 one uniform per position. The same distribution, not the same ids (tests/test_sampling.py checks
 the draws against the paper's chain); the race in the samplers' buffers (float32 keeps it) was
 the `categorical` row of the runs before 2026-11-28; `categorical, softmax apart` is
-`probabilities` as it was until later that day, its softmax a buffer of its own. The logits come
+`probabilities` as it was until later that day, its softmax a buffer of its own. A second table
+times the samplers' draw from the logits (p_x0 alone, as MDLM draws where positions unmask):
+`categorical.draw`, which forms the distribution a chunk of rows at a time, beside the same draw
+over every row at once (the same ids). The logits come
 in `--logits-dtype` (a GPU model's bf16 or a CPU model's fp32). Memory: the peak allocated above
 the logits (`memory_peak.AllocatedPeak`); at [positions, V] in float64 each buffer is 8 bytes a
 logit, so the peak bounds the largest batch a GPU fits. Variants alternate over `--repeats` rounds.
@@ -57,6 +60,43 @@ def softmax_apart(logits, dtype, suppress):
     return x.softmax(-1)
 
 
+def every_row_at_once(logits, mask_id, generator):
+    """The draw from the logits with the distribution formed over every row at once."""
+    return categorical.sample(categorical.probabilities(logits, torch.float64, suppress=mask_id), generator)
+
+
+def in_chunks(logits, mask_id, generator):
+    return categorical.draw(logits, torch.float64, generator, suppress=mask_id)
+
+
+def compare(title: str, variants: dict, same: tuple, logits, mask_id: int, repeats: int) -> None:
+    """Time and peak memory of each variant (alternating over `repeats` rounds) as a table; the two
+    variants named in `same` must draw the same ids."""
+    dev = logits.device
+    extra, ids = {}, {}
+    for name, fn in variants.items():
+        with AllocatedPeak() as peak:
+            ids[name] = fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
+        extra[name] = peak.extra
+    if not torch.equal(ids[same[0]], ids[same[1]]):
+        sys.exit(f"error: {same[0]} and {same[1]} drew other ids")
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
+            platform.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    buffer = logits.numel() * 8
+    print(f"{title}: {list(logits.shape)} logits in {logits.dtype} on {dev}; one float64 buffer "
+          f"{buffer / 2**20:.0f} MiB")
+    print("| variant | median (s) | min (s) | extra peak (MiB) | extra peak / float64 buffer |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ts in times.items():
+        print(f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f} | {extra[name] / 2**20:.0f} "
+              f"| {extra[name] / buffer:.2f} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--positions", type=int, default=4096)
@@ -67,31 +107,13 @@ def main(argv=None):
     dev = platform.device()
     logits = (3 * torch.randn(args.positions, args.vocab, device=dev)).to(getattr(torch, args.logits_dtype))
     mask_id = args.vocab - 1
-    variants = {"written out (the paper's race)": written_out,
-                "categorical, softmax apart": lambda *a: samplers(*a, probabilities=softmax_apart),
-                "categorical": samplers}
-    extra, ids = {}, {}
-    for name, fn in variants.items():
-        with AllocatedPeak() as peak:
-            ids[name] = fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
-        extra[name] = peak.extra
-    if not torch.equal(ids["categorical"], ids["categorical, softmax apart"]):
-        sys.exit("error: the softmax in place drew other ids than the softmax apart")
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            t0 = time.perf_counter()
-            fn(logits, mask_id, torch.Generator(dev).manual_seed(5))
-            platform.synchronize()
-            times[name].append(time.perf_counter() - t0)
-    buffer = args.positions * args.vocab * 8
-    print(f"[{args.positions}, {args.vocab}] logits in {args.logits_dtype} on {dev}; one float64 buffer "
-          f"{buffer / 2**20:.0f} MiB")
-    print("| variant | median (s) | min (s) | extra peak (MiB) | extra peak / float64 buffer |")
-    print("|---|---:|---:|---:|---:|")
-    for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts):.3f} | {min(ts):.3f} | {extra[name] / 2**20:.0f} "
-              f"| {extra[name] / buffer:.2f} |")
+    compare("One MDLM step", {"written out (the paper's race)": written_out,
+                              "categorical, softmax apart": lambda *a: samplers(*a, probabilities=softmax_apart),
+                              "categorical": samplers},
+            ("categorical", "categorical, softmax apart"), logits, mask_id, args.repeats)
+    compare("The samplers' draw from the logits", {"every row at once": every_row_at_once,
+                                                    "categorical.draw (chunks)": in_chunks},
+            ("every row at once", "categorical.draw (chunks)"), logits, mask_id, args.repeats)
 
 
 if __name__ == "__main__":

@@ -442,6 +442,7 @@ def test_draws_a_chunk_of_rows_at_a_time_with_the_ids_of_one_draw(dtype, monkeyp
     assert torch.equal(ids, want) and torch.equal(p_at, probs.gather(-1, at[..., None])[..., 0])
     if dtype == torch.float64:  # float32 keeps the race, a uniform per id of every row at once
         assert buffers.count == 0
+    assert categorical.draw(logits[:0], dtype, torch.Generator()).shape == (0, 5)  # a step with no rows
     monkeypatch.undo()
     assert [len(categorical.row_chunks(100, 32001, torch.float64, torch.device(d))) for d in ("cpu", "cuda")] == [4, 1]
 

@@ -75,14 +75,16 @@ def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, t
         if at is not None:
             p_at.append(probs.gather(-1, at.reshape(-1, 1)[chunk])[:, 0])
         ids.append(sample_by_cdf(probs, u[chunk]) if dtype == torch.float64 else sample(probs, generator))
+        del probs  # before the next chunk's is made
     ids = torch.cat(ids).view(shape)
     return ids if at is None else (ids, torch.cat(p_at).view(shape))
 
 
 def row_chunks(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> list[slice]:
-    """The rows of a [rows, vocab] distribution in `dtype`, in slices of about `CHUNK_BYTES`."""
+    """The rows of a [rows, vocab] distribution in `dtype`, in slices of about `CHUNK_BYTES` (one,
+    empty, for no rows)."""
     step = max(1, CHUNK_BYTES.get(device.type, GPU_CHUNK_BYTES) // (vocab * dtype.itemsize))
-    return [slice(i, i + step) for i in range(0, rows, step)]
+    return [slice(i, i + step) for i in range(0, max(rows, 1), step)]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
