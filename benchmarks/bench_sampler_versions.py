@@ -12,7 +12,8 @@ demo's shape (hidden 128, 4 layers, vocabulary `--vocab`, default 4,097), `--bat
 `--new-tokens` each, as batch-1 calls and as one batch, left to right and native (`--steps`);
 BD3-LM with `--bd3lm-block-size`. `--unconditional`: instead, `--batch` unconditional samples of
 `--seq-length` tokens in one call per family (native, T = `--steps`; AR one token a call), as
-`bench_gpu_generation.py` times them. Tokens/s from the median process CPU time of `--repeats`
+`bench_gpu_generation.py` times them, and each version's peak memory above its start
+(`memory_peak.AllocatedPeak`, one untimed run). Tokens/s from the median process CPU time of `--repeats`
 rounds; `same` says whether the two versions produced the same tokens (they may differ where
 float32 logits computed over fewer rows round differently).
 
@@ -33,6 +34,7 @@ import harness
 import torch
 from bench_batched_generation import NO_EOS, build_bd3lm
 from bench_samplers import FAMILIES, build
+from memory_peak import AllocatedPeak
 
 MODULES = ("conditional", "generate", "config")  # what the workloads call
 
@@ -102,8 +104,9 @@ def main():
                 f"{args.batch} prompts (8-48 tokens), context {args.seq_length}, {args.new_tokens} new tokens per row")
     print(f"## {args.checkout} (baseline) vs this checkout (current): V = {args.vocab}, {workload}, native "
           f"T = {args.steps}, torch threads {args.threads}, CPU tokens/s, median of {args.repeats} alternating rounds")
-    print("| family | protocol | calls | baseline | current | current / baseline | same |\n"
-          "|---|---|---|---|---|---|---|")
+    peak_columns = " peak MiB, baseline | peak MiB, current |" if args.unconditional else ""
+    print(f"| family | protocol | calls | baseline | current | current / baseline | same |{peak_columns}\n"
+          f"|---|---|---|---|---|---|---|{'---:|---:|' if args.unconditional else ''}")
     results = {}
     for family in list(args.families) + ["bd3lm"] * bool(args.bd3lm_block_size):
         inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
@@ -112,10 +115,15 @@ def main():
             length = args.seq_length
             cpus, same = alternate(versions, args.repeats, unconditional, inf, args.batch, length, args.steps)
             rate = {v: args.batch * length / statistics.median(c) for v, c in cpus.items()}
-            results[f"{family}/unconditional"] = {"cpus": cpus, "rate": rate, "same": same}
+            peak = {}
+            for v, modules in versions.items():  # untimed: the dispatch mode slows every operation
+                with AllocatedPeak() as allocated:
+                    unconditional(modules, inf, args.batch, length, args.steps)
+                peak[v] = allocated.extra / 2 ** 20
+            results[f"{family}/unconditional"] = {"cpus": cpus, "rate": rate, "same": same, "peak_mib": peak}
             print(f"| {family} | unconditional, L = {length} | batch {args.batch} | {rate['baseline']:.1f} | "
-                  f"{rate['current']:.1f} | {rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} |",
-                  flush=True)
+                  f"{rate['current']:.1f} | {rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} | "
+                  f"{peak['baseline']:.0f} | {peak['current']:.0f} |", flush=True)
             continue
         for protocol in ["left-to-right"] + ["native"] * (family != "ar"):
             kw = {"greedy": False} if protocol == "left-to-right" else {"steps": args.steps}

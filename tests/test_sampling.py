@@ -224,19 +224,19 @@ DRAWING_CASES = [
 
 
 def count_rows_drawn(sampler, rows: list) -> None:
-    """Append to `rows` the logit rows of every call of the sampler's `probs` and `draw`."""
+    """Append to `rows` the logit rows of every call of the sampler's `draw` and `greedy`."""
     def counted(method):
         def wrapped(logits, *args, **kwargs):
             rows.append(logits.numel() // logits.shape[-1])
             return method(logits, *args, **kwargs)
         return wrapped
 
-    sampler.probs, sampler.draw = counted(sampler.probs), counted(sampler.draw)
+    sampler.draw, sampler.greedy = counted(sampler.draw), counted(sampler.greedy)
 
 
 @pytest.mark.parametrize("family,options", DRAWING_CASES, ids=lambda c: str(c))
 def test_the_output_layer_runs_only_where_a_sampler_draws(models, family, options):
-    """Every logit row the output layer computes goes into the sampler's probabilities or draw, and
+    """Every logit row the output layer computes goes into the sampler's draw or greedy choice, and
     nothing else does: the prompt, an Eso-LM slice's clean tokens, the positions a left-to-right step does
     not fill, the rest of an approximate cache's window and BD3-LM's commits get none. For `sample`
     and for a batch of prompts and canvases of different lengths (`sample_batch`)."""
@@ -422,6 +422,23 @@ def test_duo_draw_makes_no_buffer_of_the_distributions_size(models, monkeypatch)
     with NewBuffers(logits.numel()) as buffers:
         ids = draw(sampler, logits, z, 0.3, 0.5, torch.Generator().manual_seed(0))
     assert buffers.count == 0 and ids.shape == z.shape and (ids != MASK).all()
+
+
+@pytest.mark.parametrize("suppress", [0, 3, 499, None])
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+def test_greedy_is_the_argmax_of_the_distribution_without_forming_it(suppress, source):
+    """`categorical.greedy` (the greedy tails of MDLM and Duo) gives the argmax of `probabilities`
+    in float64 at temperature 0.7 and top-p 1 or 0.9, with [MASK] first, inside, last or absent
+    and its own logit the largest, ties to the lower id, and makes no buffer of the logits' size."""
+    gen = torch.Generator().manual_seed(6)
+    logits = (4 * torch.randn(64, 500, generator=gen)).to(source)
+    logits[:8, 1] = logits[:8, 10] = logits[:8].max() + 1  # a tie (across [MASK] at 3): the lower id
+    logits[8:16, suppress or 0] = 100
+    with NewBuffers(logits.numel()) as buffers:
+        got = categorical.greedy(logits, suppress)
+    assert buffers.count == 0 and (got[:8] == 1).all()
+    for top_p in (1.0, 0.9):
+        assert torch.equal(got, categorical.probabilities(logits, torch.float64, 0.7, top_p, suppress).argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -166,6 +166,11 @@ class Sampler:
         return categorical.draw(logits, self.dtype, generator, self.cfg.temperature, self.cfg.top_p,
                                 suppress=self.mask_id, at=at)
 
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The most likely id per row of logits [..., V] under `probs` ([MASK] never), without
+        forming the distribution (`categorical.greedy`)."""
+        return categorical.greedy(logits, self.mask_id)
+
     def draw_rows(self, logits: torch.Tensor, batch, rows: torch.Tensor) -> torch.Tensor:
         """One id per row of logits [n, V]; row j draws from the generator of batch row rows[j]."""
         return torch.cat([self.draw(logits[j:j + 1], batch.generators[int(r)]) for j, r in enumerate(rows)])

@@ -80,6 +80,22 @@ def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, t
     return ids if at is None else (ids, torch.cat(p_at).view(shape))
 
 
+def greedy(logits: torch.Tensor, suppress: int | None = None) -> torch.Tensor:
+    """The most likely id per row of logits [..., V], `suppress` excluded: the argmax of
+    `probabilities(logits, ...)` at any temperature and top-p (the softmax keeps the ids' order,
+    the nucleus the most likely one) without forming them, from two views of the logits. A tie
+    goes to the lower id, as argmax's do."""
+    if suppress is None:
+        return logits.argmax(-1)
+    below, above = logits[..., :suppress], logits[..., suppress + 1:]
+    if not above.shape[-1]:
+        return below.argmax(-1)
+    if not below.shape[-1]:
+        return above.argmax(-1) + suppress + 1
+    low, high = below.max(-1), above.max(-1)
+    return torch.where(low.values >= high.values, low.indices, high.indices + suppress + 1)
+
+
 def row_chunks(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> list[slice]:
     """The rows of a [rows, vocab] distribution in `dtype`, in slices of about `CHUNK_BYTES` (one,
     empty, for no rows)."""

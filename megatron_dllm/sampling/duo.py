@@ -42,9 +42,9 @@ def mixture(x_z: torch.Tensor, a_t: float, a_s: float, num_real: int):
 
 def draw(sampler: Sampler, logits: torch.Tensor, z: torch.Tensor, a_t: float, a_s: float, generator) -> torch.Tensor:
     """One draw per position of z [b, n] from q(z_s | z_t = z, x ~ x_theta) (`mixture`), from
-    `generator`: a uniform picks the part; x_theta (`sampler.probs` of logits [b, n, V]) gives its
-    draw and x_theta[z] by `sampler.draw`, a chunk of positions at a time, and `uniform_ids` the
-    uniform one."""
+    `generator`: a uniform picks the part; `sampler.draw` gives x_theta's draw (the sampler's
+    distribution of logits [b, n, V], a chunk of positions at a time) and x_theta[z], and
+    `uniform_ids` the uniform one."""
     pick = torch.rand(z.shape, generator=generator, dtype=sampler.dtype, device=z.device)
     from_model, x_z = sampler.draw(logits, generator, at=z)
     stay, model, noise = mixture(x_z, a_t, a_s, sampler.family.num_real)
@@ -66,7 +66,7 @@ def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: t
     for t, s in zip(ts[:-1], ts[1:]):
         a_t, a_s = sampler.alpha(t), sampler.alpha(s)
         x[:, p:] = draw(sampler, logits_at(x, a_t), x[:, p:], a_t, a_s, generator)
-    x[:, p:] = sampler.probs(logits_at(x, sampler.alpha(ts[-1]))).argmax(-1)  # greedy tail
+    x[:, p:] = sampler.greedy(logits_at(x, sampler.alpha(ts[-1])))  # greedy tail
     return x
 
 
@@ -124,5 +124,5 @@ class DuoSampler(Sampler):
                     x[r, lo:hi] = draw(self, logits[r][None], x[r:r + 1, lo:hi], a_t, a_s, batch.generators[r])[0]
             logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
             for r in rows:  # greedy tail
-                x[r, span[r][0]:span[r][1]] = self.probs(logits[r]).argmax(-1)
+                x[r, span[r][0]:span[r][1]] = self.greedy(logits[r])
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

@@ -77,7 +77,7 @@ def ancestral(sampler: Sampler, x: torch.Tensor, logits_at, generator: torch.Gen
             logits_at(x, at)
     at = plan.at(steps)
     if len(at):  # greedy final step at t = 1e-5
-        flat[at] = sampler.probs(logits_at(x, at)).argmax(-1)
+        flat[at] = sampler.greedy(logits_at(x, at))
     return x
 
 
@@ -128,5 +128,5 @@ class MDLMSampler(Sampler):
                 at = {r: plans[r].at(steps) for r in left}
                 logits = denoiser.logits(left, span, at=at)
                 for r in left:
-                    blocks[r][at[r]] = self.probs(logits[r]).argmax(-1)
+                    blocks[r][at[r]] = self.greedy(logits[r])
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
