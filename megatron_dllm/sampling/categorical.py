@@ -8,8 +8,9 @@ probability space): one uniform drawn and logged per id. In float64 `sample` inv
 cumulative sum at one uniform per row instead (`sample_by_cdf`), the same distribution at a
 fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose truncated noise is what
 that setting exists to show. Neither needs p normalised. Samplers draw from logits through
-`draw`, which forms the float64 distribution a chunk of rows at a time, and through this module,
-so a test can watch which dtype reaches it.
+`draw`, which forms the float64 distribution a chunk of rows at a time (`row_chunks`), and take
+greedy ids through `greedy`, which forms none; `draw` reaches `probabilities` through this
+module's namespace, so a test can watch which dtype reaches it.
 """
 from __future__ import annotations
 
