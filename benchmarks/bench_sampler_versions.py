@@ -80,6 +80,23 @@ def alternate(versions: dict, repeats: int, fn, *args) -> tuple[dict, bool]:
     return cpus, outs["baseline"] == outs["current"]
 
 
+def unconditional_row(versions: dict, inf, family: str, args) -> dict:
+    """Both versions' unconditional tokens/s (alternating rounds) and peak memory (one untimed run
+    each: the dispatch mode slows every operation), printed as a table row."""
+    work = (inf, args.batch, args.seq_length, args.steps)
+    cpus, same = alternate(versions, args.repeats, unconditional, *work)
+    rate = {v: args.batch * args.seq_length / statistics.median(c) for v, c in cpus.items()}
+    peak = {}
+    for v, modules in versions.items():
+        with AllocatedPeak() as allocated:
+            unconditional(modules, *work)
+        peak[v] = allocated.extra / 2 ** 20
+    print(f"| {family} | unconditional, L = {args.seq_length} | batch {args.batch} | {rate['baseline']:.1f} | "
+          f"{rate['current']:.1f} | {rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} | "
+          f"{peak['baseline']:.0f} | {peak['current']:.0f} |", flush=True)
+    return {"cpus": cpus, "rate": rate, "same": same, "peak_mib": peak}
+
+
 def main():
     ap = harness.parser(__doc__)
     ap.add_argument("checkout", help="a checkout of another commit (git worktree add DIR COMMIT)")
@@ -112,18 +129,7 @@ def main():
         inf = (build_bd3lm(args.seq_length, args.bd3lm_block_size) if family == "bd3lm"
                else build(family, args.seq_length, args.vocab))
         if args.unconditional:
-            length = args.seq_length
-            cpus, same = alternate(versions, args.repeats, unconditional, inf, args.batch, length, args.steps)
-            rate = {v: args.batch * length / statistics.median(c) for v, c in cpus.items()}
-            peak = {}
-            for v, modules in versions.items():  # untimed: the dispatch mode slows every operation
-                with AllocatedPeak() as allocated:
-                    unconditional(modules, inf, args.batch, length, args.steps)
-                peak[v] = allocated.extra / 2 ** 20
-            results[f"{family}/unconditional"] = {"cpus": cpus, "rate": rate, "same": same, "peak_mib": peak}
-            print(f"| {family} | unconditional, L = {length} | batch {args.batch} | {rate['baseline']:.1f} | "
-                  f"{rate['current']:.1f} | {rate['current'] / rate['baseline']:.2f}x | {'yes' if same else 'NO'} | "
-                  f"{peak['baseline']:.0f} | {peak['current']:.0f} |", flush=True)
+            results[f"{family}/unconditional"] = unconditional_row(versions, inf, family, args)
             continue
         for protocol in ["left-to-right"] + ["native"] * (family != "ar"):
             kw = {"greedy": False} if protocol == "left-to-right" else {"steps": args.steps}
