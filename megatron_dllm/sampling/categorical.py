@@ -77,8 +77,14 @@ def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, t
             p_at.append(probs.gather(-1, at.reshape(-1, 1)[chunk])[:, 0])
         ids.append(sample_by_cdf(probs, u[chunk]) if dtype == torch.float64 else sample(probs, generator))
         del probs  # before the next chunk's is made
-    ids = torch.cat(ids).view(shape)
-    return ids if at is None else (ids, torch.cat(p_at).view(shape))
+    ids = joined(ids).view(shape)
+    return ids if at is None else (ids, joined(p_at).view(shape))
+
+
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' results as one tensor; a single chunk's as it is (no copy: a kernel less per
+    step on a GPU, where batch-1 steps are launch-bound)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def greedy(logits: torch.Tensor, suppress: int | None = None) -> torch.Tensor:
