@@ -127,7 +127,11 @@ def linked_ids(prof):
         def link(e):
             return links.get(event_key(e), 0)
     folded = folded_ops(prof)
-    return lambda e: folded.get(link(e), link(e))
+
+    def resolved(e):
+        op = link(e)
+        return folded.get(op, op)
+    return resolved
 
 
 def folded_ops(prof) -> dict:
