@@ -2,6 +2,7 @@
 inspect/verify. Real text: Shakespeare's plays written by the tests as JSONL, .jsonl.gz,
 .jsonl.zst and Parquet."""
 
+import contextlib
 import gzip
 import json
 import os
@@ -322,8 +323,33 @@ def _wait_for(pred, timeout=60.0):
     return False
 
 
+def _interrupt_before_publishing(argv, ready, outputs, interrupt, attempts=3):
+    """Run the tool `argv` in a session of its own until `ready(p)`, stop the session there and,
+    unless any of its `outputs` exists yet, `interrupt(p)` before letting it go on; returns
+    (p, stderr) once it has ended. Stopping first makes the interruption land before publication
+    however late this process sees `ready` (on a loaded machine a whole shard once finished
+    between the two). A run that published first tests nothing: its outputs go, and it runs again."""
+    for _ in range(attempts):
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
+                             start_new_session=True)
+        assert _wait_for(lambda p=p: p.poll() is not None or ready(p)), p.communicate()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGSTOP)
+        missed = any(os.path.exists(f) for f in outputs)
+        if not missed and p.poll() is None:  # one that ended unpublished is for the caller to judge
+            interrupt(p)
+        with contextlib.suppress(ProcessLookupError):  # a SIGKILL may have ended the whole session
+            os.killpg(p.pid, signal.SIGCONT)
+        _, err = p.communicate(timeout=60)
+        if not missed:
+            return p, err
+        for f in filter(os.path.exists, outputs):
+            os.remove(f)
+    pytest.fail(f"{argv[1]} published its outputs before it could be stopped, {attempts} times")
+
+
 def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model):
-    # A bigger shard so the kill lands mid-run: 2 copies of the 12 plays, 24 files.
+    # 2 copies of the 12 plays, 24 files.
     docs = {f"{k}_{c}": v for c in range(2) for k, v in plays.items()}
     inputs = _write_formats(str(tmp_path / "in"), docs, formats=("jsonl",))["jsonl"]
     ref = str(tmp_path / "ref" / "c")
@@ -339,46 +365,43 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     assert r.returncode == 0 and "shard 0 of 2" in r.stdout, r.stderr
     final = shard_prefix(out, 1, 2) + "_text_document"
 
-    def started(run=tmp_path / "run"):
-        return [f for f in os.listdir(run) if "shard00001" in f and ".bin.tmp-" in f and os.path.getsize(run / f) > 0]
+    def started(p, run=tmp_path / "run"):
+        """`p` has written tokens to its temporary .bin of shard 1."""
+        return any(f".bin.tmp-{p.pid}-" in f and "shard00001" in f and os.path.getsize(run / f) > 0
+                   for f in os.listdir(run))
 
     # 1) SIGKILL one tokenizer worker: the shard fails loudly and leaves no finished file
     import psutil
 
-    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1",
-                          "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True)
-    proc = psutil.Process(p.pid)
-    assert _wait_for(lambda: len(proc.children()) >= 2 and started())
-    kids = [c for c in proc.children() if "resource_tracker" not in " ".join(c.cmdline())]
-    os.kill(kids[-1].pid, signal.SIGKILL)
-    _, err = p.communicate(timeout=60)
+    def workers(p):
+        return [c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
+
+    argv = [sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"]
+    shard_outputs = [final + ".bin", final + ".idx", shard_prefix(out, 1, 2) + ".done.json"]
+    p, err = _interrupt_before_publishing([*argv, "--workers", "2"], lambda p: len(workers(p)) >= 2 and started(p),
+                                          shard_outputs, lambda p: os.kill(workers(p)[-1].pid, signal.SIGKILL))
     assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
     assert not os.path.exists(final + ".idx")
 
     # 1b) Ctrl-C, which a terminal sends to the whole process group (workers too): one line, exit 130.
-    # Its own input, forty copies of the plays: a shard of 24 files could finish between the first
-    # temporary file and the signal on a loaded machine (it did once, exit 0).
+    # Its own input, forty copies of the plays, so that few runs finish before they are stopped.
     copies = {f"{k}_{c}": v for c in range(40) for k, v in plays.items()}
     _write_formats(str(tmp_path / "in_1b"), copies, formats=("jsonl",))
     (tmp_path / "run_1b").mkdir()
     flags = [str(tmp_path / "in_1b" / "jsonl" / "*.jsonl") if a == cmd[2] else a for a in cmd[1:]]
     flags[flags.index("--output-prefix") + 1] = str(tmp_path / "run_1b" / "c")
-    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *flags, "--shard-index", "1",
-                          "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
-                         start_new_session=True)
-    assert _wait_for(lambda: any(f".tmp-{p.pid}-" in f for f in started(tmp_path / "run_1b")))
-    os.killpg(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    final_1b = shard_prefix(str(tmp_path / "run_1b" / "c"), 1, 2)
+    p, err = _interrupt_before_publishing(
+        [sys.executable, os.path.join(TOOLS, cmd[0]), *flags, "--shard-index", "1", "--workers", "2"],
+        lambda p: started(p, tmp_path / "run_1b"),
+        [final_1b + "_text_document.bin", final_1b + "_text_document.idx", final_1b + ".done.json"],
+        lambda p: os.killpg(p.pid, signal.SIGINT))
     assert p.returncode == 130 and err.splitlines()[-1] == "interrupted" and "Traceback" not in err, err[-3000:]
     assert not [f for f in os.listdir(tmp_path / "run_1b") if f.endswith(".idx")]
 
     # 2) SIGKILL the whole shard process mid-run: only temporaries remain
-    p = subprocess.Popen([sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    assert _wait_for(started), p.communicate()
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert not os.path.exists(final + ".idx") and not os.path.exists(final + ".bin") and started()
+    p, _ = _interrupt_before_publishing(argv, started, shard_outputs, lambda p: p.send_signal(signal.SIGKILL))
+    assert not os.path.exists(final + ".idx") and not os.path.exists(final + ".bin") and started(p)
     assert not os.path.exists(shard_prefix(out, 1, 2) + ".done.json")
     with pytest.raises(DatasetFormatError):
         validate_indexed_dataset(final)
