@@ -109,8 +109,8 @@ def main(argv=None) -> None:
                    help="the weight gradients added into the fp32 main gradients inside their GEMMs (default: "
                         "the trainer's default on this GPU)")
     p.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=None,
-                   help="megatron-core's timers (default: the trainer's, 1; each timer at or below the level "
-                        "synchronises with the GPU when it starts and stops)")
+                   help="megatron-core's timers (default: the trainer's, 1; on a GPU each timer at or below "
+                        "the level records CUDA events when it starts and stops)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="the trainer's full-iteration CUDA graph (--cuda-graph-scope full_iteration), captured at "
                         "the second warm-up step")

@@ -104,8 +104,8 @@ def run_config(preset, batch: int, seq: int, train_iters: int, attention_backend
     eager, "all" forces the compiled regions and the bias fusions on (masked-softmax fusion stays
     at its default). `cuda_graph`: the full-iteration CUDA graph, captured at the second step.
     `gradient_accumulation_fusion`: on or off (None: the platform's default). `timing_log_level`:
-    megatron-core's timers (None: the trainer's default; each timer at or below it synchronises
-    with the GPU when it starts and stops). `extra_flags`: more of pretrain_dllm.py's flags (the
+    megatron-core's timers (None: the trainer's default; on a GPU each timer at or below it records
+    CUDA events when it starts and stops). `extra_flags`: more of pretrain_dllm.py's flags (the
     GPT backbone's shape)."""
     from megatron_dllm.config import parse_args, validate
 
@@ -173,9 +173,8 @@ class MegatronStep:
 
         loss, _ = train_step(self.model, self.optimizer, self.scheduler, self.family, self.batches, 0, self.config,
                              self.timers, graph=self.graph)
-        # The loss is read before the optimizer step. Its kernels have finished here only because the
-        # trainer's "optimizer" timer synchronises (megatron's timers do at --timing-log-level >= 1):
-        # a timed step must not depend on that setting.
+        # The loss is read before the optimizer step, whose kernels may still run here: a timed step
+        # ends when the device has finished them.
         platform.synchronize()
         return loss
 

@@ -206,7 +206,8 @@ case $STAGE in
     gpu_tests gpu_tests 180 tests/test_cuda_graph.py tests/test_attention_backend.py tests/test_fusion.py \
       tests/test_reference_dit.py tests/test_gpu.py tests/test_cuda_graphs.py tests/test_batches.py \
       tests/test_profile_breakdown.py tests/test_gradient_accumulation_fusion.py \
-      tests/test_vocab_parallel.py::test_compiled_heads_on_the_gpu_equal_the_eager_ones
+      tests/test_vocab_parallel.py::test_compiled_heads_on_the_gpu_equal_the_eager_ones \
+      tests/test_throughput.py::test_device_timers_time_the_gpu_without_waiting_for_it
     # the host's dispatch left the GPU idle a fifth of the step on 2026-11-27: the full-iteration
     # graph for every family, then the same step without it (MDLM) beside it
     # (in the same log, as a call returns 8 files) then MDLM's without gradient-accumulation fusion,
@@ -254,8 +255,9 @@ $PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]} --compare dynamic && e
       --fusion none --max-micro-batch $MAXMB
     train_step step_local_fused 150 --families mdlm --recompute-granularity off --attention-backend local \
       --fusion default --max-micro-batch 2
-    # megatron-core's timers synchronise with the GPU at each start and stop (12 an iteration at the
-    # trainer's default level 1; Megatron-LM's default is 0): MDLM's step at level 0 beside level 1
+    # the phase timers record CUDA events (observability.EventTimer), where megatron-core's synchronised
+    # with the GPU 12 times an iteration at the trainer's default level 1: MDLM's step at level 0
+    # (Megatron-LM's default, no timers) beside level 1 shows whether timing still costs anything
     for level in 1 0; do
       train_step step_sdpa_timers$level 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
         --fusion default --max-micro-batch $SDPA_MB --timing-log-level $level

@@ -89,3 +89,107 @@ def test_the_data_phase_is_timed_on_the_host_and_never_synchronises_the_device(m
     timers("forward-backward", log_level=1).start()  # a phase of its own synchronises, as megatron's does
     assert len(syncs) == 1
     assert "data" not in observability.phase_times(observability.make_timers(0), 1)
+
+
+class ManualEvent:
+    """torch.cuda.Event's part the timers use, on a device whose clock the test sets: an event is
+    recorded at `now` ms and completes once `done` has reached it; a synchronisation on one not yet
+    complete is a wait, counted, after which the device is done up to it."""
+    now, done, waits = 0.0, 0.0, 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+
+    def record(self):
+        self.at = ManualEvent.now
+
+    def query(self):
+        return self.at <= ManualEvent.done
+
+    def synchronize(self):
+        ManualEvent.waits += self.at > ManualEvent.done
+        ManualEvent.done = max(ManualEvent.done, self.at)
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+@pytest.fixture
+def device_clock(monkeypatch):
+    """ManualEvent as torch.cuda.Event; (synchronisations, barriers) are recorded."""
+    syncs, barriers = [], []
+    monkeypatch.setattr(torch.cuda, "Event", ManualEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: syncs.append(args))
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: barriers.append(kwargs))
+    monkeypatch.setattr(ManualEvent, "now", 0.0)
+    monkeypatch.setattr(ManualEvent, "done", 0.0)
+    monkeypatch.setattr(ManualEvent, "waits", 0)
+    return syncs, barriers
+
+
+def test_device_timers_record_events_and_wait_only_when_read(device_clock):
+    """On a GPU the phase timers record CUDA events: the host never waits while they start and stop,
+    a phase's time is the device's between them, and only reading them waits (for one event)."""
+    syncs, barriers = device_clock
+    timers = observability.make_timers(1, device_events=True)
+    assert isinstance(timers("batch-generator", log_level=1), observability.HostTimer)
+    assert timers("forward-compute", log_level=2) is timers._dummy_timer  # above the level: not timed
+    phase = timers("forward-backward", log_level=1)
+    assert isinstance(phase, observability.EventTimer)
+    for _ in range(3 * observability.EventTimer.PENDING):  # the device falls behind the host
+        phase.start()
+        ManualEvent.now += 5.0
+        phase.stop()
+        ManualEvent.now += 1.0
+    assert syncs == [] and barriers == [] and ManualEvent.waits == 0
+    assert len(phase._spans) == 3 * observability.EventTimer.PENDING  # none completed: none read
+    ManualEvent.done = ManualEvent.now / 2  # the device has run half of them
+    phase.start()
+    phase.stop()  # folds the completed ones in, without waiting for the others
+    assert len(phase._spans) == 3 * observability.EventTimer.PENDING // 2 + 1 and ManualEvent.waits == 0
+    ManualEvent.done = ManualEvent.now
+    phase.start()
+    phase.stop()  # all completed: PENDING kept
+    assert len(phase._spans) == observability.EventTimer.PENDING and ManualEvent.waits == 0
+    phase.start()
+    ManualEvent.now += 7.0
+    # read while running: the running span counts up to now, and the timer goes on running
+    assert phase.elapsed(reset=True) * 1000 == pytest.approx(5.0 * 3 * observability.EventTimer.PENDING + 7.0)
+    assert ManualEvent.waits == 1 and phase._started and syncs == [] and barriers == []
+    ManualEvent.now += 2.0
+    phase.stop()
+    assert observability.phase_times(timers, 1) == {"forward-backward": pytest.approx(2.0)}
+    phase.start()
+    phase.stop()
+    phase.reset()  # drops what was not read
+    assert phase.elapsed() == 0.0
+
+
+def test_a_training_step_with_device_timers_never_waits_for_the_device(device_clock, world_of_one):
+    """The trainer's step with the GPU's timers: megatron-core's schedule, gradient sync and the
+    optimizer's timer start and stop without a synchronisation or a barrier, and every phase is timed."""
+    import step_cases
+
+    syncs, barriers = device_clock
+    config, family, built = step_cases.build("mdlm")
+    timers = built.transformer_config.timers = observability.make_timers(1, device_events=True)
+    ManualEvent.record = lambda event: setattr(event, "at", time.perf_counter() * 1000)  # the host's clock
+    step.train_step(built.model, built.optimizer, built.scheduler, family,
+                    step_cases.Batches(family, config.model.seq_length), 0, config, timers, iteration=1)
+    assert syncs == [] and barriers == []
+    phases = observability.phase_times(timers, 1)
+    assert set(phases) == {"data", "forward-backward", "grads-sync", "optimizer"} and min(phases.values()) > 0
+
+
+@pytest.mark.gpu
+def test_device_timers_time_the_gpu_without_waiting_for_it():
+    """On a GPU: a phase around some 50 ms of device work (a spinning kernel) returns to the host at
+    once, and reads the device's time."""
+    phase = observability.make_timers(1, device_events=True)("forward-backward", log_level=1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    phase.start()
+    torch.cuda._sleep(100_000_000)  # clock cycles: 50-100 ms at an H100's 1-2 GHz
+    phase.stop()
+    host = time.perf_counter() - start
+    assert host < 0.01 and 0.03 < phase.elapsed() < 1.0, host

@@ -20,7 +20,8 @@ How an iteration runs (`FullIterationGraph.__call__`):
 What stays outside the graph: megatron-core's `finalize_model_grads` (the data-parallel gradient
 reduction and the per-token loss scaling, which compares the token count on the host, a
 synchronisation that a capture refuses) runs eagerly after each replay on the token count the
-graph leaves, and megatron-core's timers, which synchronise, are off inside the capture: the
+graph leaves, and megatron-core's timers (whose events or synchronisations a capture must not
+hold) are off inside the capture: the
 'forward-backward' timer times the replay and the finalisation instead. The optimizer step, the
 loss read-out and the gradient norm are the train step's own, after this.
 

@@ -71,9 +71,85 @@ class HostTimer(Timer):
         self._started = False
 
 
-def make_timers(level: int) -> Timers:
-    """megatron-core's timers at `level`; the data phase's on the host (HostTimer)."""
-    timers = Timers(log_level=level, log_option="max")
+class EventTimer(Timer):
+    """megatron-core's Timer measured between CUDA events on the current stream instead of across
+    two device synchronisations: `start` and `stop` only record, so the host keeps running ahead of
+    the GPU; `elapsed` (at a log line, where the meter waits for the device anyway) reads the spans.
+    Once more than PENDING spans are unread, those the GPU has finished are read as more are
+    recorded, so a long log interval keeps few events."""
+
+    PENDING = 64  # spans kept before the completed ones are folded into the elapsed time
+
+    def __init__(self, name):
+        super().__init__(name)
+        self._spans = []  # (start, stop) events not yet read
+
+    def _event(self, barrier: bool):
+        if barrier:
+            dist.barrier(group=self._barrier_group)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, barrier=False):
+        assert not self._started, "timer has already been started"
+        self._begin, self._started = self._event(barrier), True
+
+    def stop(self, barrier=False):
+        assert self._started, "timer is not started"
+        self._spans.append((self._begin, self._event(barrier)))
+        self._started = False
+        while len(self._spans) > self.PENDING and self._spans[0][1].query():
+            self._fold(self._spans.pop(0))
+
+    def _fold(self, span) -> None:
+        seconds = span[0].elapsed_time(span[1]) / 1000
+        self._elapsed += seconds
+        self._active_time += seconds
+
+    def _read(self) -> None:
+        for _, end in reversed(self._spans):  # the latest first: on one stream the others are then done
+            end.synchronize()
+        for span in self._spans:
+            self._fold(span)
+        self._spans = []
+
+    def reset(self):
+        self._spans = []
+        super().reset()
+
+    def active_time(self):
+        self._read()
+        return super().active_time()
+
+    def elapsed(self, reset=True, barrier=False):
+        started = self._started
+        if started:
+            self.stop(barrier=barrier)
+        self._read()
+        elapsed = self._elapsed
+        if reset:
+            self.reset()
+        if started:
+            self.start(barrier=barrier)
+        return elapsed
+
+
+class EventTimers(Timers):
+    """megatron-core's Timers whose timers are EventTimers (a HostTimer set in place stays)."""
+
+    def __call__(self, name, log_level=None):
+        timer = super().__call__(name, log_level)
+        if type(timer) is Timer:  # made just now
+            timer = self._timers[name] = EventTimer(name)
+        return timer
+
+
+def make_timers(level: int, device_events: bool = platform.HAS_CUDA) -> Timers:
+    """megatron-core's timers at `level`, on a GPU measured by CUDA events (`EventTimer`: no
+    synchronisation); the data phase's on the host (HostTimer). On a CPU, whose work the host runs
+    in order, megatron-core's Timer times it as it is."""
+    timers = (EventTimers if device_events else Timers)(log_level=level, log_option="max")
     if level >= 1:
         timers._timers[PHASES["data"]], timers._log_levels[PHASES["data"]] = HostTimer(PHASES["data"]), 1
     return timers
