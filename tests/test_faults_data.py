@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO, launch_env, run_python, tmpfs
+from interruptions import interrupt_before_publishing
 
 from megatron_dllm.data.datasets import build_datasets, check_prefix, load_index_cache
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
@@ -248,22 +249,22 @@ def test_workers_exit_when_the_parent_is_sigkilled(tmp_path, demo_cache, sp_mode
     for i in range(4):
         os.symlink(plays, tmp_path / "in" / f"p{i}.jsonl")
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"),
-                          "--input", str(tmp_path / "in" / "*.jsonl"), "--output-prefix", str(out / "c"),
-                          "--tokenizer-type", SP, "--tokenizer-model", sp_model, "--workers", "2",
-                          "--chunksize", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    argv = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
+            str(tmp_path / "in" / "*.jsonl"), "--output-prefix", str(out / "c"), "--tokenizer-type", SP,
+            "--tokenizer-model", sp_model, "--workers", "2", "--chunksize", "1"]
 
-    def tokenizing():  # both workers have returned tokens to the parent
+    def tokenizing(p):  # both workers have returned tokens to the parent
         return out.is_dir() and any(".bin.tmp-" in f and os.path.getsize(out / f) for f in os.listdir(out))
 
-    deadline = time.time() + 60
-    while not tokenizing() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    assert p.poll() is None and tokenizing(), p.communicate()
-    workers = [c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
+    workers = []
+
+    def kill_parent(p):  # SIGKILL: the parent gets no chance to stop its pool
+        workers.extend(c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline()))
+        p.kill()
+
+    outputs = [str(out / f"c_text_document{ext}") for ext in (".bin", ".idx", ".meta.json")]
+    interrupt_before_publishing(argv, tokenizing, outputs, kill_parent)
     assert len(workers) == 2
-    p.kill()  # SIGKILL: the parent gets no chance to stop its pool
-    p.communicate()
 
     def alive(proc):
         try:
@@ -278,7 +279,7 @@ def test_workers_exit_when_the_parent_is_sigkilled(tmp_path, demo_cache, sp_mode
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"preprocessing workers {left} outlived their killed parent"
-    assert not any(os.path.exists(out / f"c_text_document{ext}") for ext in (".bin", ".idx", ".meta.json"))
+    assert not any(map(os.path.exists, outputs))
 
 
 # ---------------------------------------------------------------- shard rejections are merged

@@ -2,20 +2,18 @@
 inspect/verify. Real text: Shakespeare's plays written by the tests as JSONL, .jsonl.gz,
 .jsonl.zst and Parquet."""
 
-import contextlib
 import gzip
 import json
 import os
 import signal
 import struct
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from conftest import REPO, launch_env, run_python
+from interruptions import interrupt_before_publishing
 
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
@@ -314,40 +312,6 @@ def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_mod
     assert not os.path.exists(tmp_path / "b2.txt") and not os.path.exists(tmp_path / "b3.txt")
 
 
-def _wait_for(pred, timeout=60.0):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return False
-
-
-def _interrupt_before_publishing(argv, ready, outputs, interrupt, attempts=3):
-    """Run the tool `argv` in a session of its own until `ready(p)`, stop the session there and,
-    unless any of its `outputs` exists yet, `interrupt(p)` before letting it go on; returns
-    (p, stderr) once it has ended. Stopping first makes the interruption land before publication
-    however late this process sees `ready` (on a loaded machine a whole shard once finished
-    between the two). A run that published first tests nothing: its outputs go, and it runs again."""
-    for _ in range(attempts):
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
-                             start_new_session=True)
-        assert _wait_for(lambda p=p: p.poll() is not None or ready(p)), p.communicate()
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGSTOP)
-        missed = any(os.path.exists(f) for f in outputs)
-        if not missed and p.poll() is None:  # one that ended unpublished is for the caller to judge
-            interrupt(p)
-        with contextlib.suppress(ProcessLookupError):  # a SIGKILL may have ended the whole session
-            os.killpg(p.pid, signal.SIGCONT)
-        _, err = p.communicate(timeout=60)
-        if not missed:
-            return p, err
-        for f in filter(os.path.exists, outputs):
-            os.remove(f)
-    pytest.fail(f"{argv[1]} published its outputs before it could be stopped, {attempts} times")
-
-
 def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model):
     # 2 copies of the 12 plays, 24 files.
     docs = {f"{k}_{c}": v for c in range(2) for k, v in plays.items()}
@@ -378,7 +342,7 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
 
     argv = [sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"]
     shard_outputs = [final + ".bin", final + ".idx", shard_prefix(out, 1, 2) + ".done.json"]
-    p, err = _interrupt_before_publishing([*argv, "--workers", "2"], lambda p: len(workers(p)) >= 2 and started(p),
+    p, err = interrupt_before_publishing([*argv, "--workers", "2"], lambda p: len(workers(p)) >= 2 and started(p),
                                           shard_outputs, lambda p: os.kill(workers(p)[-1].pid, signal.SIGKILL))
     assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
     assert not os.path.exists(final + ".idx")
@@ -391,7 +355,7 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     flags = [str(tmp_path / "in_1b" / "jsonl" / "*.jsonl") if a == cmd[2] else a for a in cmd[1:]]
     flags[flags.index("--output-prefix") + 1] = str(tmp_path / "run_1b" / "c")
     final_1b = shard_prefix(str(tmp_path / "run_1b" / "c"), 1, 2)
-    p, err = _interrupt_before_publishing(
+    p, err = interrupt_before_publishing(
         [sys.executable, os.path.join(TOOLS, cmd[0]), *flags, "--shard-index", "1", "--workers", "2"],
         lambda p: started(p, tmp_path / "run_1b"),
         [final_1b + "_text_document.bin", final_1b + "_text_document.idx", final_1b + ".done.json"],
@@ -400,7 +364,7 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
     assert not [f for f in os.listdir(tmp_path / "run_1b") if f.endswith(".idx")]
 
     # 2) SIGKILL the whole shard process mid-run: only temporaries remain
-    p, _ = _interrupt_before_publishing(argv, started, shard_outputs, lambda p: p.send_signal(signal.SIGKILL))
+    p, _ = interrupt_before_publishing(argv, started, shard_outputs, lambda p: p.send_signal(signal.SIGKILL))
     assert not os.path.exists(final + ".idx") and not os.path.exists(final + ".bin") and started(p)
     assert not os.path.exists(shard_prefix(out, 1, 2) + ".done.json")
     with pytest.raises(DatasetFormatError):
