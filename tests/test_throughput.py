@@ -165,15 +165,15 @@ def test_device_timers_record_events_and_wait_only_when_read(device_clock):
     assert phase.elapsed() == 0.0
 
 
-def test_a_training_step_with_device_timers_never_waits_for_the_device(device_clock, world_of_one):
+def test_a_training_step_with_device_timers_never_waits_for_the_device(device_clock, world_of_one, monkeypatch):
     """The trainer's step with the GPU's timers: megatron-core's schedule, gradient sync and the
     optimizer's timer start and stop without a synchronisation or a barrier, and every phase is timed."""
     import step_cases
 
-    syncs, barriers = device_clock
+    syncs, barriers = device_clock  # on the host's clock: a CPU runs the step in order
     config, family, built = step_cases.build("mdlm")
     timers = built.transformer_config.timers = observability.make_timers(1, device_events=True)
-    ManualEvent.record = lambda event: setattr(event, "at", time.perf_counter() * 1000)  # the host's clock
+    monkeypatch.setattr(ManualEvent, "record", lambda event: setattr(event, "at", time.perf_counter() * 1000))
     step.train_step(built.model, built.optimizer, built.scheduler, family,
                     step_cases.Batches(family, config.model.seq_length), 0, config, timers, iteration=1)
     assert syncs == [] and barriers == []
