@@ -55,9 +55,9 @@ def build_training_model(config: RunConfig, family, vocab_size: int, timers) -> 
         fusion=fusion,
     )
     block_config.timers = timers
-    # No barrier at each level-1 timer's start and stop (megatron-core's default): a barrier waits
-    # for the device, which the phase timers no longer do (observability.EventTimer). Megatron-LM's
-    # default --timing-log-level 0 has neither.
+    # megatron-core's default puts a barrier at each level-1 timer's start and stop, and a barrier
+    # waits for the device, which the phase timers no longer do (observability.EventTimer).
+    # Megatron-LM's default --timing-log-level 0 has neither.
     block_config.barrier_with_L1_time = False
     attention = resolve_backend(model.attention_backend, use_te)
     chunks = build_model(arch, block_config, mlp_config, config.training.seed, use_te=use_te,
