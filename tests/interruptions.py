@@ -21,6 +21,14 @@ def wait_for(pred, timeout=60.0) -> bool:
     return False
 
 
+def pool_workers(p) -> list:
+    """The worker processes of `p`'s process pool (psutil.Process), multiprocessing's resource
+    tracker left out."""
+    import psutil
+
+    return [c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
+
+
 def interrupt_before_publishing(argv, ready, outputs, interrupt, attempts=3):
     """Run the tool `argv` in a session of its own until `ready(p)`, stop the session there and,
     unless any of its `outputs` exists yet, `interrupt(p)` before letting it go on; returns

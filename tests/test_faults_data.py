@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO, launch_env, run_python, tmpfs
-from interruptions import interrupt_before_publishing
+from interruptions import interrupt_before_publishing, pool_workers
 
 from megatron_dllm.data.datasets import build_datasets, check_prefix, load_index_cache
 from megatron_dllm.data.indexed_dataset import meta_path, read_metadata
@@ -259,7 +259,7 @@ def test_workers_exit_when_the_parent_is_sigkilled(tmp_path, demo_cache, sp_mode
     workers = []
 
     def kill_parent(p):  # SIGKILL: the parent gets no chance to stop its pool
-        workers.extend(c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline()))
+        workers.extend(pool_workers(p))
         p.kill()
 
     outputs = [str(out / f"c_text_document{ext}") for ext in (".bin", ".idx", ".meta.json")]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, launch_env, run_python
-from interruptions import interrupt_before_publishing
+from interruptions import interrupt_before_publishing, pool_workers
 
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
@@ -335,15 +335,10 @@ def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model)
                    for f in os.listdir(run))
 
     # 1) SIGKILL one tokenizer worker: the shard fails loudly and leaves no finished file
-    import psutil
-
-    def workers(p):
-        return [c for c in psutil.Process(p.pid).children() if "resource_tracker" not in " ".join(c.cmdline())]
-
     argv = [sys.executable, os.path.join(TOOLS, cmd[0]), *cmd[1:], "--shard-index", "1"]
     shard_outputs = [final + ".bin", final + ".idx", shard_prefix(out, 1, 2) + ".done.json"]
-    p, err = interrupt_before_publishing([*argv, "--workers", "2"], lambda p: len(workers(p)) >= 2 and started(p),
-                                          shard_outputs, lambda p: os.kill(workers(p)[-1].pid, signal.SIGKILL))
+    p, err = interrupt_before_publishing([*argv, "--workers", "2"], lambda p: len(pool_workers(p)) >= 2 and started(p),
+                                          shard_outputs, lambda p: os.kill(pool_workers(p)[-1].pid, signal.SIGKILL))
     assert p.returncode != 0 and ("BrokenProcessPool" in err or "terminated abruptly" in err), err[-2000:]
     assert not os.path.exists(final + ".idx")
 
