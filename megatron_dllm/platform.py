@@ -209,6 +209,15 @@ def backend() -> str:
     return "nccl" if HAS_CUDA else "gloo"
 
 
+def any_rank(flags: list[bool], group=None) -> list[bool]:
+    """Each flag OR-ed over the ranks of `group` (one all-reduce), so every rank takes the same
+    decision. The flags travel on this rank's device: NCCL refuses host tensors ("No backend type
+    associated with device type cpu")."""
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int, device=device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [bool(f) for f in tensor.tolist()]
+
+
 def params_dtype(requested_bf16: bool) -> torch.dtype:
     """bf16 where the hardware has it and it was asked for; fp32 on CPU (exact tests, speed)."""
     return torch.bfloat16 if (HAS_CUDA and requested_bf16) else torch.float32

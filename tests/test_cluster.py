@@ -9,6 +9,7 @@
 - TensorBoard scalars carry Megatron-LM's names, a W&B offline run holds the same scalars, and
   a torch profiler trace appears;
 - injected non-finite gradients are skipped and logged, and K in a row stop the run after a save;
+- a signal or a non-finite loss seen by one rank stops or skips on every rank;
 - selective and full (uniform, block) recompute equal no recompute.
 """
 import glob
@@ -22,7 +23,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, REPO_PYTHONPATH, TINY_RUN, popen_python, run_pretrain, run_python
+from conftest import REPO, REPO_PYTHONPATH, TINY_RUN, popen_python, run_pretrain, run_python, run_worker_on_two_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -323,6 +324,16 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     meta = CheckpointMeta.read(str(ckpt / "iter_0000006"))
     assert meta.scheduler["num_steps"] == 3  # iterations 1, 2 and 4 stepped
     assert meta.consumed_samples == 6 * 8  # skipped batches are consumed
+
+
+def test_a_signal_or_a_nan_loss_on_one_rank_stops_or_skips_on_every_rank(tmp_path):
+    rank0, rank1 = run_worker_on_two_ranks("exit_decision_worker.py", tmp_path)
+    assert rank0["before_signal"] is None and rank1["before_signal"] is None
+    assert rank0["after_signal"] == "received a signal (on another rank)"
+    assert rank1["after_signal"] == "received SIGUSR1"
+    assert rank0["any_rank"] == rank1["any_rank"] == [True, True, False]
+    assert rank0["finite_norm"] == rank1["finite_norm"] == 2.0
+    assert rank0["nan_loss_norm"] is None and rank1["nan_loss_norm"] is None  # rank 0 had no loss
 
 
 def test_selective_and_full_recompute_equal_no_recompute():

@@ -1,7 +1,7 @@
-"""On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py,
-and the samplers on CUDA (float64 probabilities equal the CPU's; the softmax written over its
-input equals one apart; KV caches equal uncached runs;
-batched conditional generation equals batch-1 runs).
+"""On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py
+(and with the cluster guards, whose decisions go over NCCL), and the samplers on CUDA (float64
+probabilities equal the CPU's; the softmax written over its input equals one apart; KV caches
+equal uncached runs; batched conditional generation equals batch-1 runs).
 The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
 import math
 
@@ -28,6 +28,20 @@ def test_bf16_training_of_every_family(family, pretrain):
     assert train[-1] < train[0], train
     assert valid[-1] < math.log(4097) - 1.0, valid  # the demo tokenizer: 4096 pieces + [MASK]
 
+
+
+def test_the_cluster_guards_decide_over_nccl(pretrain, tmp_path):
+    """--exit-signal-handler, --exit-duration-in-mins and --check-for-nan-in-loss-and-grad each take
+    a decision over the ranks every iteration (`platform.any_rank`): NCCL refuses the host tensors
+    they once used ("No backend type associated with device type cpu")."""
+    ckpt = tmp_path / "ckpt"
+    proc, records = pretrain(1, "--family", "mdlm", "--bf16", "--train-iters", "8", "--log-interval", "1",
+                             "--save", str(ckpt), "--exit-signal-handler", "--check-for-nan-in-loss-and-grad",
+                             "--exit-duration-in-mins", "0.001")
+    assert "exiting after iteration 1: --exit-duration-in-mins 0.001 reached" in proc.stdout
+    (first,) = [r for r in records if "loss" in r]
+    assert first["iteration"] == 1 and math.isfinite(first["loss"]) and math.isfinite(first["grad_norm"])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
 
 def _inference(family, device):
     model = random_model(family).double().to(device)

@@ -12,9 +12,8 @@ import signal
 import time
 
 import psutil
-import torch
-import torch.distributed as dist
 
+from megatron_dllm import platform
 from megatron_dllm.config.training import TrainingConfig
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -44,9 +43,7 @@ class ExitConditions:
         local = [self.received is not None,
                  bool(training.exit_duration_in_mins) and self.minutes_up() > training.exit_duration_in_mins]
         if training.exit_signal_handler or training.exit_duration_in_mins:
-            flags = torch.tensor(local, dtype=torch.int)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            local = [bool(f) for f in flags.tolist()]
+            local = platform.any_rank(local)
         if local[0]:
             name = signal.Signals(self.received).name if self.received else "a signal (on another rank)"
             return f"received {name}"

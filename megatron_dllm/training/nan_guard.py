@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import torch
-import torch.distributed as dist
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+from megatron_dllm import platform
 
 
 class NonFiniteStop(RuntimeError):
@@ -29,9 +29,7 @@ def finite_grad_norm(optimizer, loss: float | None) -> float | None:
     found_inf = optimizer.prepare_grads()
     norm = optimizer.get_grad_norm()
     bad = found_inf or not math.isfinite(norm) or (loss is not None and not math.isfinite(loss))
-    flag = torch.tensor([int(bad)], dtype=torch.int)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # the loss is known on the last pipeline stage only
-    return None if flag.item() else norm
+    return None if platform.any_rank([bad])[0] else norm  # the loss is known on the last pipeline stage only
 
 
 def step_with_norm(optimizer, grad_norm: float) -> bool:
