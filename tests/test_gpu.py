@@ -1,8 +1,8 @@
 """On a CUDA GPU only (skipped elsewhere): bf16 training of every family through pretrain_dllm.py
-(and with the cluster guards, whose decisions go over NCCL), and the samplers on CUDA (float64
-probabilities equal the CPU's; the softmax written over its input equals one apart; KV caches
-equal uncached runs; batched conditional generation equals batch-1 runs).
-The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
+(and with the 1.7B example's cluster guards, whose decisions go over NCCL, and background saves,
+resumed), and the samplers on CUDA (float64 probabilities equal the CPU's; the softmax written
+over its input equals one apart; KV caches equal uncached runs; batched conditional generation
+equals batch-1 runs). The CUDA Eso-LM shuffle kernel's bit-for-bit test lives in test_esolm.py."""
 import math
 
 import pytest
@@ -29,19 +29,34 @@ def test_bf16_training_of_every_family(family, pretrain):
     assert valid[-1] < math.log(4097) - 1.0, valid  # the demo tokenizer: 4096 pieces + [MASK]
 
 
-
-def test_the_cluster_guards_decide_over_nccl(pretrain, tmp_path):
-    """--exit-signal-handler, --exit-duration-in-mins and --check-for-nan-in-loss-and-grad each take
-    a decision over the ranks every iteration (`platform.any_rank`): NCCL refuses the host tensors
-    they once used ("No backend type associated with device type cpu")."""
+def test_the_1_7b_recipe_s_guards_and_background_save_run_and_resume_on_the_gpu(pretrain, tmp_path):
+    """The 1.7B example's cluster and checkpoint flags on a GPU, where CI cannot run them.
+    --exit-signal-handler, --exit-duration-in-mins and --check-for-nan-in-loss-and-grad each take a
+    decision over the ranks every iteration (`platform.any_rank`): NCCL refuses the host tensors
+    they once used ("No backend type associated with device type cpu"). --async-save writes from a
+    process forked after CUDA is initialised, with the distributed optimizer's state; the resumed
+    run loads it onto the GPU, the CUDA RNG state with it, and goes on from the next iteration."""
     ckpt = tmp_path / "ckpt"
-    proc, records = pretrain(1, "--family", "mdlm", "--bf16", "--train-iters", "8", "--log-interval", "1",
-                             "--save", str(ckpt), "--exit-signal-handler", "--check-for-nan-in-loss-and-grad",
-                             "--exit-duration-in-mins", "0.001")
+    recipe = ("--family", "mdlm", "--bf16", "--train-iters", "8", "--log-interval", "1", "--save", str(ckpt),
+              "--async-save", "--use-distributed-optimizer", "--overlap-grad-reduce", "--exit-signal-handler",
+              "--check-for-nan-in-loss-and-grad", "--max-consecutive-nonfinite-iters", "5",
+              "--keep-last-n-checkpoints", "3",
+              # the compiled regions are the bf16 training test's: two launches without them compile nothing
+              "--no-compile-elementwise", "--no-bias-gelu-fusion")
+    proc, records = pretrain(1, *recipe, "--exit-duration-in-mins", "0.001")
     assert "exiting after iteration 1: --exit-duration-in-mins 0.001 reached" in proc.stdout
     (first,) = [r for r in records if "loss" in r]
     assert first["iteration"] == 1 and math.isfinite(first["loss"]) and math.isfinite(first["grad_norm"])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+    proc, records = pretrain(1, *recipe, "--load", str(ckpt), "--exit-interval", "3")
+    assert "at iteration 1: weights, optimizer, RNG" in proc.stdout, proc.stdout[-3000:]
+    resumed = [r for r in records if "loss" in r]
+    assert [r["iteration"] for r in resumed] == [2, 3]
+    assert [r["consumed_samples"] for r in resumed] == [2 * first["consumed_samples"], 3 * first["consumed_samples"]]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in resumed)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
 
 def _inference(family, device):
     model = random_model(family).double().to(device)
