@@ -21,6 +21,7 @@ import ctypes
 import datetime
 import functools
 import gc
+import logging
 import os
 import random
 import warnings
@@ -52,6 +53,10 @@ CPU_FALLBACK_WARNINGS = ("Apex is not installed", "Transformer Engine and Apex a
 if not HAS_CUDA:
     for _message in CPU_FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=_message)
+    # A CUDA build of torch on a machine without a GPU (a cluster's CPU nodes) logs, when megatron-core
+    # imports torch.utils.cpp_extension, that it found CUDA_HOME but no CUDA runtime: moot here too.
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 
 
 def cpu_fallback_note() -> str | None:

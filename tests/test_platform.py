@@ -1,4 +1,6 @@
 """The CPU compatibility layer: what megatron-core hard-codes for CUDA runs on the CPU."""
+import logging
+
 import pytest
 import torch
 
@@ -133,3 +135,16 @@ def test_allocated_bytes_follow_a_tensor_allocated_and_freed():
     held = platform.allocated_bytes()
     del block
     assert 64 << 20 <= held - before < 65 << 20 and platform.allocated_bytes() - before < 1 << 20
+
+
+def test_a_cuda_build_of_torch_without_a_gpu_logs_nothing_of_the_missing_runtime(caplog, monkeypatch, tmp_path):
+    """A CUDA build of torch on a node without a GPU (torch 2.11+cu130 on a CPU machine) logs "No CUDA
+    runtime is found" when megatron-core imports torch.utils.cpp_extension, ahead of every tool's
+    own lines. torch's own lookup, given a CUDA_HOME to find, logs it here; nothing of it is emitted."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert cpp_extension._find_cuda_home() == str(tmp_path)
+        logging.getLogger(cpp_extension.__name__).warning("another line")
+    assert [record.getMessage() for record in caplog.records] == ["another line"]
