@@ -29,7 +29,7 @@ def test_bf16_training_of_every_family(family, pretrain):
     assert valid[-1] < math.log(4097) - 1.0, valid  # the demo tokenizer: 4096 pieces + [MASK]
 
 
-def test_the_1_7b_recipe_s_guards_and_background_save_run_and_resume_on_the_gpu(pretrain, tmp_path):
+def test_the_1_7b_cluster_and_checkpoint_flags_save_in_the_background_and_resume_on_the_gpu(pretrain, tmp_path):
     """The 1.7B example's cluster and checkpoint flags on a GPU, where CI cannot run them.
     --exit-signal-handler, --exit-duration-in-mins and --check-for-nan-in-loss-and-grad each take a
     decision over the ranks every iteration (`platform.any_rank`): NCCL refuses the host tensors
