@@ -21,9 +21,9 @@ What stays outside the graph: megatron-core's `finalize_model_grads` (the data-p
 reduction and the per-token loss scaling, which compares the token count on the host, a
 synchronisation that a capture refuses) runs eagerly after each replay on the token count the
 graph leaves, and megatron-core's timers (whose events or synchronisations a capture must not
-hold) are off inside the capture: the
-'forward-backward' timer times the replay and the finalisation instead. The optimizer step, the
-loss read-out and the gradient norm are the train step's own, after this.
+hold) are off inside the capture: the 'forward-backward' timer times the replay and the
+finalisation instead. The optimizer step, the loss read-out and the gradient norm are the train
+step's own, after this.
 
 Why not megatron-core's `FullCudaGraphWrapper`: it keeps its graph and buffers in class
 attributes (one model per process), takes dict batches, and captures `finalize_model_grads` with
