@@ -262,7 +262,7 @@ def test_preprocess_counts_and_names_rejections(tmp_path, jsonl_corpus, demo, sp
     assert {(line, reason) for _, line, _, reason in stats.rejections} == {
         (6, "invalid_json"), (11, "missing_key"), (21, "empty_text"), (31, "not_text")}
     assert any(f"{jsonl_corpus}:6" in m for m in messages)
-    assert "corpus.jsonl\t21\ttext\tempty_text" in open(stats.rejections_file).read()
+    assert "corpus.jsonl\t21\ttext\tempty_text" in open(stats.rejections_files["text"]).read()
     assert "rejected: 4" in stats.summary() and f"tokens written: {key.tokens}" in stats.summary()
     ds = open_indexed_dataset(stats.output_prefixes["text"])
     assert len(ds) == key.written and sum(len(ds[i]) for i in range(len(ds))) == key.tokens

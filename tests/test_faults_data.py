@@ -186,7 +186,7 @@ def test_key_missing_from_every_record_stops_naming_the_keys_there(tmp_path, sp_
     src.write_bytes(_jsonl(paragraphs[:200]) + _jsonl(paragraphs[:3], key="body"))
     st = preprocess([str(src)], str(tmp_path / "out" / "c"), SP, sp_model, **QUIET)
     assert st.keys["text"].written == 200 and dict(st.keys["text"].rejected) == {"missing_key": 3}
-    assert open(st.rejections_file).read().count("\tmissing_key\n") == 3
+    assert open(st.rejections_files["text"]).read().count("\tmissing_key\n") == 3
 
 
 def test_a_run_that_writes_no_document_stops_and_publishes_nothing(tmp_path, sp_model):
@@ -299,17 +299,39 @@ def test_shard_rejections_are_merged_in_shard_order(tmp_path, sp_model, paragrap
     out = str(tmp_path / "sh" / "c")
     for i in range(3):
         preprocess(list(map(str, files)), out, SP, sp_model, json_keys=keys, num_shards=3, shard_index=i, **QUIET)
-        assert os.path.isfile(shard_prefix(out, i, 3) + "_rejected.tsv")
-    single = open(one.rejections_file).read().splitlines()
+        assert all(os.path.isfile(shard_prefix(out, i, 3) + f"_{key}_document_rejected.tsv") for key in keys)
     for key in keys:
+        single = open(one.rejections_files[key]).read().splitlines()
         merged = str(tmp_path / f"merged_{key}")
         r = _tool("merge_datasets.py", "--input", f"{out}_shard*_{key}_document", "--output-prefix", merged)
         assert r.returncode == 0, r.stderr
         rows = open(merged + "_rejected.tsv").read().splitlines()
         # = the single run's rows for this key, in file (= shard) order
-        assert rows == [single[0]] + [row for row in single[1:] if row.split("\t")[2] == key]
+        assert rows == single and {row.split("\t")[2] for row in rows[1:]} == {key}
         assert [row.split("\t")[0] for row in rows[1:]] == sorted(row.split("\t")[0] for row in rows[1:])
         assert len(rows) - 1 == sum(one.keys[key].rejected.values())
+
+
+def test_a_run_of_another_key_leaves_the_first_keys_rejections_alone(tmp_path, sp_model, paragraphs):
+    """Each dataset's report lies beside it, under its lock: a second run into the same output
+    prefix that writes another key neither needs --overwrite nor touches the first key's report."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\n".join([json.dumps({"text": t, "title": "a title"}).encode() for t in paragraphs[:40]]
+                               + [b'{"text": "unterminated', json.dumps({"title": "no text"}).encode()]) + b"\n")
+    out = str(tmp_path / "out" / "c")
+    text = preprocess([str(src)], out, SP, sp_model, json_keys=["text"], **QUIET)
+    report = text.rejections_files["text"]
+    assert report == out + "_text_document_rejected.tsv"
+    before = open(report).read()
+    assert before.count("\ttext\t") == 2
+    for overwrite in (False, True):
+        title = preprocess([str(src)], out, SP, sp_model, json_keys=["title"], overwrite=overwrite, **QUIET)
+        assert title.rejections_files == {"title": out + "_title_document_rejected.tsv"}
+        assert open(report).read() == before
+    # rerun of the text key with no rejections left: its stale report goes, the title's stays
+    src.write_bytes(_jsonl(paragraphs[:40]))
+    preprocess([str(src)], out, SP, sp_model, json_keys=["text"], overwrite=True, **QUIET)
+    assert not os.path.exists(report) and os.path.exists(out + "_title_document_rejected.tsv")
 
 
 # ---------------------------------------------------------------- tokenizer identity

@@ -171,7 +171,7 @@ def test_rejections_named_in_every_format(tmp_path, sp_model):
         (2, "invalid_utf8"), (3, "invalid_json"), (4, "missing_key"), (5, "empty_text"),
         (6, "missing_key"), (7, "not_text"), (9, "invalid_utf8")}
     assert any(m.endswith("a.jsonl:3 [text]: invalid_json") for m in msgs)
-    assert "a.jsonl\t2\ttext\tinvalid_utf8" in open(st.rejections_file).read()
+    assert "a.jsonl\t2\ttext\tinvalid_utf8" in open(st.rejections_files["text"]).read()
     assert "rejected: 7 (empty_text=1, invalid_json=1, invalid_utf8=2" in st.summary()
     # Parquet: null cells, a binary column with bad UTF-8; rows are 1-based
     pq.write_table(pa.table({"text": ["Good morrow", None, "", "Adieu"],
@@ -208,6 +208,21 @@ def test_shard_rule_is_contiguous_and_byte_balanced(tmp_path):
     assert [len(shard_files(files, 12, i)) for i in range(12)].count(0) > 0  # empty shards allowed
     with pytest.raises(ValueError, match="--shard-index 3"):
         shard_files(files, 3, 3)
+
+
+def test_a_file_named_two_ways_is_one_input(tmp_path, monkeypatch):
+    """Relative and absolute spellings of one file: read once by preprocessing, refused as listed
+    twice where inputs keep their order (SFT), and one dataset listed twice for a merge."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"text": "x"}\n')
+    absolute = str(tmp_path / "a.jsonl")
+    files = expand_inputs(["a.jsonl", absolute, "./b.jsonl", "b.jsonl"])
+    assert list(map(os.path.abspath, files)) == [absolute, str(tmp_path / "b.jsonl")]
+    with pytest.raises(ValueError, match=r"--input: .*a\.jsonl is listed twice"):
+        expand_inputs(["a.jsonl", "b.jsonl", absolute], in_given_order=True)
+    with pytest.raises(ValueError, match="a dataset is listed twice"):
+        expand_prefixes(["data/x_text_document", "./data/x_text_document"])
 
 
 def test_sharded_then_merged_equals_single_run(tmp_path, corpus, sp_model):

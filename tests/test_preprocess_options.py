@@ -26,7 +26,9 @@ def test_bad_values_are_named(change, message):
 def test_output_names():
     whole = PreprocessOptions(**BASE, json_keys=["text", "title"])
     assert whole.dataset_prefixes == {"text": "out/c_text_document", "title": "out/c_title_document"}
-    assert (whole.rejections_path, whole.label, whole.tokenizer_options) == ("out/c_rejected.tsv", "", {})
+    assert whole.rejections_paths == {"text": "out/c_text_document_rejected.tsv",
+                                      "title": "out/c_title_document_rejected.tsv"}
+    assert (whole.label, whole.tokenizer_options) == ("", {})
     shard = PreprocessOptions(**BASE, num_shards=4)  # shard 0 unless told
     assert shard.dataset_prefixes == {"text": "out/c_shard00000of00004_text_document"}
     assert shard.marker_path == "out/c_shard00000of00004.done.json" and shard.label == "[shard 0/4] "

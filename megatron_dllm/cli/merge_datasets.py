@@ -9,9 +9,8 @@ streaming copies; the result equals preprocessing all inputs in one run byte for
 outputs must form one complete set of finished shards of one preprocessing run (every shard's
 `.done.json` there, recording the same inputs, shard count, tokenizer, keys and --append-eod;
 `--allow-incomplete` to override), made with one tokenizer
-(their `.meta.json` sidecars must agree, `tokenizer_sha256` included). The shards'
-`_rejected.tsv` rows for the merged key are joined, in shard order, into
-`{output-prefix}_rejected.tsv`.
+(their `.meta.json` sidecars must agree, `tokenizer_sha256` included). The datasets'
+`{prefix}_rejected.tsv` reports are joined, in order, into `{output-prefix}_rejected.tsv`.
 
     python tools/merge_datasets.py --input 'data/corpus_shard*_text_document' --blend-file data/blend.txt
 

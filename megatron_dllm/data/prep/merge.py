@@ -7,8 +7,8 @@ the corpus. The result is what megatron-core's `IndexedDatasetBuilder.add_index`
 shards it equals preprocessing all inputs in one run byte for byte. The output prefix is locked
 and, without `overwrite`, must not hold a dataset yet. Outputs are written under temporary names
 and renamed, `.idx` last. Datasets whose sidecars differ (another tokenizer, by
-name, vocabulary or `tokenizer_sha256`) are refused. The rejection lists of merged shards
-(`{run}_shardIIIIIofNNNNN_rejected.tsv`, rows of this dataset's key) are joined in shard order
+name, vocabulary or `tokenizer_sha256`) are refused. The rejections reports of the merged
+datasets (preprocessing's `{prefix}_rejected.tsv`, a shard's among them) are joined in order
 into `{output_prefix}_rejected.tsv`.
 
 `write_blend_file(prefixes, path)` writes the Megatron `--data-path` form `w1 p1 w2 p2 ...`
@@ -24,7 +24,7 @@ import re
 import shutil
 import struct
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from megatron_dllm.data.prep.dataset_writer import write_metadata
 from megatron_dllm.data.prep.output import (
     claim_outputs,
     publish_pair,
+    rejections_path,
     release_all,
     remove_stale_temporaries,
 )
@@ -69,7 +70,7 @@ def expand_prefixes(patterns: Sequence[str]) -> List[str]:
             out.extend(matches)
         else:
             out.append(pattern)
-    if len(set(out)) != len(out):
+    if len(set(map(os.path.abspath, out))) != len(out):
         raise InputError(f"--input: a dataset is listed twice in {out}")
     return out
 
@@ -121,27 +122,16 @@ def _check_shard_markers(prefixes: Sequence[str]) -> None:
                              f"with --overwrite, or pass --allow-incomplete to merge anyway")
 
 
-def shard_rejections(prefix: str) -> Optional[Tuple[str, str]]:
-    """(rejections file, key) of a preprocessing shard's dataset prefix
-    `{run}_shardIIIIIofNNNNN_{key}_document`, or None for other datasets."""
-    m = SHARD_RE.search(os.path.basename(prefix))
-    if m is None or not prefix.endswith("_document"):
-        return None
-    return _shard_stem(prefix, m) + "rejected.tsv", os.path.basename(prefix)[m.end():-len("_document")]
-
-
 def _write_rejections(prefixes: Sequence[str], tmp: str) -> int:
-    """Join the shards' rejection rows for their key, in order, into `tmp`; returns the row count
-    (0: no file written)."""
+    """Join the datasets' rejections reports, in order, into `tmp`; returns the row count (0: no
+    file written)."""
     rows, header = [], None
-    for p in prefixes:
-        found = shard_rejections(p)
-        if found is None or not os.path.isfile(found[0]):
+    for path in map(rejections_path, prefixes):
+        if not os.path.isfile(path):
             continue
-        path, key = found
         with open(path, encoding="utf-8") as f:
             header = f.readline()
-            rows.extend(line for line in f if line.rstrip("\n").split("\t")[2:3] == [key])
+            rows.extend(f)
     if rows:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(header)
@@ -194,9 +184,9 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
     if any(os.path.abspath(p) == out_abs for p in prefixes):
         raise InputError(f"--output-prefix {output_prefix!r} is also an input")
     locks = claim_outputs([output_prefix], f"--output-prefix {output_prefix}", overwrite,
-                          other_files=[output_prefix + "_rejected.tsv"])
+                          other_files=[rejections_path(output_prefix)])
     try:
-        remove_stale_temporaries([bin_path(output_prefix), idx_path(output_prefix), output_prefix + "_rejected.tsv"],
+        remove_stale_temporaries([bin_path(output_prefix), idx_path(output_prefix), rejections_path(output_prefix)],
                                  log)
         return _merge(prefixes, output_prefix, log)
     finally:
@@ -231,7 +221,7 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
     n_doc = sum(h.num_documents for h in headers)
     tag = staging_tag()
     tmp_bin, tmp_idx = bin_path(output_prefix) + tag, idx_path(output_prefix) + tag
-    rejections = output_prefix + "_rejected.tsv"
+    rejections = rejections_path(output_prefix)
     tmp_rejections = rejections + tag
     try:
         os.makedirs(os.path.dirname(out_abs), exist_ok=True)

@@ -24,6 +24,13 @@ from megatron_dllm.output_lock import OutputLock, lock_path_for_prefix, pid_aliv
 DATASET_SUFFIXES = (".bin", ".idx", ".meta.json")
 
 
+def rejections_path(prefix: str) -> str:
+    """The rejections report of the dataset `prefix` (preprocessing's rejected records, a merge's
+    joined reports): beside its `.bin/.idx`, under the same lock, so no other dataset's writer
+    touches it."""
+    return prefix + "_rejected.tsv"
+
+
 def staging_pid(path: str) -> Optional[int]:
     """The pid in a `...tmp-{pid}[-{random}]...` temporary's name, or None."""
     tail = path.rsplit(".tmp-", 1)[-1].split("-")[0].split(".")[0]

@@ -9,7 +9,7 @@ dataset `{output_prefix}_{key}_document`. A value may be a string or a list of s
 Each document is one sequence; with `append_eod` the tokenizer's EOD (= EOS) id ends it. No
 BOS is added. A record that yields no document for a key is *rejected* with a reason
 (invalid_utf8, invalid_json, missing_key — absent or null —, not_text, empty_text), counted,
-and listed with its file and line (Parquet: row) in `{output_prefix}_rejected.tsv`, so for
+and listed with its file and line (Parquet: row) in its dataset's `_rejected.tsv`, so for
 every key: read == written + rejected. Blank JSONL lines are not records (counted apart).
 
 Memory is bounded independently of the corpus: records stream through chunks of at most
@@ -76,8 +76,8 @@ def run_preprocess(options: PreprocessOptions, log: Optional[Callable[[str], Non
     """Tokenize `options.inputs` into `{output_prefix}_{key}_document.bin/.idx` for each key (with
     `num_shards`: the shard's `{output_prefix}_shard{i:05d}of{n:05d}_{key}_document`).
 
-    `log` receives progress and rejection lines (default: stderr). Rejections go to
-    `{prefix}_rejected.tsv` when there are any.
+    `log` receives progress and rejection lines (default: stderr). A key's rejections go to
+    `{dataset prefix}_rejected.tsv` when there are any.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     all_files = expand_inputs(options.inputs)
@@ -92,7 +92,8 @@ def run_preprocess(options: PreprocessOptions, log: Optional[Callable[[str], Non
     # only once the lock is held. An unfinished shard is redone; a shard finished with other
     # inputs or flags, like a whole run's existing output, needs --overwrite.
     locks = claim_outputs(list(prefixes.values()), f"--output-prefix {options.output_prefix}",
-                          overwrite=options.sharded or options.overwrite, other_files=[options.rejections_path])
+                          overwrite=options.sharded or options.overwrite,
+                          other_files=list(options.rejections_paths.values()))
     try:
         if options.sharded and not options.overwrite:
             done, why = shard_marker.finished(options.marker_path, fingerprint, list(prefixes.values()))
@@ -113,7 +114,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
     """Run the three stages into the locked outputs: temporaries first, published at the end."""
     prefixes, marker = options.dataset_prefixes, options.marker_path
     remove_stale_temporaries([p + ext for p in prefixes.values() for ext in (".bin", ".idx")]
-                             + [options.rejections_path, marker], log)
+                             + list(options.rejections_paths.values()) + [marker], log)
     stats = PreprocessStats(input_files=len(files), input_bytes=sum(os.path.getsize(f) for f in files),
                             shard=(options.shard_index, options.num_shards) if options.sharded else None)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
@@ -122,7 +123,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
     t0 = time.time()
     writer = None
     try:
-        writer = PreprocessWriter(files, prefixes, options.rejections_path, dtype, stats, log, options.label)
+        writer = PreprocessWriter(files, prefixes, dtype, stats, log, options.label)
         chunks = iter_chunks(files, options.json_keys, max_records=options.chunksize, max_bytes=options.chunk_bytes,
                              parquet_batch_rows=options.parquet_batch_rows)
         for (encoded, records, seen), chunk in encoded_chunks(chunks, tokenizer, options.json_keys,
@@ -132,7 +133,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
         bar.close()
         writer.check_counts(whole_run=not options.sharded)
         # Everything is written in full before anything is renamed into place (a full disk fails
-        # here, publishing nothing). Then: rejections report, datasets with their sidecars, marker last.
+        # here, publishing nothing). Then: each dataset with its rejections report and sidecar, marker last.
         writer.prepare()
         metadata = tokenizer_metadata(tokenizer)
         if options.sharded and os.path.exists(marker):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from megatron_dllm.data.prep.output import rejections_path
 from megatron_dllm.errors import InputError
 
 
@@ -77,8 +78,9 @@ class PreprocessOptions:
         return {key: f"{self.base}_{key}_document" for key in self.json_keys}
 
     @property
-    def rejections_path(self) -> str:
-        return f"{self.base}_rejected.tsv"
+    def rejections_paths(self) -> dict:
+        """key -> its dataset's rejections report."""
+        return {key: rejections_path(prefix) for key, prefix in self.dataset_prefixes.items()}
 
     @property
     def marker_path(self) -> str:

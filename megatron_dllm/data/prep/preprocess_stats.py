@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 MAX_PRINTED_REJECTIONS = 20  # logged, and kept in a shard's .done.json
-MAX_KEPT_REJECTIONS = 1000  # kept in memory; the full list is the run's _rejected.tsv
+MAX_KEPT_REJECTIONS = 1000  # kept in memory; the full lists are the datasets' _rejected.tsv
 
 
 @dataclass
@@ -24,7 +24,7 @@ class PreprocessStats:
     keys: Dict[str, KeyStats] = field(default_factory=dict)
     output_prefixes: Dict[str, str] = field(default_factory=dict)  # key -> dataset prefix
     rejections: List[Tuple[str, int, str, str]] = field(default_factory=list)  # file, line/row, key, reason
-    rejections_file: Optional[str] = None
+    rejections_files: Dict[str, str] = field(default_factory=dict)  # key -> its dataset's report, if any
     seconds: float = 0.0
     input_files: int = 0
     input_bytes: int = 0
@@ -51,8 +51,8 @@ class PreprocessStats:
             by_reason = ", ".join(f"{r}={n}" for r, n in sorted(s.rejected.items())) or "none"
             lines.append(f"  [{key}] written: {s.written}, rejected: {rej} ({by_reason}), "
                          f"tokens written: {s.tokens} -> {self.output_prefixes[key]}.bin/.idx")
-        if self.rejections_file:
-            lines.append(f"  all rejections with file and line/row: {self.rejections_file}")
+            if key in self.rejections_files:
+                lines.append(f"  [{key}] all rejections with file and line/row: {self.rejections_files[key]}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:

@@ -1,8 +1,8 @@
-"""Preprocessing stage 3: the tokenized chunks (`tokenize_workers`) -> one `.bin/.idx` per key and
-the rejections report `{base}_rejected.tsv`, counted into `PreprocessStats`.
+"""Preprocessing stage 3: the tokenized chunks (`tokenize_workers`) -> one `.bin/.idx` per key, each
+with its rejections report `{dataset prefix}_rejected.tsv`, counted into `PreprocessStats`.
 
 Everything is written under temporaries first (`prepare` writes them in full, so a full disk fails
-before anything is renamed); `publish` then renames the report and the datasets into place, each
+before anything is renamed); `publish` then renames the reports and the datasets into place, each
 `.idx` last. `abort` drops the temporaries and leaves earlier outputs as they were.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 
 from megatron_dllm.atomic_file import staging_tag
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
+from megatron_dllm.data.prep.output import rejections_path
 from megatron_dllm.data.prep.preprocess_stats import (
     MAX_KEPT_REJECTIONS,
     MAX_PRINTED_REJECTIONS,
@@ -30,15 +31,15 @@ from megatron_dllm.errors import InputError
 class PreprocessWriter:
     """Writes the datasets of one run (`prefixes`: key -> dataset prefix) from `files`' records."""
 
-    def __init__(self, files: Sequence[str], prefixes: Dict[str, str], rejections_path: str, dtype: np.dtype,
+    def __init__(self, files: Sequence[str], prefixes: Dict[str, str], dtype: np.dtype,
                  stats: PreprocessStats, log: Callable[[str], None], label: str = "") -> None:
-        self.files, self.prefixes, self.rejections_path = files, prefixes, rejections_path
+        self.files, self.prefixes = files, prefixes
         self.stats, self.log, self.label = stats, log, label
         for key, prefix in prefixes.items():
             stats.output_prefixes[key] = prefix
             stats.keys[key] = KeyStats()
-        self._rejections_tmp = rejections_path + staging_tag()
-        self._rejections_out = None  # opened at the first rejection
+        self._reports_tmp = {key: rejections_path(prefix) + staging_tag() for key, prefix in prefixes.items()}
+        self._reports = {}  # key -> its open report, from the key's first rejection
         self._rejected = 0
         self._seen_keys = set()
         self._writers = {}
@@ -70,17 +71,17 @@ class PreprocessWriter:
         return chunk_tokens
 
     def _reject(self, entry: tuple) -> None:
-        """Count, keep, report (`_rejected.tsv`) and, for the first few, log one rejected record."""
-        stats = self.stats
+        """Count, keep, report (the key's `_rejected.tsv`) and, for the first few, log one rejected record."""
+        stats, key = self.stats, entry[2]
         if len(stats.rejections) < MAX_KEPT_REJECTIONS:
             stats.rejections.append(entry)
-        if self._rejections_out is None:
-            self._rejections_out = open(self._rejections_tmp, "w", encoding="utf-8")
-            self._rejections_out.write("file\tline_or_row\tkey\treason\n")
-        self._rejections_out.write("\t".join(map(str, entry)) + "\n")
+        if key not in self._reports:
+            self._reports[key] = open(self._reports_tmp[key], "w", encoding="utf-8")
+            self._reports[key].write("file\tline_or_row\tkey\treason\n")
+        self._reports[key].write("\t".join(map(str, entry)) + "\n")
         self._rejected += 1
         if self._rejected <= MAX_PRINTED_REJECTIONS:
-            path, pos, key, reason = entry
+            path, pos, _, reason = entry
             where = f"{path} row {pos}" if file_format(path) == "parquet" else f"{path}:{pos}"
             self.log(f"{self.label}rejected {where} [{key}]: {reason}")
 
@@ -103,27 +104,29 @@ class PreprocessWriter:
 
     def prepare(self) -> None:
         """Write every temporary in full: what can run out of space fails here, publishing nothing."""
-        if self._rejections_out is not None:
-            self._rejections_out.close()
+        for report in self._reports.values():
+            report.close()
         for w in self._writers.values():
             w.prepare()
 
     def publish(self, metadata: dict) -> None:
-        """Rename into place: the rejections report (or remove a stale one), then the datasets
-        (`.bin` then `.idx` each) with `metadata` as their sidecar."""
-        if self._rejections_out is not None:
-            os.replace(self._rejections_tmp, self.rejections_path)
-            self.stats.rejections_file = self.rejections_path
-        elif os.path.exists(self.rejections_path):
-            os.remove(self.rejections_path)  # stale report from an earlier run of the same prefix
-        for w in self._writers.values():
-            w.publish(metadata)
+        """Rename into place, per key: the rejections report (or remove a stale one), then the
+        dataset (`.bin` then `.idx`) with `metadata` as its sidecar."""
+        for key, prefix in self.prefixes.items():
+            report = rejections_path(prefix)
+            if key in self._reports:
+                os.replace(self._reports_tmp[key], report)
+                self.stats.rejections_files[key] = report
+            elif os.path.exists(report):
+                os.remove(report)  # stale, from an earlier run of the same dataset
+            self._writers[key].publish(metadata)
 
     def abort(self) -> None:
         for w in self._writers.values():
             w.abort()
-        if self._rejections_out is not None:
+        for report in self._reports.values():
             with contextlib.suppress(OSError):  # a full disk fails the flush again
-                self._rejections_out.close()
-        if os.path.exists(self._rejections_tmp):
-            os.remove(self._rejections_tmp)
+                report.close()
+        for tmp in self._reports_tmp.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)

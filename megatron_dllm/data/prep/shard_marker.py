@@ -21,7 +21,7 @@ from megatron_dllm.data.indexed_dataset import DatasetFormatError, validate_inde
 from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 from megatron_dllm.errors import InputError
 
-MARKER_VERSION = 3
+MARKER_VERSION = 4  # 4: a rejections report per dataset
 
 
 def _sized(files: Sequence[str]) -> list:

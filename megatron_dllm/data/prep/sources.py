@@ -59,8 +59,9 @@ def file_format(path: str) -> str:
 
 
 def expand_inputs(patterns: Sequence[str], in_given_order: bool = False) -> List[str]:
-    """Expand files and globs into one **sorted** list of distinct paths (the order of
-    documents in the output, and the basis of sharding); `in_given_order`: in the patterns'
+    """Expand files and globs into one **sorted** list of distinct files (the order of
+    documents in the output, and the basis of sharding): a file matched twice, also under
+    another spelling (relative and absolute), is read once. `in_given_order`: in the patterns'
     order instead (each glob's matches sorted), a file listed twice refused. A pattern matching
     nothing is an error, not an empty corpus."""
     files = []
@@ -71,8 +72,11 @@ def expand_inputs(patterns: Sequence[str], in_given_order: bool = False) -> List
             raise InputError(f"--input {pattern!r}: " + ("no file matches" if magic else not_a_file(pattern)))
         files += [os.path.normpath(m) for m in matches]
     if not in_given_order:
-        return sorted(set(files))
-    twice = sorted(f for f, n in collections.Counter(files).items() if n > 1)
+        distinct = {}
+        for f in sorted(files):
+            distinct.setdefault(os.path.abspath(f), f)
+        return list(distinct.values())
+    twice = [f for f, n in collections.Counter(map(os.path.abspath, files)).items() if n > 1]
     if twice:
         raise InputError(f"--input: {twice[0]} is listed twice")
     return files
