@@ -238,6 +238,13 @@ def _compare(out_root, tok_model, specs):
         assert (tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False)
                 == sp.encode(text.replace("[MASK]", "x")))
         assert identity.mask_id in tok.encode(text, add_special_tokens=False)
+        with open(os.path.join(out, "tokenizer.model"), "rb") as shipped, open(tok_model, "rb") as original:
+            assert shipped.read() == original.read()
+        if family == "mdlm":  # sampling from the export decodes as from the checkpoint, byte pieces included
+            from megatron_dllm.sampling.loading import load_inference_model
+
+            pieces = [sp.piece_to_id("<0xF8>"), sp.piece_to_id("<0x0A>"), *sp.encode("Day")]
+            assert load_inference_model(out).tokenizer.detokenize(pieces) == sp.decode(pieces) == "\ufffd\n Day"
         print(f"OK {family} rel_err={err:.2e}", flush=True)
 
     # an existing export is refused, then replaced whole with --overwrite (no stale AR generation

@@ -28,6 +28,7 @@ from megatron_dllm.hf.remote_code import remote_code_files
 from megatron_dllm.model import constants
 
 DEFAULT_SEQ_LENGTH = 2048
+SENTENCEPIECE_MODEL = "tokenizer.model"  # an export's copy of its SentencePiece model
 
 # megatron (TP=1, PP=1 DiTModel.state_dict()) -> HF suffix after "backbone."
 _RENAMES = [("time_embedder.mlp.", "sigma_map.mlp."),
@@ -324,7 +325,7 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
 
     with tempfile.TemporaryDirectory() as tmp:
         if tokenizer_type == "SentencePieceTokenizer":
-            shutil.copyfile(ours.model_path, os.path.join(tmp, "tokenizer.model"))
+            shutil.copyfile(ours.model_path, os.path.join(tmp, SENTENCEPIECE_MODEL))
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
                            "add_eos_token": False, "legacy": True}, f)
@@ -355,6 +356,8 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
         if os.path.isfile(os.path.join(out, "config.json")):  # the model's context, not "unlimited"
             tok.model_max_length = _read_json(os.path.join(out, "config.json"))["max_position_embeddings"]
         tok.save_pretrained(out)
+    if tokenizer_type == "SentencePieceTokenizer":  # the original beside the conversion (transformers writes none)
+        shutil.copyfile(ours.model_path, os.path.join(out, SENTENCEPIECE_MODEL))
     # the model's generate stops at the tokenizer's EOS without being told it
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(out, name)

@@ -45,12 +45,18 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
 def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
     from megatron_dllm.hf import export_gpt, load_export, pretrained_ar
     from megatron_dllm.hf.config_json import read_config_json
+    from megatron_dllm.hf.export import SENTENCEPIECE_MODEL
 
     if pretrained_ar.is_pretrained_ar(path):  # transformers' Llama/Qwen2 (an AR export): only tensors are read
         return export_gpt.dense_from_transformers_dir(path), _given_config(tokenizer_type, tokenizer_model,
                                                                            tokenizer_options)
     read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers reads it
     model = load_export.load_model(path)  # this project's classes: no python file of the export runs
+    original = os.path.join(path, SENTENCEPIECE_MODEL)
+    if not tokenizer_model and os.path.isfile(original):
+        # the SentencePiece model itself, not transformers' conversion of it, which decodes byte
+        # pieces that form no character otherwise: texts equal the checkpoint's
+        tokenizer_type, tokenizer_model = "SentencePieceTokenizer", original
     return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
 
 
