@@ -245,19 +245,67 @@ def test_checkpoints_without_writer_records_still_verify(exported, tmp_path):
 @pytest.mark.parametrize("mode", ["file"])  # the mode whose lock only an explicit release removes
 def test_a_run_without_load_refuses_a_save_holding_checkpoints(exported, demo_cache, tmp_path, mode):
     """... and releases its lock on that handled error: the directory is byte-identical after."""
-    ckpt = tmp_path / "ckpt"
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     shutil.copytree(exported[0], ckpt)
+    shutil.copytree(exported[0], other)
     before = _snapshot(ckpt)
+    held = f"error: --save {ckpt} already holds checkpoints (iter_0000002)"
     for flags, message in [
-        ([], f"error: --save {ckpt} already holds checkpoints (iter_0000002); resume with --load {ckpt}, or pick "
-             f"a new --save"),
-        (["--load", str(ckpt), "--finetune"],
-         f"error: --save {ckpt} already holds checkpoints (iter_0000002); --finetune starts again at iteration 0 "
-         f"and would replace them: pick a new --save")]:
+        ([], f"{held}; resume with --load {ckpt}, or pick a new --save"),
+        (["--load", str(other)], f"{held}; --load {other} is another directory's, and continuing it here would "
+                                 f"replace them: resume with --load {ckpt}, or pick a new --save"),
+        (["--load", str(other), "--finetune"],
+         f"{held}; --finetune starts again at iteration 0 and would replace them: pick a new --save "
+         f"(--pretrained-checkpoint {other} --load {ckpt} instead starts from its weights and resumes --save once "
+         f"it has saved)")]:
         with _env(DLLM_LOCK_MODE=mode):
             proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--save", str(ckpt), *flags)
         assert proc.returncode == 2 and _errors(proc.stderr) == [message], proc.stderr[-3000:]
         assert not records and _snapshot(ckpt) == before
+
+
+def test_a_pretrained_checkpoint_starts_the_run_and_the_same_command_then_resumes_it(exported, demo_cache, tmp_path):
+    """Megatron-LM's --pretrained-checkpoint: weights only while --load is empty, then --load."""
+    run = tmp_path / "run"
+    flags = ["--pretrained-checkpoint", str(exported[0]), "--load", str(run), "--save", str(run),
+             "--train-iters", "4", "--exit-interval", "2"]
+    first, records = _launch(demo_cache, tmp_path, *flags, check=True)
+    assert f"no checkpoint in --load {run} yet: starting from --pretrained-checkpoint {exported[0]}" in first.stdout
+    assert "weights only (--finetune)" in first.stdout
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2] and (run / TRACKER).read_text() == "2"
+    again, records = _launch(demo_cache, tmp_path, *flags[:-2], check=True)  # the same command, to the end
+    assert f"loading {run / 'iter_0000002'}" in again.stdout and "starting from --pretrained" not in again.stdout
+    assert [r["iteration"] for r in records if "loss" in r] == [3, 4] and (run / TRACKER).read_text() == "4"
+
+
+def test_relaunch_continues_a_finetuned_run_from_its_own_checkpoints(exported, demo_cache, tmp_path):
+    """A run that started with --load elsewhere and --finetune continues, once it has saved, from
+    its --save, without the file's flags of that first load."""
+    run = tmp_path / "run"
+    _launch(demo_cache, tmp_path, "--load", str(exported[0]), "--finetune", "--no-load-rng", "--save", str(run),
+            "--train-iters", "4", "--exit-interval", "2", check=True)
+    config = str(run / "run_config.yaml")
+    dry = run_python([os.path.join(REPO, "tools", "relaunch.py"), config, "--dry-run"], tmp_path, launch_env(1))
+    assert dry.returncode == 0, dry.stderr
+    assert f"continuing from the run's own checkpoints in {run}" in dry.stderr
+    command = dry.stdout.split()
+    assert "--yaml-cfg" not in command and "--finetune" not in command and "--no-load-rng" not in command
+    assert command[command.index("--load") + 1] == str(run) and command.count("--load") == 1
+    done = run_python([os.path.join(REPO, "tools", "relaunch.py"), config], tmp_path, launch_env(1), 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"loaded checkpoint {run / 'iter_0000002'} at iteration 2" in done.stdout
+    assert (run / TRACKER).read_text() == "4"
+
+
+def test_a_finished_run_without_validation_set_has_nothing_to_do(demo_cache, tmp_path):
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+
+    demo, run = prepare_demo_corpus(demo_cache), tmp_path / "run"
+    flags = [*TINY_RUN, "--data-path", demo["data_prefix"], "--tokenizer-type", demo["tokenizer_type"],
+             "--tokenizer-model", demo["tokenizer_model"], "--train-iters", "1", "--load", str(run), "--save", str(run)]
+    run_pretrain(1, flags, tmp_path)
+    again, records = run_pretrain(1, flags, tmp_path)
+    assert "iteration 1 already reaches --train-iters 1: nothing to do (no --eval-interval)" in again.stdout
 
 
 def test_the_demo_command_resumes_its_own_checkpoints():

@@ -128,6 +128,15 @@ def test_unwritable_save_fails_before_training(demo_cache, tmp_path):
     assert not records and not os.path.exists(save)
 
 
+def test_an_unwritable_tensorboard_dir_is_one_error_naming_the_flag(demo_cache, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "a_file"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: --tensorboard-dir {tmp_path / 'a_file'}: cannot write " \
+                                                   f"there (File exists)"
+    assert not records
+
+
 # ------------------------------------------------------------------ in-process: layout and manifest
 
 

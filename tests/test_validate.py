@@ -110,6 +110,12 @@ CASES = [
     ("exit_needs_save", [*DATA, "--exit-interval", "10"], None, False,
      "--exit-interval saves a checkpoint to resume from before it exits: give --save DIR"),
     ("exit_needs_save", [*DATA, "--exit-signal-handler"], None, False, "--exit-signal-handler saves a checkpoint"),
+    ("pretrained_checkpoint", ["--pretrained-checkpoint", "/p"], None, False,
+     "--pretrained-checkpoint needs --load (the run's own --save)"),
+    ("pretrained_checkpoint", ["--pretrained-checkpoint", "/p", "--load", "/s", "--finetune"], None, False,
+     "--pretrained-checkpoint with --finetune: the pretrained checkpoint is loaded as --finetune loads"),
+    ("pretrained_checkpoint", ["--pretrained-checkpoint", "/p", "--load", "/s", "--ckpt-step", "3"], None, False,
+     "drop --ckpt-step"),
     ("schedule_on_resume", ["--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"], None, False,
      "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler contradict each other"),
     ("lr_range", ["--lr", "1e-4", "--min-lr", "1e-3"], None, False,
@@ -198,7 +204,9 @@ def test_a_good_configuration_passes_at_every_stage(flags, world_size):
     ("--weight-decay", "-0.1", "a finite number >= 0"), ("--clip-grad", "-1", "a finite number >= 0"),
     ("--adam-beta1", "1.5", "a number in [0, 1)"), ("--adam-beta2", "1", "a number in [0, 1)"),
     ("--adam-eps", "0", "a positive finite number"), ("--seed", "-1", "an integer in [0, 2**32)"),
-    ("--seed", str(2**32), "an integer in [0, 2**32)"),
+    ("--seed", str(2**32), "an integer in [0, 2**32)"), ("--lr-wsd-decay-iters", "0", "a positive integer"),
+    ("--train-epochs", "-1", "a positive finite number"), ("--loss-spike-factor", "-1", "a finite number >= 0"),
+    ("--peak-flops", "0", "a positive finite number"),
 ])
 def test_optimizer_and_seed_values_out_of_range_are_refused_when_parsed(capsys, flag, value, expected):
     with pytest.raises(SystemExit) as exit_:

@@ -195,14 +195,27 @@ def check_free_space(save: str, estimate: int | None) -> None:
                               f"needs about {estimate / 2**20:.1f} MiB")
 
 
-def refuse_existing(save: str, finetune: bool) -> None:
-    """Refuse a run that would start at iteration 0 in a root that holds checkpoints: its saves
-    would replace them."""
+def refuse_existing(save: str, load: str | None, finetune: bool) -> None:
+    """Refuse a run that does not resume `save` (it starts at iteration 0, or from another
+    directory's checkpoint) where `save` holds checkpoints: its saves would replace them."""
     found = iterations(save)
     if not found:
         return
+    held = f"--save {save} already holds checkpoints ({_listing(found)})"
     if finetune:
-        raise CheckpointError(f"--save {save} already holds checkpoints ({_listing(found)}); --finetune starts "
-                              f"again at iteration 0 and would replace them: pick a new --save")
-    raise CheckpointError(f"--save {save} already holds checkpoints ({_listing(found)}); resume with --load "
-                          f"{save}, or pick a new --save")
+        raise CheckpointError(f"{held}; --finetune starts again at iteration 0 and would replace them: pick a new "
+                              f"--save (--pretrained-checkpoint {load} --load {save} instead starts from its weights "
+                              f"and resumes --save once it has saved)")
+    if load:
+        raise CheckpointError(f"{held}; --load {load} is another directory's, and continuing it here would replace "
+                              f"them: resume with --load {save}, or pick a new --save")
+    raise CheckpointError(f"{held}; resume with --load {save}, or pick a new --save")
+
+
+def resumes(load: str | None, save: str) -> bool:
+    """Whether `--load` names `save` itself or one checkpoint directory in it (resuming, or
+    going back to an earlier iteration of the same run)."""
+    if not load:
+        return False
+    load, save = os.path.abspath(load), os.path.abspath(save)
+    return load == save or os.path.dirname(load) == save

@@ -241,9 +241,14 @@ def check_free_space(save: str, estimate: int) -> None:
     _from_rank0(lambda: layout.check_free_space(save, estimate))
 
 
-def refuse_existing(save: str, finetune: bool) -> None:
+def refuse_existing(save: str, load: str | None, finetune: bool) -> None:
     """A run that does not resume from --save must not write over the checkpoints there."""
-    _from_rank0(lambda: layout.refuse_existing(save, finetune))
+    _from_rank0(lambda: layout.refuse_existing(save, load, finetune))
+
+
+def holds_checkpoint(load: str) -> bool:
+    """Whether `--load load` names a checkpoint (no manifest read: see `locate`)."""
+    return _from_rank0(lambda: layout.find_checkpoint(load) is not None)
 
 
 def read(path: str, fn, *args):

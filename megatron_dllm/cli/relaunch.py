@@ -9,8 +9,11 @@ on this machine, N defaulting to the world size the run was launched with (its `
 section), in the directory the run was launched from (also recorded there), so that the file's
 relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
-resume idiom). A flag of the optimizer's settings (a longer --train-iters lengthens the LR decay)
-needs --override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
+resume idiom); a run that started from another directory's checkpoint (`--load` elsewhere,
+`--finetune`) and has saved since continues from its `--save`, without the file's flags of that
+first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`). A flag of the
+optimizer's settings (a longer --train-iters lengthens the LR decay) needs
+--override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
 CONFIG` to their own launcher.
 """
 from __future__ import annotations
@@ -19,11 +22,15 @@ import os
 import shlex
 import subprocess
 import sys
+from contextlib import chdir
+from dataclasses import fields
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 from megatron_dllm.config.fields import positive_int
 
+# the flags of a run's first load from elsewhere, which its continuation from --save drops
+FIRST_LOAD_FLAGS = {"--load", "--finetune", "--ckpt-step", "--no-load-optim", "--no-load-rng"}
 PRETRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "pretrain_dllm.py")
 
@@ -41,8 +48,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv[:split])
     args.flags = argv[split + 1:]
 
-    from megatron_dllm.config import parse_args
-    from megatron_dllm.config.yaml_config import YamlFile
+    from megatron_dllm.checkpoint.layout import resumes
+    from megatron_dllm.checkpoint.store import holds_checkpoint
+    from megatron_dllm.config import RunConfig, build_parser, parse_args
+    from megatron_dllm.config.yaml_config import YamlFile, expand_yaml
 
     launch = YamlFile(args.config, what=None).launch()
     nproc = args.nproc_per_node or launch.get("world-size")
@@ -53,11 +62,21 @@ def main(argv=None) -> int:
         return fail(f"{args.config}: the run was launched from {directory}, which no longer exists; its relative "
                     f"paths mean nothing elsewhere (edit launch: directory)")
     checkpoint = parse_args(["--yaml-cfg", args.config, *args.flags]).checkpoint  # bad flags fail here
+    run = ["--yaml-cfg", os.path.abspath(args.config)]
     flags = list(args.flags)
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
+    elif checkpoint.save and (checkpoint.finetune or not resumes(checkpoint.load, checkpoint.save)):
+        with chdir(directory):
+            saved = holds_checkpoint(checkpoint.save)
+        if saved:  # it has saved since its first load: it continues from there
+            run = [t for t in expand_yaml(run, build_parser(), sections=[g.name for g in fields(RunConfig)])
+                   if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]  # the file's flags, as --yaml-cfg reads them
+            flags = ["--load", checkpoint.save, *flags]  # the FLAGS given still win
+            print(f"relaunch: continuing from the run's own checkpoints in {checkpoint.save}, without the flags "
+                  f"of its first load from {checkpoint.load}", file=sys.stderr)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           PRETRAIN, "--yaml-cfg", os.path.abspath(args.config), *flags]
+           PRETRAIN, *run, *flags]
     if args.dry_run:
         print(f"cd {shlex.quote(directory)} && {shlex.join(cmd)}")
         return 0

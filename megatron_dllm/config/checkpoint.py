@@ -27,12 +27,16 @@ class CheckpointConfig(FlagGroup):
         help="--load: keep the checkpoint's LR schedule, weight decay and Adam betas/eps whatever the flags say")
     finetune: bool = flag(False, action="store_true", help="--load: weights only; iteration and consumed samples "
                                                            "restart at 0, fresh optimizer and LR schedule")
+    pretrained_checkpoint: str | None = flag(
+        help="while --load holds no checkpoint, start from this one as --finetune does; once the run has saved, "
+             "--load resumes it, so the same command continues the run (Megatron-LM's meaning; give --load and "
+             "--save the same directory)")
     async_save: bool = flag(False, action="store_true",
                             help="write checkpoints in the background (megatron-core's asynchronous save); "
                                  "training continues meanwhile")
     keep_last_n_checkpoints: int | None = flag(type=positive_int,
                                                help="remove complete checkpoints older than the newest N (the "
-                                                    "loaded and tracked ones stay)")
+                                                    "tracked one and those newer than it stay)")
     keep_checkpoint_interval: int | None = flag(type=positive_int,
                                                 help="with --keep-last-n-checkpoints: also keep every checkpoint "
                                                      "whose iteration is a multiple of this")

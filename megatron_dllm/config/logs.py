@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, finite_float, flag, positive_int
+from megatron_dllm.config.fields import FlagGroup, flag, positive_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class LoggingConfig(FlagGroup):
     tensorboard_dir: str | None = flag(help="TensorBoard event directory")
     metrics_file: str | None = flag(help="append one JSON line per logged iteration and per validation (last rank)")
     # ---- observability
-    peak_flops: float | None = flag(type=finite_float,
+    peak_flops: float | None = flag(type=positive_float,
                                     help="the device's peak FLOP/s for MFU (default: the known device's dense "
                                          "peak at the run's precision)")
     timing_log_level: int = flag(1, type=int, choices=[0, 1, 2],

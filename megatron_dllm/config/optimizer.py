@@ -37,7 +37,7 @@ class OptimizerConfig(FlagGroup):
     lr_decay_iters: int | None = flag(type=positive_int, help="default: all training iterations")
     lr_wsd_decay_style: str = flag("cosine", choices=["linear", "cosine", "exponential", "minus_sqrt"],
                                    help="WSD: shape of the final decay")
-    lr_wsd_decay_iters: int | None = flag(type=non_negative_int,
+    lr_wsd_decay_iters: int | None = flag(type=positive_int,
                                           help="WSD: iterations of the final decay (default: the last third)")
 
     def warmup_iters(self, train_iters: int) -> int:

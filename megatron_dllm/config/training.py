@@ -9,6 +9,7 @@ from megatron_dllm.config.fields import (
     flag,
     non_negative_float,
     non_negative_int,
+    positive_float,
     positive_int,
     seed_value,
 )
@@ -30,7 +31,7 @@ class TrainingConfig(FlagGroup):
     sft: bool = flag(False, action="store_true",
                      help="supervised fine-tuning on an SFT dataset (tools/preprocess_sft_data.py): no loss on, "
                           "and no noise in, prompt tokens; start from a pretrained model with --load ... --finetune")
-    train_epochs: float | None = flag(type=finite_float, help="--sft: passes over the training rows "
+    train_epochs: float | None = flag(type=positive_float, help="--sft: passes over the training rows "
                                                               "(rounded up to whole global batches)")
     seed: int = flag(1234, type=seed_value, help="seeds weights, data order and noise")
     ema_decay: float | None = flag(type=float, help="keep an fp32 exponential moving average of the weights with "
@@ -49,6 +50,6 @@ class TrainingConfig(FlagGroup):
     max_consecutive_nonfinite_iters: int = flag(5, type=positive_int,
                                                 help="--check-for-nan-in-loss-and-grad: after this many skipped "
                                                      "iterations in a row, save the last good state and stop")
-    loss_spike_factor: float | None = flag(2.0, type=finite_float,
+    loss_spike_factor: float | None = flag(2.0, type=non_negative_float,
                                            help="log a loss spike when an iteration's loss exceeds this multiple "
                                                 "of the mean of the previous 50 (0 turns it off)")

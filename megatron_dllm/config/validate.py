@@ -132,6 +132,20 @@ def exit_needs_save(config, world_size=None) -> None:
         raise InputError(f"{given[0]} saves a checkpoint to resume from before it exits: give --save DIR")
 
 
+def pretrained_checkpoint(config, world_size=None) -> None:
+    ckpt = config.checkpoint
+    if ckpt.pretrained_checkpoint is None:
+        return
+    if not ckpt.load:
+        raise InputError("--pretrained-checkpoint needs --load (the run's own --save): the run resumes from it once "
+                         "it holds a checkpoint")
+    for flag, given in (("--finetune", ckpt.finetune), ("--ckpt-step", ckpt.ckpt_step is not None)):
+        if given:
+            raise InputError(f"--pretrained-checkpoint with {flag}: the pretrained checkpoint is loaded as --finetune "
+                             f"loads (name one of its iterations by its iter_XXXXXXX directory), and --load is "
+                             f"resumed at its last checkpoint; drop {flag}")
+
+
 def schedule_on_resume(config, world_size=None) -> None:
     ckpt = config.checkpoint
     if ckpt.override_opt_param_scheduler and ckpt.use_checkpoint_opt_param_scheduler:
@@ -330,5 +344,6 @@ def profile(config, world_size=None) -> None:
 
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save,
-         schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options, family_loss, family_settings,
-         attention_anneal, backbone, layout, batch, kernels, cuda_graph, warmup_before_decay)
+         pretrained_checkpoint, schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options,
+         family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels, cuda_graph,
+         warmup_before_decay)

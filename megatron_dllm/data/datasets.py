@@ -220,12 +220,12 @@ def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
     n = validate_indexed_dataset(prefix).sequence_count
     lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
     for name, bounds, size in zip(("train", "valid", "test"), split_matrix, sizes):
-        if bounds is None or size == 0:
+        if size == 0:  # not read
             continue
-        beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+        beg, end = (int(round(b * n)) for b in bounds) if bounds is not None else (0, 0)  # None: weight 0
         if end <= beg or not lengths[beg:end].any():
-            raise InputError(f"{flag}: the {name} split {bounds} of {prefix} ({n} documents) is empty; "
-                             f"change --split or give --valid-data-path")
+            raise InputError(f"{flag}: the {name} split {bounds or '(weight 0 in --split)'} of {prefix} ({n} "
+                             f"documents) is empty; change --split or give --valid-data-path")
 
 
 def _check_all_prefixes(blends, tokenizer, cache_dir) -> None:

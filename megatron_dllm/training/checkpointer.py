@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from dataclasses import replace
 
 import torch.distributed as dist
 
@@ -36,8 +37,24 @@ def claim_save_dir(ckpt: CheckpointConfig) -> None:
         return
     checkpoint.check_writable(ckpt.save)
     checkpoint.store.lock_save(ckpt.save)  # held until this process exits or finish()
-    if not ckpt.load or ckpt.finetune:  # iteration 0 again: its saves would replace what is there
-        checkpoint.store.refuse_existing(ckpt.save, ckpt.finetune)
+    ckpt = starting_point(ckpt)
+    # a run that does not resume --save would save over its checkpoints (a --load that names
+    # nothing gets its own error from the load plan)
+    elsewhere = ckpt.load and not checkpoint.layout.resumes(ckpt.load, ckpt.save)
+    if not ckpt.load or ckpt.finetune or (elsewhere and checkpoint.store.holds_checkpoint(ckpt.load)):
+        checkpoint.store.refuse_existing(ckpt.save, ckpt.load, ckpt.finetune)
+
+
+def starting_point(ckpt: CheckpointConfig, log=None) -> CheckpointConfig:
+    """`ckpt` with --pretrained-checkpoint resolved, as Megatron-LM does: while --load holds no
+    checkpoint the run starts from the pretrained one as --finetune would; after its first save
+    it resumes --load, so a requeued or relaunched command continues the run."""
+    if ckpt.pretrained_checkpoint is None or checkpoint.store.holds_checkpoint(ckpt.load):
+        return ckpt
+    if log is not None:
+        log(f"no checkpoint in --load {ckpt.load} yet: starting from --pretrained-checkpoint "
+            f"{ckpt.pretrained_checkpoint} (weights only, as --finetune)")
+    return replace(ckpt, load=ckpt.pretrained_checkpoint, finetune=True, pretrained_checkpoint=None)
 
 
 def write_resolved_config(cfg: RunConfig, directory: str | None, logger) -> None:
@@ -84,7 +101,7 @@ class Checkpointer:
 
     def plan(self) -> LoadPlan:
         """What --load brings back, decided from the checkpoint's metadata (no tensor read yet)."""
-        ckpt = self.ckpt
+        ckpt = starting_point(self.ckpt, log=self.logger.info)
         found = checkpoint.locate(ckpt.load, ckpt.ckpt_step, log=self.logger.info) if ckpt.load else None
         meta = None
         if found is not None:

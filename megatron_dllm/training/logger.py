@@ -8,18 +8,27 @@ import math
 
 import torch.distributed as dist
 
+from megatron_dllm.errors import InputError
+
 
 class Logger:
     def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None):
         self.active = dist.get_rank() == dist.get_world_size() - 1
         self.writer = self.metrics = None
         self.extra_writers = []
-        if self.active and tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+        if not self.active:
+            return
+        try:
+            if tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=tensorboard_dir)
-        if self.active and metrics_file:
-            self.metrics = open(metrics_file, "a")
+                flag, path = "--tensorboard-dir", tensorboard_dir
+                self.writer = SummaryWriter(log_dir=tensorboard_dir)
+            if metrics_file:
+                flag, path = "--metrics-file", metrics_file
+                self.metrics = open(metrics_file, "a")
+        except OSError as err:
+            raise InputError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
 
     def add_writer(self, writer) -> None:
         """Another scalar sink with TensorBoard's add_scalar(tag, value, step) (e.g. W&B)."""

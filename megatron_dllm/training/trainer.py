@@ -42,6 +42,7 @@ class Trainer:
         training, logging = config.training, config.logging
         self.config, self.tokenizer = config, inputs.tokenizer
         claim_save_dir(config.checkpoint)
+        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file)  # its files fail now, not after the build
         self.family = build_family(config, self.tokenizer)
         self.meter = ThroughputMeter(config, self.tokenizer.vocab_size, dist.get_world_size())
         built = build_training_model(config, self.family, self.tokenizer.vocab_size, self.meter.timers)
@@ -50,7 +51,6 @@ class Trainer:
         self.graph = built.graph
         self.train_batches, self.valid_batches = build_batches(config, self.family, inputs,
                                                                self.transformer_config.sequence_parallel)
-        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file)
         if self.meter.peak_flops or platform.HAS_CUDA:  # a CPU has no peak: no MFU line at all
             self.logger.info(f"MFU against {self.meter.peak_source}")
         self.exits = ExitConditions(training)
@@ -140,8 +140,11 @@ class Trainer:
                          f"({training.flops_convention})")
         self.checkpointer.check_disk(self.iteration, self.transformer_config.bf16)
         if self.iteration >= iters:  # loaded a checkpoint at (or past) the end: evaluate only
-            self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: evaluating only")
-            self._validate()
+            evaluates = self.valid_batches.dataset is not None  # built for --eval-interval
+            self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: "
+                             + ("evaluating only" if evaluates else "nothing to do (no --eval-interval)"))
+            if evaluates:
+                self._validate()
             self.logger.close()
             return
         self.meter.start(self.iteration)
