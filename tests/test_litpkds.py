@@ -214,12 +214,15 @@ def test_bad_flags_and_ids(tmp_path, capsys):
     write_litpkds(str(tmp_path / "a.bin"), [3, 4, EOS, 5], 4)
     write_litpkds(str(tmp_path / "f.bin"), [3, 4, EOS, 5], 4, dtype=np.float32)
     write_litpkds(str(tmp_path / "neg.bin"), [3, -4, EOS, 5], 4, dtype=np.int32)
+    write_litpkds(str(tmp_path / "i64.bin"), [3, 4, EOS, 2**40], 4, dtype=np.int64)  # int32 output, no tokenizer
     os.makedirs(tmp_path / "root" / "train")
     cases = [
         (["a.bin"], "--eos-id is required"),
         (["a.bin", "--eos-id", "70000"], "--eos-id 70000 cannot occur in uint16 data"),
         (["f.bin", "--eos-id", "2"], "float32 chunks, expected integer token ids"),
         (["neg.bin", "--eos-id", "2"], f"{tmp_path / 'neg.bin'} at byte offset 28: token id -4"),
+        (["i64.bin", "--eos-id", "2"], f"{tmp_path / 'i64.bin'} at byte offset 48: token id 1099511627776, "
+                                       f"expected 0 <= id < 2147483648 (what the int32 output holds)"),
         (["root", "--eos-id", "2"], "is a corpus root holding train/"),
         (["missing.bin", "--eos-id", "2"], "no such file or directory"),
         (["a.bin", "a.bin", "--eos-id", "2"], "is listed twice"),

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, launch_env, run_python
+from conftest import REPO, launch_env, run_python, tekken_vocab
 from interruptions import interrupt_before_publishing, pool_workers
 
 from megatron_dllm.data.indexed_dataset import (
@@ -152,32 +152,39 @@ def test_formats_give_identical_tokens(tmp_path, corpus, sp_model, plays):
     assert ds.index.dtype == np.uint16
 
 
-def test_rejections_named_in_every_format(tmp_path, sp_model):
+@pytest.mark.parametrize("tokenizer", [SP, "TikTokenizer"])
+def test_rejections_named_in_every_format(tmp_path, sp_model, tokenizer):
+    """The same records are rejected whatever the tokenizer (Megatron-LM's JSON TikTokenizer would
+    write a lone surrogate as U+FFFD, SentencePiece raises on it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    model, kw = (sp_model, {}) if tokenizer == SP else (tekken_vocab(tmp_path, size=3000),
+                                                        dict(tokenizer_options=dict(vocab_size=4000)))
     good = json.dumps({"text": "To be, or not to be"}).encode()
+    deep = b'{"text": "nested too deeply to parse", "a": ' + b"[" * 1500 + b"]" * 1500 + b"}"
     lines = [good, b'{"text": "caf\xe9 au lait"}', b'{"text": "unterminated', json.dumps({"body": "x"}).encode(),
              json.dumps({"text": "  \n "}).encode(), json.dumps({"text": None}).encode(),
-             json.dumps({"text": 7}).encode(), b"", json.dumps({"text": "\ud800"}).encode(), good]
+             json.dumps({"text": 7}).encode(), b"", json.dumps({"text": "\ud800"}).encode(), good, deep]
     (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     msgs = []
-    st = preprocess([str(tmp_path / "a.jsonl")], str(tmp_path / "a"), SP, sp_model, log=msgs.append)
+    st = preprocess([str(tmp_path / "a.jsonl")], str(tmp_path / "a"), tokenizer, model, log=msgs.append, **kw)
     k = st.keys["text"]
-    assert st.read == 9 == k.written + sum(k.rejected.values()) and st.blank_lines == 1
-    assert dict(k.rejected) == {"invalid_utf8": 2, "invalid_json": 1, "missing_key": 2, "empty_text": 1,
+    assert st.read == 10 == k.written + sum(k.rejected.values()) and st.blank_lines == 1
+    assert dict(k.rejected) == {"invalid_utf8": 2, "invalid_json": 2, "missing_key": 2, "empty_text": 1,
                                 "not_text": 1}
     assert {(pos, r) for _, pos, _, r in st.rejections} == {
         (2, "invalid_utf8"), (3, "invalid_json"), (4, "missing_key"), (5, "empty_text"),
-        (6, "missing_key"), (7, "not_text"), (9, "invalid_utf8")}
+        (6, "missing_key"), (7, "not_text"), (9, "invalid_utf8"), (11, "invalid_json")}
     assert any(m.endswith("a.jsonl:3 [text]: invalid_json") for m in msgs)
+    assert any(m.endswith("a.jsonl:11 [text]: invalid_json") for m in msgs)
     assert "a.jsonl\t2\ttext\tinvalid_utf8" in open(st.rejections_files["text"]).read()
-    assert "rejected: 7 (empty_text=1, invalid_json=1, invalid_utf8=2" in st.summary()
+    assert "rejected: 8 (empty_text=1, invalid_json=2, invalid_utf8=2" in st.summary()
     # Parquet: null cells, a binary column with bad UTF-8; rows are 1-based
     pq.write_table(pa.table({"text": ["Good morrow", None, "", "Adieu"],
                              "raw": [b"ok", b"\xff\xfe", b"fine", None]}), tmp_path / "b.parquet", row_group_size=2)
-    st = preprocess([str(tmp_path / "b.parquet")], str(tmp_path / "b"), SP, sp_model,
-                    json_keys=["text", "raw"], log=msgs.append)
+    st = preprocess([str(tmp_path / "b.parquet")], str(tmp_path / "b"), tokenizer, model,
+                    json_keys=["text", "raw"], log=msgs.append, **kw)
     assert st.read == 4 and st.keys["text"].written == 2 and st.keys["raw"].written == 2
     assert {(pos, key, r) for _, pos, key, r in st.rejections} == {
         (2, "text", "missing_key"), (3, "text", "empty_text"), (2, "raw", "invalid_utf8"),
@@ -186,8 +193,8 @@ def test_rejections_named_in_every_format(tmp_path, sp_model):
     # a column missing from the schema is refused before tokenizing (tests/test_faults_data.py)
     with pytest.raises(ValueError, match=r"--json-keys absent: .*b.parquet has no column 'absent'; "
                                          r"its columns are \['text', 'raw'\]"):
-        preprocess([str(tmp_path / "b.parquet")], str(tmp_path / "c"), SP, sp_model,
-                   json_keys=["text", "absent"], log=msgs.append)
+        preprocess([str(tmp_path / "b.parquet")], str(tmp_path / "c"), tokenizer, model,
+                   json_keys=["text", "absent"], log=msgs.append, **kw)
 
 
 # ---------------------------------------------------------------- sharding, merge

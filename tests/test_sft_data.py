@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+import zstandard
 
 from megatron_dllm.data import sft
 from megatron_dllm.data.prep import sft_preprocess as prep_sft
@@ -57,18 +58,27 @@ def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
                                                                {"role": "assistant", "content": "hello"}]}),
                                       json.dumps({"prompt": "x", "response": "word " * 100})])
     d = _write(tmp_path / "d.txt", ["A has 3||3 + 4 = 7 #### 7"])
+    dz = tmp_path / "d.txt.zst"  # Deng text compressed is still Deng text, not JSONL
+    dz.write_bytes(zstandard.ZstdCompressor().compress(b"B has 2||2 + 2 = 4 #### 4\n"))
     prefix = str(tmp_path / "sft")
-    stats = prep_sft.preprocess_sft([a, d], prefix, tokenizer, 48)
-    assert (stats.examples, stats.dropped_too_long, stats.rows) == (4, 1, 3)
+    # temporaries of a killed run (no process has pid 999999999) are removed, not left beside the dataset
+    stale = [prefix + ".bin.tmp-999999999-0a1b2c3d", sft.mask_prefix(prefix) + ".idx.tmp-999999999-0a1b2c3d.lengths"]
+    for path in stale:
+        open(path, "wb").close()
+    logged = []
+    stats = prep_sft.preprocess_sft([a, d, str(dz)], prefix, tokenizer, 48, log=logged.append)
+    assert (stats.examples, stats.dropped_too_long, stats.rows) == (5, 1, 4)
+    assert not any(map(os.path.exists, stale)) and "removed 2 temporary files of an interrupted run" in logged[0]
     meta = sft.validate_sft_dataset(prefix)
-    assert meta["seq_length"] == 48 and meta["rows"] == 3
+    assert meta["seq_length"] == 48 and meta["rows"] == 4
     rows = sft.SFTRows(prefix)
-    tokens, mask = rows.row(2)  # the Deng example
-    prompt = tokenizer.tokenize("Question: A has 3\n")
-    response = tokenizer.tokenize("Answer: 3 + 4 = 7\n#### 7") + [tokenizer.eod]
-    n = len(prompt) + len(response)
-    assert tokens.tolist() == prompt + response + [tokenizer.eod] * (48 - n)
-    assert mask.tolist() == [True] * len(prompt) + [False] * (48 - len(prompt))
+    for i, question, answer in ((2, "A has 3", "3 + 4 = 7\n#### 7"), (3, "B has 2", "2 + 2 = 4\n#### 4")):
+        tokens, mask = rows.row(i)  # the Deng examples
+        prompt = tokenizer.tokenize(f"Question: {question}\n")
+        response = tokenizer.tokenize(f"Answer: {answer}") + [tokenizer.eod]
+        n = len(prompt) + len(response)
+        assert tokens.tolist() == prompt + response + [tokenizer.eod] * (48 - n)
+        assert mask.tolist() == [True] * len(prompt) + [False] * (48 - len(prompt))
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # nothing left half-written
 
 
@@ -87,15 +97,20 @@ def test_validation_catches_a_bad_mask(tmp_path, tokenizer, capsys):
         f"error: {sft.mask_prefix(prefix)}.bin: row 0 has no response token"]
 
 
-def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo_cache, capsys):
+@pytest.mark.parametrize("record, message", [
+    (json.dumps({"prompt": 3}), "expected string fields 'prompt' and 'response', or 'messages'"),
+    (json.dumps({"prompt": "bad \ud800 surrogate", "response": "x"}),  # json.dumps writes the \ud800 escape
+     "a lone surrogate (a JSON \\ud800-\\udfff escape), expected valid Unicode text"),
+    ('{"prompt": "p", "response": "r", "a": ' + "[" * 1500 + "]" * 1500 + "}", "JSON nested too deeply to parse"),
+], ids=["not-a-string", "lone-surrogate", "nested-too-deeply"])
+def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo_cache, capsys, record, message):
     from megatron_dllm.cli.preprocess_sft import main
 
-    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"}), json.dumps({"prompt": 3})])
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"}), record])
     assert main(["--input", a, "--output-prefix", str(tmp_path / "out"), "--seq-length", "16",
                  "--tokenizer-type", "SentencePieceTokenizer",
                  "--tokenizer-model", os.path.join(demo_cache, "shakespeare_bpe4096.model")]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {a}:2: expected string fields 'prompt' and 'response', or 'messages'"]
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {a}:2: {message}"]
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
 
 

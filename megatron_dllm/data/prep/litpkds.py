@@ -237,18 +237,19 @@ def _padding_run(path: str, header: LitpkdsHeader, token: int, limit: int, block
     return run
 
 
-def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, vocab_size: Optional[int]) -> None:
-    """Negative ids, or ids beyond the vocabulary, are refused with the byte offset of the first."""
-    bad = None
-    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-        bad = np.flatnonzero(arr < 0)[0]
-    if vocab_size is not None and arr.size and arr.max() >= vocab_size:
-        first = np.flatnonzero(arr >= vocab_size)[0]
-        bad = first if bad is None else min(bad, first)
-    if bad is not None:
-        bound = f"0 <= id < {vocab_size} (the vocabulary)" if vocab_size is not None else "a non-negative id"
-        raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + int(bad)) * itemsize}: token id "
-                         f"{int(arr[bad])}, expected {bound}")
+def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, vocab_size: Optional[int],
+               out_dtype: np.dtype) -> None:
+    """Negative ids, ids beyond the vocabulary, or (without one) beyond what the output dtype
+    holds, are refused with the byte offset of the first."""
+    if vocab_size is not None:
+        limit, what = vocab_size, "the vocabulary"
+    else:
+        limit, what = int(np.iinfo(out_dtype).max) + 1, f"what the {out_dtype.name} output holds"
+    if not arr.size or (arr.min() >= 0 and arr.max() < limit):
+        return
+    bad = int(np.flatnonzero((arr < 0) | (arr >= limit))[0])
+    raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + bad) * itemsize}: token id "
+                     f"{int(arr[bad])}, expected 0 <= id < {limit} ({what})")
 
 
 def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: int, pad_id: Optional[int],
@@ -274,7 +275,7 @@ def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: i
             if arr.size != count:
                 raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + arr.size) * itemsize}: file "
                                  f"ended early (did it change during the conversion?)")
-            _check_ids(path, arr, start, itemsize, vocab_size)
+            _check_ids(path, arr, start, itemsize, vocab_size, writer.dtype)
             ends = np.flatnonzero(arr == eos_id)
             writer.write_tokens(arr)
             if ends.size:

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from megatron_dllm.data.indexed_dataset import optimal_dtype, tokenizer_metadata
 from megatron_dllm.data.prep.dataset_writer import IndexedDatasetWriter
-from megatron_dllm.data.prep.output import claim_outputs, release_all
-from megatron_dllm.data.prep.sources import expand_inputs, read_lines
+from megatron_dllm.data.prep.output import DATASET_SUFFIXES, claim_outputs, release_all, remove_stale_temporaries
+from megatron_dllm.data.prep.sources import base_name, expand_inputs, read_lines
+from megatron_dllm.data.prep.tokenize_workers import has_surrogates
 from megatron_dllm.data.sft import mask_prefix
 from megatron_dllm.errors import InputError
 
@@ -65,7 +67,7 @@ def render_messages(messages) -> tuple[str, str]:
 def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "response") -> Iterator[tuple[str, str]]:
     """(prompt, response) texts of one input file; a malformed record is a ValueError naming the
     file and line (nothing is skipped silently)."""
-    deng = path.endswith(".txt") or path.endswith(".txt.gz")
+    deng = base_name(path).endswith(".txt")
     for lineno, raw, _ in read_lines(path):  # a truncated or corrupt .gz / .zst is an InputError
         try:  # decoded per line, so that bad bytes are reported with their line
             line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
@@ -75,19 +77,25 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
             continue
         try:
             if deng:
-                yield render_deng(line.rstrip("\n"))
-                continue
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise InputError("expected a JSON object")
-            if "messages" in record:
-                yield render_messages(record["messages"])
-            elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
-                yield record[prompt_key], record[response_key]
+                example = render_deng(line.rstrip("\n"))
             else:
-                raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
-        except (ValueError, json.JSONDecodeError) as err:
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise InputError("expected a JSON object")
+                if "messages" in record:
+                    example = render_messages(record["messages"])
+                elif isinstance(record.get(prompt_key), str) and isinstance(record.get(response_key), str):
+                    example = record[prompt_key], record[response_key]
+                else:
+                    raise InputError(f"expected string fields {prompt_key!r} and {response_key!r}, or 'messages'")
+        except ValueError as err:  # json.JSONDecodeError included
             raise InputError(f"{path}:{lineno}: {err}") from None
+        except RecursionError:
+            raise InputError(f"{path}:{lineno}: JSON nested too deeply to parse") from None
+        if has_surrogates(example):
+            raise InputError(f"{path}:{lineno}: a lone surrogate (a JSON \\ud800-\\udfff escape), expected "
+                             f"valid Unicode text")
+        yield example
 
 
 # --------------------------------------------------------------------------- rows
@@ -141,18 +149,22 @@ def build_rows(examples, seq_length: int, eos_id: int, packing: bool, stats: SFT
 
 
 def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, packing: bool = False,
-                   prompt_key: str = "prompt", response_key: str = "response", overwrite: bool = False) -> SFTStats:
+                   prompt_key: str = "prompt", response_key: str = "response", overwrite: bool = False,
+                   log: Optional[Callable[[str], None]] = None) -> SFTStats:
     """Write the SFT dataset `prefix` (see the module docstring) and return its statistics. One
     writer at a time; an existing dataset is replaced only with `overwrite`, once the new one is
-    complete."""
+    complete. `log` (default: stderr) reports the removed temporaries of an interrupted run."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if seq_length < 2:
         raise InputError(f"--seq-length {seq_length}: must be >= 2")
     if prompt_key == response_key:
         raise InputError(f"--prompt-key and --response-key are both {prompt_key!r}; a prompt and its response are "
                          f"two fields")
     inputs = expand_inputs(inputs, in_given_order=True)  # rows follow the inputs' order
-    locks = claim_outputs([prefix, mask_prefix(prefix)], f"--output-prefix {prefix}", overwrite)
+    prefixes = [prefix, mask_prefix(prefix)]
+    locks = claim_outputs(prefixes, f"--output-prefix {prefix}", overwrite)
     try:
+        remove_stale_temporaries([p + s for p in prefixes for s in DATASET_SUFFIXES], log)
         return _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key)
     finally:
         release_all(locks)

@@ -73,12 +73,14 @@ def _values(kind: str, payload, keys):
         return {keys[0]: text.replace("\r\n", "\n")}
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply to parse
         return "invalid_json"
     return obj if isinstance(obj, dict) else "invalid_json"
 
 
-def _has_surrogates(pieces) -> bool:
+def has_surrogates(pieces) -> bool:
+    """Whether any of the strings holds a lone surrogate (from a JSON `\\ud800` escape): not
+    Unicode text, and tokenizers differ on it (SentencePiece raises, tiktoken writes U+FFFD)."""
     try:
         for t in pieces:
             t.encode("utf-8")
@@ -118,16 +120,13 @@ def _encode_chunk(records):
             if not isinstance(pieces, list) or not all(isinstance(t, str) for t in pieces):
                 rejects[key].append((fi, pos, "not_text"))
                 continue
-            try:
-                if len(pieces) == 1:  # the common case: no per-id Python loop
-                    doc = tok.tokenize(pieces[0]) if pieces[0].strip() else []
-                else:
-                    doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
-            except Exception:
-                if not _has_surrogates(pieces):
-                    raise
-                rejects[key].append((fi, pos, "invalid_utf8"))  # lone surrogates from JSON \ud800 escapes
+            if has_surrogates(pieces):  # checked first: the same records are kept whatever the tokenizer
+                rejects[key].append((fi, pos, "invalid_utf8"))
                 continue
+            if len(pieces) == 1:  # the common case: no per-id Python loop
+                doc = tok.tokenize(pieces[0]) if pieces[0].strip() else []
+            else:
+                doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
             if not doc:
                 rejects[key].append((fi, pos, "empty_text"))
                 continue
