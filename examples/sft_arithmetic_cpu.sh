@@ -29,11 +29,11 @@ for family in "${families[@]}"; do
   [ -f "$run/before.json" ] || python tools/evaluate.py gsm8k --load "$run/pretrained" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
     --max-new-tokens 32 --output "$run/before.json" --predictions "$run/before.jsonl"
   t2=$(stamp)
-  torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --sft --family "$family" --load "$run/pretrained" --finetune \
+  torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --sft --family "$family" --pretrained-checkpoint "$run/pretrained" \
     --data-path "$OUT/task/train_sft" --split 98,2,0 "${TOK[@]}" --preset cpu-small --seq-length 48 \
     --micro-batch-size 16 --global-batch-size 32 --train-epochs "$EPOCHS" --lr "$LR" --min-lr "$MIN_LR" \
     --lr-warmup-fraction 0.01 --eval-interval 50 --eval-iters 1 --log-interval 25 \
-    --save "$run/sft" --tensorboard-dir "$run/tb-sft" --metrics-file "$run/sft-metrics.jsonl"
+    --load "$run/sft" --save "$run/sft" --tensorboard-dir "$run/tb-sft" --metrics-file "$run/sft-metrics.jsonl"
   t3=$(stamp)
   python tools/evaluate.py gsm8k --load "$run/sft" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
     --max-new-tokens 32 --output "$run/after.json" --predictions "$run/after.jsonl" --overwrite
