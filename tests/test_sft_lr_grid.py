@@ -17,7 +17,8 @@ def test_print_gives_two_commands_per_paper_pair(capsys, tmp_path):
     assert pairs == [("1e-05", "2e-06"), ("2e-05", "5e-08"), ("2e-05", "5e-07"), ("2e-05", "2e-06"),
                      ("4e-05", "2e-06"), ("5e-05", "5e-06")]
     assert all("pretrain_dllm.py --family duo --sft --train-epochs 5" in line for line in train)
-    assert all(" gsm8k --load " in line and line.endswith("--limit 5") for line in evals)
+    assert all(" gsm8k --load " in line and line.endswith("--limit 5 --overwrite") for line in evals)
+    assert not any("--load" in line for line in train)  # the flags' own --load, if any, is the start
     assert f"{tmp_path}/lr2e-05_min5e-08/checkpoints" in train[1] and f"{tmp_path}/lr2e-05_min5e-08" in evals[1]
 
 
@@ -47,8 +48,10 @@ def test_collect_tabulates_and_marks_missing_runs(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--", "--sft", "--lr", "1e-4"], "--lr: --lr, --min-lr and --save are set per pair"),
-    (["--", "--sft", "--lr=1e-4"], "--lr=1e-4: --lr, --min-lr and --save are set per pair"),
+    (["--", "--sft", "--lr", "1e-4"], "--lr: --lr, --min-lr, --save are set per pair"),
+    (["--", "--sft", "--lr=1e-4"], "--lr=1e-4: --lr, --min-lr, --save are set per pair"),
+    (["--", "--sft", "--pretrained-checkpoint", "p", "--load", "x"],
+     "--load: --lr, --min-lr, --save, --load are set per pair"),
     (["--pairs", "1e-5:1e-6", "1e-5:1e-6", "--", "--sft"], "--pairs: a pair is given twice"),
     (["--limit", "0", "--", "--sft"], "argument --limit: expected a positive integer, got 0"),
 ])
@@ -70,3 +73,23 @@ def test_launch_checks_the_flags_before_the_first_fine_tuning(tmp_path, capsys, 
     assert capsys.readouterr().err.splitlines()[-1] == ("error: the fine-tuning of lr 1e-05, min-lr 2e-06 exited with "
                                                         "status 1; the grid stops (pairs finished before it keep their "
                                                         "results)")
+
+
+def test_launch_again_continues_the_grid(tmp_path, capsys, monkeypatch):
+    """A pair scored already is skipped; with --pretrained-checkpoint each pair loads its own --save,
+    so a pair whose scoring never ran resumes (or only evaluates) instead of being refused."""
+    import subprocess
+
+    started = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: started.append(cmd) or 0)
+    pairs = ["--pairs", "1e-5:2e-6", "4e-5:2e-6"]
+    scored = tmp_path / "lr1e-05_min2e-06"
+    scored.mkdir()
+    (scored / "gsm8k.json").write_text("{}")
+    assert sft_lr_grid.main(["launch", "--run-dir", str(tmp_path), *pairs, "--", "--family", "duo",
+                             "--pretrained-checkpoint", "pre", "--train-iters", "2"]) == 0
+    assert "# lr 1e-05, min-lr 2e-06: scored already (gsm8k.json), skipped" in capsys.readouterr().out
+    train, score = started
+    ckpt = str(tmp_path / "lr4e-05_min2e-06" / "checkpoints")
+    assert train[train.index("--load") + 1] == train[train.index("--save") + 1] == ckpt
+    assert score[score.index("--load") + 1] == ckpt and score[-1] == "--overwrite"

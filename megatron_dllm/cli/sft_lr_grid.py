@@ -2,7 +2,7 @@
 """The paper's SFT learning-rate grid: fine-tune once per (lr, min-lr) pair, score GSM8K, tabulate.
 
     python tools/sft_lr_grid.py print  --run-dir runs/sft-duo [--launcher "torchrun --nproc-per-node 8"] \\
-        [--gsm8k-data FILE] [--limit N] -- --family duo --sft --load PRETRAINED --finetune \\
+        [--gsm8k-data FILE] [--limit N] -- --family duo --sft --pretrained-checkpoint PRETRAINED \\
         --data-path data/gsm8k_sft --tokenizer-type ... --tokenizer-model ... --seq-length 256 --train-epochs 5
     python tools/sft_lr_grid.py launch ...same...      # runs the commands one after another
     python tools/sft_lr_grid.py collect --run-dir runs/sft-duo [--output table.md]
@@ -10,9 +10,13 @@
 The six pairs (lr, min-lr) are the paper's: (1e-5, 2e-6), (2e-5, 5e-8), (2e-5, 5e-7), (2e-5, 2e-6),
 (4e-5, 2e-6), (5e-5, 5e-6); `--pairs 1e-5:2e-6 ...` replaces them. Each pair runs in
 `{run-dir}/lr{lr}_min{min-lr}/`: `pretrain_dllm.py` with the flags after `--` plus `--lr`,
-`--min-lr`, `--save`, `--tensorboard-dir`, then `tools/evaluate.py gsm8k` writing `gsm8k.json`
-and `gsm8k_predictions.jsonl`. `collect` reads every `gsm8k.json` into one Markdown table (a pair
-without results is listed as missing) and names the best pair.
+`--min-lr`, `--save`, `--tensorboard-dir` (and with `--pretrained-checkpoint`, `--load` of the
+pair's own checkpoints), then `tools/evaluate.py gsm8k` writing `gsm8k.json` and
+`gsm8k_predictions.jsonl`. `launch` skips a pair whose `gsm8k.json` is there, so launched again
+it continues an interrupted grid (with `--pretrained-checkpoint` a pair's fine-tuning resumes
+too; with `--load PRETRAINED --finetune` it is refused, its `--save` holding checkpoints).
+`collect` reads every `gsm8k.json` into one Markdown table (a pair without results is listed as
+missing) and names the best pair.
 """
 import argparse
 import json
@@ -28,6 +32,7 @@ from megatron_dllm.result_files import check_result_file, write_result_file
 
 PAPER_GRID = ((1e-5, 2e-6), (2e-5, 5e-8), (2e-5, 5e-7), (2e-5, 2e-6), (4e-5, 2e-6), (5e-5, 5e-6))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRETRAIN = os.path.join(REPO, "pretrain_dllm.py")
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -47,14 +52,17 @@ def run_dir(root: str, lr: float, min_lr: float) -> str:
 def commands(root: str, train_flags: list[str], pairs, launcher: str, eval_flags: list[str]) -> list[list[str]]:
     """Per pair: the fine-tuning command, then the GSM8K command."""
     out = []
+    resumable = any(f.split("=", 1)[0] == "--pretrained-checkpoint" for f in train_flags)
     for lr, min_lr in pairs:
         d = run_dir(root, lr, min_lr)
-        out.append([*shlex.split(launcher), os.path.join(REPO, "pretrain_dllm.py"), *train_flags,
-                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", "--save", os.path.join(d, "checkpoints"),
-                    "--tensorboard-dir", os.path.join(d, "tensorboard")])
-        out.append([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load",
-                    os.path.join(d, "checkpoints"), "--output", os.path.join(d, "gsm8k.json"),
-                    "--predictions", os.path.join(d, "gsm8k_predictions.jsonl"), *eval_flags])
+        ckpt = os.path.join(d, "checkpoints")
+        out.append([*shlex.split(launcher), PRETRAIN, *train_flags,
+                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", *(["--load", ckpt] if resumable else []),
+                    "--save", ckpt, "--tensorboard-dir", os.path.join(d, "tensorboard")])
+        # --overwrite: the predictions of a scoring killed before its gsm8k.json (launch skips finished pairs)
+        out.append([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load", ckpt,
+                    "--output", os.path.join(d, "gsm8k.json"), "--predictions",
+                    os.path.join(d, "gsm8k_predictions.jsonl"), *eval_flags, "--overwrite"])
     return out
 
 
@@ -99,11 +107,13 @@ def get_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="collect: replace an existing --output")
     args = p.parse_args(argv)
     if args.action != "collect" and not train_flags:
-        p.error("give the fine-tuning flags after `--` (e.g. -- --sft --load PRETRAINED --finetune --data-path ...)")
-    per_pair = [f for f in train_flags if f.split("=", 1)[0] in ("--lr", "--min-lr", "--save")]
+        p.error("give the fine-tuning flags after `--` (e.g. -- --sft --pretrained-checkpoint PRETRAINED --data-path "
+                "...)")
+    names = [f.split("=", 1)[0] for f in train_flags]
+    own = ("--lr", "--min-lr", "--save") + (("--load",) if "--pretrained-checkpoint" in names else ())
+    per_pair = [f for f, name in zip(train_flags, names) if name in own]
     if per_pair:
-        p.error(f"{', '.join(per_pair)}: --lr, --min-lr and --save are set per pair; leave them out of the flags "
-                f"after `--`")
+        p.error(f"{', '.join(per_pair)}: {', '.join(own)} are set per pair; leave them out of the flags after `--`")
     if len(set(args.pairs)) != len(args.pairs):
         p.error(f"--pairs: a pair is given twice ({' '.join(f'{lr:g}:{m:g}' for lr, m in args.pairs)})")
     args.train_flags = train_flags
@@ -123,17 +133,22 @@ def main(argv=None) -> int:
         return 0
     eval_flags = (["--data", args.gsm8k_data] if args.gsm8k_data else []) + \
         (["--limit", str(args.limit)] if args.limit else [])
+    grid = commands(args.run_dir, args.train_flags, args.pairs, args.launcher, eval_flags)
     if args.action == "launch":  # a bad flag fails here, not after the first fine-tuning
         from megatron_dllm.config import parse_args
 
-        lr, min_lr = args.pairs[0]
-        parse_args([*args.train_flags, "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}"])
-    for i, cmd in enumerate(commands(args.run_dir, args.train_flags, args.pairs, args.launcher, eval_flags)):
+        first = grid[0]
+        parse_args(first[first.index(PRETRAIN) + 1:])
+    for i, cmd in enumerate(grid):
+        lr, min_lr = args.pairs[i // 2]
+        if args.action == "launch" and os.path.isfile(os.path.join(run_dir(args.run_dir, lr, min_lr), "gsm8k.json")):
+            if i % 2 == 0:
+                print(f"# lr {lr:g}, min-lr {min_lr:g}: scored already (gsm8k.json), skipped", flush=True)
+            continue
         print(shlex.join(cmd), flush=True)
         if args.action == "launch":
             code = subprocess.call(cmd)
             if code:
-                lr, min_lr = args.pairs[i // 2]
                 return fail(f"the {'GSM8K scoring' if i % 2 else 'fine-tuning'} of lr {lr:g}, min-lr {min_lr:g} "
                             f"exited with status {code}; the grid stops (pairs finished before it keep their results)")
     return 0
