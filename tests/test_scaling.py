@@ -155,6 +155,8 @@ def test_planner_iterations_by_hand():
         ("ar", 1776, 1776 * 8 * 32, 1776 * 8 * CPU_TINY_TRAIN_FLOPS),
         ("duo", 1776, 1776 * 8 * 32, 1776 * 8 * CPU_TINY_TRAIN_FLOPS)]
     assert runs[0].name == "ar-cpu-tiny-C1e12" and budget_label(3.5e19) == "3.5e19"
+    # the label is --train-flops: it reads back exactly (6 digits would plan 4000 iterations, train 3999)
+    assert budget_label(1.3787328e18) == "1.3787328e18" and float(budget_label(1 / 3 * 1e19)) == 1 / 3 * 1e19
     assert [(r.name, why) for r, why in dropped] == [("ar-cpu-tiny-C1e8", "fewer than 1 iteration"),
                                                      ("duo-cpu-tiny-C1e8", "fewer than 1 iteration")]
     runs, dropped = plan_isoflop([1e12], ["ar"], ["cpu-tiny", "cpu-small"], seq_length=32, global_batch_size=8,
@@ -322,7 +324,9 @@ def _hand_records():
 
 
 def test_pareto_frontier_hand_example():
-    frontier = pareto.pareto_frontier(pareto.fit_models(*_hand_records()), [25, 50, 100, 400])
+    models, unpaired = pareto.fit_models(*_hand_records())
+    frontier = pareto.pareto_frontier(models, [25, 50, 100, 400])
+    assert unpaired == []
     got = {(r["target"], r["family"]): (r["model"], r["steps"], r["tokens_per_s"]) for r in frontier}
     # target 25: only m1 (T = 800/5 = 160); AR (30) and m2 (>= 60) cannot reach it
     assert set(got) == {(25, "mdlm"), (50, "ar"), (50, "mdlm"), (100, "ar"), (100, "mdlm"), (400, "ar"), (400, "mdlm")}
@@ -346,8 +350,9 @@ def test_pareto_takes_bd3lm_records_per_block_size(tmp_path):
         thr = [{"family": "bd3lm", "block_size": b, "steps": t, "tokens_per_s": speed * 8 / t} for t in (8, 16, 32)]
         (tmp_path / f"b{b}" / "gen.json").write_text(json.dumps(gen))
         (tmp_path / f"b{b}" / "thr.json").write_text(json.dumps(thr))
-    models = pareto.fit_models(pareto.load_records(sorted(map(str, tmp_path.glob("*/gen.json")))),
-                               pareto.load_records(sorted(map(str, tmp_path.glob("*/thr.json")))))
+    models, _ = pareto.fit_models(pareto.load_records(sorted(map(str, tmp_path.glob("*/gen.json"))), "gen_ppl", "g"),
+                                  pareto.load_records(sorted(map(str, tmp_path.glob("*/thr.json"))), "tokens_per_s",
+                                                      "t"))
     assert sorted((m.family, m.model) for m in models) == [("bd3lm-b16", "b16"), ("bd3lm-b4", "b4")]
     frontier = pareto.pareto_frontier(models, [80, 100])
     assert [(r["target"], r["family"]) for r in frontier] == [(t, f"bd3lm-b{b}") for t in (80, 100) for b in (16, 4)]
@@ -368,7 +373,7 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
         with open(tmp_path / "runs" / plan.name / "metrics.jsonl", "w") as f:
             f.write(json.dumps({"iteration": 100, "loss": 9.0, "flops": 1}) + "\n")
             if i != 3:  # run 3 never validated: skipped
-                f.write(json.dumps({"iteration": 50, "valid_nelbo": 99.0}) + "\n")
+                f.write(json.dumps({"iteration": 50, "valid_nelbo": 99.0}) + "\n\n")  # a blank line is no record
                 f.write(json.dumps({"iteration": 100, "valid_nelbo": run["loss"], "valid_ppl": 1.0}) + "\n")
     gen, speed = _hand_records()
     (tmp_path / "gen.json").write_text(json.dumps(gen))
@@ -379,6 +384,7 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
     for name in ("isoflop.png", "loss_vs_flops.png", "params_vs_flops.png", "pareto.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads((out / "results.json").read_text())
+    assert result == json.loads((out / "results.json").read_text(), parse_constant=pytest.fail)  # strict JSON
     assert result["families"]["duo"]["compute_multiplier_vs_ar"] == pytest.approx(20, rel=0.3)
     assert result["families"]["ar"]["loss_law"]["exponent"] == pytest.approx(-0.05, abs=0.005)
     assert result["pareto_winners"] == {"50.0": "mdlm", "100.0": "mdlm"}
@@ -399,15 +405,48 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
     assert not (out / "pareto.png").exists() and (out / "isoflop.png").exists()
     capsys.readouterr()
     # bad inputs: one error line each, naming the file
-    (tmp_path / "notjson.jsonl").write_text("{\"steps\": 4}\nnot json\n")
+    (tmp_path / "notjson.jsonl").write_text("{\"steps\": 4, \"gen_ppl\": 9}\nnot json\n")
+    (tmp_path / "plan.json").write_text(json.dumps({"runs": [{"name": "x", "iterations": 1}]}))  # --format json
     for argv, message in [
         (["--manifest", str(tmp_path / "missing.json")], f"--manifest {tmp_path / 'missing.json'}: cannot read it"),
         (["--manifest", str(tmp_path / "gen.json")], f"--manifest {tmp_path / 'gen.json'}: not a run manifest"),
         (["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "notjson.jsonl"),
           "--throughput", str(tmp_path / "speed.jsonl")], f"{tmp_path / 'notjson.jsonl'}:2: neither a JSON file"),
+        (["--manifest", str(tmp_path / "manifest.json"), "--gen-ppl", str(tmp_path / "speed.jsonl"),
+          "--throughput", str(tmp_path / "gen.json")], f"--gen-ppl {tmp_path / 'speed.jsonl'}: a record without "
+                                                       f"'gen_ppl'"),
+        (["--manifest", str(tmp_path / "plan.json")], f"--manifest {tmp_path / 'plan.json'}: not a run manifest"),
     ]:
         try:
             code = main([*argv, "--out-dir", str(tmp_path / "bad")])
         except SystemExit as exit_:  # a parser error
             code = exit_.code
         assert code == 2 and capsys.readouterr().err.strip().startswith(f"error: {message}")
+
+
+def test_a_diverged_run_is_skipped_by_name_and_unpaired_records_are_reported(tmp_path):
+    planned = [PlannedRun(f"ar-{i}", "ar", "x", 1e12, 1000 * (i + 1), 10, 0, 0) for i in range(2)]
+    write_manifest(str(tmp_path / "manifest.json"), planned, str(tmp_path / "runs"))
+    for plan, loss in zip(planned, (float("nan"), 3.0)):  # the trainer writes a diverged run's NELBO as NaN
+        os.makedirs(tmp_path / "runs" / plan.name)
+        (tmp_path / "runs" / plan.name / "metrics.jsonl").write_text(json.dumps({"iteration": 10, "valid_nelbo": loss}))
+    runs, skipped = _tool("scaling_laws").finished_runs([str(tmp_path / "manifest.json")])
+    assert [r["name"] for r in runs] == ["ar-1"]
+    assert skipped == ["ar-0: diverged (validation NELBO nan at iteration 10)"]
+    gen = [{"family": "mdlm", "model": "a", "steps": 8, "gen_ppl": 50.0, "entropy": 5.0}]
+    thr = [{"family": "mdlm", "model": "b", "steps": 8, "tokens_per_s": 9.0}]
+    models, unpaired = pareto.fit_models(gen, thr)
+    assert models == [] and [line.split(":")[0] for line in unpaired] == ["mdlm a", "mdlm b"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(budgets=[1e12, 1000000000000]), "--budgets: 1e12 is given twice"),
+    (dict(families=["ar", "ar"]), "--families: ar is given twice"),
+    (dict(presets=["cpu-tiny", "cpu-tiny"]), "--presets: cpu-tiny is given twice"),
+    (dict(presets=["smollm2-135m"]), "--presets smollm2-135m: a released model's GPT backbone"),
+])
+def test_the_planner_refuses_a_grid_entry_twice_and_gpt_presets(change, message):
+    grid = {**dict(budgets=[1e12], families=["ar"], presets=["cpu-tiny"]), **change}
+    with pytest.raises(ValueError, match=message):
+        plan_isoflop(grid["budgets"], grid["families"], grid["presets"], seq_length=32, global_batch_size=8,
+                     vocab_size=4097)

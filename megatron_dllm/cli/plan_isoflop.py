@@ -82,7 +82,8 @@ def main(argv=None):
     parser.add_argument("--runs-dir", default="runs/isoflop", help="commands: one directory per run here")
     parser.add_argument("--nproc-per-node", type=positive_int, default=8)
     parser.add_argument("--extra-args", default="",
-                        help="appended to every command (data, tokenizer, precision, parallelism flags)")
+                        help="appended to every command (data, tokenizer, precision, parallelism flags; a "
+                             "single flag as --extra-args=--bf16)")
     parser.add_argument("--manifest", default=None, help="also write the run manifest for tools/scaling_laws.py")
     args = parser.parse_args(argv)
     unknown = [p for p in args.presets if p not in PRESETS and p not in ALIASES]
@@ -96,6 +97,9 @@ def main(argv=None):
                                      max_tokens_per_param=args.max_tokens_per_param, block_sizes=args.block_sizes)
     except InputError as err:
         parser.error(str(err))
+    if not runs:
+        parser.error(f"no run is left to plan: all {len(dropped)} were dropped (first: {dropped[0][0].name}, "
+                     f"{dropped[0][1]})")
     if args.manifest:
         try:
             write_manifest(args.manifest, runs, args.runs_dir, seq_length=args.seq_length,

@@ -33,6 +33,10 @@ def finished_runs(manifests) -> tuple[list[dict], list[str]]:
                 got = "no validation" if record is None else f"validation at iteration {record['iteration']}"
                 skipped.append(f"{run['name']}: unfinished ({got}, planned {run['iterations']} iterations)")
                 continue
+            if not math.isfinite(record["valid_nelbo"]):  # diverged: no point on its budget's curve
+                skipped.append(f"{run['name']}: diverged (validation NELBO {record['valid_nelbo']} at iteration "
+                               f"{record['iteration']})")
+                continue
             # the fits compare series: a family, or BD3-LM at one block size (bd3lm-b4)
             runs.append({**run, "family": series_name(run["family"], run.get("block_size")),
                          "loss": record["valid_nelbo"]})
@@ -114,9 +118,11 @@ def main(argv=None):
     analysis = analyze_isoflop(runs, args.reference_flops)
     analysis["skipped"] = skipped + analysis["skipped"]
     try:
-        models = pareto.fit_models(pareto.load_records(args.gen_ppl), pareto.load_records(args.throughput))
+        models, unpaired = pareto.fit_models(pareto.load_records(args.gen_ppl, "gen_ppl", "--gen-ppl"),
+                                             pareto.load_records(args.throughput, "tokens_per_s", "--throughput"))
     except InputError as err:
         parser.error(str(err))
+    analysis["skipped"] += [f"Pareto frontier: {what}" for what in unpaired]
     frontier = pareto.pareto_frontier(models, args.targets)
     if models and not frontier:
         lowest = min(g for m in models for g in m.gen_ppl_points.values())
@@ -143,7 +149,7 @@ def main(argv=None):
         os.remove(out("pareto.png"))
     result = to_json(analysis, frontier, models)
     with open(out("results.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1, allow_nan=False)  # a NaN would make it unreadable as JSON
     with open(out("results.md"), "w") as f:
         f.write(to_markdown(result))
     print(to_markdown(result))

@@ -34,9 +34,9 @@ def _json_line(path: str, number: int, line: str) -> dict:
                          f"records)") from None
 
 
-def load_records(paths) -> list[dict]:
+def load_records(paths, value: str, flag: str) -> list[dict]:
     """Records from JSON files (an object or a list of objects) or JSON-lines files, each tagged
-    with its model (see the module docstring)."""
+    with its model (see the module docstring); each must hold `value` (given as `flag`)."""
     records = []
     for path in paths:
         try:
@@ -52,6 +52,9 @@ def load_records(paths) -> list[dict]:
                      if line.strip()]
         default_model = os.path.basename(os.path.dirname(os.path.abspath(path)))
         for item in items:
+            if not isinstance(item, dict) or value not in item:
+                raise InputError(f"{flag} {path}: a record without {value!r} (expected tools/evaluate.py's "
+                                 f"{value.replace('_', ' ')} records)")
             if item.get("steps") is None:
                 raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
@@ -91,8 +94,8 @@ class ModelCurves:
         return self.gen_ppl.steps_for(target)
 
 
-def fit_models(gen_ppl_records, throughput_records) -> list[ModelCurves]:
-    """One ModelCurves per (family, model) with both kinds of measurement."""
+def fit_models(gen_ppl_records, throughput_records) -> tuple[list[ModelCurves], list[str]]:
+    """(one ModelCurves per (family, model) with both kinds of measurement, what has only one)."""
     gen, thr = defaultdict(dict), defaultdict(dict)
     for r in gen_ppl_records:
         gen[(r["family"], r["model"])][float(r["steps"])] = float(r["gen_ppl"])
@@ -106,7 +109,11 @@ def fit_models(gen_ppl_records, throughput_records) -> list[ModelCurves]:
         if len(m.throughput_points) >= 3:
             m.throughput = fit_step_curve(list(m.throughput_points), list(m.throughput_points.values()))
         models.append(m)
-    return models
+    unpaired = [f"{family} {model}: {kind} records only (a model's records pair by its 'model'/'preset' key, "
+                f"else its files' directory)" for kind, only in (("Gen PPL", gen.keys() - thr.keys()),
+                                                               ("throughput", thr.keys() - gen.keys()))
+                for family, model in sorted(only)]
+    return models, unpaired
 
 
 def pareto_frontier(models: list[ModelCurves], targets) -> list[dict]:

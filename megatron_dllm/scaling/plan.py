@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from megatron_dllm.errors import InputError
-from megatron_dllm.model.presets import PAPER_PRESETS, get_preset
+from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, get_preset, gpt_shape_of
 from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sample
 
 PAPER_BUDGETS = (6e18, 1e19, 3e19, 6e19, 1e20)  # §3.1
@@ -36,8 +36,11 @@ def iterations_for_budget(budget: float, flops_per_sequence: int, global_batch_s
 
 
 def budget_label(budget: float) -> str:
-    """6e18 -> '6e18', 3.5e19 -> '3.5e19', 1e8 -> '1e8' (for run names and flags)."""
-    mantissa, _, exponent = f"{budget:g}".partition("e")
+    """6e18 -> '6e18', 3.5e19 -> '3.5e19', 1e8 -> '1e8' (for run names and --train-flops): the
+    shortest spelling that reads back as `budget` exactly, so the trainer's iterations equal the
+    plan's."""
+    text = next(t for digits in range(6, 18) if float(t := f"{budget:.{digits}g}") == budget)
+    mantissa, _, exponent = text.partition("e")
     return f"{mantissa}e{int(exponent)}" if exponent else mantissa
 
 
@@ -73,6 +76,20 @@ def _series(families, block_sizes, seq_length: int) -> list[tuple[str, int | Non
     return [(f, b) for f in families for b in (block_sizes if f in BLOCK_FAMILIES else [None])]
 
 
+def _check_distinct(budgets, families, presets, block_sizes) -> None:
+    """A grid entry given twice would plan the same run twice, into one directory; and the grid
+    is of the DiT sizes (a released model's GPT preset counts other parameters and FLOPs)."""
+    for flag, values in (("--budgets", [budget_label(b) for b in budgets]), ("--families", list(families)),
+                         ("--presets", [ALIASES.get(p, p) for p in presets]), ("--block-sizes", list(block_sizes))):
+        twice = [v for v in dict.fromkeys(values) if values.count(v) > 1]
+        if twice:
+            raise InputError(f"{flag}: {twice[0]} is given twice (aliases and spellings counted as one)")
+    gpt = [p for p in presets if gpt_shape_of(p) is not None]
+    if gpt:
+        raise InputError(f"--presets {gpt[0]}: a released model's GPT backbone; IsoFLOP grids are planned over the "
+                         f"DiT sizes (the paper's presets, cpu-*)")
+
+
 def plan_isoflop(budgets, families, presets=tuple(PAPER_PRESETS), *, seq_length: int, global_batch_size: int,
                  vocab_size: int, convention: str = "calflops", min_tokens_per_param: float | None = None,
                  max_tokens_per_param: float | None = None, block_sizes=()
@@ -80,6 +97,7 @@ def plan_isoflop(budgets, families, presets=tuple(PAPER_PRESETS), *, seq_length:
     """(kept runs, [(dropped run, reason)]) for every budget x family (bd3lm: x block size) x preset."""
     kept, dropped = [], []
     series = _series(families, block_sizes, seq_length)
+    _check_distinct(budgets, families, presets, block_sizes)
     for budget in budgets:
         for family, block_size in series:
             for name in presets:
@@ -113,15 +131,16 @@ def write_manifest(path: str, runs: list[PlannedRun], runs_dir: str, **settings)
 
 def read_manifest(path: str) -> list[dict]:
     """The manifest's runs, metrics_file made absolute."""
+    base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path) as f:
             runs = json.load(f)["runs"]
+        return [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in runs]
     except OSError as err:
         raise InputError(f"--manifest {path}: cannot read it ({err.strerror or err})") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise InputError(f"--manifest {path}: not a run manifest of tools/plan_isoflop.py ({err})") from None
-    base = os.path.dirname(os.path.abspath(path))
-    return [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in runs]
+    except (ValueError, KeyError, TypeError) as err:  # e.g. plan_isoflop's --format json, which has no metrics_file
+        raise InputError(f"--manifest {path}: not a run manifest of tools/plan_isoflop.py --manifest "
+                         f"({type(err).__name__}: {err})") from None
 
 
 def final_validation(metrics_file: str) -> dict | None:
@@ -131,10 +150,14 @@ def final_validation(metrics_file: str) -> dict | None:
     last = None
     with open(metrics_file) as f:
         for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except ValueError:
-                raise InputError(f"{metrics_file}:{number}: not a JSON record of --metrics-file") from None
+                record = None
+            if not isinstance(record, dict):
+                raise InputError(f"{metrics_file}:{number}: not a JSON record of --metrics-file")
             if "valid_nelbo" in record:
                 last = record
     return last
