@@ -42,7 +42,7 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
     return save
 
 
-def _gpt_checkpoint(hf: str, save: str, family: str, **options) -> str:
+def _gpt_checkpoint(hf: str, save: str, family: str, record=None, **options) -> str:
     """The imported tensors written as a checkpoint of `family` with its `options` (what a run with
     those flags saves: BD3-LM's blocks, MDLM's --shift)."""
     from types import SimpleNamespace
@@ -60,8 +60,27 @@ def _gpt_checkpoint(hf: str, save: str, family: str, **options) -> str:
     identity = ModelIdentity.of(fam, arch)
     args = SimpleNamespace(save=save, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, iteration=0,
                            overwrite=False)
-    write_gpt_checkpoint(whole, identity, arch, args, None, hf)
+    write_gpt_checkpoint(whole, identity, arch, args, record, hf)
     return save
+
+
+def test_an_export_takes_the_tokenizer_recorded_as_a_directory(tmp_path, world_of_one):
+    """A run given --tokenizer-model DIR (the import's tokenizer directory, as the docs' recipe
+    does) records the directory; the export without tokenizer flags takes it from there."""
+    from transformers import AutoTokenizer
+
+    from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
+    from megatron_dllm.cli import convert_to_hf
+    from megatron_dllm.config.data import TokenizerConfig
+
+    directory = os.path.join(_import("llama", "mdlm", tmp_path, tokenizer=True), "tokenizer")
+    record = TokenizerRecord.of(TokenizerConfig.from_options("HuggingFaceTokenizer", directory, None))
+    assert record.model == directory
+    save = _gpt_checkpoint(tiny_hf("llama", tmp_path), str(tmp_path / "trained"), "mdlm", record=record)
+    out = str(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", save, "--out", out]) == 0
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.encode("w3 w7 </s>", add_special_tokens=False) == [3, 7, 99] and tok.mask_token_id == V - 1
 
 
 def _megatron_tensors(path: str) -> dict:
@@ -320,3 +339,29 @@ def test_llama3_rope_scaling_exports_to_transformers(tmp_path, world_of_one):
         plain = model(ids, pos, None).transpose(0, 1)[..., :V]
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
     assert ((plain - ref).abs().max() / ref.abs().max()).item() > 1e-3  # the scaling matters here
+
+
+def test_a_failed_import_over_a_checkpoint_leaves_its_tokenizer(tmp_path, world_of_one, monkeypatch, capsys):
+    """The tokenizer is staged and put in place only once the new checkpoint is written: a failed
+    --overwrite keeps the old checkpoint's tokenizer, a failed first import leaves none."""
+    from megatron_dllm.cli import convert_from_hf
+    from megatron_dllm.errors import InputError
+    from megatron_dllm.hf import import_ar
+
+    save = _import("llama", "mdlm", tmp_path, tokenizer=True)
+    tokenizer = os.path.join(save, "tokenizer", "tokenizer.json")
+    before = open(tokenizer).read()
+    hf = tiny_hf("llama", tmp_path)
+    with open(os.path.join(hf, "tokenizer.json"), "w") as f:  # another tokenizer in the new import
+        f.write(before.replace('"w3"', '"x3"'))
+
+    def fail(*args, **kwargs):
+        raise InputError("--tensor-model-parallel-size: the write failed")
+
+    monkeypatch.setattr(import_ar, "write_gpt_checkpoint", fail)
+    assert convert_from_hf.main(["--hf", hf, "--save", save, "--family", "mdlm", "--overwrite"]) == 2
+    assert open(tokenizer).read() == before and sorted(os.listdir(save)).count("tokenizer.staging") == 0
+    fresh = str(tmp_path / "fresh")
+    assert convert_from_hf.main(["--hf", hf, "--save", fresh, "--family", "mdlm"]) == 2
+    assert not os.path.exists(os.path.join(fresh, "tokenizer"))
+    assert "the write failed" in capsys.readouterr().err

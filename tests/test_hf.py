@@ -4,6 +4,7 @@ permuted positions and Duo's non-zero sigma; AR generates; the tokenizer knows [
 megatron (TP=2) -> HF is bit-exact, and training starts from the converted checkpoint. The Eso-LM
 checkpoint is trained at TP=2 (sharded), the AR one at PP=2 with 2 virtual stages (interleaved)."""
 import os
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,6 +82,25 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     for bad, message in [(tmp_path / "nothing", "config.json not found"), (ckpt, "config.json not found")]:
         assert convert_from_hf.main(["--hf", str(bad), "--save", str(tmp_path / "x")]) == 2
         assert f"error: --hf {bad}: {message}" in capsys.readouterr().err
+    # a tensor missing, or one left over (also where each pipeline stage reads only its own layers)
+    import torch
+    from safetensors.torch import load_file as load_tensors
+    from safetensors.torch import save_file
+
+    tensors = load_tensors(str(hf1 / "model.safetensors"))
+    for name, change in (("missing", lambda t: t.pop("backbone.blocks.0.attn_qkv.weight")),
+                         ("extra", lambda t: t.update({"backbone.foo": torch.zeros(2)}))):
+        shutil.copytree(hf1, tmp_path / name)
+        edited = dict(tensors)
+        change(edited)
+        save_file(edited, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+    assert convert_from_hf.main(["--hf", str(tmp_path / "missing"), "--save", str(tmp_path / "x")]) == 2
+    assert "error: tensor backbone.blocks.0.attn_qkv.weight (megatron layers.0.self_attention.linear_qkv.weight) " \
+           "is missing from the HF weights" in capsys.readouterr().err
+    extra = run_python([os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(tmp_path / "extra"), "--save",
+                        str(tmp_path / "x"), "--pipeline-model-parallel-size", "2"], REPO, {**ENV, **launch_env(2)},
+                       300, 2)
+    assert extra.returncode != 0 and "unused weights ['backbone.foo']" in extra.stderr
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{")
     (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
@@ -103,7 +123,8 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     losses = []
     for load in (["--load", checkpoints["mdlm"], "--finetune"], ["--load", str(ckpt)]):
         proc, records = run_pretrain(1, ["--demo-cache-dir", demo_cache, "--family", "mdlm", *RUN, "--train-iters", "1",
-                                         *load, "--tensorboard-dir", str(tmp_path / "tb")], tmp_path)
+                                         *load, "--tensorboard-dir", str(tmp_path / "tb"),
+                                         "--save", str(tmp_path / f"run{len(losses)}")], tmp_path)
         losses.append([r["loss"] for r in records if "loss" in r])
     assert "weights only (a model-only checkpoint)" in proc.stdout
     assert losses[0] == losses[1] and len(losses[0]) == 1

@@ -164,8 +164,11 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
             raise InputError(f"{name}: shape {tuple(value.shape)} from {source} vs model {tuple(param.shape)}")
         new_state[name] = value.to(param.dtype)
     model.load_state_dict(new_state)
-    if pp == 1 and set(hf_state) != used:
-        raise InputError(f"{source}: unused weights {sorted(set(hf_state) - used)[:5]}")
+    stages = [None] * torch.distributed.get_world_size()  # each pipeline stage uses its own layers' weights
+    torch.distributed.all_gather_object(stages, used)
+    unused = set(hf_state).difference(*stages)
+    if unused:
+        raise InputError(f"{source}: unused weights {sorted(unused)[:5]}")
     path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, arch.seq_length)
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go

@@ -67,7 +67,7 @@ def _export(args, out: str) -> int:
         tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
     elif meta.tokenizer is not None:  # the tokenizer the checkpoint recorded
         tokenizer = recorded_tokenizer_config(meta.tokenizer)
-        if not os.path.isfile(tokenizer.tokenizer_model):
+        if not os.path.exists(tokenizer.tokenizer_model):  # a file, or a Hugging Face tokenizer's directory
             raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
                              f"--tokenizer-type/--tokenizer-model")
     with export.staged_export(out) as staging:

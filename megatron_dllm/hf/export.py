@@ -78,7 +78,7 @@ def hf_to_megatron_tensor(hf_state: dict, megatron_key: str, num_heads: int, pad
     qkv rows back to [heads, 3, head_dim], the vocabulary zero-padded to `padded_vocab_size`."""
     key = megatron_name_to_hf(megatron_key)
     if key not in hf_state:
-        raise KeyError(f"{key} (megatron {megatron_key}) is missing from the HF weights")
+        raise InputError(f"tensor {key} (megatron {megatron_key}) is missing from the HF weights")
     value = hf_state[key]
     if key.endswith("attn_qkv.weight"):
         value = _qkv(value, num_heads, to_hf=False)

@@ -4,7 +4,8 @@ every whole tensor, and megatron-core's distributed checkpointing writes the sha
 format training resumes and fine-tunes from, so it reshards on load).
 
 Vocabulary: the checkpoint's tokenizer is the directory's tokenizer.json (copied into
-`SAVE/tokenizer/` and recorded), with this project's [MASK] rule: an existing `<mask>`/`[MASK]`
+`SAVE/tokenizer/` once the checkpoint is written, so a failed `--overwrite` leaves the old one,
+and recorded), with this project's [MASK] rule: an existing `<mask>`/`[MASK]`
 token, else the id after the tokenizer's last one. Embedding rows the model lacks (that
 appended [MASK]) start at the mean of its embedding rows; an untied output layer's new rows at
 zero; megatron's padding rows at zero. Without a tokenizer.json the vocabulary is the model's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 
 import torch
 
@@ -25,24 +27,32 @@ from megatron_dllm.hf import pretrained_ar
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _tokenizer(hf: str, save: str):
-    """(vocab_size, mask_id, tokenizer record or None); the tokenizer files are copied into SAVE."""
+def _tokenizer(hf: str, staging: str, target: str):
+    """(vocab_size, mask_id, tokenizer record or None); the tokenizer files are copied into
+    `staging` (for `_publish_tokenizer`) and recorded at `target`."""
     if not os.path.isfile(os.path.join(hf, "tokenizer.json")):
         return None
     from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
     from megatron_dllm.config.data import TokenizerConfig
     from megatron_dllm.data.tokenizers import build_tokenizer
 
-    target = os.path.join(save, "tokenizer")
-    if int(os.environ.get("RANK", "0")) == 0:
-        os.makedirs(target, exist_ok=True)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(staging)
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf, name)):
-                shutil.copyfile(os.path.join(hf, name), os.path.join(target, name))
+                shutil.copyfile(os.path.join(hf, name), os.path.join(staging, name))
     torch.distributed.barrier()
-    tok = build_tokenizer("HuggingFaceTokenizer", target)
+    tok = build_tokenizer("HuggingFaceTokenizer", staging)
     record = TokenizerRecord.of(TokenizerConfig.from_options("HuggingFaceTokenizer", tok.model_path, None))
-    return tok.vocab_size, tok.mask_id, record
+    final = os.path.abspath(os.path.join(target, os.path.relpath(tok.model_path, staging)))
+    return tok.vocab_size, tok.mask_id, replace(record, model=final)
+
+
+def _publish_tokenizer(staging: str, target: str) -> None:
+    """The staged tokenizer in place of `target` (the replaced checkpoint's, with --overwrite)."""
+    if os.path.isdir(target):
+        shutil.rmtree(target)
+    os.replace(staging, target)
 
 
 def _vocab_rows(full: torch.Tensor, rows: int, real: int, fill_mean: bool) -> torch.Tensor:
@@ -59,8 +69,6 @@ def import_checkpoint(args) -> int:
     """--hf DIR --save CKPT --family F at --tensor/--pipeline-model-parallel-size; rank 0 reports."""
     from megatron_dllm.checkpoint import layout
     from megatron_dllm.config.backbone import gpt_flags
-    from megatron_dllm.families import FAMILIES
-    from megatron_dllm.model.builder import Architecture
 
     if (layout.iterations(args.save) or layout.read_tracker(args.save) is not None) and not args.overwrite:
         raise InputError(f"--save {args.save} already holds a checkpoint; pass --overwrite to replace it")
@@ -72,7 +80,34 @@ def import_checkpoint(args) -> int:
         raise InputError(f"{source}: vocab_size {hf_rows} but the embedding has "
                          f"{whole['embedding.word_embeddings.weight'].shape[0]} rows")
     platform.init_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    tokenizer = _tokenizer(args.hf, args.save)
+    target = os.path.join(args.save, "tokenizer")
+    staging = target + ".staging"  # one name for every rank; --save's lock keeps other writers out
+    first = torch.distributed.get_rank() == 0
+    if first and os.path.isdir(staging):  # a killed import's
+        shutil.rmtree(staging)
+    try:
+        path, vocab_size, mask_id, record = _write(args, config, whole, hf_rows, preset, shape, staging, target)
+        if record is not None and first:
+            _publish_tokenizer(staging, target)
+    finally:
+        if first and os.path.isdir(staging):
+            shutil.rmtree(staging)
+    if first:
+        name = (config.get("architectures") or [config["model_type"]])[0]
+        print(f"wrote {path} ({name} as --family {args.family}, TP={args.tensor_model_parallel_size}, "
+              f"PP={args.pipeline_model_parallel_size}, model weights only; vocabulary {vocab_size}, [MASK] id "
+              f"{mask_id}{', tokenizer ' + record.model if record else ', no tokenizer.json in --hf'})")
+        print("train it with: " + " ".join(gpt_flags(preset, shape)))
+    return 0
+
+
+def _write(args, config: dict, whole: dict, hf_rows: int, preset, shape, staging: str, target: str):
+    """The checkpoint of `whole` at --save, its tokenizer staged; (path, vocab size, [MASK] id,
+    tokenizer record)."""
+    from megatron_dllm.families import FAMILIES
+    from megatron_dllm.model.builder import Architecture
+
+    tokenizer = _tokenizer(args.hf, staging, target)
     if tokenizer is not None:
         vocab_size, mask_id, record = tokenizer
     elif isinstance(config.get("mask_token_id"), int):  # this project's export: [MASK] is a row of the model
@@ -83,14 +118,7 @@ def import_checkpoint(args) -> int:
     arch = Architecture(preset, vocab_size, seq_length, FAMILIES[args.family].attention,
                         args.make_vocab_size_divisible_by, gpt=shape)
     identity = ModelIdentity.of(FAMILIES[args.family](mask_id=mask_id, vocab_size=vocab_size), arch)
-    path = write_gpt_checkpoint(whole, identity, arch, args, record, f"--hf {args.hf}")
-    if torch.distributed.get_rank() == 0:
-        name = (config.get("architectures") or [config["model_type"]])[0]
-        print(f"wrote {path} ({name} as --family {args.family}, TP={args.tensor_model_parallel_size}, "
-              f"PP={args.pipeline_model_parallel_size}, model weights only; vocabulary {vocab_size}, [MASK] id "
-              f"{mask_id}{', tokenizer ' + record.model if record else ', no tokenizer.json in --hf'})")
-        print("train it with: " + " ".join(gpt_flags(preset, shape)))
-    return 0
+    return write_gpt_checkpoint(whole, identity, arch, args, record, f"--hf {args.hf}"), vocab_size, mask_id, record
 
 
 def write_gpt_checkpoint(whole: dict, identity: ModelIdentity, arch, args, record, source: str) -> str:

@@ -108,7 +108,7 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
         rotary_percent=float(config.get("partial_rotary_factor", 1.0)),
         rope_scaling_factor=float(scaling["factor"]) if scaling else None,
         add_bias_linear=False, add_qkv_bias=kind == "qwen2", qk_layernorm=False,
-        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", kind != "mistral"),
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),  # transformers' default
     )
     return Preset(h, int(config["num_hidden_layers"]), heads), shape, int(config["vocab_size"])
 
