@@ -128,9 +128,18 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
              "moe": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"},
              "yarn": {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                       "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-             "fields": {"model_type": "llama", "hidden_size": None}}
+             "fields": {"model_type": "llama", "hidden_size": None},
+             "groups": {"model_type": "llama", "num_key_value_heads": 3},
+             "eps": {"model_type": "llama", "rms_norm_eps": "x", "max_position_embeddings": "long"},
+             "scaling": {"model_type": "llama", "rope_scaling": "linear"},
+             "llama3": {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
+                                                               "high_freq_factor": 4.0,
+                                                               "original_max_position_embeddings": 8192}}}
     expected = {"sliding": "sliding_window not supported", "moe": "model_type 'qwen2_moe') not supported",
-                "yarn": "rope scaling", "fields": "hidden_size missing or not an integer"}
+                "yarn": "rope scaling", "fields": "hidden_size missing or not an integer",
+                "groups": "num_attention_heads 4 must be a multiple of num_key_value_heads 3",
+                "eps": "max_position_embeddings 'long', rms_norm_eps 'x': expected a positive number",
+                "scaling": "rope_scaling 'linear' is not a mapping", "llama3": "rope scaling {'rope_type': 'llama3'"}
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
             "vocab_size": 100}
     for name, fields in cases.items():
@@ -140,6 +149,16 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
         assert convert_from_hf.main(["--hf", str(d), "--save", str(tmp_path / f"out-{name}")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected[name] in err[0], err
+    # a tensor of another shape than config.json describes
+    from safetensors.torch import load_file, save_file
+
+    hf = tiny_hf("llama", tmp_path)
+    tensors = load_file(os.path.join(hf, "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    save_file(tensors, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+    assert convert_from_hf.main(["--hf", hf, "--save", str(tmp_path / "out-shape")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "tensor 'model.layers.1.self_attn.k_proj.weight' has shape (48, 64); config.json describes (32, 64)")
 
 
 def test_gpt_flags_follow_megatron(tmp_path):

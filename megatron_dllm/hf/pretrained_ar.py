@@ -16,6 +16,7 @@ Both use the rotate-half rotary layout, so q and k are not permuted.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -49,16 +50,26 @@ def read_config(directory: str) -> dict:
     return read_config_json(os.path.join(directory, "config.json"), "--hf", dllm=False)
 
 
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def _rope(config: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None): transformers 4 writes rope_theta and rope_scaling,
     transformers 5 one rope_parameters dict holding both."""
+    for name in ("rope_parameters", "rope_scaling"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise InputError(f"{source}: {name} {config[name]!r} is not a mapping")
     params = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if not _positive(theta):
+        raise InputError(f"{source}: rope_theta {theta!r} is not a positive number")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return float(theta), None
-    if kind == "llama3" and all(float(scaling.get(k, -1)) == v for k, v in LLAMA3_ROPE.items()):
+    if kind == "llama3" and _positive(scaling.get("factor")) and all(
+            _positive(scaling.get(k)) and float(scaling[k]) == v for k, v in LLAMA3_ROPE.items()):
         return float(theta), scaling
     raise InputError(f"{source}: rope scaling {scaling} is not supported (only none, and llama3 with "
                      f"{LLAMA3_ROPE}, as megatron-core implements it)")
@@ -87,15 +98,25 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise InputError(f"{source}: {', '.join(bad)} not supported by the gpt backbone")
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
-                           "vocab_size") if not isinstance(config.get(k), int)]
+                           "vocab_size") if not integer(config.get(k))]
     if missing:
-        raise InputError(f"{source}: {', '.join(missing)} missing or not an integer")
+        raise InputError(f"{source}: {', '.join(missing)} missing or not an integer >= 1")
+    wrong = [f"{k} {config[k]!r}" for k, ok in (("num_key_value_heads", integer), ("head_dim", integer),
+                                                 ("max_position_embeddings", integer), ("rms_norm_eps", _positive),
+                                                 ("partial_rotary_factor", _positive))
+             if config.get(k) is not None and not ok(config[k])]
+    if wrong:
+        raise InputError(f"{source}: {', '.join(wrong)}: expected a positive number (an integer for sizes)")
     theta, scaling = _rope(config, source)
     if theta != int(theta):
         raise InputError(f"{source}: rope_theta {theta} is not an integer (--rotary-base is)")
     h, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     groups = int(config.get("num_key_value_heads") or heads)
+    if heads % groups or (not config.get("head_dim") and h % heads):
+        raise InputError(f"{source}: num_attention_heads {heads} must be a multiple of num_key_value_heads "
+                         f"{groups}, and divide hidden_size {h} where head_dim is not given")
     head_dim = int(config.get("head_dim") or h // heads)
     shape = GPTShape(
         ffn_hidden_size=int(config["intermediate_size"]),
@@ -124,7 +145,9 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
         try:
             with open(index, encoding="utf-8") as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as err:
+            if not all(isinstance(name, str) for name in files):
+                raise ValueError("a weight_map value is not a file name")
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as err:
             raise InputError(f"--hf {index}: not a safetensors index ({err})") from None
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
@@ -141,11 +164,17 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in weights.items()}
 
 
-def _take(weights: dict, name: str, used: set, source: str) -> torch.Tensor:
+def _take(weights: dict, name: str, used: set, source: str, expected: tuple) -> torch.Tensor:
+    """The tensor `name`, of the shape config.json describes (`expected`; None: any size)."""
     if name not in weights:
         raise InputError(f"{source}: tensor {name!r} missing")
+    tensor = weights[name]
+    if len(tensor.shape) != len(expected) or any(e not in (None, n) for e, n in zip(expected, tensor.shape)):
+        described = tuple("any" if e is None else e for e in expected)
+        raise InputError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}; config.json describes "
+                         f"{described}")
     used.add(name)
-    return weights[name]
+    return tensor
 
 
 def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> dict[str, torch.Tensor]:
@@ -159,17 +188,19 @@ def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> 
             and "lm_head.weight" in weights:  # a tied pair saved once, under the head's name
         weights = {**weights, "model.embed_tokens.weight": weights["lm_head.weight"]}
         used.add("lm_head.weight")
-    out = {"embedding.word_embeddings.weight": _take(weights, "model.embed_tokens.weight", used, source),
-           "decoder.final_layernorm.weight": _take(weights, "model.norm.weight", used, source)}
+    ffn = shape.ffn_hidden_size
+    out = {"embedding.word_embeddings.weight": _take(weights, "model.embed_tokens.weight", used, source, (None, h)),
+           "decoder.final_layernorm.weight": _take(weights, "model.norm.weight", used, source, (h,))}
     if shape.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = _take(weights, "lm_head.weight", used, source)
+        out["output_layer.weight"] = _take(weights, "lm_head.weight", used, source, (None, h))
     elif "lm_head.weight" in weights and "lm_head.weight" not in used:  # some tied checkpoints store the copy too
         if not torch.equal(weights["lm_head.weight"], out["embedding.word_embeddings.weight"]):
             raise InputError(f"{source}: tie_word_embeddings is set but lm_head.weight differs from the embedding")
         used.add("lm_head.weight")
 
     def qkv(suffix: str, tail: tuple) -> torch.Tensor:
-        q, k, v = (_take(weights, f"{p}.{n}_proj.{suffix}", used, source) for n in "qkv")
+        q, k, v = (_take(weights, f"{p}.{n}_proj.{suffix}", used, source, (rows * d, *tail))
+                   for n, rows in zip("qkv", (heads, groups, groups)))
         return torch.cat([q.reshape(groups, heads // groups * d, *tail), k.reshape(groups, d, *tail),
                           v.reshape(groups, d, *tail)], dim=1).reshape(-1, *tail)
 
@@ -178,14 +209,14 @@ def to_megatron(weights: dict, preset: Preset, shape: GPTShape, source: str) -> 
         out[m + "self_attention.linear_qkv.weight"] = qkv("weight", (h,))
         if shape.add_qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = qkv("bias", ())
-        out[m + "self_attention.linear_proj.weight"] = _take(weights, f"{p}.o_proj.weight", used, source)
+        out[m + "self_attention.linear_proj.weight"] = _take(weights, f"{p}.o_proj.weight", used, source,
+                                                             (h, heads * d))
         mlp = f"model.layers.{i}.mlp"
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([_take(weights, f"{mlp}.gate_proj.weight", used, source),
-                                                      _take(weights, f"{mlp}.up_proj.weight", used, source)])
-        out[m + "mlp.linear_fc2.weight"] = _take(weights, f"{mlp}.down_proj.weight", used, source)
-        out[m + "input_layernorm.weight"] = _take(weights, f"model.layers.{i}.input_layernorm.weight", used, source)
-        out[m + "pre_mlp_layernorm.weight"] = _take(weights, f"model.layers.{i}.post_attention_layernorm.weight",
-                                                    used, source)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([_take(weights, f"{mlp}.{n}_proj.weight", used, source, (ffn, h))
+                                                      for n in ("gate", "up")])
+        out[m + "mlp.linear_fc2.weight"] = _take(weights, f"{mlp}.down_proj.weight", used, source, (h, ffn))
+        for ours, theirs in (("input_layernorm", "input_layernorm"), ("pre_mlp_layernorm", "post_attention_layernorm")):
+            out[m + ours + ".weight"] = _take(weights, f"model.layers.{i}.{theirs}.weight", used, source, (h,))
     unused = sorted(k for k in set(weights) - used if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise InputError(f"{source}: tensors this architecture does not use: {unused[:5]}")
