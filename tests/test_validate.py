@@ -72,6 +72,10 @@ CASES = [
     ("family_settings", ["--family", "bd3lm", "--block-size", "5", "--seq-length", "128"], None, False,
      "--block-size 5 must divide --seq-length 128"),
     ("family_settings", ["--family", "ar", "--shift"], None, False, "--shift applies to --family mdlm, not ar"),
+    ("family_settings", ["--family", "bd3lm", "--block-size", "4", "--variable-seq-length-prob", "0.5"], None, False,
+     "--variable-seq-length-prob does not apply to --family bd3lm: its samples keep their full length"),
+    ("family_settings", [*DATA, "--sft", "--variable-seq-length-prob", "0.5"], None, False,
+     "--variable-seq-length-prob with --sft: a cut shorter than a row's prompt leaves no response token"),
     ("family_settings", ["--family", "bd3lm", "--block-size", "4", "--sampling-eps-min", "0.6",
                          "--sampling-eps-max", "0.5"], None, False, "need 0 < min <= max <= 1"),
     ("attention_anneal", ["--family", "esolm", "--attention-mask-anneal-iters", "100"], None, False,
@@ -100,6 +104,10 @@ CASES = [
      "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 1 = 2 does not divide the world size 3"),
     ("batch", ["--micro-batch-size", "4", "--global-batch-size", "6"], None, False,
      "--global-batch-size 6 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
+    ("batch", ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+               "2", "--micro-batch-size", "2", "--global-batch-size", "6"], 2, False,
+     "megatron-core's interleaved schedule needs the micro-batches per iteration (3 = --global-batch-size 6 / "
+     "(--micro-batch-size 2 x data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size 2"),
     ("batch", ["--global-batch-size", "24"], 2, True,  # the demo's default micro-batch: 8
      "--global-batch-size 24 is not a multiple of --micro-batch-size 8 x data-parallel size 2"),
     ("warmup_before_decay", ["--train-iters", "10", "--lr-warmup-iters", "10"], None, False,

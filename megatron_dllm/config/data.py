@@ -19,7 +19,7 @@ class DataConfig(FlagGroup):
     data_cache_path: str | None = flag(help="where index caches are written (default: beside the data)")
     variable_seq_length_prob: float = flag(0.0, type=fraction,
                                            help="probability that a micro-batch is cut to a length drawn from U[1, L] "
-                                                "(the paper's 1.7B runs: 0.01; diffusion families only)")
+                                                "(the paper's 1.7B runs: 0.01; MDLM, Duo and Eso-LM, not with --sft)")
     demo_cache_dir: str | None = flag(help="where the embedded demo corpus is prepared "
                                            "(default ~/.cache/megatron_dllm/demo)")
 

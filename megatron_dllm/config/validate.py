@@ -178,9 +178,18 @@ def family_settings(config, world_size=None) -> None:
     """A family's own flags (BD3-LM's --block-size, --noise, ...) go with that family, which
     checks them (`Family.options_from_flags`, through `ModelConfig.family_options`); --shift is
     MDLM's: Eso-LM's order is shuffled and AR already predicts the next token."""
+    from megatron_dllm.families import FAMILIES
+
     config.model.family_options()
     if config.backbone.shift and config.model.family != "mdlm":
         raise InputError(f"--shift applies to --family mdlm, not {config.model.family}")
+    if config.data.variable_seq_length_prob:  # a cut of the sequence: whole blocks, and SFT's responses, get lost
+        if not FAMILIES[config.model.family].variable_length:
+            raise InputError(f"--variable-seq-length-prob does not apply to --family {config.model.family}: its "
+                             f"samples keep their full length (AR's as in the reference, BD3-LM's whole blocks)")
+        if config.training.sft:
+            raise InputError("--variable-seq-length-prob with --sft: a cut shorter than a row's prompt leaves no "
+                             "response token to train on (SFT rows have their own lengths)")
 
 
 def attention_anneal(config, world_size=None) -> None:
@@ -276,6 +285,14 @@ def batch(config, world_size=None) -> None:
     if training.global_batch_size % (training.micro_batch_size * data_parallel):
         raise InputError(f"--global-batch-size {training.global_batch_size} is not a multiple of "
                          f"--micro-batch-size {training.micro_batch_size} x data-parallel size {data_parallel}")
+    micro_batches, pp = training.global_batch_size // (training.micro_batch_size * data_parallel), \
+        parallel.pipeline_model_parallel_size
+    if world_size is not None and parallel.virtual_pipeline_model_parallel_size and micro_batches % pp:
+        raise InputError(f"--virtual-pipeline-model-parallel-size: megatron-core's interleaved schedule needs the "
+                         f"micro-batches per iteration ({micro_batches} = --global-batch-size "
+                         f"{training.global_batch_size} / (--micro-batch-size {training.micro_batch_size} x "
+                         f"data-parallel size {data_parallel})) to be a multiple of --pipeline-model-parallel-size "
+                         f"{pp}")
 
 
 def kernels(config, world_size=None) -> None:
