@@ -370,11 +370,14 @@ def test_megatron_built_dataset_trains(tmp_path, sp_tok):
     train, valid = build_datasets([prefix], "80,20", None, 16, False, 3, 50, 5, str(tmp_path / "c"), sp_tok)
     assert train[0].shape == (16,) and valid[0].shape == (16,)
     assert build_datasets([prefix], "969,30,1", None, 16, True, 3, 50, 0, str(tmp_path / "c"), sp_tok)[1] is None
-    for split, part in (("100,0,0", "valid"), ("0,100,0", "train")):  # a part --split gives no weight, yet read
-        with pytest.raises(InputError, match=rf"^--data-path: the {part} split \(weight 0 in --split\) of {prefix} "
-                                             rf"\(40 documents\) is empty; change --split"):
-            build_datasets([prefix], split, None, 16, False, 3, 50, 5, str(tmp_path / "c"), sp_tok)
+    # a valid part --split gives no weight, yet read: refused; a train part of weight 0 is not built
+    # (an evaluation reads the valid split only; the trainer refuses it)
+    with pytest.raises(InputError, match=rf"^--data-path: the valid split \(weight 0 in --split\) of {prefix} "
+                                         rf"\(40 documents\) is empty; change --split"):
+        build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 5, str(tmp_path / "c"), sp_tok)
     assert build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, str(tmp_path / "c"), sp_tok)[1] is None
+    train, valid = build_datasets([prefix], "0,100,0", None, 16, False, 3, 50, 5, str(tmp_path / "c"), sp_tok)
+    assert train is None and len(valid) >= 5
 
 
 def test_datasets_reject_bad_prefixes(tmp_path, demo, sp_tok):

@@ -128,6 +128,18 @@ def test_unwritable_save_fails_before_training(demo_cache, tmp_path):
     assert not records and not os.path.exists(save)
 
 
+def test_a_split_without_a_train_part_is_one_error(demo_cache, tmp_path):
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+
+    demo = prepare_demo_corpus(demo_cache)
+    proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--data-path", demo["data_prefix"],
+                            "--split", "0,100,0", "--tokenizer-type", demo["tokenizer_type"],
+                            "--tokenizer-model", demo["tokenizer_model"])
+    assert proc.returncode == 2 and not records
+    assert proc.stderr.strip().splitlines()[-1] == ("error: --split 0,100,0: the train split has weight 0, so there is "
+                                                    "nothing to train on")
+
+
 def test_an_unwritable_tensorboard_dir_is_one_error_naming_the_flag(demo_cache, tmp_path):
     (tmp_path / "a_file").write_text("")
     proc, records = _launch(demo_cache, tmp_path, "--train-iters", "2", "--tensorboard-dir", str(tmp_path / "a_file"))

@@ -220,7 +220,7 @@ def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
     n = validate_indexed_dataset(prefix).sequence_count
     lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
     for name, bounds, size in zip(("train", "valid", "test"), split_matrix, sizes):
-        if size == 0:  # not read
+        if size == 0 or (bounds is None and name == "train"):  # not read; no train split: none built (see below)
             continue
         beg, end = (int(round(b * n)) for b in bounds) if bounds is not None else (0, 0)  # None: weight 0
         if end <= beg or not lengths[beg:end].any():
@@ -259,7 +259,8 @@ def build_datasets(
     `data_path` is in `--data-path` form. Without `valid_data_path`, `split` ('969,30,1')
     carves train and valid out of it with Megatron's bounds (the test part is never built);
     with it, train is all of `data_path` and valid all of `valid_data_path`. A sample count of
-    None means one full epoch; `num_valid_samples=0` gives valid None. Lengths are >= the
+    None means one full epoch; `num_valid_samples=0` gives valid None, as `--split` giving the
+    train part weight 0 gives train None (an evaluation reads only the valid split). Lengths are >= the
     requested counts (megatron builds whole epochs for a single prefix).
     """
     train_blend = parse_data_path(data_path, "--data-path")
@@ -304,5 +305,5 @@ def build_datasets(
 
     train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
     sample_length = seq_length + int(add_extra_token)
-    return (TokenSamples(train, sample_length),
+    return (TokenSamples(train, sample_length) if train is not None else None,
             TokenSamples(valid, sample_length) if valid is not None else None)

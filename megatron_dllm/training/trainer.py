@@ -39,6 +39,9 @@ class Trainer:
         platform.init_distributed(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                   parallel.virtual_pipeline_model_parallel_size, seed=config.training.seed)
         config, inputs = prepare_inputs(config)  # demo corpus, tokenizer, iterations (validated again), datasets
+        if inputs.train_dataset is None:
+            raise InputError(f"--split {config.data.split}: the train split has weight 0, so there is nothing to "
+                             f"train on")
         training, logging = config.training, config.logging
         self.config, self.tokenizer = config, inputs.tokenizer
         claim_save_dir(config.checkpoint)
