@@ -436,6 +436,9 @@ def _bad_copy(hf, tmp_path, name):
     ("architectures", ["DLLMForCausalLM"],
      "architectures ['DLLMForCausalLM'] contradicts family 'mdlm', expected ['DLLMForMaskedLM']"),
     ("mask_token_id", 999999, "mask_token_id 999999 lies outside vocab_size 4097"),
+    ("num_heads", 0, "num_heads 0: expected integers (sizes >= 1, mask_token_id >= 0)"),
+    ("hidden_size", "96", "hidden_size '96': expected integers (sizes >= 1, mask_token_id >= 0)"),
+    ("family_options", [1], "family_options [1] is not a mapping"),
 ])
 def test_convert_from_hf_refuses_a_self_contradicting_config(exported, tmp_path, field, value, message):
     bad = _bad_copy(exported[1], tmp_path, "bad")

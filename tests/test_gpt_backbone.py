@@ -11,6 +11,7 @@
 """
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -159,6 +160,18 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
     assert convert_from_hf.main(["--hf", hf, "--save", str(tmp_path / "out-shape")]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "tensor 'model.layers.1.self_attn.k_proj.weight' has shape (48, 64); config.json describes (32, 64)")
+
+
+def test_a_gpt_shape_read_back_has_its_fields_types():
+    from megatron_dllm.model.gpt_shape import GPTShape
+
+    shape = GPTShape(ffn_hidden_size=96, num_query_groups=2, normalization="RMSNorm", swiglu=True)
+    assert GPTShape.from_dict(shape.as_dict()) == shape
+    for change, message in ((dict(num_query_groups="3"), "num_query_groups '3': expected int | None > 0"),
+                            (dict(swiglu=1), "swiglu 1: expected bool"), (dict(norm_epsilon=0), "norm_epsilon 0"),
+                            (dict(ffn_hidden_size=True), "ffn_hidden_size True: expected int > 0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GPTShape.from_dict({**shape.as_dict(), **change})
 
 
 def test_gpt_flags_follow_megatron(tmp_path):

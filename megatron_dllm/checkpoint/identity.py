@@ -78,7 +78,13 @@ class ModelIdentity:
         missing = [k for k in _HF_FIELDS if k not in config]
         if missing:
             raise InputError(f"{source}: missing {', '.join(missing)}")
-        if config["family"] not in FAMILIES:
+        sizes = [f"{k} {config[k]!r}" for k in _HF_FIELDS if k != "family" and not (
+            isinstance(config[k], int) and not isinstance(config[k], bool) and config[k] >= (k != "mask_token_id"))]
+        if sizes:
+            raise InputError(f"{source}: {', '.join(sizes)}: expected integers (sizes >= 1, mask_token_id >= 0)")
+        if not isinstance(config.get("family_options") or {}, dict):
+            raise InputError(f"{source}: family_options {config['family_options']!r} is not a mapping")
+        if not isinstance(config["family"], str) or config["family"] not in FAMILIES:
             raise InputError(f"{source}: family {config['family']!r}, expected one of {', '.join(FAMILIES)}")
         gpt = config.get("gpt")
         if gpt is not None:

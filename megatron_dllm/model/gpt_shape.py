@@ -44,6 +44,14 @@ class GPTShape:
 
     @classmethod
     def from_dict(cls, saved: dict) -> "GPTShape":
+        """The shape of its `as_dict()` (a checkpoint's, a config.json's), each value of its field's
+        type (sizes and the float settings positive)."""
+        if not isinstance(saved, dict):
+            raise InputError(f"expected a mapping of shape fields, got {saved!r}")
+        for f in dataclasses.fields(cls):
+            if f.name in saved and not _of_type(saved[f.name], f.type):
+                raise InputError(f"{f.name} {saved[f.name]!r}: expected {f.type}" + (
+                    " > 0" if f.type.split(" ")[0] in ("int", "float") else ""))
         return cls(**saved)
 
     def config_fields(self, hidden_size: int, num_attention_heads: int) -> dict:
@@ -56,6 +64,17 @@ class GPTShape:
                 "gated_linear_unit": self.swiglu, "activation_func": F.silu if self.swiglu else F.gelu,
                 "add_bias_linear": self.add_bias_linear, "add_qkv_bias": self.add_qkv_bias or self.add_bias_linear,
                 "qk_layernorm": self.qk_layernorm}
+
+
+def _of_type(value, annotation: str) -> bool:
+    """Whether `value` is of a field's type, `annotation` as written ("int | None"); numbers > 0."""
+    kind, _, optional = annotation.partition(" | ")
+    if value is None:
+        return optional == "None"
+    if isinstance(value, bool) != (kind == "bool"):
+        return False
+    return isinstance(value, {"int": int, "float": (int, float), "str": str, "bool": bool}[kind]) and (
+        kind not in ("int", "float") or value > 0)
 
 
 def megatron_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
