@@ -285,8 +285,8 @@ def batch(config, world_size=None) -> None:
     if training.global_batch_size % (training.micro_batch_size * data_parallel):
         raise InputError(f"--global-batch-size {training.global_batch_size} is not a multiple of "
                          f"--micro-batch-size {training.micro_batch_size} x data-parallel size {data_parallel}")
-    micro_batches, pp = training.global_batch_size // (training.micro_batch_size * data_parallel), \
-        parallel.pipeline_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    micro_batches = training.global_batch_size // (training.micro_batch_size * data_parallel)
     if world_size is not None and parallel.virtual_pipeline_model_parallel_size and micro_batches % pp:
         raise InputError(f"--virtual-pipeline-model-parallel-size: megatron-core's interleaved schedule needs the "
                          f"micro-batches per iteration ({micro_batches} = --global-batch-size "
