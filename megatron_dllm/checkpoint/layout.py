@@ -204,8 +204,8 @@ def refuse_existing(save: str, load: str | None, finetune: bool) -> None:
     held = f"--save {save} already holds checkpoints ({_listing(found)})"
     if finetune:
         raise CheckpointError(f"{held}; --finetune starts again at iteration 0 and would replace them: pick a new "
-                              f"--save (--pretrained-checkpoint {load} --load {save} instead starts from its weights "
-                              f"and resumes --save once it has saved)")
+                              f"--save (--pretrained-checkpoint {load or 'PRETRAINED'} --load {save} instead starts "
+                              f"from its weights and resumes --save once it has saved)")
     if load:
         raise CheckpointError(f"{held}; --load {load} is another directory's, and continuing it here would replace "
                               f"them: resume with --load {save}, or pick a new --save")

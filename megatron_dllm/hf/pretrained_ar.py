@@ -54,6 +54,10 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
+def _size(value) -> bool:
+    return _positive(value) and isinstance(value, int)
+
+
 def _rope(config: dict, source: str) -> tuple[float, dict | None]:
     """(rope_theta, rope scaling or None): transformers 4 writes rope_theta and rope_scaling,
     transformers 5 one rope_parameters dict holding both."""
@@ -98,13 +102,12 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
     bad = [name for name, value in unsupported.items() if value]
     if bad:
         raise InputError(f"{source}: {', '.join(bad)} not supported by the gpt backbone")
-    integer = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
-                           "vocab_size") if not integer(config.get(k))]
+                           "vocab_size") if not _size(config.get(k))]
     if missing:
         raise InputError(f"{source}: {', '.join(missing)} missing or not an integer >= 1")
-    wrong = [f"{k} {config[k]!r}" for k, ok in (("num_key_value_heads", integer), ("head_dim", integer),
-                                                 ("max_position_embeddings", integer), ("rms_norm_eps", _positive),
+    wrong = [f"{k} {config[k]!r}" for k, ok in (("num_key_value_heads", _size), ("head_dim", _size),
+                                                 ("max_position_embeddings", _size), ("rms_norm_eps", _positive),
                                                  ("partial_rotary_factor", _positive))
              if config.get(k) is not None and not ok(config[k])]
     if wrong:
