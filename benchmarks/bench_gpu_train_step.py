@@ -117,6 +117,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.cuda_graph and args.warmup < 2:
         p.error("--cuda-graph needs --warmup 2 or more (the first step runs eagerly, the second captures)")
+    if args.cuda_graph and not platform.HAS_CUDA:
+        p.error("--cuda-graph needs a CUDA GPU (none found)")
     te = args.transformer_impl == "transformer_engine"
     backend = args.attention_backend or ("auto" if te else "local")
     if args.fp8_format and not te:
