@@ -42,7 +42,8 @@ def test_shipped_test_set():
 def test_input_formats_and_errors(tmp_path):
     std = tmp_path / "test.jsonl"
     std.write_text(json.dumps({"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"}) + "\n"
-                   + json.dumps({"doc": {"question": "Q2?", "answer": "#### 1,500"}}) + "\n")
+                   + json.dumps({"doc": {"question": "Q2?", "answer": "#### 1,500"}}) + "\n",
+                   encoding="utf-8-sig")  # a byte-order mark (Windows tools) is not part of the first record
     assert [(p.question, p.gold) for p in gsm8k.load_problems(str(std))] == [("Q1?", "2"), ("Q2?", "1500")]
     deng = tmp_path / "test.txt"
     deng.write_text("How many?||3 + 4 = 7 #### 7\n")

@@ -197,6 +197,23 @@ def test_rejections_named_in_every_format(tmp_path, sp_model, tokenizer):
                    json_keys=["text", "absent"], log=msgs.append, **kw)
 
 
+def test_byte_order_mark_is_not_text(tmp_path, sp_model):
+    """A file saved as utf-8-sig (as Windows tools write) gives the tokens of the same file without
+    the mark: its first JSON line parses, its text does not begin with U+FEFF."""
+    docs = ["Good morrow, cousin.", "Adieu."]
+    jsonl = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+    prefixes = {}
+    for name, fmt, content in [("plain", "jsonl", jsonl), ("sig", "jsonl", jsonl),
+                               ("plain_txt", "txt", docs[0]), ("sig_txt", "txt", docs[0])]:
+        path = tmp_path / f"{name}.{fmt}"
+        path.write_text(content, encoding="utf-8-sig" if name.startswith("sig") else "utf-8")
+        st = preprocess([str(path)], str(tmp_path / name), SP, sp_model, append_eod=True, log=lambda m: None)
+        assert not st.rejections, name
+        prefixes[name] = st.output_prefixes["text"]
+    assert _same(prefixes["plain"], prefixes["sig"]) and _same(prefixes["plain_txt"], prefixes["sig_txt"])
+    assert len(open_indexed_dataset(prefixes["sig"])) == 2
+
+
 # ---------------------------------------------------------------- sharding, merge
 
 

@@ -57,7 +57,7 @@ def test_preprocess_all_formats_and_validate(tmp_path, tokenizer):
                                       json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                                {"role": "assistant", "content": "hello"}]}),
                                       json.dumps({"prompt": "x", "response": "word " * 100})])
-    d = _write(tmp_path / "d.txt", ["A has 3||3 + 4 = 7 #### 7"])
+    d = _write(tmp_path / "d.txt", ["\ufeffA has 3||3 + 4 = 7 #### 7"])  # a byte-order mark is not text
     dz = tmp_path / "d.txt.zst"  # Deng text compressed is still Deng text, not JSONL
     dz.write_bytes(zstandard.ZstdCompressor().compress(b"B has 2||2 + 2 = 4 #### 4\n"))
     prefix = str(tmp_path / "sft")

@@ -83,7 +83,8 @@ def default_test_file() -> str:
 
 
 def _open(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+    # utf-8-sig: a byte-order mark (as Windows tools write) is read as a marker, not as text
+    return gzip.open(path, "rt", encoding="utf-8-sig") if path.endswith(".gz") else open(path, encoding="utf-8-sig")
 
 
 def load_problems(path: str | None = None) -> list[Problem]:

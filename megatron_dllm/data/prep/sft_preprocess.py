@@ -70,7 +70,8 @@ def read_examples(path: str, prompt_key: str = "prompt", response_key: str = "re
     deng = base_name(path).endswith(".txt")
     for lineno, raw, _ in read_lines(path):  # a truncated or corrupt .gz / .zst is an InputError
         try:  # decoded per line, so that bad bytes are reported with their line
-            line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode read CRLF files
+            # as text mode reads CRLF files; a byte-order mark (utf-8-sig) is a marker, not text
+            line = raw.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
         except UnicodeDecodeError as err:
             raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start} of the line)") from None
         if not line.strip():

@@ -66,7 +66,8 @@ def _values(kind: str, payload, keys):
     if kind == "parquet":
         return payload
     try:
-        text = payload.decode("utf-8")
+        # a file written as utf-8-sig (Windows tools) starts with a byte-order mark: a marker, not text
+        text = payload.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
         return "invalid_utf8"
     if kind == "text":
