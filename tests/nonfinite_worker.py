@@ -16,10 +16,10 @@ _loss_func, _train_step = step.loss_func, Trainer.train_step
 running = {"iteration": 0}  # the iteration the trainer is running (1-based, as logged)
 
 
-def _poisoned_loss_func(family, training, inp, logits):
+def _poisoned_loss_func(family, training, *args):  # args: (..., the logits)
     if training and running["iteration"] in POISONED:
-        logits.register_hook(lambda grad: torch.full_like(grad, float("nan")))
-    return _loss_func(family, training, inp, logits)
+        args[-1].register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    return _loss_func(family, training, *args)
 
 
 def _counted_train_step(self):

@@ -6,6 +6,7 @@ import torch
 
 from megatron_dllm import platform
 from megatron_dllm.families import get_family
+from megatron_dllm.training import step
 from megatron_dllm.training.batches import BatchSchedule
 
 
@@ -48,6 +49,30 @@ def test_cut_is_a_pure_function_and_shapes_the_model_input():
     assert torch.equal(first.input_ids, b.micro_batch(consumed=80, m=1).input_ids)
     length = a.cut_length(82, 64)
     assert first.input_ids.shape == (2, length) and first.valid.sum() == 2 * length
+
+
+def test_a_cut_micro_batch_weighs_as_much_as_a_full_one():
+    """As in the reference code, where each micro-batch's mean loss weighs alike: megatron-core's
+    reduction (summed losses over summed counts) gives the mean of the micro-batch means, not a
+    token-weighted mean that would all but drop the short micro-batches."""
+    schedule = _schedule(prob=0.5)
+    family = schedule.family
+    inputs = [schedule.micro_batch(consumed=0, m=m) for m in range(40)]
+    lengths = [inp.targets.shape[1] for inp in inputs]
+    assert min(lengths) < 16 and max(lengths) == 64  # some cut well short, some whole
+    gen = torch.Generator().manual_seed(0)
+    per_token = [torch.rand(inp.targets.shape, generator=gen, dtype=torch.float64) + n / 64
+                 for n, inp in zip(lengths, inputs)]  # short micro-batches have lower losses
+    family.loss = lambda logits, inp: logits  # the "logits" here are the per-token losses
+    outputs = [step.loss_func(family, True, 64, inp, loss) for inp, loss in zip(inputs, per_token)]
+    totals, counts = zip(*[(total, count) for total, count, _ in outputs])
+    assert all(count.dtype == torch.int and int(count) == 2 * 64 for count in counts)
+    reduced = sum(totals) / sum(counts)
+    assert float(reduced) == pytest.approx(float(torch.stack([loss.mean() for loss in per_token]).mean()), rel=1e-6)
+    assert float(reduced) != pytest.approx(float(torch.cat([loss.flatten() for loss in per_token]).mean()),
+                                           rel=1e-3)
+    for (_, _, report), loss in zip(outputs, per_token):  # each mean as logged is its own
+        assert float(report["loss"][0] / report["loss"][1]) == pytest.approx(float(loss.mean()), rel=1e-6)
 
 
 def test_ar_is_never_cut():

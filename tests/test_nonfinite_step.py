@@ -51,9 +51,9 @@ def test_a_step_with_a_non_finite_gradient_norm_is_skipped_and_leaves_the_optimi
     trainer.train_step()  # a good step first: Adam's moments and step counts exist
     loss_func = step.loss_func
 
-    def poisoned(family, training, inp, logits):  # every gradient of this step poisoned, the loss finite
-        logits.register_hook(lambda grad: torch.full_like(grad, POISON[kind]))
-        return loss_func(family, training, inp, logits)
+    def poisoned(*args):  # every gradient of this step poisoned (args[-1]: the logits), the loss finite
+        args[-1].register_hook(lambda grad: torch.full_like(grad, POISON[kind]))
+        return loss_func(*args)
 
     monkeypatch.setattr(step, "loss_func", poisoned)
     before, skipped, iteration = _state(trainer), trainer.nonfinite.skipped, trainer.iteration

@@ -57,3 +57,21 @@ def test_tp2_equals_dense_reference(tmp_path):
     assert sorted(result) == sorted(FAMILIES)
     for name, r in result.items():
         assert r["rel_err"] <= 1e-5 and r["ranks_agree"] and r["prompt_grad_zero"], (name, r)
+
+
+def test_validation_weighs_every_response_token_alike(monkeypatch):
+    """Validation over --eval-iters global batches whose response tokens differ in number (prompts
+    of different lengths): the NELBO per token over all of them, as tools/evaluate.py nelbo computes
+    it, not a mean of the batches' means."""
+    from types import SimpleNamespace
+
+    from megatron_dllm.training import step
+    from megatron_dllm.training.trainer import Trainer
+
+    sums = iter([torch.tensor([100.0, 50.0], dtype=torch.float64), torch.tensor([10.0, 10.0], dtype=torch.float64)])
+    monkeypatch.setattr(step, "loss_sums", lambda *args, **kwargs: next(sums))
+    trainer = SimpleNamespace(model=[torch.nn.Linear(1, 1)], family=None, valid_batches=None,
+                              meter=SimpleNamespace(timers=None),
+                              config=SimpleNamespace(training=SimpleNamespace(global_batch_size=4),
+                                                     logging=SimpleNamespace(eval_iters=2)))
+    assert Trainer.evaluate(trainer) == pytest.approx(110 / 60)  # the batches' means: 2 and 1

@@ -83,7 +83,7 @@ def test_the_data_phase_is_timed_on_the_host_and_never_synchronises_the_device(m
         time.sleep(0.05)  # the host reading and corrupting a micro-batch
         yield SimpleNamespace(input_ids=None, position_ids=None, sigma=None, attention_mask=None)
 
-    step.forward_step(None, True, timers, batches(), lambda *inputs: "logits")
+    step.forward_step(None, True, 64, timers, batches(), lambda *inputs: "logits")
     assert syncs == []
     assert observability.phase_times(timers, 1)["data"] >= 50
     timers("forward-backward", log_level=1).start()  # a phase of its own synchronises, as megatron's does

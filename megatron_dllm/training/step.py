@@ -22,20 +22,29 @@ from megatron_dllm.families import vocab_parallel
 from megatron_dllm.training import nan_guard
 
 
-def loss_func(family, training: bool, inp, logits):
+def loss_func(family, training: bool, seq_length: int, inp, logits):
     """(summed loss, token count, reported [sum, count]): megatron-core divides by the global token
-    count, so the gradient is the token-weighted mean over the whole global batch."""
+    count, so the gradient is the token-weighted mean over the whole global batch.
+
+    A micro-batch cut short by --variable-seq-length-prob counts as `seq_length` positions a
+    sample, its mean unchanged: it weighs as much as a full one, as in the reference code (where
+    every micro-batch's mean loss weighs alike), not by its few tokens."""
     per_token = family.loss(logits, inp) if training else family.nelbo(logits, inp)
     total, count = per_token.sum(), inp.valid.sum()
+    cut = inp.targets.shape[1]
+    if cut < seq_length:
+        weighted = torch.round(count * (seq_length / cut))
+        total, count = total * (weighted / count), weighted
     return total, count.to(torch.int), {"loss": torch.stack([total.detach().double(), count.double()])}
 
 
-def forward_step(family, training: bool, timers, data_iterator, model):
+def forward_step(family, training: bool, seq_length: int, timers, data_iterator, model):
     timers("batch-generator", log_level=1).start()
     inp = next(data_iterator)
     timers("batch-generator").stop()
     logits = model(inp.input_ids, inp.position_ids, inp.sigma, inp.attention_mask)
-    return logits, partial(loss_func, family, training, inp)  # looked up per call: tests patch loss_func
+    # looked up per call: tests patch loss_func
+    return logits, partial(loss_func, family, training, seq_length, inp)
 
 
 def forward_backward(model: list, family, batches, consumed: int, config: RunConfig, timers,
@@ -44,10 +53,19 @@ def forward_backward(model: list, family, batches, consumed: int, config: RunCon
     loss on the last pipeline stage (None elsewhere). `iteration`: the number of the training
     iteration (1-based), for batches whose attention depends on it (annealing); `graph`: a
     training iteration's `cuda_graph.FullIterationGraph` (one model chunk)."""
+    sums = loss_sums(model, family, batches, consumed, config, timers, training, iteration, graph)
+    return None if sums is None else (sums[0] / sums[1]).item()
+
+
+def loss_sums(model: list, family, batches, consumed: int, config: RunConfig, timers,
+              training: bool, iteration: int | None = None, graph=None) -> torch.Tensor | None:
+    """forward_backward's [summed loss, token count] over all data-parallel ranks (float64), for
+    means over several global batches (validation)."""
     chunks = len(model)
     iterators = [batches.iteration(consumed, iteration) for _ in range(chunks)]
     schedule = partial(
-        get_forward_backward_func(), forward_step_func=partial(forward_step, family, training, timers),
+        get_forward_backward_func(),
+        forward_step_func=partial(forward_step, family, training, config.model.seq_length, timers),
         model=model if chunks > 1 else model[0],
         num_microbatches=batches.num_microbatches, seq_length=config.model.backbone_length(),
         micro_batch_size=batches.mbs, forward_only=not training,
@@ -62,7 +80,7 @@ def forward_backward(model: list, family, batches, consumed: int, config: RunCon
         return None
     summed = torch.stack([d["loss"] for d in losses]).sum(0)
     dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-    return (summed[0] / summed[1]).item()
+    return summed
 
 
 def train_step(model: list, optimizer, scheduler, family, batches, consumed: int, config: RunConfig, timers,

@@ -119,14 +119,18 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Validation NELBO per token (exact NLL for AR) over --eval-iters global batches."""
+        """Validation NELBO per token (exact NLL for AR) over --eval-iters global batches: summed
+        over all their tokens, then divided (their token counts differ under --sft)."""
         for chunk in self.model:
             chunk.eval()
         gbs = self.config.training.global_batch_size
-        total = [step.forward_backward(self.model, self.family, self.valid_batches, i * gbs, self.config,
-                                       self.meter.timers, training=False)
-                 for i in range(self.config.logging.eval_iters)]
-        return None if total[0] is None else sum(total) / len(total)
+        sums = [step.loss_sums(self.model, self.family, self.valid_batches, i * gbs, self.config,
+                               self.meter.timers, training=False)
+                for i in range(self.config.logging.eval_iters)]
+        if sums[0] is None:
+            return None
+        total, count = sum(sums).tolist()
+        return total / count
 
     # ------------------------------------------------------------------ loop
 
