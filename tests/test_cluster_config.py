@@ -70,6 +70,22 @@ def test_command_line_flags_override_the_yaml_config(tmp_path):
     assert parse_args(["--yaml-cfg", path]).checkpoint.save == "-odd name"
 
 
+def test_an_alternative_flag_on_the_command_line_displaces_the_file_s(tmp_path):
+    """--train-samples given over a file with --train-iters (a run's run_config.yaml holds the
+    latter), --lr-warmup-fraction over --lr-warmup-iters: the command line wins, as for any flag,
+    instead of clashing with (or silently losing to) the file's alternative."""
+    path = _write(tmp_path, "preset: cpu-small\ntrain-iters: 100\nlr-warmup-iters: 10\n")
+    cfg = parse_args(["--yaml-cfg", path, "--train-samples", "640", "--lr-warmup-fraction", "0.05"])
+    assert (cfg.training.train_iters, cfg.training.train_samples) == (None, 640)
+    assert (cfg.optimizer.lr_warmup_iters, cfg.optimizer.lr_warmup_fraction) == (None, 0.05)
+    path = _write(tmp_path, "lr-warmup-fraction: 0.01\nlr-warmup-min-iters: 100\n")
+    assert parse_args(["--yaml-cfg", path, "--lr-warmup-iters", "5"]).optimizer.warmup_iters(1000) == 5
+    path = _write(tmp_path, "data-path: [0.5, -a, 0.5, b]\n")  # a list element the command line reads as a flag
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--yaml-cfg", path])
+    assert exit_.value.code == 2
+
+
 @pytest.mark.parametrize("text, message", [
     (YAML, "'sequence_parallel_never_heard_of' is not a flag of this command"),
     ("bf16: 3\n", "bf16 is a switch; expected true or false, got 3"),
@@ -115,6 +131,8 @@ def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp
     assert cmd[:3] == ["cd", str(tmp_path / "launched_here"), "&&"]
     assert cmd[-5:] == [relaunch.PRETRAIN, "--yaml-cfg", path, "--train-iters", "9"]
     assert "--nproc-per-node=4" in cmd and "--standalone" in cmd
+    assert relaunch.main([path, "--dry-run", "--", "--train-samples", "64"]) == 0  # displaces the file's iterations
+    assert capsys.readouterr().out.split()[-2:] == ["--train-samples", "64"]
     assert relaunch.main([path, "--dry-run", "--nproc-per-node", "2"]) == 0
     assert "--nproc-per-node=2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_:  # a bad override fails before torchrun starts

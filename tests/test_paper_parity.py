@@ -100,6 +100,30 @@ def test_paper_warmup_in_the_scheduler(world_of_one):
     assert lrs[50] == pytest.approx(0.5e-3) and lrs[99] < 1e-3 and lrs[100] == pytest.approx(1e-3)
 
 
+def test_megatron_lm_schedule_lengths(world_of_one):
+    """As Megatron-LM's get_optimizer_param_scheduler: --lr-warmup-fraction is a fraction of the
+    decay iterations (--lr-decay-iters, else --train-iters); WSD's final decay defaults to the last
+    third of what follows the warmup, so the LR holds at its peak from the warmup's end."""
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.presets import Preset
+    from megatron_dllm.training.optim import build_optimizer, wrap_ddp
+
+    assert OptimizerConfig(lr_warmup_fraction=0.1, lr_decay_iters=200).warmup_iters(1000) == 20
+    assert OptimizerConfig(lr_warmup_fraction=0.1).warmup_iters(1000) == 100
+    arch = Architecture(Preset(32, 2, 2), 100, 16, "bidirectional")
+    config, mlp_config = transformer_config(arch)
+    model = wrap_ddp(build_model(arch, config, mlp_config, seed=0), config, ParallelConfig())
+    opt = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=15, lr_decay_style="WSD", lr_decay_iters=60)
+    _, scheduler = build_optimizer(model, config, opt, ParallelConfig(), train_iters=300)
+    group = {"max_lr": 1e-3, "min_lr": 1e-4}
+    lrs = {}
+    for step in (15, 16, 45, 60):
+        scheduler.num_steps = step
+        lrs[step] = scheduler.get_lr(group)
+    assert scheduler.wsd_decay_steps == 15  # (60 - 15) // 3
+    assert lrs[15] == lrs[16] == lrs[45] == pytest.approx(1e-3) and lrs[60] == pytest.approx(1e-4)
+
+
 def test_warmup_min_iters_refuses_fixed_warmup():
     with pytest.raises(SystemExit) as err:
         parse_args(["--lr-warmup-iters", "10", "--lr-warmup-min-iters", "100"])

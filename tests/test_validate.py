@@ -34,6 +34,12 @@ CASES = [
      "--train-epochs sets the run length; give it without --train-iters/--train-samples/--train-flops"),
     ("warmup_flags", ["--lr-warmup-min-iters", "100", "--lr-warmup-iters", "5"], None, False,
      "--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters"),
+    ("warmup_flags", ["--lr-warmup-iters", "10", "--lr-warmup-fraction", "0.5"], None, False,
+     "give one of --lr-warmup-iters and --lr-warmup-fraction, not both"),  # Megatron-LM refuses both too
+    ("warmup_flags", ["--lr-wsd-decay-iters", "10"], None, False,
+     "--lr-wsd-decay-iters applies to --lr-decay-style WSD, not cosine"),
+    ("retention", ["--save", "/s", "--keep-checkpoint-interval", "10"], None, False,
+     "--keep-checkpoint-interval keeps checkpoints that --keep-last-n-checkpoints would remove"),
     ("recompute", ["--recompute-granularity", "full"], None, False,
      "--recompute-granularity full needs --recompute-method uniform|block"),
     ("recompute", ["--recompute-activations", "--recompute-num-layers", "2"], None, False,
@@ -56,6 +62,8 @@ CASES = [
      "--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir"),
     ("profile", ["--profile", "--profile-step-start", "5", "--profile-step-end", "5"], None, False,
      "--profile needs --profile-step-end > --profile-step-start"),
+    ("profile", ["--profile", "--save", "/s"], None, False,  # a demo run of its own has no default TensorBoard
+     "--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir"),
     ("tokenizer_with_data", ["--tokenizer-model", "t.model"], None, False,
      "--tokenizer-type/--tokenizer-model need --data-path (the embedded demo brings its own tokenizer)"),
     ("tokenizer_with_data", ["--data-path", "/d/x_text_document"], None, False,
@@ -115,6 +123,17 @@ CASES = [
      "(10 iterations"),
     ("warmup_before_decay", ["--train-iters", "100", "--lr-warmup-iters", "8", "--lr-decay-iters", "8"], None, False,
      "must be shorter than the decay (8 iterations"),
+    ("warmup_before_decay", ["--train-iters", "100", "--lr-warmup-iters", "10", "--lr-decay-style", "WSD",
+                             "--lr-wsd-decay-iters", "91"], None, False,
+     "--lr-wsd-decay-iters 91 is longer than the iterations between the warmup's end (10) and the end of the decay "
+     "(100, --lr-decay-iters or --train-iters): the final decay would begin before the warmup ends"),
+    ("layout", ["--preset", "cpu-small", "--backbone", "gpt", "--recompute-granularity", "full", "--recompute-method",
+                "uniform", "--recompute-num-layers", "3"], None, False,
+     "--recompute-method uniform --recompute-num-layers 3 with the GPT backbone: the 4 layers of each pipeline "
+     "stage (or virtual stage) must split into whole groups of 3"),
+    ("layout", ["--preset", "cpu-tiny", "--backbone", "gpt", "--ffn-hidden-size", "33",
+                "--tensor-model-parallel-size", "2"], None, False,
+     "--tensor-model-parallel-size 2 does not divide --ffn-hidden-size 33"),
     ("exit_needs_save", [*DATA, "--exit-interval", "10"], None, False,
      "--exit-interval saves a checkpoint to resume from before it exits: give --save DIR"),
     ("exit_needs_save", [*DATA, "--exit-signal-handler"], None, False, "--exit-signal-handler saves a checkpoint"),
@@ -214,7 +233,7 @@ def test_a_good_configuration_passes_at_every_stage(flags, world_size):
     ("--adam-eps", "0", "a positive finite number"), ("--seed", "-1", "an integer in [0, 2**32)"),
     ("--seed", str(2**32), "an integer in [0, 2**32)"), ("--lr-wsd-decay-iters", "0", "a positive integer"),
     ("--train-epochs", "-1", "a positive finite number"), ("--loss-spike-factor", "-1", "a finite number >= 0"),
-    ("--peak-flops", "0", "a positive finite number"),
+    ("--peak-flops", "0", "a positive finite number"), ("--rotary-percent", "2", "a number in (0, 1]"),
 ])
 def test_optimizer_and_seed_values_out_of_range_are_refused_when_parsed(capsys, flag, value, expected):
     with pytest.raises(SystemExit) as exit_:

@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     from megatron_dllm.checkpoint.layout import resumes
     from megatron_dllm.checkpoint.store import holds_checkpoint
     from megatron_dllm.config import RunConfig, build_parser, parse_args
+    from megatron_dllm.config.run import ALTERNATIVES
     from megatron_dllm.config.yaml_config import YamlFile, expand_yaml
 
     launch = YamlFile(args.config, what=None).launch()
@@ -70,8 +71,9 @@ def main(argv=None) -> int:
         with chdir(directory):
             saved = holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
-            run = [t for t in expand_yaml(run, build_parser(), sections=[g.name for g in fields(RunConfig)])
-                   if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]  # the file's flags, as --yaml-cfg reads them
+            expanded = expand_yaml([*run, *flags], build_parser(), sections=[g.name for g in fields(RunConfig)],
+                                   alternatives=ALTERNATIVES)  # the file's flags, as --yaml-cfg reads them
+            run = [t for t in expanded[:len(expanded) - len(flags)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
             flags = ["--load", checkpoint.save, *flags]  # the FLAGS given still win
             print(f"relaunch: continuing from the run's own checkpoints in {checkpoint.save}, without the flags "
                   f"of its first load from {checkpoint.load}", file=sys.stderr)

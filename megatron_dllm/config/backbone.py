@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from megatron_dllm.config.fields import FlagGroup, flag, positive_float, positive_int
+from megatron_dllm.config.fields import FlagGroup, flag, positive_float, positive_fraction, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.gpt_shape import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTShape, megatron_ffn_hidden_size
 from megatron_dllm.model.presets import Preset, gpt_shape_of
@@ -40,7 +40,7 @@ class BackboneConfig(FlagGroup):
     swiglu: bool = flag(False, action="store_true", help="SiLU-gated MLP (Llama) instead of GELU")
     position_embedding_type: str | None = flag(choices=POSITION_EMBEDDING_TYPES, help="default learned_absolute")
     rotary_base: int | None = flag(type=positive_int, help="rope base (default 10000)")
-    rotary_percent: float | None = flag(type=positive_float, help="fraction of the head dimension rotated "
+    rotary_percent: float | None = flag(type=positive_fraction, help="fraction of the head dimension rotated "
                                                                   "(default 1.0)")
     use_rope_scaling: bool = flag(False, action="store_true", help="Llama-3.x rope scaling")
     rope_scaling_factor: float | None = flag(type=positive_float, help="with --use-rope-scaling (default 8.0)")

@@ -94,6 +94,13 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def adam_beta(text: str) -> float:
     value = float(text)
     if not 0 <= value < 1:  # NaN fails too

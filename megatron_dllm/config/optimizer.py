@@ -29,7 +29,8 @@ class OptimizerConfig(FlagGroup):
     lr: float | None = flag(type=non_negative_float, help="default 2e-4 (1e-3 on the demo)")
     min_lr: float | None = flag(type=non_negative_float, help="default lr/10")
     lr_warmup_iters: int | None = flag(type=non_negative_int, help="warmup iterations")
-    lr_warmup_fraction: float | None = flag(type=fraction, help="warmup as a fraction of the run")
+    lr_warmup_fraction: float | None = flag(type=fraction, help="warmup as a fraction of the decay iterations "
+                                                                "(Megatron-LM's; the run's without --lr-decay-iters)")
     lr_warmup_min_iters: int = flag(0, type=non_negative_int,
                                     help="with --lr-warmup-fraction: at least this many warmup iterations "
                                          "(the paper's code: max(1%% of the run, 100))")
@@ -38,9 +39,18 @@ class OptimizerConfig(FlagGroup):
     lr_wsd_decay_style: str = flag("cosine", choices=["linear", "cosine", "exponential", "minus_sqrt"],
                                    help="WSD: shape of the final decay")
     lr_wsd_decay_iters: int | None = flag(type=positive_int,
-                                          help="WSD: iterations of the final decay (default: the last third)")
+                                          help="WSD: iterations of the final decay (default: the last third of "
+                                               "the iterations after warmup)")
+
+    def decay_iters(self, train_iters: int) -> int:
+        return self.lr_decay_iters or train_iters
 
     def warmup_iters(self, train_iters: int) -> int:
         if self.lr_warmup_iters is not None:
             return self.lr_warmup_iters
-        return max(int((self.lr_warmup_fraction or 0.0) * train_iters), self.lr_warmup_min_iters)
+        return max(int((self.lr_warmup_fraction or 0.0) * self.decay_iters(train_iters)), self.lr_warmup_min_iters)
+
+    def wsd_decay_iters(self, train_iters: int) -> int:
+        """WSD's final decay: the flag, or the last third of what follows the warmup."""
+        after_warmup = self.decay_iters(train_iters) - self.warmup_iters(train_iters)
+        return self.lr_wsd_decay_iters or max(1, after_warmup // 3)

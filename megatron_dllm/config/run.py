@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that stand for one another: one given on the command line displaces the others from a
+# --yaml-cfg file (a run's run_config.yaml holds --train-iters; relaunched with --train-samples).
+ALTERNATIVES = ((("train_iters",), ("train_samples",), ("train_flops",), ("train_epochs",)),
+                (("lr_warmup_iters",), ("lr_warmup_fraction", "lr_warmup_min_iters")))
+
+
 def parse_flags(argv: list[str] | None = None) -> RunConfig:
     """Flags -> RunConfig, each flag's own value checked (a bad one exits with one `error: ...`
     line naming it, exit code 2); whether the flags fit together is `validate`'s."""
@@ -92,7 +98,7 @@ def parse_flags(argv: list[str] | None = None) -> RunConfig:
     parser = build_parser()
     try:
         argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser,
-                           sections=[group.name for group in dataclasses.fields(RunConfig)])
+                           sections=[group.name for group in dataclasses.fields(RunConfig)], alternatives=ALTERNATIVES)
     except InputError as err:
         parser.error(str(err))
     ns = parser.parse_args(argv)
@@ -144,6 +150,8 @@ def _fill(config: RunConfig, defaults: dict) -> RunConfig:
         current = getattr(config, group)
         changes[group] = {k: v.format(family=family) if isinstance(v, str) else v for k, v in values.items()
                           if getattr(current, k) is None}
+    if config.optimizer.lr_warmup_iters is not None:  # warmup given in iterations: no default fraction
+        changes.get("optimizer", {}).pop("lr_warmup_fraction", None)
     return config.replace(**changes)
 
 

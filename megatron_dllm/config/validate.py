@@ -112,8 +112,12 @@ def check_budget(train_flops: float, flops_per_iteration: float, iterations: int
 
 def warmup_flags(config, world_size=None) -> None:
     optimizer = config.optimizer
+    if optimizer.lr_warmup_iters is not None and optimizer.lr_warmup_fraction is not None:
+        raise InputError("give one of --lr-warmup-iters and --lr-warmup-fraction, not both")
     if optimizer.lr_warmup_min_iters and optimizer.lr_warmup_iters is not None:
         raise InputError("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
+    if optimizer.lr_wsd_decay_iters is not None and optimizer.lr_decay_style != "WSD":
+        raise InputError(f"--lr-wsd-decay-iters applies to --lr-decay-style WSD, not {optimizer.lr_decay_style}")
 
 
 def lr_range(config, world_size=None) -> None:
@@ -130,6 +134,13 @@ def exit_needs_save(config, world_size=None) -> None:
                                       ("--exit-signal-handler", training.exit_signal_handler)) if value]
     if given and not config.checkpoint.save and not config.demo:  # the demo saves to its default --save
         raise InputError(f"{given[0]} saves a checkpoint to resume from before it exits: give --save DIR")
+
+
+def retention(config, world_size=None) -> None:
+    ckpt = config.checkpoint
+    if ckpt.keep_checkpoint_interval is not None and ckpt.keep_last_n_checkpoints is None:
+        raise InputError("--keep-checkpoint-interval keeps checkpoints that --keep-last-n-checkpoints would remove; "
+                         "without it every checkpoint is kept: give --keep-last-n-checkpoints N")
 
 
 def pretrained_checkpoint(config, world_size=None) -> None:
@@ -156,13 +167,18 @@ def schedule_on_resume(config, world_size=None) -> None:
 def warmup_before_decay(config, world_size=None) -> None:
     optimizer, train_iters = config.optimizer, config.training.train_iters
     decay = optimizer.lr_decay_iters or train_iters
-    if decay is None or (train_iters is None and optimizer.lr_warmup_iters is None):
+    if decay is None:
         return  # the run length is resolved later
-    warmup_iters = optimizer.warmup_iters(train_iters or 0)
+    warmup_iters = optimizer.warmup_iters(decay)
     if warmup_iters >= decay:
         raise InputError(f"LR warmup ({warmup_iters} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
                          f"must be shorter than the decay ({decay} iterations, --lr-decay-iters or "
                          f"--train-iters)")
+    wsd = optimizer.lr_wsd_decay_iters
+    if optimizer.lr_decay_style == "WSD" and wsd is not None and wsd > decay - warmup_iters:
+        raise InputError(f"--lr-wsd-decay-iters {wsd} is longer than the iterations between the warmup's end "
+                         f"({warmup_iters}) and the end of the decay ({decay}, --lr-decay-iters or --train-iters): "
+                         f"the final decay would begin before the warmup ends")
 
 
 # ------------------------------------------------------------------ model
@@ -265,6 +281,21 @@ def layout(config, world_size=None) -> None:
     if config.model.preset is not None:
         preset = config.preset()
         preset.check_layout(parallel.tensor_model_parallel_size, pp, vpp)
+        shape = config.gpt_shape()
+        if shape is not None:
+            shape.check_layout(preset.num_attention_heads, parallel.tensor_model_parallel_size)
+            _gpt_recompute_groups(config, preset.num_layers // (pp * (vpp or 1)))
+
+
+def _gpt_recompute_groups(config, layers_per_chunk: int) -> None:
+    """megatron-core's TransformerBlock checkpoints uniform groups of --recompute-num-layers
+    without clipping the last one (the DiT's block clips it): they must fill each chunk exactly."""
+    model = config.model
+    group = model.recompute_num_layers or 1
+    if model.recompute_method == "uniform" and layers_per_chunk % group:
+        raise InputError(f"--recompute-method uniform --recompute-num-layers {group} with the GPT backbone: the "
+                         f"{layers_per_chunk} layers of each pipeline stage (or virtual stage) must split into whole "
+                         f"groups of {group}")
 
 
 # ------------------------------------------------------------------ the launch
@@ -354,13 +385,14 @@ def cuda_graph(config, world_size=None) -> None:
 
 def profile(config, world_size=None) -> None:
     logging = config.logging
+    demo_tensorboard = config.demo and config.checkpoint.save is None  # the demo run's own (config/run.py)
     if logging.profile and (logging.profile_step_end <= logging.profile_step_start
-                            or not logging.tensorboard_dir and not config.demo):
+                            or not logging.tensorboard_dir and not demo_tensorboard):
         raise InputError("--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir for "
                          "its traces")
 
 
-RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save,
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save, retention,
          pretrained_checkpoint, schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options,
          family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels, cuda_graph,
          warmup_before_decay)

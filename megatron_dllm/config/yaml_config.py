@@ -119,14 +119,16 @@ class YamlFile:
         return out
 
 
-def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None) -> list[str]:
+def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=frozenset()) -> list[str]:
     """The command-line tokens equivalent to the flags in `path` (`sections`: the group sections
-    it may have). Raises InputError naming the file, the line and the key for anything that is
-    not a flag or not a value the flag can take."""
+    it may have; `skip`: flag dests left out). Raises InputError naming the file, the line and the
+    key for anything that is not a flag or not a value the flag can take."""
     source = YamlFile(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens = []
     for key, (value, line) in source.flags(sections).items():
+        if key in skip:
+            continue
         where = source.at(line)
         action = actions.get(key)
         if action is None or key == "yaml_cfg":
@@ -145,15 +147,27 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None) -> li
         elif isinstance(value, (list, tuple)):
             if action.nargs not in ("*", "+"):
                 raise InputError(f"{where}: {key} takes one value, got a list")
+            flag_like = [str(v) for v in value if str(v).startswith("-")]
+            if flag_like:  # the command line would read it as a flag
+                raise InputError(f"{where}: {key}: the list element {flag_like[0]!r} starts with '-', which a "
+                                 f"command line reads as a flag; give such a value as the flag's only value")
             tokens += [option, *map(str, value)]
         else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces, or start with -
             tokens += [f"{option}={value}"]
     return tokens
 
 
-def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None) -> list[str]:
+def _given(tokens: list[str], parser: argparse.ArgumentParser) -> set[str]:
+    """The dests of the flags among command-line `tokens`."""
+    dests = {option: a.dest for a in parser._actions for option in a.option_strings}
+    return {dests[t.split("=", 1)[0]] for t in tokens if t.split("=", 1)[0] in dests}
+
+
+def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None, alternatives=()) -> list[str]:
     """`argv` with `--yaml-cfg FILE` replaced by the file's flags in front (so argv wins);
-    `sections`: the group sections the file may have."""
+    `sections`: the group sections the file may have. `alternatives`: groups of flags that stand
+    for one another (each group a tuple of alternatives, each a tuple of dests): an alternative
+    given in argv displaces the file's others, which would otherwise clash with it."""
     from megatron_dllm.cli import OneLineParser
 
     pre = OneLineParser(add_help=False, allow_abbrev=False)
@@ -164,7 +178,10 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None)
                          f"file, and override its values with flags")
     if not known.yaml_cfg:
         return list(argv)
-    return yaml_tokens(known.yaml_cfg[0], parser, sections) + rest
+    given = _given(rest, parser)
+    skip = {dest for group in alternatives for chosen in group if given & set(chosen)
+            for other in group if other is not chosen for dest in other}
+    return yaml_tokens(known.yaml_cfg[0], parser, sections, skip) + rest
 
 
 def resolved_dict(config) -> dict:

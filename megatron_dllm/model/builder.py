@@ -13,7 +13,7 @@ from megatron_dllm import platform
 from megatron_dllm.model.constants import LAYER_NORM_EPS
 from megatron_dllm.model.dit import DiTModel
 from megatron_dllm.model.fusion import Fusion, provide_weight_gradient_kernels
-from megatron_dllm.model.gpt import GPTBackbone, check_gpt_layout, gpt_layer_spec
+from megatron_dllm.model.gpt import GPTBackbone, gpt_layer_spec
 from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.init import initialize_weights
 from megatron_dllm.model.layer import dit_layer_spec, gelu_tanh
@@ -41,7 +41,7 @@ def check_layout(arch: Architecture, tp: int, pp: int, vpp: int | None) -> None:
     config/validate.py)."""
     arch.preset.check_layout(tp, pp, vpp)
     if arch.gpt is not None:
-        check_gpt_layout(arch.gpt, arch.preset.num_attention_heads, tp)
+        arch.gpt.check_layout(arch.preset.num_attention_heads, tp)
 
 
 def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1, vpp: int | None = None,

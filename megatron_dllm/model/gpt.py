@@ -32,7 +32,6 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_dllm.errors import InputError
 from megatron_dllm.model.attention import core_attention_module, resolve_backend
 from megatron_dllm.model.gpt_shape import GPTShape
 from megatron_dllm.model.layer import ATTENTION_MASKS, ActivationRecomputingMLP, OwnValuesSelfAttention
@@ -122,16 +121,3 @@ class GPTBackbone(GPTModel):
         inv_freq = self.rotary_pos_emb.inv_freq.to(position_ids.device)
         angles = position_ids.t().float()[..., None] * inv_freq
         return torch.cat([angles, angles], dim=-1).unsqueeze(2)
-
-
-def check_gpt_layout(shape: GPTShape, num_attention_heads: int, tp: int) -> None:
-    """Layouts the GPT backbone cannot shard stop here, naming the flag."""
-    groups = shape.num_query_groups or num_attention_heads
-    if num_attention_heads % groups:
-        raise InputError(f"--num-query-groups {groups} does not divide the {num_attention_heads} attention heads")
-    if groups % tp:
-        raise InputError(f"--tensor-model-parallel-size {tp} does not divide the {groups} query groups "
-                         f"(--num-query-groups)")
-    if shape.ffn_hidden_size % tp:
-        raise InputError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size {shape.ffn_hidden_size}")
-

@@ -54,6 +54,18 @@ class GPTShape:
                     " > 0" if f.type.split(" ")[0] in ("int", "float") else ""))
         return cls(**saved)
 
+    def check_layout(self, num_attention_heads: int, tp: int) -> None:
+        """Layouts the GPT backbone cannot shard stop here, naming the flag."""
+        groups = self.num_query_groups or num_attention_heads
+        if num_attention_heads % groups:
+            raise InputError(f"--num-query-groups {groups} does not divide the {num_attention_heads} attention heads")
+        if groups % tp:
+            raise InputError(f"--tensor-model-parallel-size {tp} does not divide the {groups} query groups "
+                             f"(--num-query-groups)")
+        if self.ffn_hidden_size % tp:
+            raise InputError(f"--tensor-model-parallel-size {tp} does not divide --ffn-hidden-size "
+                             f"{self.ffn_hidden_size}")
+
     def config_fields(self, hidden_size: int, num_attention_heads: int) -> dict:
         """TransformerConfig fields, as Megatron-LM's `core_transformer_config_from_args` sets them."""
         import torch.nn.functional as F  # here: the flags import this module, and preprocessing needs no torch

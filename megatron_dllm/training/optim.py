@@ -88,12 +88,12 @@ def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfi
     use_foreach_kernels()
     optimizer = get_megatron_optimizer(megatron_config, model, config_overrides=weight_decay_overrides(opt))
     fuse_adam(optimizer)
-    warmup, decay = opt.warmup_iters(train_iters), opt.lr_decay_iters or train_iters
+    warmup, decay = opt.warmup_iters(train_iters), opt.decay_iters(train_iters)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=decay, lr_decay_style=opt.lr_decay_style,
         start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=train_iters, wd_incr_style="constant",
-        wsd_decay_steps=opt.lr_wsd_decay_iters or max(1, train_iters // 3),
+        wsd_decay_steps=opt.wsd_decay_iters(train_iters),
         lr_wsd_decay_style=opt.lr_wsd_decay_style,
     )
     return optimizer, scheduler
