@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from megatron_dllm.data.datasets import build_datasets, parse_data_path
+from megatron_dllm.data.datasets import build_datasets, check_prefix, parse_data_path
 from megatron_dllm.data.indexed_dataset import (
     DatasetFormatError,
     max_token_id,
@@ -197,6 +197,19 @@ def test_sentencepiece_existing_mask(tmp_path, paragraphs):
         user_defined_symbols=["<mask>"], model_type="bpe", num_threads=1, minloglevel=2)
     tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "m.model"))
     assert tok.vocab_size == 300 and tok.mask_id == 3 and not tok.mask_appended
+    # text that spells the mask piece encodes to the [MASK] id: no diffusion model can learn to
+    # predict it (its logit is excluded, the target's log-probability -inf), so such a document is
+    # rejected by name when preprocessed, and a dataset that holds the id is refused for training
+    assert tok.mask_id in tok.tokenize("see <mask> here")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "see <mask> here"}) + "\n"
+                                         + json.dumps({"text": paragraphs[0]}) + "\n")
+    stats = preprocess([str(tmp_path / "docs.jsonl")], str(tmp_path / "out"), "SentencePieceTokenizer",
+                       str(tmp_path / "m.model"), append_eod=True, log=lambda m: None)
+    assert [(pos, reason) for _, pos, _, reason in stats.rejections] == [(1, "mask_token")]
+    check_prefix(stats.output_prefixes["text"], "--data-path", tok, str(tmp_path / "cache"))  # accepted
+    _write_ours(str(tmp_path / "masked"), [[5, 6, tok.mask_id, 7], [tok.mask_id, 2]], np.uint16)  # another tool's
+    with pytest.raises(InputError, match=r"--data-path: .*masked.bin holds the tokenizer's \[MASK\] id 3 2 times"):
+        check_prefix(str(tmp_path / "masked"), "--data-path", tok, str(tmp_path / "cache"))
 
 
 def _hf_tokenizer_json(path, lines, specials):

@@ -9,6 +9,7 @@ import zstandard
 
 from megatron_dllm.data import sft
 from megatron_dllm.data.prep import sft_preprocess as prep_sft
+from megatron_dllm.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,24 @@ def test_malformed_record_is_one_error_line_and_nothing_published(tmp_path, demo
                  "--tokenizer-model", os.path.join(demo_cache, "shakespeare_bpe4096.model")]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {a}:2: {message}"]
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
+
+
+def test_an_example_that_spells_the_mask_piece_is_one_error_line(tmp_path, paragraphs):
+    """With a tokenizer whose own vocabulary holds the mask piece (SentencePiece's <mask>), text
+    that spells it would put the [MASK] id among the targets: no diffusion model can predict it."""
+    import sentencepiece as spm
+
+    from megatron_dllm.data.tokenizers import build_tokenizer
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(paragraphs), model_prefix=str(tmp_path / "m"),
+                                   vocab_size=300, user_defined_symbols=["<mask>"], model_type="bpe",
+                                   num_threads=1, minloglevel=2)
+    tok = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "m.model"))
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "Fill in: ", "response": "the <mask> here"})])
+    with pytest.raises(InputError, match=r"a.jsonl: the example 'Fill in: the <mask> here' spells the tokenizer's "
+                                         r"mask piece \(id 3\)"):
+        prep_sft.preprocess_sft([a], str(tmp_path / "sft"), tok, 48)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("sft")]  # nothing published
 
 
 def test_samples_cover_each_epoch_once_and_are_reproducible(tmp_path, tokenizer):

@@ -45,7 +45,7 @@ from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
     check_made_with,
-    token_id_range,
+    scan_tokens,
     validate_indexed_dataset,
 )
 from megatron_dllm.errors import InputError
@@ -203,15 +203,23 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
     check_made_with(prefix, tokenizer, flag)
     if header.num_tokens == 0:
         raise InputError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
-    lo, hi = token_id_range(prefix, cache_dir)
-    # An appended [MASK] id lies past the model's own vocabulary: data must never contain it.
-    limit = tokenizer.mask_id if getattr(tokenizer, "mask_appended", False) else tokenizer.vocab_size
+    # An appended [MASK] id lies past the model's own vocabulary: data must never contain it. A
+    # mask piece of the model's own (SentencePiece's <mask>, a JSON vocabulary's) must not occur
+    # either: the clean target [MASK] has log-probability -inf under every diffusion loss.
+    appended = getattr(tokenizer, "mask_appended", False)
+    lo, hi, masks = scan_tokens(prefix, cache_dir, None if appended else tokenizer.mask_id)
+    limit = tokenizer.mask_id if appended else tokenizer.vocab_size
     if hi >= limit or lo < 0:
         raise InputError(
             f"{flag}: {prefix}.bin holds token ids in [{lo}, {hi}] but the tokenizer "
             f"({getattr(tokenizer, 'name', '?')}, vocab_size={tokenizer.vocab_size} incl. [MASK] id "
             f"{tokenizer.mask_id}) accepts ids 0..{limit - 1}: was it preprocessed with another tokenizer?"
         )
+    if masks:
+        raise InputError(
+            f"{flag}: {prefix}.bin holds the tokenizer's [MASK] id {tokenizer.mask_id} {masks} times (text that "
+            f"spells the mask token, encoded as it): a diffusion model cannot be trained to predict [MASK]; "
+            f"preprocess it again with tools/preprocess_data.py, which rejects such documents")
     return header.num_tokens
 
 

@@ -275,15 +275,22 @@ def open_indexed_dataset(prefix: str, mmap: bool = True):
 
 
 def token_id_range(prefix: str, cache_dir: Optional[str] = None) -> Tuple[int, int]:
-    """(min, max) token id of the `.bin`, or (0, -1) when empty; chunked, bounded memory.
+    """(min, max) token id of the `.bin`, or (0, -1) when empty. See `scan_tokens`."""
+    lo, hi, _ = scan_tokens(prefix, cache_dir)
+    return lo, hi
+
+
+def scan_tokens(prefix: str, cache_dir: Optional[str] = None, count_id: Optional[int] = None) -> Tuple[int, int, int]:
+    """(min, max, occurrences of `count_id`) over the `.bin`'s token ids, (0, -1, 0) when empty;
+    chunked, bounded memory.
 
     The result is cached as a small JSON in `cache_dir` (if given), keyed by the `.bin`'s
-    absolute path, size and mtime, so a re-written file is re-scanned.
+    absolute path, size and mtime and by `count_id`, so a re-written file is re-scanned.
     """
     header = validate_indexed_dataset(prefix)
     bpath = os.path.abspath(bin_path(prefix))
     st = os.stat(bpath)
-    key = {"bin": bpath, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = {"bin": bpath, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "count_id": count_id}
     cache_file = None
     if cache_dir:
         digest = hashlib.md5(bpath.encode("utf-8")).hexdigest()[:16]
@@ -292,10 +299,10 @@ def token_id_range(prefix: str, cache_dir: Optional[str] = None) -> Tuple[int, i
             with open(cache_file) as f:
                 cached = json.load(f)
             if all(cached.get(k) == v for k, v in key.items()):
-                return int(cached["min"]), int(cached["max"])
-        except (OSError, ValueError, KeyError):
+                return int(cached["min"]), int(cached["max"]), int(cached["count"])
+        except (OSError, ValueError, KeyError, TypeError):
             pass
-    lo, hi = 0, -1
+    lo, hi, count = 0, -1, 0
     if header.num_tokens:
         data = np.memmap(bpath, mode="r", dtype=header.dtype, shape=(header.num_tokens,))
         lo, hi = None, None
@@ -304,12 +311,14 @@ def token_id_range(prefix: str, cache_dir: Optional[str] = None) -> Tuple[int, i
             cmin, cmax = int(chunk.min()), int(chunk.max())
             lo = cmin if lo is None else min(lo, cmin)
             hi = cmax if hi is None else max(hi, cmax)
+            if count_id is not None and cmin <= count_id <= cmax:
+                count += int(np.count_nonzero(chunk == count_id))
         del data
     if cache_file:
         os.makedirs(cache_dir, exist_ok=True)
         with atomic_write(cache_file) as f:  # concurrent ranks: each renames its own copy
-            json.dump({**key, "min": lo, "max": hi}, f)
-    return lo, hi
+            json.dump({**key, "min": lo, "max": hi, "count": count}, f)
+    return lo, hi, count
 
 
 def max_token_id(prefix: str, cache_dir: Optional[str] = None) -> int:

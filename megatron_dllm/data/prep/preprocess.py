@@ -8,7 +8,7 @@ dataset `{output_prefix}_{key}_document`. A value may be a string or a list of s
 
 Each document is one sequence; with `append_eod` the tokenizer's EOD (= EOS) id ends it. No
 BOS is added. A record that yields no document for a key is *rejected* with a reason
-(invalid_utf8, invalid_json, missing_key — absent or null —, not_text, empty_text), counted,
+(invalid_utf8, invalid_json, missing_key — absent or null —, not_text, empty_text, mask_token), counted,
 and listed with its file and line (Parquet: row) in its dataset's `_rejected.tsv`, so for
 every key: read == written + rejected. Blank JSONL lines are not records (counted apart).
 

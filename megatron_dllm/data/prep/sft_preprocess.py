@@ -174,10 +174,16 @@ def preprocess_sft(inputs: list[str], prefix: str, tokenizer, seq_length: int, p
 def _write(inputs, prefix, tokenizer, seq_length, packing, prompt_key, response_key) -> SFTStats:
     stats = SFTStats(inputs=[os.path.abspath(p) for p in inputs])
 
+    own_mask = None if getattr(tokenizer, "mask_appended", True) else tokenizer.mask_id
+
     def tokenized():
         for path in inputs:
             for prompt, response in read_examples(path, prompt_key, response_key):
-                yield tokenizer.tokenize(prompt), tokenizer.tokenize(response)
+                pair = tokenizer.tokenize(prompt), tokenizer.tokenize(response)
+                if own_mask is not None and any(own_mask in ids for ids in pair):  # as preprocess_data's mask_token
+                    raise InputError(f"{path}: the example {(prompt + response)[:60]!r} spells the tokenizer's mask "
+                                     f"piece (id {own_mask}), which no diffusion model can learn to predict; remove it")
+                yield pair
 
     token_writer = IndexedDatasetWriter(prefix, optimal_dtype(tokenizer.vocab_size))
     mask_writer = IndexedDatasetWriter(mask_prefix(prefix), np.uint8)

@@ -30,8 +30,11 @@ _worker = {}  # per process: the tokenizer, built once
 def _init_worker(tok, json_keys: Sequence[str], append_eod: bool, dtype_name: str) -> None:
     """`tok` is the built tokenizer (pickled to a worker: rebuilt from its file, or from its
     tables for a Megatron JSON TikTokenizer)."""
+    # a mask piece of the model's own vocabulary (SentencePiece's <mask>, a JSON vocabulary's):
+    # text that spells it encodes to it, and no diffusion model can learn to predict [MASK]
+    own_mask = None if getattr(tok, "mask_appended", True) else tok.mask_id
     _worker.update(tok=tok, keys=list(json_keys), eod=tok.eod if append_eod else None,
-                   dtype=np.dtype(dtype_name))
+                   dtype=np.dtype(dtype_name), mask=own_mask)
 
 
 @contextlib.contextmanager
@@ -93,7 +96,7 @@ def has_surrogates(pieces) -> bool:
 def _encode_chunk(records):
     """Tokenize one chunk -> ({key: (tokens array, int64 lengths, [(fi, pos, reason)])}, n records,
     some of the field names seen)."""
-    tok, keys, eod, dtype = _worker["tok"], _worker["keys"], _worker["eod"], _worker["dtype"]
+    tok, keys, eod, dtype, mask = (_worker[k] for k in ("tok", "keys", "eod", "dtype", "mask"))
     ids = {k: [] for k in keys}
     lengths = {k: [] for k in keys}
     rejects = {k: [] for k in keys}
@@ -130,6 +133,9 @@ def _encode_chunk(records):
                 doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
             if not doc:
                 rejects[key].append((fi, pos, "empty_text"))
+                continue
+            if mask is not None and mask in doc:
+                rejects[key].append((fi, pos, "mask_token"))
                 continue
             if eod is not None:
                 doc.append(eod)
