@@ -161,6 +161,23 @@ def test_relaunch_resumes_a_run_started_without_load(tmp_path, capsys, monkeypat
     assert shlex.split(capsys.readouterr().out)[-2:] == ["--load", "elsewhere"]
 
 
+def test_relaunch_does_not_repeat_a_rollback(tmp_path, capsys, monkeypatch):
+    """A run resumed once with --ckpt-step 2 (or --no-load-optim) records it; relaunched after it
+    saved iteration 4, it continues from 4 instead of loading 2 again and saving over 4."""
+    from megatron_dllm.cli import relaunch
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--preset", "cpu-tiny", "--save", "ckpt", "--load", "ckpt", "--ckpt-step", "2",
+                      "--no-load-optim"])
+    (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")], world_size=2)
+    for iteration in (2, 4):
+        (tmp_path / "ckpt" / f"iter_{iteration:07d}").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+    assert relaunch.main([path, "--dry-run"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert "--ckpt-step=2" not in cmd and "--no-load-optim" not in cmd and cmd[-2:] == ["--load", "ckpt"]
+
+
 def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
     assert parse_args([]).model.recompute() == {"recompute_granularity": None}
     assert parse_args(["--recompute-activations"]).model.recompute() == {"recompute_granularity": "selective",

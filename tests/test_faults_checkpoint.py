@@ -14,7 +14,7 @@ import time
 import pytest
 from conftest import REPO, TINY_RUN, launch_env, run_pretrain
 
-from megatron_dllm.checkpoint import CheckpointError, layout, manifest
+from megatron_dllm.checkpoint import CheckpointError, layout, manifest, store
 from megatron_dllm.cli.chaos_resume import running as _alive
 from megatron_dllm.config import parse_args
 
@@ -197,6 +197,43 @@ def test_truncated_checkpoint_without_manifest_gives_one_message(ckpt):
         f.truncate(100)
     with pytest.raises(CheckpointError, match=f"--load {path}: cannot read the checkpoint"):
         CheckpointMeta.read(path)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_lost_its_manifest_is_refused(ckpt):
+    """It holds the writers' run records, so it was written with a manifest: loading it unverified
+    could train on corrupted weights and save them under a fresh, valid manifest."""
+    path = layout.iteration_dir(str(ckpt), 2)
+    os.remove(os.path.join(path, manifest.MANIFEST))
+    with pytest.raises(CheckpointError, match=f"{path}: manifest.json is missing from a checkpoint written with one"):
+        store.locate(str(ckpt), 2)
+
+
+def test_a_failed_shard_read_is_one_message(tmp_path):
+    """torch's distributed checkpoint reader wraps a truncated shard's EOFError in a
+    CheckpointException, a BaseException: it still becomes one message naming the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def truncated_shard():
+        raise CheckpointException("load_state_dict", {0: (EOFError("Ran out of input"), None)})
+
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: cannot read the checkpoint \\(CheckpointException"):
+        store.read(str(tmp_path), truncated_shard)
+
+
+@pytest.mark.parametrize("tracker", [b"\xff\xfe", "\u00b2".encode(), b"12a", b""])
+def test_a_tracker_that_is_no_iteration_number_is_named(tmp_path, tracker):
+    (tmp_path / layout.TRACKER).write_bytes(tracker)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / layout.TRACKER}: expected an iteration number"):
+        layout.read_tracker(str(tmp_path))
+
+
+@pytest.mark.parametrize("text", ["[]", '{"format": "%s", "files": {"a": {"sha256": "00"}}}',
+                                  '{"format": "%s", "files": {"a": "x"}}'])
+def test_a_manifest_of_another_shape_is_named(tmp_path, text):
+    (tmp_path / manifest.MANIFEST).write_text(text.replace("%s", manifest.FORMAT))
+    with pytest.raises(CheckpointError, match=f"{tmp_path / manifest.MANIFEST}: unreadable manifest"):
+        manifest.verify_manifest(str(tmp_path))
 
 
 @pytest.mark.slow

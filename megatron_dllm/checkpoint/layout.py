@@ -62,10 +62,11 @@ def read_tracker(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
+    with open(path, "rb") as f:
         text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}")
+    if not re.fullmatch(rb"[0-9]+", text):  # ASCII digits only (str.isdigit takes "²", int() does not)
+        raise CheckpointError(f"{path}: expected an iteration number, found "
+                              f"{text[:40].decode('utf-8', errors='replace')!r}")
     return int(text)
 
 
@@ -217,5 +218,5 @@ def resumes(load: str | None, save: str) -> bool:
     going back to an earlier iteration of the same run)."""
     if not load:
         return False
-    load, save = os.path.abspath(load), os.path.abspath(save)
+    load, save = os.path.realpath(load), os.path.realpath(save)  # a link to the same directory resumes it
     return load == save or os.path.dirname(load) == save

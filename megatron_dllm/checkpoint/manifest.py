@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
@@ -77,8 +78,13 @@ def read_manifest(directory: str) -> dict:
     try:
         with open(path) as f:
             manifest = json.load(f)
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+                or not isinstance(manifest.get("files"), dict):
             raise InputError("not a checkpoint manifest")
+        for name, entry in manifest["files"].items():
+            if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("sha256"), str)
+                    and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+                raise InputError(f"its entry for {name!r} is not {{size: bytes, sha256: 64 hex digits}}")
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable manifest ({err})") from None
     return manifest

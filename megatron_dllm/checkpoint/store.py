@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dllm.checkpoint import layout, retention, safe_read, writer_processes, writers
 from megatron_dllm.checkpoint.manifest import CheckpointError, read_manifest, verify_manifest, write_manifest
@@ -216,6 +217,10 @@ def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found |
         return None
     if layout.has_manifest(found.path):
         verify_manifest(found.path)
+    elif _from_rank0(lambda: writers.shard_records(found.path)):  # written since manifests were
+        raise CheckpointError(f"{found.path}: manifest.json is missing from a checkpoint written with one (it holds "
+                              f"the writers' run records), so its files cannot be verified; load an earlier "
+                              f"checkpoint with --ckpt-step")
     else:
         log(f"{found.path} has no manifest (written by an older version or another tool): "
             f"loading it without verifying its files")
@@ -246,9 +251,9 @@ def refuse_existing(save: str, load: str | None, finetune: bool) -> None:
     _from_rank0(lambda: layout.refuse_existing(save, load, finetune))
 
 
-def holds_checkpoint(load: str) -> bool:
-    """Whether `--load load` names a checkpoint (no manifest read: see `locate`)."""
-    return _from_rank0(lambda: layout.find_checkpoint(load) is not None)
+def holds_checkpoint(load: str, ckpt_step: int | None = None) -> bool:
+    """Whether `--load load [--ckpt-step N]` names a checkpoint (no manifest read: see `locate`)."""
+    return _from_rank0(lambda: layout.find_checkpoint(load, ckpt_step) is not None)
 
 
 def read(path: str, fn, *args):
@@ -256,6 +261,6 @@ def read(path: str, fn, *args):
     manifest) becomes one message naming the checkpoint."""
     try:
         return fn(*args)
-    except Exception as err:  # torch's and megatron's readers raise many types for a bad file
+    except (Exception, CheckpointException) as err:  # many types for a bad file; torch's DCP one is a BaseException
         raise CheckpointError(f"--load {path}: cannot read the checkpoint ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})") from err

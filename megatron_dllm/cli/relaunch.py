@@ -9,9 +9,9 @@ on this machine, N defaulting to the world size the run was launched with (its `
 section), in the directory the run was launched from (also recorded there), so that the file's
 relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
-resume idiom); a run that started from another directory's checkpoint (`--load` elsewhere,
-`--finetune`) and has saved since continues from its `--save`, without the file's flags of that
-first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`). A flag of the
+resume idiom); a run that has saved continues from its `--save`, without the file's flags of
+its first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`, `--load`
+elsewhere), which would load that checkpoint again and save over the newer ones. A flag of the
 optimizer's settings (a longer --train-iters lengthens the LR decay) needs
 --override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
 CONFIG` to their own launcher.
@@ -65,9 +65,11 @@ def main(argv=None) -> int:
     checkpoint = parse_args(["--yaml-cfg", args.config, *args.flags]).checkpoint  # bad flags fail here
     run = ["--yaml-cfg", os.path.abspath(args.config)]
     flags = list(args.flags)
+    first_load = checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim \
+        or checkpoint.no_load_rng or not resumes(checkpoint.load, checkpoint.save)
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
-    elif checkpoint.save and (checkpoint.finetune or not resumes(checkpoint.load, checkpoint.save)):
+    elif checkpoint.save and first_load:
         with chdir(directory):
             saved = holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there

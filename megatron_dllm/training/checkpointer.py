@@ -41,7 +41,7 @@ def claim_save_dir(ckpt: CheckpointConfig) -> None:
     # a run that does not resume --save would save over its checkpoints (a --load that names
     # nothing gets its own error from the load plan)
     elsewhere = ckpt.load and not checkpoint.layout.resumes(ckpt.load, ckpt.save)
-    if not ckpt.load or ckpt.finetune or (elsewhere and checkpoint.store.holds_checkpoint(ckpt.load)):
+    if not ckpt.load or ckpt.finetune or (elsewhere and checkpoint.store.holds_checkpoint(ckpt.load, ckpt.ckpt_step)):
         checkpoint.store.refuse_existing(ckpt.save, ckpt.load, ckpt.finetune)
 
 
