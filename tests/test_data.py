@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -249,6 +250,20 @@ def test_tokenizer_errors_name_flags(tmp_path):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"eos_token": "</s>",\n', r"not valid JSON \(Expecting property name enclosed in double quotes at line 2"),
+    (b'["</s>"]', "expected a JSON object of settings, found list"),
+    (b"\xff\xfe{}", r":1: not UTF-8 text \(byte 0 is 0xff\)"),
+    (b'{"eos_token": ["</s>"]}', r"eos_token \['</s>'\], expected a token string"),
+])
+def test_a_bad_tokenizer_config_json_is_one_error_naming_it(tmp_path, paragraphs, content, message):
+    _hf_tokenizer_json(str(tmp_path / "tokenizer.json"), paragraphs[:50], ["<unk>", "<s>", "</s>"])
+    (tmp_path / "tokenizer_config.json").write_bytes(content)
+    config = re.escape(f"--tokenizer-model {tmp_path / 'tokenizer_config.json'}")
+    with pytest.raises(InputError, match=f"^{config}.*{message}"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+
+
 # ---------------------------------------------------------------- preprocessing
 
 
@@ -375,6 +390,38 @@ def test_datasets_split_blend_and_shared_cache(tmp_path, demo, sp_tok):
     # The AR sample index is not reused for diffusion (megatron leaves the flag out of the hash):
     # 2 prefixes x 2 modes of train sample indices.
     assert len([f for f in os.listdir(cache) if f.endswith("-train-sample_index.npy")]) == 4
+
+
+def test_a_dataset_written_again_gets_new_indices(tmp_path, sp_tok):
+    """megatron-core keys its index cache on the prefix, not the data: a dataset rewritten at the
+    same prefix would load the old indices (samples that straddle documents no longer there)."""
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    _write_ours(prefix, _random_docs(40, vocab=sp_tok.vocab_size - 1), np.uint16)
+    first, _ = build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, cache, sp_tok)
+    _write_ours(prefix, _random_docs(70, vocab=sp_tok.vocab_size - 1, seed=5), np.uint16)
+    again, _ = build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, cache, sp_tok)
+    fresh, _ = build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, str(tmp_path / "fresh"), sp_tok)
+    assert all(np.array_equal(again[i], fresh[i]) for i in range(50))
+    assert len([f for f in os.listdir(cache) if f.endswith("-train-sample_index.npy")]) == 2
+    index = max((os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("-train-document_index.npy")),
+                key=os.path.getmtime)  # the rewritten dataset's
+    open(index, "wb").close()  # an empty cache file: one error naming it
+    with pytest.raises(InputError, match=f"index cache {index}: No data left in file; expected a numeric .npy"):
+        build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, cache, sp_tok)
+
+
+def test_an_unweighted_blend_shorter_than_the_run_is_one_error(tmp_path, sp_tok):
+    """megatron-core sizes an unweighted blend of several prefixes to one epoch of each."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    for prefix, seed in ((a, 1), (b, 2)):
+        _write_ours(prefix, _random_docs(20, vocab=sp_tok.vocab_size - 1, seed=seed), np.uint16)
+    train, _ = build_datasets([a, b], "100,0,0", None, 16, False, 3, 10, 0, str(tmp_path / "c"), sp_tok)
+    assert len(train) >= 10
+    with pytest.raises(InputError, match=r"--data-path: the unweighted blend of 2 datasets holds \d+ train samples "
+                                         r"\(one epoch of each\), fewer than the 5000 the run reads; give weights"):
+        build_datasets([a, b], "100,0,0", None, 16, False, 3, 5000, 0, str(tmp_path / "c"), sp_tok)
+    train, _ = build_datasets(["1", a, "1", b], "100,0,0", None, 16, False, 3, 5000, 0, str(tmp_path / "c"), sp_tok)
+    assert len(train) >= 5000
 
 
 def test_megatron_built_dataset_trains(tmp_path, sp_tok):

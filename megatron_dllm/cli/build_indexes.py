@@ -17,7 +17,7 @@ extra token: AR samples are seq_length + 1 tokens) and builds the datasets once,
 That writes megatron-core's cache files under `--data-cache-path` (default
 `<directory of the first prefix>/cache`): per dataset and split
 `{hash}-TokenGPTDataset-{split}-{description.txt,document_index,sample_index,shuffle_index}.npy`,
-per blend `{hash}-BlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
+per blend `{hash}-SingleProcessSafeBlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
 plus the token-range scan of each prefix. The cache directory is locked while building
 (`.dllm-writer.lock`): a second builder stops with one line naming the first. Training with the
 same flags then loads them (its log says "Load the ... indices"). Existing cache files are loaded

@@ -27,6 +27,8 @@ directory never read a file another is writing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import types
@@ -83,7 +85,7 @@ def load_index_cache(file, mmap_mode=None, allow_pickle=False, **kwargs):
     file) raises ValueError naming it."""
     try:
         return np.load(file, mmap_mode=mmap_mode, allow_pickle=False, **kwargs)
-    except ValueError as err:
+    except (ValueError, EOFError) as err:  # EOFError: an empty file
         why = str(err)
         if "pickle" in why or "Python objects" in why:  # numpy's advice here would be to unpickle it
             why = "it holds pickled Python objects, which are never loaded"
@@ -143,9 +145,26 @@ class TokenGPTDataset(GPTDataset):
         return GPTDataset._key_config_attributes() + ["add_extra_token_to_sequence"]
 
     def _build_document_sample_shuffle_indices(self):
+        self._key_on_the_data()
         # megatron imports `helpers` inside this method: our sample-index builder stands in.
         with megatron_helpers_replaced():
             return super()._build_document_sample_shuffle_indices()
+
+    def _key_on_the_data(self) -> None:
+        """megatron-core's cache key names the dataset's path, not its data: a dataset written
+        again at the same prefix would load the old indices (samples across documents that are
+        no longer there). Its document count, .bin size and the lengths of its first and last
+        2**20 documents enter the key (the same on every machine, also after a copy)."""
+        lengths = self.dataset.sequence_lengths
+        digest = hashlib.md5(np.ascontiguousarray(lengths[:2**20]).tobytes(), usedforsecurity=False)
+        digest.update(np.ascontiguousarray(lengths[-2**20:]).tobytes())
+        bin_bytes = os.path.getsize(self.dataset_path + ".bin")
+        self.unique_identifiers["data"] = {"documents": len(lengths), "bin_bytes": bin_bytes,
+                                           "lengths_md5": digest.hexdigest()}
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4,
+                                             default=lambda obj: obj.unique_identifiers)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8"),
+                                                   usedforsecurity=False).hexdigest()
 
     def __getitem__(self, idx):
         tokens, _ = self._query_document_sample_shuffle_indices(idx)
@@ -269,7 +288,8 @@ def build_datasets(
     with it, train is all of `data_path` and valid all of `valid_data_path`. A sample count of
     None means one full epoch; `num_valid_samples=0` gives valid None, as `--split` giving the
     train part weight 0 gives train None (an evaluation reads only the valid split). Lengths are >= the
-    requested counts (megatron builds whole epochs for a single prefix).
+    requested counts (megatron builds whole epochs for a single prefix and for a weighted blend; an
+    unweighted blend of several prefixes that holds fewer is an InputError).
     """
     train_blend = parse_data_path(data_path, "--data-path")
     valid_blend = parse_data_path(valid_data_path, "--valid-data-path") if valid_data_path else None
@@ -312,6 +332,14 @@ def build_datasets(
         )
 
     train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
+    for name, flag, blend, dataset, wanted in (("train", "--data-path", train_blend, train, num_train_samples),
+                                               ("valid", "--valid-data-path" if valid_blend else "--data-path",
+                                                valid_blend or train_blend, valid, num_valid_samples)):
+        # megatron-core sizes an unweighted blend of several prefixes to one epoch of each
+        if dataset is not None and wanted and len(dataset) < wanted:
+            raise InputError(f"{flag}: the unweighted blend of {len(blend[0])} datasets holds {len(dataset)} {name} "
+                             f"samples (one epoch of each), fewer than the {wanted} the run reads; give weights "
+                             f"({flag} W1 PREFIX1 W2 PREFIX2 ...), which megatron repeats over epochs")
     sample_length = seq_length + int(add_extra_token)
     return (TokenSamples(train, sample_length) if train is not None else None,
             TokenSamples(valid, sample_length) if valid is not None else None)
