@@ -246,6 +246,25 @@ def test_an_existing_result_file_is_refused_before_the_work(tmp_path, capsys, co
         assert _one_error(capsys, lambda bad=bad: main(argv(bad))).startswith(f"error: {flag} {bad}: {why}")
 
 
+def test_two_outputs_in_one_file_or_an_existing_table_are_refused_before_the_work(tmp_path, capsys):
+    """One output would silently replace the other (lm-eval's results by the summary, GSM8K's
+    predictions by the summary); the markdown table beside --output-path is a result file too."""
+    from megatron_dllm.cli import evaluate
+
+    same = str(tmp_path / "same.json")
+    load = ["--load", str(tmp_path / "nowhere")]
+    assert _one_error(capsys, lambda: evaluate.main(["downstream", *load, "--tasks", "arc_easy", "--output-path",
+                                                     same, "--output", same])) == (
+        f"error: --output-path {same}: the same file as --output; give each output a file of its own")
+    assert _one_error(capsys, lambda: evaluate.main(["gsm8k", *load, "--predictions", same, "--output", same])) == (
+        f"error: --predictions {same}: the same file as --output; give each output a file of its own")
+    (tmp_path / "r.md").write_text("my notes\n")
+    assert _one_error(capsys, lambda: evaluate.main(["downstream", *load, "--tasks", "arc_easy", "--output-path",
+                                                     str(tmp_path / "r.json")])) == (
+        f"error: --output-path (its .md table) {tmp_path / 'r.md'} already exists; pass --overwrite to replace it")
+    assert (tmp_path / "r.md").read_text() == "my notes\n"
+
+
 def test_a_result_file_is_renamed_into_place_complete(tmp_path, monkeypatch):
     from megatron_dllm import result_files
 

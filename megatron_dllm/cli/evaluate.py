@@ -354,10 +354,19 @@ def main(argv=None) -> int:
 
     owns_world = not dist.is_initialized()
     try:
-        for flag, path in (("--output", args.output), ("--predictions", getattr(args, "predictions", None)),
-                           ("--output-path", getattr(args, "output_path", None))):
-            if path:  # before the work: an existing result is replaced only with --overwrite
-                check_result_file(path, flag, args.overwrite)
+        outputs = [("--output", args.output), ("--predictions", getattr(args, "predictions", None)),
+                   ("--output-path", getattr(args, "output_path", None))]
+        if outputs[2][1]:  # lm-eval's results JSON and its markdown table beside it
+            outputs.append(("--output-path (its .md table)", os.path.splitext(outputs[2][1])[0] + ".md"))
+        claimed = {}
+        for flag, path in outputs:
+            if not path:
+                continue
+            if os.path.realpath(path) in claimed:  # one would silently replace the other
+                raise InputError(f"{flag} {path}: the same file as {claimed[os.path.realpath(path)]}; give each "
+                                 f"output a file of its own")
+            claimed[os.path.realpath(path)] = flag
+            check_result_file(path, flag, args.overwrite)  # before the work: replaced only with --overwrite
         if args.command != "gen-ppl":  # megatron checkpoints and the family losses: a world of one
             platform.init_distributed(1, 1)
         results = args.func(args)

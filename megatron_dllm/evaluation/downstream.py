@@ -9,6 +9,7 @@ the mean Monte-Carlo standard error of the request scores. Progress: lm-eval's p
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 
@@ -51,7 +52,9 @@ def run_downstream(lm, task_names: list[str], output_path: str, limit: float | N
                                       torch_random_seed=seed, fewshot_random_seed=seed)
     results = json.loads(json.dumps(results, default=handle_non_serializable))
     by_task = getattr(lm, "stderrs_by_task", {})
-    mc_stderr = {task: (statistics.fmean(v) if v and any(v) else None) for task, v in by_task.items()}
+    # NaN (one Monte-Carlo sample has no spread) is no JSON: reported as None
+    mc_stderr = {task: (statistics.fmean(v) if v and any(v) and not any(map(math.isnan, v)) else None)
+                 for task, v in by_task.items()}
     results["megatron_dllm"] = {"mc_stderr_mean": mc_stderr, "limit": limit, "tasks": task_names}
     write_result_file(output_path, json.dumps(results, indent=2) + "\n")
     table = markdown_table(results, mc_stderr)
