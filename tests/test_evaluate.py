@@ -250,6 +250,7 @@ def test_throughput_with_auto_batch_size(trained, tmp_path):
 
 
 def test_plain_text_and_jsonl_samples(tmp_path):
+    from megatron_dllm.errors import InputError
     from megatron_dllm.evaluation.samples import read_samples
 
     (tmp_path / "a.txt").write_text("first sample\n\nsecond sample\n")
@@ -257,6 +258,17 @@ def test_plain_text_and_jsonl_samples(tmp_path):
     assert read_samples(str(tmp_path / "a.txt")).texts == ["first sample", "second sample"]
     with pytest.raises(ValueError, match="some samples have `tokens`"):
         read_samples(str(tmp_path / "b.jsonl"))
+    (tmp_path / "c.jsonl").write_text('{"text": "t", "tokens": [3, 4]}\n')
+    assert read_samples(str(tmp_path / "c.jsonl")).tokens == [[3, 4]]
+    # malformed files are one InputError naming --samples, never a traceback from deeper down
+    for name, content, why in [("d.txt", b"caf\xe9\n", r"not UTF-8 text \(byte 3\)"),
+                               ("e.json", b'{"texts": ["a"], "tokens": [["x"]]}', "`tokens` must hold one non-empty"),
+                               ("f.json", b'{"texts": ["a"], "tokens": 5}', "`tokens` must hold one non-empty"),
+                               ("g.jsonl", b'{"text": "a", "tokens": []}\n', "`tokens` must hold one non-empty"),
+                               ("h.jsonl", b'{"text": "a", "tokens": "abc"}\n', "`tokens` must hold one non-empty")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(InputError, match=f"--samples {tmp_path / name}: {why}"):
+            read_samples(str(tmp_path / name))
 
 
 # --------------------------------------------------------------------------- errors

@@ -52,6 +52,10 @@ def test_input_formats_and_errors(tmp_path):
     bad.write_text(json.dumps({"question": "Q?", "answer": "no final answer"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: the reference solution has no"):
         gsm8k.load_problems(str(bad))
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(std.read_bytes().replace(b"\n", b"\r\n") + b"\xff\xfe\x00\n")  # CRLF lines, then bytes
+    with pytest.raises(ValueError, match=r"--data .*binary.jsonl:3: not UTF-8 text"):
+        gsm8k.load_problems(str(binary))
 
 
 class DigitTokenizer:

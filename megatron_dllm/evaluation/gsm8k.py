@@ -82,9 +82,17 @@ def default_test_file() -> str:
     return found[0]
 
 
-def _open(path: str):
-    # utf-8-sig: a byte-order mark (as Windows tools write) is read as a marker, not as text
-    return gzip.open(path, "rt", encoding="utf-8-sig") if path.endswith(".gz") else open(path, encoding="utf-8-sig")
+def _lines(path: str):
+    """(number, text) of each line, decoded one by one: bytes that are not UTF-8 are an InputError
+    naming their line; a byte-order mark (as Windows tools write) is a marker, not text."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode reads CRLF files
+            except UnicodeDecodeError:
+                raise InputError(f"--data {path}:{lineno}: not UTF-8 text; expected GSM8K's JSONL or Deng et "
+                                 f"al.'s text format") from None
+            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
 def load_problems(path: str | None = None) -> list[Problem]:
@@ -95,26 +103,25 @@ def load_problems(path: str | None = None) -> list[Problem]:
         raise InputError(f"--data {path}: no such file")
     deng = path.endswith(".txt") or path.endswith(".txt.gz")
     problems = []
-    with _open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                if deng:
-                    question, solution = line.rstrip("\n").split("||", 1)
-                else:
-                    record = json.loads(line)
-                    record = record.get("doc", record) if isinstance(record, dict) else None
-                    if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
-                                                               for k in ("question", "answer")):
-                        raise InputError("expected string fields 'question' and 'answer' (or a 'doc' with them)")
-                    question, solution = record["question"], record["answer"]
-                gold = extract_answer(solution)
-                if gold is None:
-                    raise InputError("the reference solution has no '#### answer'")
-            except ValueError as err:
-                raise InputError(f"{path}:{lineno}: {err}") from None
-            problems.append(Problem(len(problems), question.strip(), gold, solution))
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            if deng:
+                question, solution = line.rstrip("\n").split("||", 1)
+            else:
+                record = json.loads(line)
+                record = record.get("doc", record) if isinstance(record, dict) else None
+                if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
+                                                           for k in ("question", "answer")):
+                    raise InputError("expected string fields 'question' and 'answer' (or a 'doc' with them)")
+                question, solution = record["question"], record["answer"]
+            gold = extract_answer(solution)
+            if gold is None:
+                raise InputError("the reference solution has no '#### answer'")
+        except ValueError as err:
+            raise InputError(f"{path}:{lineno}: {err}") from None
+        problems.append(Problem(len(problems), question.strip(), gold, solution))
     if not problems:
         raise InputError(f"{path}: no problems")
     return problems

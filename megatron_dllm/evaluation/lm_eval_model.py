@@ -11,8 +11,9 @@ directory through `sampling.loading`, for every family whose bound scores a sequ
 context's trailing spaces move to the continuation; the pair is encoded whole and split), with
 the model's tokenizer and no special tokens, so an AR model scores as lm-eval's `hf` backend
 scores its HF export, except that here the [MASK] logit is excluded from the softmax, as in the
-AR training loss (the `hf` backend keeps it: about 1e-3 nats per request apart). An empty context is replaced by one EOD token: documents in the
-training data start right after an EOD and never with a BOS.
+AR training loss (the `hf` backend keeps it: about 1e-3 nats per request apart). An empty
+context is replaced by one EOD token: documents in the training data start right after an EOD
+and never with a BOS.
 
 - `loglikelihood`: (ll, is_greedy); the standard errors of the diffusion estimates are kept in
   `self.stderrs` (one per request, in order) and `self.stderrs_by_task` for the results.

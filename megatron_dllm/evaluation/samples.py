@@ -32,14 +32,20 @@ def _tokens_or_none(rows: list, path: str) -> list[list[int]] | None:
         return None
     if any(r is None for r in rows):
         raise _bad(path, "some samples have `tokens` and some do not")
-    return [[int(i) for i in r] for r in rows]
+    if not all(isinstance(r, list) and r and all(type(i) is int for i in r) for r in rows):
+        raise _bad(path, "`tokens` must hold one non-empty list of integer ids per sample")
+    return rows
 
 
 def read_samples(path: str) -> Samples:
     if not os.path.isfile(path):
         raise _bad(path, "no such file")
-    with open(path, encoding="utf-8") as f:
-        content = f.read()
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            content = f.read()
+    except UnicodeDecodeError as err:
+        raise _bad(path, f"not UTF-8 text (byte {err.start}); expected tools/sample.py's JSON, JSONL or a text "
+                         f"file of samples") from None
     if path.endswith(".json"):
         try:
             data = json.loads(content)
@@ -54,6 +60,8 @@ def read_samples(path: str) -> Samples:
         if not isinstance(texts, list):
             raise _bad(path, "`texts` must be a list of strings")
         tokens = data.get("tokens")
+        if tokens is not None and not isinstance(tokens, list):
+            raise _bad(path, "`tokens` must hold one non-empty list of integer ids per sample")
         if tokens is not None and len(tokens) != len(texts):
             raise _bad(path, f"{len(texts)} texts but {len(tokens)} token lists")
         tokens = None if tokens is None else _tokens_or_none(tokens, path)
