@@ -242,3 +242,66 @@ def test_a_checkpoint_saved_with_another_adam_kernel_resumes_with_the_fused_one(
     finally:
         platform.destroy_distributed()
 
+
+
+def _as_if_trained_with(monkeypatch, record: TokenizerRecord) -> None:
+    """The fixture checkpoint with `record` for its tokenizer record (its own names a file of the
+    machine that wrote it), as export and sampling load it."""
+    from megatron_dllm.hf import export
+
+    load = export.load_megatron_model
+
+    def load_with_record(*args, **kwargs):
+        model, identity, meta, arch = load(*args, **kwargs)
+        return model, identity, meta.replace(tokenizer=record), arch
+
+    monkeypatch.setattr(export, "load_megatron_model", load_with_record)
+
+
+def _export_and_sample_errors(ckpt, tmp_path, capsys, *flags) -> list[str]:
+    from megatron_dllm.cli import convert_to_hf, sample
+
+    assert convert_to_hf.main(["--load", str(ckpt), "--out", str(tmp_path / "hf"), *flags]) == 2
+    assert sample.main(["--load", str(ckpt), "--num-samples", "1", "--steps", "2", "--output",
+                        str(tmp_path / "samples.json"), *flags]) == 2
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "samples.json").exists()
+    return capsys.readouterr().err.splitlines()
+
+
+def test_export_and_sampling_refuse_a_recorded_tokenizer_replaced_or_gone(old_checkpoint, world_of_one, sp_model,
+                                                                          tmp_path, monkeypatch, capsys):
+    """Without tokenizer flags the recorded file is used only with the recorded content; a file
+    gone is named as the checkpoint's, not as a --tokenizer-model the user never gave."""
+    import shutil
+
+    from megatron_dllm.config.data import TokenizerConfig
+    from megatron_dllm.sampling import load_inference_model
+
+    tok = tmp_path / "tok.model"
+    shutil.copyfile(sp_model, tok)
+    _as_if_trained_with(monkeypatch, TokenizerRecord.of(TokenizerConfig("SentencePieceTokenizer", str(tok))))
+    assert load_inference_model(str(old_checkpoint)).tokenizer.vocab_size == 4097  # the recorded file, unchanged
+    other = bytearray(tok.read_bytes())
+    other[-1] ^= 0xFF
+    tok.write_bytes(bytes(other))  # replaced in place: same path, other content
+    changed = f"error: --load {old_checkpoint}: its tokenizer {tok} has changed since training (sha256 "
+    assert [line[:len(changed)] for line in _export_and_sample_errors(old_checkpoint, tmp_path, capsys)] == \
+        [changed, changed]
+    tok.unlink()
+    gone = f"error: --load {old_checkpoint}: its tokenizer {tok} is gone; give --tokenizer-type/--tokenizer-model"
+    assert _export_and_sample_errors(old_checkpoint, tmp_path, capsys) == [gone, gone]
+
+
+def test_export_and_sampling_refuse_tokenizer_options_other_than_the_recorded_ones(old_checkpoint, world_of_one,
+                                                                                   tmp_path, monkeypatch, capsys):
+    from conftest import tekken_vocab
+
+    from megatron_dllm.config.data import TokenizerConfig
+
+    vocab = tekken_vocab(tmp_path, 2000)
+    _as_if_trained_with(monkeypatch, TokenizerRecord.of(TokenizerConfig("TikTokenizer", vocab, vocab_size=1500)))
+    flags = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab, "--vocab-size", "1500",
+             "--tiktoken-pattern", "v1"]
+    refused = (f"error: --tiktoken-pattern v1 but {old_checkpoint} was trained with v2 (give its tokenizer options, "
+               f"or only --tokenizer-type/--tokenizer-model to use the recorded ones)")
+    assert _export_and_sample_errors(old_checkpoint, tmp_path, capsys, *flags) == [refused, refused]

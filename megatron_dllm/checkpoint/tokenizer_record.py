@@ -1,5 +1,6 @@
 """Which tokenizer a checkpoint was trained with: recorded at save, checked wherever a tokenizer
-is given with a checkpoint (resume, fine-tuning, export, sampling, evaluation).
+is given with a checkpoint (resume, fine-tuning, export, sampling, evaluation), and where export
+and sampling take the recorded one.
 
 Vocabulary size and [MASK] id are part of the model's identity; two tokenizers can agree on both
 and still map text to different ids, so the record holds a content hash of the model file(s).
@@ -10,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_dllm.checkpoint.manifest import CheckpointError
+from megatron_dllm.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -51,21 +53,72 @@ def check_tokenizer(recorded: TokenizerRecord | None, tokenizer_model: str, chec
                               f"trained with ({recorded.model}, sha256 {recorded.sha256[:12]}...)")
 
 
-def recorded_tokenizer_config(recorded: TokenizerRecord | None, given=None):
-    """The `TokenizerConfig` to use with a checkpoint: `given` (flags) when it names a tokenizer,
-    taking the recorded options (TikTokenizer's pattern, specials, vocabulary size) when no
-    option flag is given and the model file is the recorded one; else the recorded tokenizer;
-    else None."""
+def recorded_tokenizer_config(recorded: TokenizerRecord | None, given, checkpoint: str):
+    """The `TokenizerConfig` to use with `checkpoint` (the `--load` of export, sampling, evaluation):
+    `given` (flags) when it names a tokenizer, refused unless its content is the recorded one's and
+    its option flags give the recorded options' ids (given only type and model: the recorded
+    options, TikTokenizer's pattern, specials, vocabulary size); without flags the recorded
+    tokenizer, refused when its file is gone or changed; else None."""
     from megatron_dllm.config.data import TokenizerConfig
-    from megatron_dllm.data.tokenizers import tokenizer_fingerprint
 
     recorded = recorded or TokenizerRecord(None, None)
     if given is not None and given.tokenizer_type and given.tokenizer_model:
-        same_file = recorded.sha256 == tokenizer_fingerprint(given.tokenizer_model)
-        flagged = any(v is not None for v in given.options().values())
-        if flagged or not same_file or recorded.type != given.tokenizer_type:
+        check_tokenizer(recorded, given.tokenizer_model, checkpoint)
+        if recorded.sha256 is None or recorded.type != given.tokenizer_type:  # nothing recorded to hold it to
             return given
-        return TokenizerConfig.from_options(given.tokenizer_type, given.tokenizer_model, recorded.options)
+        if all(v is None for v in given.options().values()):
+            return TokenizerConfig.from_options(given.tokenizer_type, given.tokenizer_model, recorded.options)
+        _check_options(recorded, given, checkpoint)
+        return given
     if recorded.type and recorded.model:
+        _check_recorded_file(recorded, checkpoint)
         return TokenizerConfig.from_options(recorded.type, recorded.model, recorded.options)
     return None
+
+
+def _check_recorded_file(recorded: TokenizerRecord, checkpoint: str) -> None:
+    """The recorded path is the only place the tokenizer is looked for: a file replaced there
+    would give other ids with no error, so its content is held to the recorded hash."""
+    from megatron_dllm.data.tokenizers import tokenizer_fingerprint
+
+    try:
+        found = tokenizer_fingerprint(recorded.model)
+    except InputError:  # the file, or the tokenizer.json of a recorded directory, is gone
+        raise CheckpointError(f"--load {checkpoint}: its tokenizer {recorded.model} is gone; give "
+                              f"--tokenizer-type/--tokenizer-model") from None
+    if recorded.sha256 is not None and found != recorded.sha256:
+        raise CheckpointError(f"--load {checkpoint}: its tokenizer {recorded.model} has changed since training "
+                              f"(sha256 {found[:12]}..., recorded {recorded.sha256[:12]}...); give "
+                              f"--tokenizer-type/--tokenizer-model of the tokenizer it was trained with")
+
+
+def _check_options(recorded: TokenizerRecord, given, checkpoint: str) -> None:
+    """Refuse option flags whose ids differ from the recorded options', both with the tokenizer's
+    defaults filled in (a flag left out is its default, not the recorded value), as
+    `indexed_dataset.check_tokenizer_options` does for a dataset."""
+    from megatron_dllm.config.data import TokenizerConfig
+    from megatron_dllm.data.indexed_dataset import _shown
+
+    if given.options() == recorded.options:
+        return
+    trained = _options_in_effect(TokenizerConfig.from_options(given.tokenizer_type, given.tokenizer_model,
+                                                              recorded.options))
+    for flag, value in _options_in_effect(given).items():
+        if trained[flag] != value:
+            raise CheckpointError(f"{flag} {_shown(value)} but {checkpoint} was trained with {_shown(trained[flag])} "
+                                  f"(give its tokenizer options, or only --tokenizer-type/--tokenizer-model to use "
+                                  f"the recorded ones)")
+
+
+def _options_in_effect(config) -> dict:
+    """{flag: value} of a TikTokenizer's id-changing options, as the built tokenizer fills them in."""
+    from megatron_dllm.data.indexed_dataset import TOKENIZER_OPTION_FLAGS
+
+    tok = config.build()
+    if hasattr(tok, "id_options"):  # Megatron-LM's JSON vocabulary
+        flags = {**TOKENIZER_OPTION_FLAGS, "vocab_size": "--vocab-size"}
+        return {flags[key]: value for key, value in tok.id_options.items()}
+    # a .tiktoken file: no fillers when --tiktoken-num-special-tokens is left out
+    padded = tok.num_special_tokens if tok.num_special_tokens is not None else len(tok.special_tokens)
+    return {"--tiktoken-pattern": tok.pattern, "--tiktoken-special-tokens": tok.special_tokens,
+            "--tiktoken-num-special-tokens": padded}

@@ -25,7 +25,6 @@ from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fa
 from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.data import TokenizerConfig
 from megatron_dllm.config.fields import non_negative_int, positive_int
-from megatron_dllm.errors import InputError
 from megatron_dllm.output_lock import exclusive, lock_path_for_prefix
 
 
@@ -55,21 +54,14 @@ def main(argv=None):
 
 
 def _export(args, out: str) -> int:
-    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
+    from megatron_dllm.checkpoint.tokenizer_record import recorded_tokenizer_config
     from megatron_dllm.hf import export
 
     platform.init_distributed(1, 1)
     model, identity, meta, arch = export.load_megatron_model(args.load, args.use_ema, args.seq_length,
                                                                args.ckpt_step)
-    tokenizer = None
-    if args.tokenizer_model:
-        check_tokenizer(meta.tokenizer, args.tokenizer_model, args.load)
-        tokenizer = recorded_tokenizer_config(meta.tokenizer, TokenizerConfig.from_args(args))
-    elif meta.tokenizer is not None:  # the tokenizer the checkpoint recorded
-        tokenizer = recorded_tokenizer_config(meta.tokenizer)
-        if not os.path.exists(tokenizer.tokenizer_model):  # a file, or a Hugging Face tokenizer's directory
-            raise InputError(f"--load {args.load}: its tokenizer {tokenizer.tokenizer_model} is gone; give "
-                             f"--tokenizer-type/--tokenizer-model")
+    given = TokenizerConfig.from_args(args) if args.tokenizer_model else None
+    tokenizer = recorded_tokenizer_config(meta.tokenizer, given, args.load)
     with export.staged_export(out) as staging:
         tensors = export.write_model_dir(staging, model.state_dict(), identity, arch.attention, arch.seq_length)
         if tokenizer is not None:

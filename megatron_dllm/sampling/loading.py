@@ -28,17 +28,15 @@ def _from_megatron(path: str, use_ema: bool, tokenizer_type, tokenizer_model, to
     from megatron.core import parallel_state
 
     from megatron_dllm import platform
-    from megatron_dllm.checkpoint.tokenizer_record import check_tokenizer, recorded_tokenizer_config
+    from megatron_dllm.checkpoint.tokenizer_record import recorded_tokenizer_config
     from megatron_dllm.hf import export
 
     if not parallel_state.model_parallel_is_initialized():
         platform.init_distributed(1, 1)
     megatron_model, identity, meta, arch = export.load_megatron_model(path, use_ema)
     model = export.hf_model(megatron_model.state_dict(), identity, arch.attention, arch.seq_length)
-    if tokenizer_model:
-        check_tokenizer(meta.tokenizer, tokenizer_model, path)
     given = _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
-    config = recorded_tokenizer_config(meta.tokenizer, given)
+    config = recorded_tokenizer_config(meta.tokenizer, given, path)
     return model, config
 
 
@@ -85,7 +83,9 @@ def load_inference_model(path: str, device: str | torch.device = "cpu", dtype: t
     """`path` is a megatron checkpoint root (with latest_checkpointed_iteration.txt) or an
     iter_XXXXXXX directory, or an exported HF directory (config.json + model.safetensors).
     The tokenizer is the one given (`tokenizer_options`: TikTokenizer's, `TokenizerConfig.options()`),
-    else the checkpoint's recorded one (with its options), else the HF directory's."""
+    else the checkpoint's recorded one (with its options), else the HF directory's. A checkpoint's
+    record is held to (`recorded_tokenizer_config`): a tokenizer of other content or options, or a
+    recorded file gone or changed, is refused."""
     if os.path.isfile(os.path.join(path, "config.json")):
         if use_ema:
             raise InputError(f"--use-ema applies to megatron checkpoints; {path} is an HF directory "
