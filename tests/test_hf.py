@@ -256,9 +256,9 @@ def _compare(out_root, tok_model, specs):
 
         sp = sentencepiece.SentencePieceProcessor(model_file=tok_model)
         text = "To be, or not to be: that is the question.\n  Whether 'tis nobler [MASK] in the mind"
-        assert (tok.encode(text.replace("[MASK]", "x"), add_special_tokens=False)
-                == sp.encode(text.replace("[MASK]", "x")))
-        assert identity.mask_id in tok.encode(text, add_special_tokens=False)
+        # "[MASK]" written in text is text, as training's SentencePiece encodes it; the token itself is the mask
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
+        assert identity.mask_id not in sp.encode(text) and tok.convert_tokens_to_ids("[MASK]") == identity.mask_id
         with open(os.path.join(out, "tokenizer.model"), "rb") as shipped, open(tok_model, "rb") as original:
             assert shipped.read() == original.read()
         if family == "mdlm":  # sampling from the export decodes as from the checkpoint, byte pieces included
@@ -285,3 +285,31 @@ def _compare(out_root, tok_model, specs):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "compare":
     _compare(sys.argv[2], sys.argv[3], sys.argv[4:])
+
+
+def test_exported_sentencepiece_tokenizer_reads_special_strings_as_text(demo_cache, paragraphs, tmp_path, capsys):
+    """Training encodes `</s>` or `[MASK]` written in a document as ordinary text (SentencePiece);
+    so does the export. A model whose normalizer transformers' conversion drops (nmt_nfkc, collapsed
+    whitespace) is exported with a note that some text encodes to other ids."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+    from megatron_dllm.data.tokenizers import build_tokenizer
+    from megatron_dllm.hf.export import export_tokenizer
+
+    model = prepare_demo_corpus(demo_cache)["tokenizer_model"]
+    ours = build_tokenizer("SentencePieceTokenizer", model)
+    export_tokenizer(str(tmp_path / "demo"), "SentencePieceTokenizer", model, ours.vocab_size, ours.mask_id)
+    assert "note:" not in capsys.readouterr().err  # the demo's identity normalizer converts exactly
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "demo"), local_files_only=True)
+    for text in ("a</s>b <s> [MASK] <unk>", "KING.\n\n  Thou art\tgone!", paragraphs[3]):
+        assert hf.encode(text, add_special_tokens=False) == ours.tokenize(text), text
+    assert hf.mask_token_id == ours.mask_id == 4096
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(paragraphs), model_prefix=str(tmp_path / "nfkc"),
+                                   vocab_size=300, model_type="bpe", num_threads=1, minloglevel=2)  # nmt_nfkc
+    nfkc = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "nfkc.model"))
+    export_tokenizer(str(tmp_path / "nfkc"), "SentencePieceTokenizer", str(tmp_path / "nfkc.model"),
+                     nfkc.vocab_size, nfkc.mask_id)
+    assert "note: the exported tokenizer encodes some text to other ids" in capsys.readouterr().err

@@ -6,13 +6,16 @@ tokenizer record, and the HF export's tokenizer reproducing the ids.
 The vocabulary is mistral-common's tekken_240911.json "vocab" list (150,000 real BPE ranks in
 this format), written to a JSON file once per module.
 """
+import base64
 import hashlib
 import json
 import os
+import re
 
 import pytest
 from conftest import tekken_vocab
 
+from megatron_dllm.checkpoint import CheckpointError
 from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord, recorded_tokenizer_config
 from megatron_dllm.cli.preprocess_data import main as preprocess_main
 from megatron_dllm.config.data import TokenizerConfig
@@ -51,6 +54,19 @@ def _preprocess(vocab, prefix, flags, workers=1) -> str:
 def test_preprocess_is_byte_identical_to_megatron_lm(tmp_path, vocab, case):
     out = _preprocess(vocab, tmp_path / case["name"], case["flags"])
     assert (_md5(out + ".bin"), _md5(out + ".idx")) == (case["bin_md5"], case["idx_md5"])
+
+
+def test_a_document_that_spells_the_mask_token_is_rejected(tmp_path, vocab):
+    """Megatron-LM encodes `<mask>` in a document as the mask id (its specials are parsed in the
+    text); no diffusion model can learn to predict it, so such a document is rejected by name
+    (the fixture above holds every other special token in its text)."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"text": "fill the <mask> here"}) + "\n" + json.dumps({"text": "plain"}) + "\n")
+    argv = ["--input", str(docs), "--tokenizer-type", "TikTokenizer", "--tokenizer-model", vocab,
+            "--output-prefix", str(tmp_path / "out"), "--no-progress"]
+    assert preprocess_main(argv) == 0
+    report = open(str(tmp_path / "out_text_document_rejected.tsv")).read()
+    assert f"{docs}\t1\ttext\tmask_token" in report
 
 
 @pytest.mark.slow
@@ -118,13 +134,58 @@ def test_checkpoint_record_restores_the_same_tokenizer(vocab, texts):
     stored = json.loads(json.dumps(TokenizerRecord.of(given).as_dict()))  # as stored in a checkpoint
     record = TokenizerRecord.from_dict(stored, "ckpt")
     assert record.sha256 == tokenizer_fingerprint(vocab)  # the list alone, not an HF tokenizer_config
-    restored = recorded_tokenizer_config(record)  # no flags: the record
-    assert recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", vocab)) == restored  # type+model only
+    restored = recorded_tokenizer_config(record, None, "ckpt")  # no flags: the record
+    assert recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", vocab), "ckpt") == restored  # type+model
     tok, original = restored.build(), given.build()
     assert (tok.vocab_size, tok.mask_id, tok.eod) == (50000, 4, 2)
     assert [tok.tokenize(t) for t in texts] == [original.tokenize(t) for t in texts]
-    explicit = TokenizerConfig("TikTokenizer", vocab, vocab_size=60000)  # flags given win
-    assert recorded_tokenizer_config(record, explicit) == explicit
+    assert recorded_tokenizer_config(record, given, "ckpt") == given  # the recorded options, as flags
+
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]  # megatron-core's default
+
+
+@pytest.mark.parametrize("recorded, flags, message", [
+    ({"vocab_size": 1500}, {"tiktoken_pattern": "v1", "vocab_size": 1500}, "--tiktoken-pattern v1 but ckpt was "
+                                                                            "trained with v2"),
+    ({"tiktoken_pattern": "v1", "vocab_size": 1500}, {"vocab_size": 1500}, "--tiktoken-pattern v2 but ckpt was "
+                                                                           "trained with v1"),  # v2: the default
+    ({"vocab_size": 1500}, {"vocab_size": 1600}, "--vocab-size 1600 but ckpt was trained with 1500"),
+    ({"vocab_size": 1500}, {"vocab_size": 1500, "tiktoken_num_special_tokens": 100},
+     "--tiktoken-num-special-tokens 100 but ckpt was trained with 1000"),
+    ({"vocab_size": 1500}, {"vocab_size": 1500, "tokenizer_special_tokens": SPECIALS[::-1]},
+     f"--tokenizer-special-tokens {' '.join(SPECIALS[::-1])} but ckpt was trained with {' '.join(SPECIALS)}"),
+])
+def test_tokenizer_options_other_than_the_recorded_ones_are_refused(tmp_path, recorded, flags, message):
+    """Export and sampling take tokenizer flags only with the ids the checkpoint was trained with:
+    each option, the tokenizer's default where no flag gives it, against the recorded one."""
+    vocab = tekken_vocab(tmp_path, 2000)
+    record = TokenizerRecord.of(TokenizerConfig("TikTokenizer", vocab, **recorded))
+    with pytest.raises(CheckpointError, match=f"^{re.escape(message)} \\(give its tokenizer options, or only "
+                                              f"--tokenizer-type/--tokenizer-model to use the recorded ones\\)$"):
+        recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", vocab, **flags), "ckpt")
+
+
+def test_tokenizer_flags_that_say_the_recorded_defaults_again_are_taken(tmp_path):
+    vocab = tekken_vocab(tmp_path, 2000)
+    record = TokenizerRecord.of(TokenizerConfig("TikTokenizer", vocab, vocab_size=1500))
+    said_again = TokenizerConfig("TikTokenizer", vocab, tiktoken_pattern="v2", tiktoken_num_special_tokens=1000,
+                                 tokenizer_special_tokens=SPECIALS, vocab_size=1500)
+    assert recorded_tokenizer_config(record, said_again, "ckpt") == said_again
+
+
+def test_tiktoken_file_options_other_than_the_recorded_ones_are_refused(tmp_path):
+    path = tmp_path / "bytes.tiktoken"  # the 256 single bytes, ranks 0..255
+    path.write_bytes(b"".join(base64.b64encode(bytes([b])) + b" %d\n" % b for b in range(256)))
+    record = TokenizerRecord.of(TokenizerConfig("TikTokenizer", str(path)))  # pattern llama3, the default
+    with pytest.raises(CheckpointError, match="^--tiktoken-pattern cl100k but ckpt was trained with llama3 "):
+        recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", str(path), tiktoken_pattern="cl100k"), "ckpt")
+    with pytest.raises(CheckpointError, match="^--tiktoken-num-special-tokens 8 but ckpt was trained with 2 "):
+        recorded_tokenizer_config(record, TokenizerConfig("TikTokenizer", str(path), tiktoken_num_special_tokens=8),
+                                  "ckpt")
+    for same in (TokenizerConfig("TikTokenizer", str(path), tiktoken_pattern="llama3"),  # the defaults, as flags
+                 TokenizerConfig("TikTokenizer", str(path), tiktoken_num_special_tokens=2)):  # no fillers either way
+        assert recorded_tokenizer_config(record, same, "ckpt") == same
 
 
 @pytest.mark.slow

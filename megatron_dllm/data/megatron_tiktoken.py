@@ -40,6 +40,7 @@ def is_megatron_vocabulary(path: str) -> bool:
 
 class MegatronTikTokenizer(_Tokenizer):
     name = "TikTokenizer"
+    special_tokens_in_text = True  # megatron-core's text_to_ids: encode(allowed_special="all")
 
     def __init__(self, model_path: str, pattern: Optional[str] = None,
                  special_tokens: Optional[Iterable[str]] = None, num_special_tokens: Optional[int] = None,

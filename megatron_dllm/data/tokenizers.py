@@ -12,7 +12,6 @@ preprocessing, and no BOS is ever inserted.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Iterable, List, Optional, Tuple
 
@@ -56,6 +55,8 @@ class _Tokenizer:
     eod: int
     bos: Optional[int]
     mask_appended: bool  # True when the mask id lies past the model's own vocabulary
+    # whether a special token's string inside a document encodes to that token (else: as text)
+    special_tokens_in_text: bool = False
 
     def _set_mask(self, base_vocab_size: int, existing_mask: Optional[int]) -> None:
         self.mask_appended = existing_mask is None
@@ -122,6 +123,8 @@ class HuggingFaceTokenizer(_Tokenizer):
     """A `tokenizers` tokenizer.json (or a directory holding one, and optionally
     tokenizer_config.json naming `eos_token` / `bos_token`)."""
 
+    special_tokens_in_text = True  # the tokenizers library splits its added tokens out of the text
+
     name = "HuggingFaceTokenizer"
     EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]")
     BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]")
@@ -159,11 +162,19 @@ class HuggingFaceTokenizer(_Tokenizer):
 
     @staticmethod
     def _read_config(directory: str) -> dict:
+        from megatron_dllm.hf.config_json import read_config_json
+
         path = os.path.join(directory, "tokenizer_config.json")
         if not os.path.isfile(path):
             return {}
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        # a JSON object or one error line naming the file (not a JSON parser's traceback)
+        config = read_config_json(path, "--tokenizer-model", dllm=False)
+        for key in ("eos_token", "bos_token"):  # a token string, or {"content": string}
+            value = config.get(key)
+            token = value.get("content") if isinstance(value, dict) else value
+            if token is not None and not isinstance(token, str):
+                raise InputError(f"--tokenizer-model {path}: {key} {value!r}, expected a token string")
+        return config
 
     @staticmethod
     def _special(configured, candidates, vocab) -> Optional[int]:

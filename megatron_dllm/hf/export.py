@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -310,6 +311,10 @@ def staged_export(out: str):
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
 
 
+# text that a SentencePiece normalizer (nmt_nfkc, whitespace collapsing) changes
+NORMALIZATION_PROBE = "word  word\tand\nline \ufb01ne caf\u00e9\u3000end"
+
+
 def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int,
                      options: dict | None = None) -> None:
     """Write a tokenizer that `AutoTokenizer.from_pretrained(out)` loads offline, with [MASK] at
@@ -351,6 +356,13 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
         tok.add_special_tokens({"mask_token": mask_piece})
         if tok.mask_token_id != mask_id:
             raise InputError(f"exported tokenizer maps {mask_piece} to {tok.mask_token_id}, expected {mask_id}")
+        # a special token's string in a document is text, as training encoded it (SentencePiece, .tiktoken)
+        tok.split_special_tokens = tok.init_kwargs["split_special_tokens"] = not ours.special_tokens_in_text
+        if ours.tokenize(NORMALIZATION_PROBE) != tok.encode(NORMALIZATION_PROBE, add_special_tokens=False):
+            print(f"note: the exported tokenizer encodes some text to other ids than {tokenizer_model} does (runs "
+                  f"of whitespace, tabs, newlines or compatibility characters: transformers' conversion drops "
+                  f"its normalizer); the model's generations decode alike, but scoring text with the export "
+                  f"may differ from training", file=sys.stderr)
         if tok.pad_token is None:  # batches pad with EOS, as SFT rows do (the attention mask hides it)
             tok.pad_token = tok.eos_token
         if os.path.isfile(os.path.join(out, "config.json")):  # the model's context, not "unlimited"
