@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_dllm.checkpoint.identity import ModelIdentity  # noqa: E402
+from megatron_dllm.errors import InputError
 from megatron_dllm.families.shift import shift_right
 from megatron_dllm.hf.random_model import random_dense_model
 from megatron_dllm.model.gpt_shape import GPTShape
@@ -141,6 +142,44 @@ def test_mdlm_samples_have_the_distribution_of_the_papers_step():
     for outcome in exact.keys() | counts.keys():
         p = exact.get(outcome, 0.0)
         assert abs(counts[outcome] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (outcome, counts[outcome] / n, p)
+
+
+@pytest.mark.parametrize("noise_removal", ["greedy", "ancestral"])
+def test_mdlm_final_step_takes_the_argmax_or_draws_from_p_x0(noise_removal, monkeypatch):
+    """The positions still masked after the T steps (about 1e-5 of them: here all, by a plan that
+    leaves every position to the final step) take the denoiser's argmax, or with
+    `--noise-removal ancestral` (the step to alpha_s = 1) an id drawn from p_x0: 20,000 samples
+    held to that product distribution, outcome by outcome (5 sigma)."""
+    from megatron_dllm.sampling import mdlm
+
+    class EverythingLeft(mdlm.UnmaskingPlan):
+        def __init__(self, sampler, positions, generator):
+            super().__init__(sampler, positions, generator)
+            steps = sampler.cfg.steps
+            self.slices = [(0, 0)] * steps + [(0, len(self.positions))]
+
+    monkeypatch.setattr(mdlm, "UnmaskingPlan", EverythingLeft)
+    ids, length, mask, n = 3, 3, 3, 20_000
+    inf = InferenceModel(random_model("mdlm", vocab=ids + 1, length=length, seed=4), "mdlm", mask, ids + 1, length,
+                         None, "hf")
+    cfg = SamplingConfig(steps=2, noise_removal=noise_removal)
+    with torch.no_grad():
+        p_x0 = get_sampler(inf, cfg).probs(inf.model(input_ids=torch.full((1, length), mask)).logits[0])
+    outcomes = itertools.product(range(ids), repeat=length)
+    exact = ({tuple(p_x0.argmax(-1).tolist()): 1.0} if noise_removal == "greedy" else
+             {x: math.prod(float(p_x0[i, v]) for i, v in enumerate(x)) for x in outcomes})
+    counts = collections.Counter(map(tuple, generate(inf, cfg, num_samples=n, batch_size=n, seed=0).tolist()))
+    for outcome in exact.keys() | counts.keys():
+        p = exact.get(outcome, 0.0)
+        assert abs(counts[outcome] / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (outcome, counts[outcome] / n, p)
+
+
+def test_noise_removal_is_refused_where_no_final_step_exists():
+    for family, predictor in (("ar", "ancestral"), ("esolm", "ancestral"), ("mdlm", "left-to-right")):
+        inf = InferenceModel(random_model(family, vocab=V, length=L), family, MASK, V, L, None, "hf")
+        with pytest.raises(InputError, match=f"--noise-removal ancestral: the final step of the ancestral samplers "
+                                             f"of mdlm, duo and bd3lm; --family {family} --predictor {predictor}"):
+            get_sampler(inf, SamplingConfig(noise_removal="ancestral", predictor=predictor))
 
 
 @pytest.mark.parametrize("backbone", ["dit", "gpt"])
@@ -464,17 +503,20 @@ def test_draws_a_chunk_of_rows_at_a_time_with_the_ids_of_one_draw(dtype, monkeyp
     assert [len(categorical.row_chunks(100, 32001, torch.float64, torch.device(d))) for d in ("cpu", "cuda")] == [4, 1]
 
 
-def test_duo_samples_have_the_distribution_of_the_papers_step():
+@pytest.mark.parametrize("noise_removal", ["greedy", "ancestral"])
+def test_duo_samples_have_the_distribution_of_the_papers_step(noise_removal):
     """Duo draws each position from a mixture (`duo.draw`), not from the posterior formed over the
     vocabulary as the paper's sampler does. Its samples must have the distribution of that chain:
     uniform ids to start, at each step one categorical per position over the posterior q (Bayes'
     rule over the chain's marginals, with the model called on the current canvas at sigma =
-    -log alpha_t), then the greedy tail. Enumerated exactly here (3 positions, 3 ids: 27 canvases)
-    and 20,000 samples are held to it, outcome by outcome (5 sigma)."""
+    -log alpha_t), then the greedy tail (or, `--noise-removal ancestral`, one more posterior step
+    to alpha_s = 1). Enumerated exactly here (3 positions, 3 ids: 27 canvases) and 20,000 samples
+    are held to it, outcome by outcome (5 sigma)."""
     ids, length, mask, steps, n = 3, 3, 3, 3, 20_000
     inf = InferenceModel(random_model("duo", vocab=ids + 1, length=length, seed=4), "duo", mask, ids + 1, length,
                          None, "hf")
-    sampler = get_sampler(inf, SamplingConfig(steps=steps))
+    cfg = SamplingConfig(steps=steps, noise_removal=noise_removal)
+    sampler = get_sampler(inf, cfg)
 
     @torch.no_grad()
     def x_theta(x, a):
@@ -488,8 +530,8 @@ def test_duo_samples_have_the_distribution_of_the_papers_step():
 
     chain = {x: ids ** -length for x in itertools.product(range(ids), repeat=length)}
     ts = sampler.timesteps()
-    for t, s in zip(ts[:-1], ts[1:]):
-        a_t, a_s = sampler.alpha(t), sampler.alpha(s)
+    alphas = [sampler.alpha(t) for t in ts] + ([1.0] if noise_removal == "ancestral" else [])
+    for a_t, a_s in zip(alphas[:-1], alphas[1:]):
         after = collections.defaultdict(float)
         for x, px in chain.items():
             probs = x_theta(x, a_t)
@@ -499,11 +541,11 @@ def test_duo_samples_have_the_distribution_of_the_papers_step():
         chain = after
     exact = collections.defaultdict(float)
     for x, px in chain.items():
-        exact[tuple(x_theta(x, sampler.alpha(ts[-1])).argmax(-1).tolist())] += px
+        final = x_theta(x, sampler.alpha(ts[-1])).argmax(-1).tolist() if noise_removal == "greedy" else x
+        exact[tuple(final)] += px
     assert sum(exact.values()) == pytest.approx(1.0, abs=1e-12)
 
-    counts = collections.Counter(map(tuple, generate(inf, SamplingConfig(steps=steps), num_samples=n, batch_size=n,
-                                                     seed=0).tolist()))
+    counts = collections.Counter(map(tuple, generate(inf, cfg, num_samples=n, batch_size=n, seed=0).tolist()))
     assert len(counts) > 3  # the greedy tail leaves more than a few outcomes to check
     for outcome in exact.keys() | counts.keys():
         p = exact.get(outcome, 0.0)

@@ -22,6 +22,10 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--float64", action=argparse.BooleanOptionalAction, default=True,
                    help="categorical sampling from float64 probabilities (--no-float64: float32)")
+    g.add_argument("--noise-removal", choices=["greedy", "ancestral"], default="greedy",
+                   help="MDLM/Duo/BD3-LM ancestral: the final step at t = 1e-5, the denoiser's argmax (greedy; "
+                        "Duo's greedy tail) or a posterior step to alpha_s = 1 (ancestral: the paper code's "
+                        "config default)")
     g.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="AR/Eso-LM KV cache, MDLM no-change cache (--no-kv-cache: recompute)")
     g.add_argument("--cuda-graphs", action="store_true",
@@ -65,5 +69,5 @@ def sampling_config(args, stop_at_eos: bool):
     return SamplingConfig(steps=args.steps, seq_length=args.seq_length, top_p=args.top_p,
                           temperature=args.temperature, float64=args.float64, predictor=args.predictor,
                           kv_cache=args.kv_cache, cuda_graphs=args.cuda_graphs, stop_at_eos=stop_at_eos,
-                          max_new_tokens=args.max_new_tokens,
+                          max_new_tokens=args.max_new_tokens, noise_removal=args.noise_removal,
                           **remasking_options(args))

@@ -72,6 +72,7 @@ class Sampler:
     # them on without a GPU to compare them with the static cache)
     fixed_shape_decoding: bool = False
     block_wise = False  # MDLM/Duo: block-wise decoding and its approximate KV caches
+    noise_removal_step = False  # MDLM/Duo ancestral: a final step at t = 1e-5 (SamplingConfig.noise_removal)
     open_ended = False  # BD3-LM: generates --max-new-tokens past the prompt, block by block
 
     def __init__(self, family, inf, cfg: SamplingConfig):
@@ -85,6 +86,9 @@ class Sampler:
         if cfg.max_new_tokens is not None and not self.open_ended:
             raise InputError(f"--max-new-tokens applies to --family bd3lm only; --family {inf.family} fills "
                              f"--seq-length")
+        if cfg.noise_removal != "greedy" and not (self.noise_removal_step and cfg.predictor == "ancestral"):
+            raise InputError(f"--noise-removal {cfg.noise_removal}: the final step of the ancestral samplers of "
+                             f"mdlm, duo and bd3lm; --family {inf.family} --predictor {cfg.predictor} has none")
         self.check_block_wise(inf.family, cfg)
         self.check_shift(family, cfg)
         self.family, self.inf, self.cfg = family, inf, cfg

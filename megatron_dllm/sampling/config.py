@@ -11,6 +11,7 @@ from .deps import InputError
 # the model's confidence, block by block (sampling/remasking.py)
 REMASKING_PREDICTORS = ("low-confidence", "threshold", "entropy-bound")
 PREDICTORS = ("ancestral", "block", "left-to-right") + REMASKING_PREDICTORS
+NOISE_REMOVALS = ("greedy", "ancestral")
 DEFAULT_CONFIDENCE_THRESHOLD = 0.9  # Fast-dLLM's default
 DEFAULT_ENTROPY_BOUND = 0.1         # gamma of the entropy-bounded sampler (diffusers' default)
 
@@ -40,6 +41,9 @@ class SamplingConfig:
     approx_kv_cache: str = "none"  # none (exact) | prefix | dual
     # block decoding (BD3-LM): generate at most this many tokens after the prompt (default: up to L)
     max_new_tokens: Optional[int] = None
+    # MDLM/Duo ancestral: the final step at t = 1e-5, the denoiser's argmax ("greedy": Duo's greedy
+    # tail) or one more ancestral step to alpha_s = 1 ("ancestral": the paper code's config default)
+    noise_removal: str = "greedy"
 
     def check(self) -> None:
         """Family-independent checks; each family's sampler checks the rest."""
@@ -54,6 +58,8 @@ class SamplingConfig:
         if self.approx_kv_cache not in APPROX_KV_CACHES:
             raise InputError(f"--approx-kv-cache {self.approx_kv_cache!r} is unknown; valid: "
                              f"{', '.join(APPROX_KV_CACHES)}")
+        if self.noise_removal not in NOISE_REMOVALS:
+            raise InputError(f"--noise-removal {self.noise_removal!r} is unknown; valid: {', '.join(NOISE_REMOVALS)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens {self.max_new_tokens}: must be >= 1")
         if self.seq_length is not None and self.seq_length < 2:

@@ -15,7 +15,9 @@ sampler draws, `categorical.draw`). The samples have the distribution of the pap
 posterior and the race made two more buffers of its whole size).
 Every position may change at every step, so there is nothing to cache (the model is time-
 conditioned); `kv_cache` has no effect here. The greedy tail replaces every generated token by
-the denoiser's argmax at t = 1e-5. Top-p and temperature act on x_theta (as in the duo repository;
+the denoiser's argmax at t = 1e-5 (the duo repository's recommendation); `noise_removal=
+"ancestral"` takes one more posterior step from t = 1e-5 to alpha_s = 1 instead (the paper
+code's config default), which keeps nearly every token. Top-p and temperature act on x_theta (as in the duo repository;
 the paper's code applies top-p to q instead). Left-to-right mode keeps the uniform noise as the
 remainder and fills one position per step, with alpha = the fraction of positions already clean.
 
@@ -66,12 +68,21 @@ def ancestral(sampler: Sampler, x: torch.Tensor, p: int, logits_at, generator: t
     for t, s in zip(ts[:-1], ts[1:]):
         a_t, a_s = sampler.alpha(t), sampler.alpha(s)
         x[:, p:] = draw(sampler, logits_at(x, a_t), x[:, p:], a_t, a_s, generator)
-    x[:, p:] = sampler.greedy(logits_at(x, sampler.alpha(ts[-1])))  # greedy tail
+    a_final = sampler.alpha(ts[-1])
+    x[:, p:] = sampler.remove_noise(logits_at(x, a_final), x[:, p:], a_final, generator)
     return x
 
 
 class DuoSampler(Sampler):
     block_wise = True
+    noise_removal_step = True
+
+    def remove_noise(self, logits: torch.Tensor, z: torch.Tensor, a_t: float, generator) -> torch.Tensor:
+        """The final ids from z [b, n] at t = 1e-5 (logits [b, n, V]): the greedy tail, or the
+        posterior step to alpha_s = 1."""
+        if self.cfg.noise_removal == "greedy":
+            return self.greedy(logits)
+        return draw(self, logits, z, a_t, 1.0, generator)
 
     @staticmethod
     def sigma(x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -122,7 +133,9 @@ class DuoSampler(Sampler):
                 for r in rows:
                     lo, hi = span[r]
                     x[r, lo:hi] = draw(self, logits[r][None], x[r:r + 1, lo:hi], a_t, a_s, batch.generators[r])[0]
-            logits = denoiser.logits(rows, span, sigma=-math.log(self.alpha(ts[-1])))
-            for r in rows:  # greedy tail
-                x[r, span[r][0]:span[r][1]] = self.greedy(logits[r])
+            a_final = self.alpha(ts[-1])
+            logits = denoiser.logits(rows, span, sigma=-math.log(a_final))
+            for r in rows:  # the final step (greedy tail)
+                lo, hi = span[r]
+                x[r, lo:hi] = self.remove_noise(logits[r][None], x[r:r + 1, lo:hi], a_final, batch.generators[r])[0]
         return [x[r, p:n].tolist() for r, (p, n) in enumerate(zip(plen, lengths))]

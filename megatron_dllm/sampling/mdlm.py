@@ -17,8 +17,9 @@ unmask. The samples have the distribution of the paper's sampler (not its random
     same count of calls (the model is not time-conditioned, so a step that changes nothing needs
     no forward); `kv_cache=False` calls it at every step, as the paper's sampler without it;
   - no host synchronisation inside the loop: the plan's counts are read once, before it.
-After T steps the remaining masks take the denoiser's argmax (greedy final step). Top-p and
-temperature act on p_x0.
+After T steps the remaining masks take the denoiser's argmax (greedy final step), or with
+`noise_removal="ancestral"` a draw from p_x0 (the step to alpha_s = 1: the paper code's config
+default; about 1e-5 of the masked positions reach it). Top-p and temperature act on p_x0.
 
 Batched conditional generation (`sample_batch`): the canvases (prompt_i + masks up to L_i) are
 right-padded and the padding is a key-padding mask, so with bidirectional attention no real token
@@ -76,13 +77,19 @@ def ancestral(sampler: Sampler, x: torch.Tensor, logits_at, generator: torch.Gen
         elif not sampler.cfg.kv_cache:  # the paper's sampler without its cache: a call at every step
             logits_at(x, at)
     at = plan.at(steps)
-    if len(at):  # greedy final step at t = 1e-5
-        flat[at] = sampler.greedy(logits_at(x, at))
+    if len(at):  # final step at t = 1e-5
+        flat[at] = sampler.remove_noise(logits_at(x, at), generator)
     return x
 
 
 class MDLMSampler(Sampler):
     block_wise = True
+    noise_removal_step = True
+
+    def remove_noise(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The ids of the positions still masked at t = 1e-5, from their logits [n, V]: with alpha_s
+        = 1 the ancestral step unmasks them all with ids ~ p_x0."""
+        return self.greedy(logits) if self.cfg.noise_removal == "greedy" else self.draw(logits, generator)
 
     def logits_at(self, x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """The model's logits at the flat positions `at` of x [b, L]: [len(at), V], the output layer
@@ -124,9 +131,9 @@ class MDLMSampler(Sampler):
                         if len(at[r]):
                             blocks[r][at[r]] = self.draw(logits[r], batch.generators[r])
             left = [r for r in rows if len(plans[r].at(steps))]
-            if left:  # greedy final step at t = 1e-5
+            if left:  # final step at t = 1e-5
                 at = {r: plans[r].at(steps) for r in left}
                 logits = denoiser.logits(left, span, at=at)
                 for r in left:
-                    blocks[r][at[r]] = self.greedy(logits[r])
+                    blocks[r][at[r]] = self.remove_noise(logits[r], batch.generators[r])
         return [x[r, plen[r]:batch.lengths[r]].tolist() for r in range(batch.size)]
