@@ -22,8 +22,9 @@ def train(flags: list, monkeypatch) -> tuple[list, list]:
     """(training micro-batches' (mask, summed loss) in order, validation micro-batches' masks)."""
     calls, valid = [], []
 
-    def recording(family, training, inp, logits):
-        total, count, report = LOSS_FUNC(family, training, inp, logits)
+    def recording(family, training, *args):  # args: (..., inp, logits)
+        inp = args[-2]
+        total, count, report = LOSS_FUNC(family, training, *args)
         mask = None if inp.attention_mask is None else inp.attention_mask.cpu().clone()
         if training:
             calls.append((mask, total.item()))
