@@ -23,6 +23,8 @@ CASES = [
      "--train-data-path goes with --valid-data-path and replaces --data-path"),
     ("data_paths", [*DATA, "--train-data-path", "/d/a", "--valid-data-path", "/d/b"], None, False,
      "--train-data-path goes with --valid-data-path and replaces --data-path"),
+    ("data_paths", [*DATA, "--valid-data-path"], None, False,
+     "--valid-data-path has no value; give a dataset prefix, or weights and prefixes"),
     ("sequence_parallel", ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], None,
      False, "--seq-length 33 must be a multiple of --tensor-model-parallel-size 2 under --sequence-parallel"),
     ("run_length", ["--train-iters", "3", "--train-samples", "24"], None, False,

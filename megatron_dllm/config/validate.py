@@ -44,6 +44,10 @@ def validate(config, world_size: int | None = None):
 
 def data_paths(config, world_size=None) -> None:
     data = config.data
+    for flag, value in (("--data-path", data.data_path), ("--train-data-path", data.train_data_path),
+                        ("--valid-data-path", data.valid_data_path)):
+        if value == []:  # a flag left without its value: never "no data"
+            raise InputError(f"{flag} has no value; give a dataset prefix, or weights and prefixes")
     if data.train_data_path is not None and (data.data_path is not None or data.valid_data_path is None):
         raise InputError("--train-data-path goes with --valid-data-path and replaces --data-path")
 
