@@ -168,9 +168,31 @@ def test_rows_stop_at_a_settled_eos(family):
     assert EOS in row
     cut = row.index(EOS) + 1
     assert early[0][0, len(PROMPT):len(PROMPT) + cut].tolist() == row[:cut]
-    rest, full_rest = early[0][0, len(PROMPT) + cut:], full[0][0, len(PROMPT) + cut:]
-    assert ((rest == EOS) | (rest == full_rest)).all()  # open positions became EOS, committed ones stay
+    rest = early[0][0, len(PROMPT) + cut:]
+    assert (rest == EOS).all()  # open positions and those committed before the EOS alike
     assert len(early[1]) < len(full[1])
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "esolm"])
+def test_stop_at_eos_ends_every_sampler_s_rows_at_their_first_eos(family):
+    """The ancestral samplers that decode every position together end each row at its first EOS
+    once it is complete; for MDLM and Duo that is what one block covering the canvas gives."""
+    inf = model(family, eos_bias=4.0)
+    ended = 0
+    for seed in range(6):
+        stopped, _ = run(inf, seed, steps=8, stop_at_eos=True)
+        full, _ = run(inf, seed, steps=8)
+        row, full_row = stopped[0, len(PROMPT):].tolist(), full[0, len(PROMPT):].tolist()
+        if EOS not in full_row:
+            assert row == full_row
+            continue
+        ended += 1
+        cut = full_row.index(EOS) + 1
+        assert row == full_row[:cut] + [EOS] * (len(row) - cut)
+        if family != "esolm":
+            one_block, _ = run(inf, seed, steps=8, stop_at_eos=True, block_length=GEN)
+            assert one_block[0].tolist() == stopped[0].tolist()
+    assert ended >= 2
 
 
 @pytest.mark.parametrize("settings,message", [

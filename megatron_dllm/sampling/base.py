@@ -204,6 +204,15 @@ class Sampler:
         return self.model(input_ids=x[rows, :width], sigma=sigma, attention_mask=real[rows, :width],
                           logits_at=flat_positions(columns, width)).logits
 
+    def end_rows_at_eos(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """`stop_at_eos` for a sampler that decodes every position together: each row after its
+        first EOS from `start` on becomes EOS, as a left-to-right row stops there (and as block-wise
+        decoding with one block does)."""
+        if self.cfg.stop_at_eos:
+            for r in range(x.shape[0]):
+                end_at_eos(x, r, start, x.shape[1], x.shape[1], self.eos_id)
+        return x
+
     def fill_left_to_right(self, x: torch.Tensor, start: int, generator, logits_at) -> torch.Tensor:
         """One position per step from `start` on: sample from `logits_at(x, pos)` ([b, V]) there."""
         stop = EosStop(self.eos_id, x.shape[0], self.cfg.stop_at_eos, x.device)

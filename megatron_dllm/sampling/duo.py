@@ -104,8 +104,9 @@ class DuoSampler(Sampler):
         # the prompt's positions need no logits
         at = None if p == 0 else flat_positions(torch.arange(p, self.length, device=x.device).expand(b, -1),
                                                 self.length)
-        return ancestral(self, x, p, lambda x, a: self.model(input_ids=x, sigma=self.sigma(x, a), logits_at=at)
-                         .logits.view(b, self.length - p, -1), generator)
+        x = ancestral(self, x, p, lambda x, a: self.model(input_ids=x, sigma=self.sigma(x, a), logits_at=at)
+                      .logits.view(b, self.length - p, -1), generator)
+        return self.end_rows_at_eos(x, p)
 
     def uniform_prior(self, batch) -> list[torch.Tensor]:  # also the remasking samplers' fillers
         """Each row's starting noise over its positions to generate, drawn from its own generator."""

@@ -104,7 +104,7 @@ class EsoLMSampler(Sampler):
             if stop.done:
                 x.scatter_(1, order[:, done:], self.eos_id)
                 break
-        return x
+        return self.end_rows_at_eos(x, p)  # left to right: already so
 
     @staticmethod
     def masks_at(x: torch.Tensor, first: int, k: int, width: int) -> torch.Tensor:

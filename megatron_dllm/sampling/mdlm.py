@@ -102,7 +102,7 @@ class MDLMSampler(Sampler):
         x = self.canvas(prompt)
         if self.cfg.predictor == "left-to-right":  # mask the remainder, fill one position per step
             return self.fill_left_to_right(x, prompt.shape[1], generator, self.logits_at_column)
-        return ancestral(self, x, self.logits_at, generator)
+        return self.end_rows_at_eos(ancestral(self, x, self.logits_at, generator), prompt.shape[1])
 
     def sample_batch(self, batch) -> list[list[int]]:
         x, real = batch.canvas(self.mask_id)

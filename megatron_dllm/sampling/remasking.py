@@ -37,7 +37,7 @@ import torch
 
 from . import categorical
 from .base import Sampler
-from .blocks import block_spans
+from .blocks import block_spans, end_at_eos
 from .config import REMASKING_PREDICTORS
 from .deps import InputError
 from .duo import DuoSampler
@@ -150,9 +150,8 @@ class RemaskingSampler(Sampler):
                     row.done = row.block == len(row.blocks)
                 if stop_at_eos and not row.done:
                     settled = int(committed[r, row.start:row.end].cumprod(0).sum())  # committed prefix
-                    if bool((x[r, row.start:row.start + settled] == self.eos_id).any()):
-                        x[r, row.start:row.end][~committed[r, row.start:row.end]] = self.eos_id
-                        row.done = True
+                    # an EOS there: all after it (committed earlier or open) becomes EOS
+                    row.done = end_at_eos(x, r, row.start, row.start + settled, row.end, self.eos_id)
             live = [r for r in live if not rows[r].done]
         return x
 
