@@ -105,6 +105,8 @@ def test_max_new_tokens_and_stop_at_eos():
     assert costs[True] < costs[False] / 3, costs
     with pytest.raises(InputError, match="--max-new-tokens"):
         run(inf, PROMPT, max_new_tokens=L)
+    with pytest.raises(InputError, match="--max-new-tokens 6 sets the canvas .*; give it without --seq-length 12"):
+        run(inf, PROMPT, max_new_tokens=6, seq_length=12)  # two lengths for one canvas
 
 
 # prompts of 1, 3, 5 and 10 tokens: first blocks 0, 0, 4 and 8 (the last commits two prompt blocks

@@ -198,7 +198,8 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
      "sampler=left-to-right"),
     ({"sampler": "threshold", "threshold": 1.5}, "threshold=1.5: must be in [0, 1]"),
     ({"top_p": 1.5}, "top_p=1.5: must be in (0, 1]"),
-    ({"temperature": 0.0}, "temperature=0.0: must be > 0"),
+    ({"temperature": 0.0}, "temperature=0.0: must be a finite number >= 1e-30"),
+    ({"temperature": float("nan")}, "temperature=nan: must be a finite number >= 1e-30"),
     ({"sampler": "low-confidence", "block_length": 0}, "block_length=0: must be an integer >= 1"),
     ({"sampler": "low-confidence", "tokens_per_step": 2.5}, "tokens_per_step=2.5: must be an integer >= 1"),
     ({"sampler": "entropy-bound", "entropy_bound": -1.0}, "entropy_bound=-1.0: must be a finite number >= 0"),
@@ -295,7 +296,9 @@ def test_the_samplers_errors_name_generates_arguments_not_the_flags(tmp_path):
                              "sampler block needs steps to divide the sequence length 12 (so steps <= 12); got "
                              "steps 5"),
                             ({"input_ids": torch.tensor([[V + 7, 1]]), "max_new_tokens": 4, "steps": 2},
-                             f"input_ids: ids must be < vocab size {V}")]:
+                             f"input_ids: ids must be in [0, {V}) and not [MASK] ({MASK})"),
+                            ({"input_ids": torch.tensor([[3, MASK]]), "max_new_tokens": 4, "steps": 2},
+                             f"input_ids: ids must be in [0, {V}) and not [MASK] ({MASK})")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             model.generate(**kwargs)
 

@@ -480,6 +480,15 @@ def test_greedy_is_the_argmax_of_the_distribution_without_forming_it(suppress, s
         assert torch.equal(got, categorical.probabilities(logits, torch.float64, 0.7, top_p, suppress).argmax(-1))
 
 
+def test_temperatures_that_would_overflow_the_logits_are_refused():
+    """logits / 1e-308 overflow to inf, NaN probabilities, an id past the vocabulary (a traceback
+    or, in float32, every id 0): refused, with NaN and inf, as the flag's own error."""
+    for temperature in (float("nan"), float("inf"), 0.0, 1e-308, 1e-40):
+        with pytest.raises(InputError, match="--temperature .*: must be a finite number >= 1e-30"):
+            SamplingConfig(temperature=temperature).check()
+    SamplingConfig(temperature=1e-30).check()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_draws_a_chunk_of_rows_at_a_time_with_the_ids_of_one_draw(dtype, monkeypatch):
     """`categorical.draw` forms the distribution a chunk of rows at a time (here 3 rows in float64)

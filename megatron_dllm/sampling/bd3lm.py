@@ -108,6 +108,9 @@ class BD3LMSampler(Sampler):
         return super().__new__(cls)
 
     def __init__(self, family, inf, cfg):
+        if cfg.max_new_tokens is not None and cfg.seq_length is not None:  # two lengths for one canvas
+            raise InputError(f"--max-new-tokens {cfg.max_new_tokens} sets the canvas (the prompt, then at most that "
+                             f"many tokens); give it without --seq-length {cfg.seq_length}")
         super().__init__(family.inner, inf, cfg)  # inside a block: the in-block family's schedule and ids
         self.block = family.block_size
 

@@ -39,6 +39,7 @@ import torch
 from .config import SamplingConfig
 from .deps import InputError, seed_for
 from .esolm import EsoLMSampler
+from .generate import check_prompt
 from .prompt_batch import PromptBatch
 from .registry import get_sampler
 
@@ -72,12 +73,6 @@ class _PromptInOrderEsoLM(EsoLMSampler):
         return order, counts
 
 
-def _check_prompt(inf, prompt: torch.Tensor) -> None:
-    if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
-                           or bool((prompt == inf.mask_id).any())):
-        raise InputError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
-
-
 def _sampler(inf, cfg: SamplingConfig):
     sampler = get_sampler(inf, cfg)
     if isinstance(sampler, EsoLMSampler):
@@ -93,7 +88,7 @@ def _generator(inf, seed: int) -> torch.Generator:
 
 def _run(inf, prompt_ids: Sequence[int], cfg: SamplingConfig, seed: int) -> list[int]:
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=inf.device)[None, :]
-    _check_prompt(inf, prompt)
+    check_prompt(inf, prompt)
     sampler = _sampler(inf, cfg)
     generator = _generator(inf, seed)
     with torch.inference_mode():
@@ -147,7 +142,7 @@ def _run_batch(inf, prompts: Sequence[Sequence[int]], max_new_tokens: int | None
     if len(prompts) == 1:  # batch 1's sampler: the same ids, with the fixed shapes CUDA graphs capture
         return [_run(inf, prompts[0], SamplingConfig(seq_length=lengths[0], stop_at_eos=True, **config), seeds[0])]
     for p in prompts:
-        _check_prompt(inf, torch.as_tensor(p, dtype=torch.long))
+        check_prompt(inf, torch.as_tensor(p, dtype=torch.long))
     sampler = _sampler(inf, SamplingConfig(seq_length=max(lengths), stop_at_eos=True, **config))
     batch = PromptBatch(prompts, lengths, [_generator(inf, seed) for seed in seeds], inf.device, pad_id)
     with torch.inference_mode():

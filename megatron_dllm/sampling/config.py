@@ -1,6 +1,7 @@
 """Settings of one generation run (the Python API and tools/sample.py share them)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,6 +13,7 @@ from .deps import InputError
 REMASKING_PREDICTORS = ("low-confidence", "threshold", "entropy-bound")
 PREDICTORS = ("ancestral", "block", "left-to-right") + REMASKING_PREDICTORS
 NOISE_REMOVALS = ("greedy", "ancestral")
+MIN_TEMPERATURE = 1e-30  # logits / 1e-30 stay finite in float32 up to |logit| ~ 3e8
 DEFAULT_CONFIDENCE_THRESHOLD = 0.9  # Fast-dLLM's default
 DEFAULT_ENTROPY_BOUND = 0.1         # gamma of the entropy-bounded sampler (diffusers' default)
 
@@ -51,10 +53,11 @@ class SamplingConfig:
             raise InputError(f"--predictor {self.predictor!r} is unknown; valid: {', '.join(PREDICTORS)}")
         if self.steps < 1:
             raise InputError(f"--steps {self.steps}: must be >= 1")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails too
             raise InputError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.temperature <= 0:
-            raise InputError(f"--temperature {self.temperature}: must be > 0")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:  # below it, logits / temperature can overflow
+            raise InputError(f"--temperature {self.temperature}: must be a finite number >= {MIN_TEMPERATURE:g} "
+                             f"(for the argmax, --top-p near 0)")
         if self.approx_kv_cache not in APPROX_KV_CACHES:
             raise InputError(f"--approx-kv-cache {self.approx_kv_cache!r} is unknown; valid: "
                              f"{', '.join(APPROX_KV_CACHES)}")

@@ -30,17 +30,24 @@ def _prompts(prompt_ids, num_samples: int, length: int, device) -> torch.Tensor:
     return prompt
 
 
+def check_prompt(inf, prompt: torch.Tensor) -> None:
+    """Prompt ids are the model's real ids: a [MASK] among them would be decoded like the canvas's."""
+    if prompt.numel() and (int(prompt.min()) < 0 or int(prompt.max()) >= inf.vocab_size
+                           or bool((prompt == inf.mask_id).any())):
+        raise InputError(f"prompt_ids: ids must be in [0, {inf.vocab_size}) and not [MASK] ({inf.mask_id})")
+
+
 def generate(inf, cfg: SamplingConfig, num_samples: int = 1, batch_size: int | None = None, seed: int = 0,
              prompt_ids: Sequence[int] | torch.Tensor | None = None,
              generator: torch.Generator | None = None) -> torch.Tensor:
     """[num_samples, L] token ids (CPU LongTensor), the prompt (if any) in front of every row.
     `generator`: every batch draws from it, in turn, instead of from its seeded one."""
-    if num_samples < 1 or (batch_size is not None and batch_size < 1):
-        raise InputError(f"--num-samples {num_samples} / --batch-size {batch_size}: must be >= 1")
+    for flag, value in (("--num-samples", num_samples), ("--batch-size", batch_size)):
+        if value is not None and value < 1:
+            raise InputError(f"{flag} {value}: must be >= 1")
     sampler = get_sampler(inf, cfg)
     prompts = _prompts(prompt_ids, num_samples, sampler.length, inf.device)
-    if prompts.numel() and int(prompts.max()) >= inf.vocab_size:
-        raise InputError(f"prompt_ids: ids must be < vocab size {inf.vocab_size}")
+    check_prompt(inf, prompts)
     batch_size = batch_size or num_samples
     out = []
     with torch.inference_mode():

@@ -28,6 +28,7 @@ samples from `seed + j`.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import torch
@@ -36,7 +37,7 @@ import torch
 # samplers import categorical as a module (`from . import categorical`), so it is named here
 from .categorical import sample as _shipped_with_the_export  # noqa: F401
 from .conditional import generate_left_to_right_batch, generate_native_batch
-from .config import REMASKING_PREDICTORS, SamplingConfig
+from .config import MIN_TEMPERATURE, REMASKING_PREDICTORS, SamplingConfig
 from .deps import get_family
 from .generate import generate
 from .inference_model import InferenceModel
@@ -97,8 +98,8 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r}: must be > 0")
+    if not MIN_TEMPERATURE <= temperature < math.inf:  # below it, logits / temperature can overflow
+        raise ValueError(f"temperature={temperature!r}: must be a finite number >= {MIN_TEMPERATURE:g}")
     SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
 
 
