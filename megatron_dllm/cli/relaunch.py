@@ -65,11 +65,10 @@ def main(argv=None) -> int:
     checkpoint = parse_args(["--yaml-cfg", args.config, *args.flags]).checkpoint  # bad flags fail here
     run = ["--yaml-cfg", os.path.abspath(args.config)]
     flags = list(args.flags)
-    first_load = checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim \
-        or checkpoint.no_load_rng or not resumes(checkpoint.load, checkpoint.save)
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
-    elif checkpoint.save and first_load:
+    elif checkpoint.save and (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
+                              or checkpoint.no_load_rng or not resumes(checkpoint.load, checkpoint.save)):
         with chdir(directory):
             saved = holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
