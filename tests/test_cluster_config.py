@@ -176,6 +176,10 @@ def test_relaunch_does_not_repeat_a_rollback(tmp_path, capsys, monkeypatch):
     assert relaunch.main([path, "--dry-run"]) == 0
     cmd = shlex.split(capsys.readouterr().out)
     assert "--ckpt-step=2" not in cmd and "--no-load-optim" not in cmd and cmd[-2:] == ["--load", "ckpt"]
+    cfg = parse_args(["--preset", "cpu-tiny", "--load", "ckpt", "--ckpt-step", "2"])  # evaluates only: no --save
+    (path,) = write_resolved(cfg, [str(tmp_path / "eval")], world_size=1)
+    assert relaunch.main([path, "--dry-run"]) == 0
+    assert shlex.split(capsys.readouterr().out)[-2:] == ["--yaml-cfg", path]
 
 
 def test_recompute_flags_mean_what_they_mean_in_megatron_lm():
