@@ -80,6 +80,12 @@ def test_an_alternative_flag_on_the_command_line_displaces_the_file_s(tmp_path):
     assert (cfg.optimizer.lr_warmup_iters, cfg.optimizer.lr_warmup_fraction) == (None, 0.05)
     path = _write(tmp_path, "lr-warmup-fraction: 0.01\nlr-warmup-min-iters: 100\n")
     assert parse_args(["--yaml-cfg", path, "--lr-warmup-iters", "5"]).optimizer.warmup_iters(1000) == 5
+    # a run_config.yaml an earlier version wrote held the default fraction beside the given iterations
+    path = _write(tmp_path, "optimizer:\n  lr-warmup-iters: 10\n  lr-warmup-fraction: 0.05\nlaunch:\n  world-size: 2\n")
+    assert parse_args(["--yaml-cfg", path]).optimizer.warmup_iters(1000) == 10
+    path = _write(tmp_path, "lr-warmup-iters: 10\nlr-warmup-fraction: 0.05\n")  # a file of one's own: both refused
+    with pytest.raises(SystemExit):
+        parse_args(["--yaml-cfg", path])
     path = _write(tmp_path, "data-path: [0.5, -a, 0.5, b]\n")  # a list element the command line reads as a flag
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--yaml-cfg", path])

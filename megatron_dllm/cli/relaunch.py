@@ -23,7 +23,6 @@ import shlex
 import subprocess
 import sys
 from contextlib import chdir
-from dataclasses import fields
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
 from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
@@ -50,9 +49,9 @@ def main(argv=None) -> int:
 
     from megatron_dllm.checkpoint.layout import resumes
     from megatron_dllm.checkpoint.store import holds_checkpoint
-    from megatron_dllm.config import RunConfig, build_parser, parse_args
-    from megatron_dllm.config.run import ALTERNATIVES
-    from megatron_dllm.config.yaml_config import YamlFile, expand_yaml
+    from megatron_dllm.config import build_parser, parse_args
+    from megatron_dllm.config.run import expand_run_yaml
+    from megatron_dllm.config.yaml_config import YamlFile
 
     launch = YamlFile(args.config, what=None).launch()
     nproc = args.nproc_per_node or launch.get("world-size")
@@ -72,8 +71,7 @@ def main(argv=None) -> int:
         with chdir(directory):
             saved = holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
-            expanded = expand_yaml([*run, *flags], build_parser(), sections=[g.name for g in fields(RunConfig)],
-                                   alternatives=ALTERNATIVES)  # the file's flags, as --yaml-cfg reads them
+            expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
             run = [t for t in expanded[:len(expanded) - len(flags)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
             flags = ["--load", checkpoint.save, *flags]  # the FLAGS given still win
             print(f"relaunch: continuing from the run's own checkpoints in {checkpoint.save}, without the flags "

@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
 # --yaml-cfg file (a run's run_config.yaml holds --train-iters; relaunched with --train-samples).
 ALTERNATIVES = ((("train_iters",), ("train_samples",), ("train_flops",), ("train_epochs",)),
                 (("lr_warmup_iters",), ("lr_warmup_fraction", "lr_warmup_min_iters")))
+# run_config.yaml files written before --lr-warmup-iters and --lr-warmup-fraction were exclusive
+# hold the default fraction beside the iterations the run was given: the iterations were in effect
+SUPERSEDED = {"lr_warmup_fraction": "lr_warmup_iters"}
+
+
+def expand_run_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`argv` with a `--yaml-cfg FILE` of the training flags expanded in front (config/yaml_config.py)."""
+    return expand_yaml(argv, parser, sections=[group.name for group in dataclasses.fields(RunConfig)],
+                       alternatives=ALTERNATIVES, superseded=SUPERSEDED)
 
 
 def parse_flags(argv: list[str] | None = None) -> RunConfig:
@@ -97,8 +106,7 @@ def parse_flags(argv: list[str] | None = None) -> RunConfig:
 
     parser = build_parser()
     try:
-        argv = expand_yaml(sys.argv[1:] if argv is None else argv, parser,
-                           sections=[group.name for group in dataclasses.fields(RunConfig)], alternatives=ALTERNATIVES)
+        argv = expand_run_yaml(sys.argv[1:] if argv is None else argv, parser)
     except InputError as err:
         parser.error(str(err))
     ns = parser.parse_args(argv)

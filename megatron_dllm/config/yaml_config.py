@@ -119,15 +119,19 @@ class YamlFile:
         return out
 
 
-def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=frozenset()) -> list[str]:
+def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=frozenset(),
+                superseded=None) -> list[str]:
     """The command-line tokens equivalent to the flags in `path` (`sections`: the group sections
-    it may have; `skip`: flag dests left out). Raises InputError naming the file, the line and the
-    key for anything that is not a flag or not a value the flag can take."""
+    it may have; `skip`: flag dests left out; `superseded`: {dest: the dest that replaces it in a
+    run's resolved file}, for files an earlier version wrote). Raises InputError naming the file,
+    the line and the key for anything that is not a flag or not a value the flag can take."""
     source = YamlFile(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     tokens = []
-    for key, (value, line) in source.flags(sections).items():
-        if key in skip:
+    flags = source.flags(sections)
+    resolved = bool(source.launch())  # a run's own run_config.yaml
+    for key, (value, line) in flags.items():
+        if key in skip or (resolved and (superseded or {}).get(key) in flags):
             continue
         where = source.at(line)
         action = actions.get(key)
@@ -163,11 +167,13 @@ def _given(tokens: list[str], parser: argparse.ArgumentParser) -> set[str]:
     return {dests[t.split("=", 1)[0]] for t in tokens if t.split("=", 1)[0] in dests}
 
 
-def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None, alternatives=()) -> list[str]:
+def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None, alternatives=(),
+                superseded=None) -> list[str]:
     """`argv` with `--yaml-cfg FILE` replaced by the file's flags in front (so argv wins);
     `sections`: the group sections the file may have. `alternatives`: groups of flags that stand
     for one another (each group a tuple of alternatives, each a tuple of dests): an alternative
-    given in argv displaces the file's others, which would otherwise clash with it."""
+    given in argv displaces the file's others, which would otherwise clash with it; `superseded`:
+    as `yaml_tokens`."""
     from megatron_dllm.cli import OneLineParser
 
     pre = OneLineParser(add_help=False, allow_abbrev=False)
@@ -181,7 +187,7 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None,
     given = _given(rest, parser)
     skip = {dest for group in alternatives for chosen in group if given & set(chosen)
             for other in group if other is not chosen for dest in other}
-    return yaml_tokens(known.yaml_cfg[0], parser, sections, skip) + rest
+    return yaml_tokens(known.yaml_cfg[0], parser, sections, skip, superseded) + rest
 
 
 def resolved_dict(config) -> dict:
