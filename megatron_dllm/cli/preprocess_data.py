@@ -8,8 +8,9 @@
 writes `data/corpus_text_document.bin/.idx`. `--json-keys` names the JSON fields (Parquet
 columns); plain-text inputs (`.txt`) hold one document per paragraph block. The input files
 are the expanded globs, sorted by path. Rejected records (invalid UTF-8 or JSON, missing
-field, non-text, empty text) are counted by reason and listed with file and line (Parquet:
-row) in the dataset's report, `{prefix}_{key}_document_rejected.tsv`.
+field, non-text, empty text, text that spells the tokenizer's own mask piece) are counted by
+reason and listed with file and line (Parquet: row) in the dataset's report,
+`{prefix}_{key}_document_rejected.tsv`.
 
 Many machines: `--num-shards N --shard-index I` (defaults: SLURM_ARRAY_TASK_COUNT and
 SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN in a Slurm array job) processes a contiguous,
