@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_dllm.config.fields import positive_int
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TE = "--transformer-impl transformer_engine --attention-backend fused --bf16"
 
@@ -39,7 +41,7 @@ def train(family: str, flags: list[str], iters: int, work: str, name: str) -> di
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, os.path.join(REPO, "pretrain_dllm.py"), "--family", family, "--train-iters", str(iters),
-           "--log-interval", "10", "--eval-interval", str(iters), "--eval-iters", "1", "--seed", "1234",
+           "--log-interval", str(LOG_INTERVAL), "--eval-interval", str(iters), "--eval-iters", "1", "--seed", "1234",
            "--metrics-file", metrics, *flags]
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -57,18 +59,38 @@ def end_difference(a: dict[int, float], b: dict[int, float], tail: int) -> tuple
     return end_a, end_b, abs(end_b - end_a) / end_a
 
 
+LOG_INTERVAL = 10
+
+
+def logged_losses(iters: int, flags: list[str]) -> int:
+    """How many losses a run of `iters` iterations logs: every --log-interval (the last one given
+    wins, as train() passes LOG_INTERVAL first) and the last iteration."""
+    interval = LOG_INTERVAL
+    for i, flag in enumerate(flags):
+        if flag == "--log-interval" and i + 1 < len(flags):
+            interval = int(flags[i + 1])
+        elif flag.startswith("--log-interval="):
+            interval = int(flag.split("=", 1)[1])
+    return iters // interval + (1 if iters % interval else 0)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     common = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", nargs="+", default=["mdlm", "duo"])
-    p.add_argument("--train-iters", type=int, default=300)
+    p.add_argument("--train-iters", type=positive_int, default=300)
     p.add_argument("--a", default=TE, help="flags of the first run (the reference)")
     p.add_argument("--b", default=f"{TE} --fp8-format hybrid --fp8-recipe delayed", help="flags of the second run")
     p.add_argument("--tolerance", type=float, default=0.015, help="largest relative difference at the end")
-    p.add_argument("--tail", type=int, default=3, help="logged losses averaged for 'at the end'")
+    p.add_argument("--tail", type=positive_int, default=3, help="logged losses averaged for 'at the end'")
     p.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    for flags in (args.a, args.b):  # before any training: the verdict needs --tail logged losses
+        logged = logged_losses(args.train_iters, shlex.split(flags) + common)
+        if logged < args.tail:
+            p.error(f"--train-iters {args.train_iters} logs {logged} losses with {flags or 'no flags'} "
+                    f"{shlex.join(common)}, fewer than --tail {args.tail}")
     work = args.work or tempfile.mkdtemp(prefix="loss-curves-")
     os.makedirs(work, exist_ok=True)
     print(f"a: {args.a or '(no flags)'}\nb: {args.b or '(no flags)'}\nboth: {shlex.join(common) or '(no flags)'}, "

@@ -26,3 +26,6 @@ def test_a_difference_beyond_the_tolerance_fails(monkeypatch, capsys):
     runs["b"] = {10: 4.0, 20: 3.0}
     with pytest.raises(ValueError, match="different iterations"):
         curves.main(argv)
+    with pytest.raises(SystemExit) as exit_:  # too few logged losses: refused before any run
+        curves.main([*argv, "--train-iters", "10"])
+    assert exit_.value.code == 2 and "--train-iters 10 logs 1 losses" in capsys.readouterr().err
