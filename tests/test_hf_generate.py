@@ -39,9 +39,11 @@ REMASKING = [("low-confidence", {"num_return_sequences": 2, "max_new_tokens": 10
                                  "sampler": "low-confidence", "block_length": 4, "seed": 6}),
              ("threshold", {"input_ids": [[EOS, EOS] + PROMPTS[0], PROMPTS[1]],
                             "attention_mask": [[0, 0, 1, 1, 1], [1] * 5], "max_new_tokens": 6, "sampler": "threshold",
-                            "threshold": 0.05, "seed": 7, "eos_token_id": EOS})]
+                            "threshold": 0.05, "seed": 7, "eos_token_id": EOS}),
+             ("noise-removal", {"input_ids": [PROMPTS[1]], "max_new_tokens": 8, "steps": 3,
+                                "noise_removal": "ancestral", "seed": 8})]
 KNOBS = {"block_length": "block_length", "tokens_per_step": "tokens_per_step", "threshold": "confidence_threshold",
-         "entropy_bound": "entropy_bound"}  # generate's argument -> SamplingConfig's field
+         "entropy_bound": "entropy_bound", "noise_removal": "noise_removal"}  # generate's argument -> SamplingConfig's
 
 
 def write_export(name: str, out) -> str:
@@ -199,6 +201,8 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
     ({"sampler": "threshold", "threshold": 1.5}, "threshold=1.5: must be in [0, 1]"),
     ({"top_p": 1.5}, "top_p=1.5: must be in (0, 1]"),
     ({"temperature": 0.0}, "temperature=0.0: must be a finite number >= 1e-30"),
+    ({"sampler": "left-to-right", "noise_removal": "ancestral"},
+     "noise_removal='ancestral': 'greedy', or 'ancestral' with sampler='ancestral'"),
     ({"temperature": float("nan")}, "temperature=nan: must be a finite number >= 1e-30"),
     ({"sampler": "low-confidence", "block_length": 0}, "block_length=0: must be an integer >= 1"),
     ({"sampler": "low-confidence", "tokens_per_step": 2.5}, "tokens_per_step=2.5: must be an integer >= 1"),

@@ -37,7 +37,7 @@ import torch
 # samplers import categorical as a module (`from . import categorical`), so it is named here
 from .categorical import sample as _shipped_with_the_export  # noqa: F401
 from .conditional import generate_left_to_right_batch, generate_native_batch
-from .config import MIN_TEMPERATURE, REMASKING_PREDICTORS, SamplingConfig
+from .config import MIN_TEMPERATURE, NOISE_REMOVALS, REMASKING_PREDICTORS, SamplingConfig
 from .deps import get_family
 from .generate import generate
 from .inference_model import InferenceModel
@@ -53,7 +53,7 @@ _FLAG_ARGUMENTS = {"--steps": "steps", "--predictor": "sampler", "--max-new-toke
                    "--confidence-threshold": "threshold", "--entropy-bound": "entropy_bound",
                    "--kv-cache": "kv_cache", "--no-kv-cache": "kv_cache=False", "--cuda-graphs": "cuda_graphs",
                    "--top-p": "top_p", "--temperature": "temperature", "--stop-at-eos": "stop_at_eos",
-                   "--family": "family", "prompt_ids": "input_ids"}
+                   "--noise-removal": "noise_removal", "--family": "family", "prompt_ids": "input_ids"}
 
 
 @contextlib.contextmanager
@@ -101,6 +101,10 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
     if not MIN_TEMPERATURE <= temperature < math.inf:  # below it, logits / temperature can overflow
         raise ValueError(f"temperature={temperature!r}: must be a finite number >= {MIN_TEMPERATURE:g}")
     SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
+    if remasking["noise_removal"] not in NOISE_REMOVALS or (remasking["noise_removal"] != "greedy"
+                                                            and sampler != "ancestral"):
+        raise ValueError(f"noise_removal={remasking['noise_removal']!r}: 'greedy', or 'ancestral' with "
+                         f"sampler='ancestral'")
 
 
 @_named_as_arguments()
@@ -113,7 +117,8 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                        kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64,
                        cuda_graphs: bool = SamplingConfig.cuda_graphs,
                        block_length: int | None = None, tokens_per_step: int | None = None,
-                       threshold: float | None = None, entropy_bound: float | None = None) -> torch.LongTensor:
+                       threshold: float | None = None, entropy_bound: float | None = None,
+                       noise_removal: str = SamplingConfig.noise_removal) -> torch.LongTensor:
     """Samples [rows, P + new] from the family's sampler (see the module docstring).
 
     input_ids: [b, P] prompts (None or P = 0: unconditional, `num_return_sequences` rows).
@@ -125,12 +130,14 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     block_length, tokens_per_step, threshold, entropy_bound: the remasking predictors' knobs, as
     `SamplingConfig`'s (`--block-length`, `--tokens-per-step`, `--confidence-threshold`,
     `--entropy-bound`); each only with its sampler.
+    noise_removal: "greedy" or "ancestral", the final step of the MDLM/Duo/BD3-LM ancestral samplers
+    (`--noise-removal`).
     seed: the seed of megatron_dllm's sample command; generator: draw from this one instead.
     num_return_sequences: samples per prompt (rows of a prompt follow each other).
     eos_token_id: the EOS id (default: config.eos_token_id, if any).
     """
     remasking = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
-                     entropy_bound=entropy_bound)
+                     entropy_bound=entropy_bound, noise_removal=noise_removal)  # the sampler's options
     _checked(model, sampler, steps, max_new_tokens, num_return_sequences, temperature, top_p, remasking)
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
