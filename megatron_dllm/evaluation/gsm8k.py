@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import gzip
 import importlib.util
 import json
 import os
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 from decimal import Decimal, InvalidOperation
 
 from megatron_dllm.atomic_file import atomic_write
+from megatron_dllm.data.prep.sources import read_lines
 from megatron_dllm.errors import InputError
 from megatron_dllm.evaluation.generation_batches import in_batches
 from megatron_dllm.sampling.conditional import generate_left_to_right_batch, generate_native_batch
@@ -85,14 +85,13 @@ def default_test_file() -> str:
 def _lines(path: str):
     """(number, text) of each line, decoded one by one: bytes that are not UTF-8 are an InputError
     naming their line; a byte-order mark (as Windows tools write) is a marker, not text."""
-    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode reads CRLF files
-            except UnicodeDecodeError:
-                raise InputError(f"--data {path}:{lineno}: not UTF-8 text; expected GSM8K's JSONL or Deng et "
-                                 f"al.'s text format") from None
-            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
+    for lineno, raw, _ in read_lines(path):  # plain, .gz or .zst
+        try:
+            line = raw.decode("utf-8").replace("\r\n", "\n")  # as text mode reads CRLF files
+        except UnicodeDecodeError:
+            raise InputError(f"--data {path}:{lineno}: not UTF-8 text; expected GSM8K's JSONL or Deng et "
+                             f"al.'s text format") from None
+        yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
 def load_problems(path: str | None = None) -> list[Problem]:
