@@ -77,7 +77,7 @@ def _family_options(config) -> dict:
 
 
 def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_return_sequences: int,
-             temperature: float, top_p: float, remasking: dict) -> None:
+             temperature: float, top_p: float, options: dict) -> None:
     config = model.config
     if config.family not in SAMPLERS:
         raise ValueError(f"config.json: family {config.family!r} has no sampler; expected one of: "
@@ -92,19 +92,18 @@ def _checked(model, sampler: str, steps: int, max_new_tokens: int | None, num_re
         raise ValueError(f"sampler={sampler!r} is not available for the {config.family} family; valid: "
                          f"{', '.join(valid)}")
     for name, value in (("steps", steps), ("max_new_tokens", max_new_tokens),
-                        ("num_return_sequences", num_return_sequences), ("block_length", remasking["block_length"]),
-                        ("tokens_per_step", remasking["tokens_per_step"])):
+                        ("num_return_sequences", num_return_sequences), ("block_length", options["block_length"]),
+                        ("tokens_per_step", options["tokens_per_step"])):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r}: must be in (0, 1]")
     if not MIN_TEMPERATURE <= temperature < math.inf:  # below it, logits / temperature can overflow
         raise ValueError(f"temperature={temperature!r}: must be a finite number >= {MIN_TEMPERATURE:g}")
-    SamplingConfig(predictor=sampler, **remasking).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
-    if remasking["noise_removal"] not in NOISE_REMOVALS or (remasking["noise_removal"] != "greedy"
-                                                            and sampler != "ancestral"):
-        raise ValueError(f"noise_removal={remasking['noise_removal']!r}: 'greedy', or 'ancestral' with "
-                         f"sampler='ancestral'")
+    SamplingConfig(predictor=sampler, **options).check_remasking(lambda field: ARGUMENT.get(field, field), "=")
+    removal = options["noise_removal"]
+    if removal not in NOISE_REMOVALS or (removal != "greedy" and sampler != "ancestral"):
+        raise ValueError(f"noise_removal={removal!r}: 'greedy', or 'ancestral' with sampler='ancestral'")
 
 
 @_named_as_arguments()
@@ -136,9 +135,9 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     num_return_sequences: samples per prompt (rows of a prompt follow each other).
     eos_token_id: the EOS id (default: config.eos_token_id, if any).
     """
-    remasking = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
-                     entropy_bound=entropy_bound, noise_removal=noise_removal)  # the sampler's options
-    _checked(model, sampler, steps, max_new_tokens, num_return_sequences, temperature, top_p, remasking)
+    options = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
+                     entropy_bound=entropy_bound, noise_removal=noise_removal)  # SamplingConfig's fields
+    _checked(model, sampler, steps, max_new_tokens, num_return_sequences, temperature, top_p, options)
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
                          config.max_position_embeddings, None, "hf", family_options=_family_options(config))
@@ -170,7 +169,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
             seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
                      for j in range(num_return_sequences)]  # a prompt's samples differ
             return _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
-                           temperature, top_p, remasking)
+                           temperature, top_p, options)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
     if room < 1 or (max_new_tokens or 0) > room:
@@ -178,14 +177,14 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                          f"the model's context of {inf.seq_length}")
     cfg = SamplingConfig(steps=steps, seq_length=prompt + (max_new_tokens or room), top_p=top_p,
                          temperature=temperature, float64=float64, predictor=sampler, kv_cache=kv_cache,
-                         cuda_graphs=cuda_graphs, stop_at_eos=stop_at_eos, eos_id=eos, **remasking)
+                         cuda_graphs=cuda_graphs, stop_at_eos=stop_at_eos, eos_id=eos, **options)
     out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
                    generator=generator)
     return out.to(inf.device)
 
 
 def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
-            remasking: dict) -> torch.Tensor:
+            options: dict) -> torch.Tensor:
     """Conditional generation for prompts given padded (`real` False at padding), row i drawing
     from `seeds[i]`: the input, then each row's answer (cut after its first EOS), EOS-filled to
     the longest."""
@@ -197,7 +196,7 @@ def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, te
         answers = generate_left_to_right_batch(inf, prompts, max_new_tokens, eos, **settings)
     elif sampler in ("ancestral",) + REMASKING_PREDICTORS:
         answers = generate_native_batch(inf, prompts, max_new_tokens, eos, steps=steps, predictor=sampler,
-                                        **settings, **remasking)
+                                        **settings, **options)
     else:
         raise ValueError(f"sampler={sampler!r}: padded prompts are answered with 'ancestral', 'left-to-right' or "
                          f"a remasking sampler")
