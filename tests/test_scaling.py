@@ -3,11 +3,13 @@ import importlib
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.hf.configuration_dllm import DLLMConfig
 from megatron_dllm.hf.modeling_dllm import DiT
 from megatron_dllm.model.presets import PAPER_PRESETS, Preset, get_preset
@@ -450,3 +452,70 @@ def test_the_planner_refuses_a_grid_entry_twice_and_gpt_presets(change, message)
     with pytest.raises(ValueError, match=message):
         plan_isoflop(grid["budgets"], grid["families"], grid["presets"], seq_length=32, global_batch_size=8,
                      vocab_size=4097)
+
+
+def _finished(tmp_path, name: str, planned: list[PlannedRun], records, **settings) -> str:
+    """A manifest of `planned` under tmp_path/name whose runs wrote `records` (one per run)."""
+    manifest = tmp_path / name / "manifest.json"
+    write_manifest(str(manifest), planned, str(tmp_path / name / "runs"), **settings)
+    for plan, record in zip(planned, records):
+        os.makedirs(tmp_path / name / "runs" / plan.name)
+        (tmp_path / name / "runs" / plan.name / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    return str(manifest)
+
+
+def test_the_fits_refuse_runs_that_trained_other_flops_or_settings_than_planned(tmp_path):
+    """A run trained with another --vocab-size than planned logs other FLOPs (its point would sit at
+    the wrong N); manifests of other settings, or one model twice, would pool unlike points."""
+    finished_runs = _tool("scaling_laws").finished_runs
+    run = PlannedRun("ar-a", "ar", "cpu-tiny", 1e12, 1000, 10, 640, 10**12 - 5)
+    ok = _finished(tmp_path, "ok", [run], [{"iteration": 10, "valid_nelbo": 3.0, "flops": 10**12 - 5}],
+                   seq_length=64)
+    assert [r["loss"] for r in finished_runs([ok])[0]] == [3.0]
+    for name, record, message in [
+        ("vocab", {"iteration": 10, "valid_nelbo": 3.0, "flops": 3 * 10**11}, "300000000000 training FLOPs in 10 "
+                                                                              "iterations, but --manifest"),
+        ("longer", {"iteration": 20, "valid_nelbo": 3.0, "flops": 2 * 10**12}, "in 20 iterations, but"),
+        ("zero", {"iteration": 10, "valid_nelbo": 0.0}, "validation NELBO 0.0 at iteration 10; a NELBO is positive"),
+    ]:
+        with pytest.raises(InputError, match=message):
+            finished_runs([_finished(tmp_path, name, [run], [record], seq_length=64)])
+    other = _finished(tmp_path, "s128", [run], [{"iteration": 10, "valid_nelbo": 3.5}], seq_length=128)
+    with pytest.raises(InputError, match=re.escape(f"--manifest {other}: seq_length 128, but {ok} has 64")):
+        finished_runs([ok, other])
+    again = _finished(tmp_path, "again", [run], [{"iteration": 10, "valid_nelbo": 3.5}], seq_length=64)
+    with pytest.raises(InputError, match="ar-a is a second ar run of 1000 parameters at budget 1e"):
+        finished_runs([ok, again])
+
+
+def test_pareto_refuses_two_models_in_one_directory_and_reads_no_fit_outside_both_ranges(tmp_path):
+    """Two models' records in one directory would merge into one model (the last file read winning);
+    and throughput fitted on T = 8 ... 32 extrapolates below zero at T = 200."""
+    for preset, ppl in (("a", 50.0), ("b", 70.0)):
+        (tmp_path / f"gen_{preset}.json").write_text(json.dumps({"family": "mdlm", "steps": 8, "gen_ppl": ppl}))
+    with pytest.raises(InputError, match=r"gen_b.json and .*gen_a.json: two gen_ppl values for mdlm model "):
+        pareto.fit_models(pareto.load_records(sorted(map(str, tmp_path.glob("gen_*.json"))), "gen_ppl", "g"), [])
+    steps = (8, 16, 32, 64, 128, 256, 512, 1024)
+    gen = [{"family": "mdlm", "model": "m", "steps": t, "gen_ppl": 40 + 4000 / t} for t in steps]
+    thr = [{"family": "mdlm", "model": "m", "steps": t, "tokens_per_s": s} for t, s in ((8, 100.0), (16, 60.0),
+                                                                                       (32, 30.0))]
+    models, unpaired = pareto.fit_models(gen, thr)
+    assert models[0].throughput_at(200) < 0 and not unpaired  # the fit, read where nothing was measured
+    frontier = pareto.pareto_frontier(models, [60, 100, 200, 600])
+    assert {r["target"]: r["steps"] for r in frontier} == pytest.approx({200: 25.0, 600: 8.0})  # 4000/160; T = 8 reaches 540
+    assert all(r["tokens_per_s"] > 0 for r in frontier)
+    models, unpaired = pareto.fit_models(gen, [{"family": "mdlm", "model": "m", "steps": 4, "tokens_per_s": 9.0}])
+    assert models == [] and unpaired == ["mdlm m: Gen PPL measured at T = 8 ... 1024, throughput at 4 ... 4: "
+                                         "no common range"]
+
+
+@pytest.mark.parametrize("command", [["plan_isoflop", "--format", "commands"], ["model_info", "--preset", "14M"]])
+def test_a_listing_whose_reader_went_away_ends_quietly(command):
+    """`plan_isoflop.py --format commands | head -1`: no traceback, the shell's SIGPIPE exit code,
+    whether the output is written during the command (the paper grid) or flushed at its end."""
+    import subprocess
+    import sys
+    child = subprocess.Popen([sys.executable, "-m", f"megatron_dllm.cli.{command[0]}", *command[1:]],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # the reader is gone before the child writes a line
+    assert (child.wait(timeout=120), child.stderr.read()) == (141, b"")

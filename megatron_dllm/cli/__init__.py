@@ -57,6 +57,7 @@ def fail(message: str) -> int:
     return BAD_INPUT_EXIT
 
 
+BROKEN_PIPE_EXIT = 141  # the shell's code for a writer whose reader went away (128 + SIGPIPE)
 INTERRUPTED_EXIT = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 
@@ -68,14 +69,19 @@ def interrupted() -> int:
 
 def reports_bad_input(*errors: type[BaseException]):
     """Decorate a command's `main`: bad input (InputError, OSError and any `errors` given) becomes
-    `fail(str(err))`, a Ctrl-C one line; anything else is a bug and keeps its traceback."""
+    `fail(str(err))`, a Ctrl-C one line, a closed stdout pipe silence; anything else is a bug and keeps its traceback."""
     caught = BAD_INPUT + errors
 
     def wrap(main):
         @functools.wraps(main)
         def run(*args, **kwargs) -> int:
             try:
-                return main(*args, **kwargs)
+                code = main(*args, **kwargs)
+                sys.stdout.flush()  # a reader gone away shows here, not as a traceback at exit
+                return code
+            except BrokenPipeError:  # `... | head`: the reader has what it wanted; no traceback at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return BROKEN_PIPE_EXIT
             except caught as err:
                 return fail(str(err))
             except KeyboardInterrupt:

@@ -6,13 +6,15 @@ megatron_dllm/scaling/flops.py (`calflops`: the paper's; `full`: every matmul, a
 the same for every family but BD3-LM, whose model runs on [x_t ; x_0], twice the tokens.
 """
 import json
+import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import OneLineParser
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import positive_int
 from megatron_dllm.errors import InputError
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__)
     parser.add_argument("--preset", required=True)
@@ -59,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

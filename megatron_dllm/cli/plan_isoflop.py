@@ -19,7 +19,7 @@ import shlex
 import sys
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import BAD_INPUT, OneLineParser
+from megatron_dllm.cli import BAD_INPUT, OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import positive_float, positive_int
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, PRESETS
@@ -59,6 +59,7 @@ def _table(runs) -> str:
     return "\n".join([header, *rows])
 
 
+@reports_bad_input()
 def main(argv=None):
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budgets", type=positive_float, nargs="+", default=list(PAPER_BUDGETS),
@@ -117,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,8 +14,10 @@ import argparse
 import json
 import math
 import os
+import sys
 from dataclasses import asdict
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.config.fields import positive_float
 from megatron_dllm.errors import InputError
@@ -25,21 +27,44 @@ from megatron_dllm.scaling.plan import final_validation, read_manifest, series_n
 
 
 def finished_runs(manifests) -> tuple[list[dict], list[str]]:
-    runs, skipped = [], []
+    """The runs that reached their planned iterations, with their last validation NELBO as "loss",
+    and what was skipped. A run that trained other FLOPs than planned, or manifests of other
+    settings, are bad input: their points would sit at the wrong N or budget."""
+    runs, skipped, settings_of, point_of = [], [], {}, {}
     for manifest in manifests:
-        for run in read_manifest(manifest):
+        settings, planned = read_manifest(manifest)
+        for key, value in settings.items():
+            first, where = settings_of.setdefault(key, (value, manifest))
+            if value != first:
+                raise InputError(f"--manifest {manifest}: {key} {value}, but {where} has {first} (the fits "
+                                 f"compare runs of one setting)")
+        for run in planned:
             record = final_validation(run["metrics_file"])
             if record is None or record["iteration"] < run["iterations"]:
                 got = "no validation" if record is None else f"validation at iteration {record['iteration']}"
                 skipped.append(f"{run['name']}: unfinished ({got}, planned {run['iterations']} iterations)")
                 continue
-            if not math.isfinite(record["valid_nelbo"]):  # diverged: no point on its budget's curve
-                skipped.append(f"{run['name']}: diverged (validation NELBO {record['valid_nelbo']} at iteration "
-                               f"{record['iteration']})")
+            if record["iteration"] > run["iterations"] or record.get("flops", run["flops"]) != run["flops"]:
+                raise InputError(f"{run['metrics_file']}: {record.get('flops', '?')} training FLOPs in "
+                                 f"{record['iteration']} iterations, but --manifest {manifest} planned "
+                                 f"{run['flops']} in {run['iterations']} for {run['name']} (trained with other "
+                                 f"--vocab-size, --seq-length or --global-batch-size than planned?)")
+            loss = record["valid_nelbo"]
+            if not math.isfinite(loss):  # diverged: no point on its budget's curve
+                skipped.append(f"{run['name']}: diverged (validation NELBO {loss} at iteration {record['iteration']})")
                 continue
+            if loss <= 0:
+                raise InputError(f"{run['metrics_file']}: validation NELBO {loss} at iteration "
+                                 f"{record['iteration']}; a NELBO is positive")
             # the fits compare series: a family, or BD3-LM at one block size (bd3lm-b4)
-            runs.append({**run, "family": series_name(run["family"], run.get("block_size")),
-                         "loss": record["valid_nelbo"]})
+            series = series_name(run["family"], run.get("block_size"))
+            point = (series, run["budget"], run["non_embedding_params"])
+            if point in point_of:
+                raise InputError(f"--manifest {manifest}: {run['name']} is a second {series} run of "
+                                 f"{run['non_embedding_params']} parameters at budget {run['budget']:g} (the "
+                                 f"first: {point_of[point]})")
+            point_of[point] = run["metrics_file"]
+            runs.append({**run, "family": series, "loss": loss})
     return runs, skipped
 
 
@@ -148,13 +173,13 @@ def main(argv=None):
     elif os.path.exists(out("pareto.png")):  # an earlier run's frontier is not this one's
         os.remove(out("pareto.png"))
     result = to_json(analysis, frontier, models)
-    with open(out("results.json"), "w") as f:
+    with atomic_write(out("results.json")) as f:
         json.dump(result, f, indent=1, allow_nan=False)  # a NaN would make it unreadable as JSON
-    with open(out("results.md"), "w") as f:
+    with atomic_write(out("results.md")) as f:
         f.write(to_markdown(result))
     print(to_markdown(result))
     return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

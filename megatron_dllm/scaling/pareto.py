@@ -2,7 +2,7 @@
 
 For each family and model: fit Gen PPL(T) and throughput(T) (fits.StepCurve), find the fewest
 steps T that reach a target Gen PPL, read the throughput there, and keep the best model per family
-and target. T is searched only inside the measured step range (no extrapolation); a model measured
+and target. T is searched only inside the step range where both were measured (no extrapolation); a model measured
 at fewer than 3 step counts (AR: one) is used at its measured points, without a fit.
 
 Input records are tools/evaluate.py's: Gen PPL {"family", "steps", "gen_ppl", "entropy"} and
@@ -59,7 +59,7 @@ def load_records(paths, value: str, flag: str) -> list[dict]:
                 raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
             records.append({**item, "family": series_name(item["family"], item.get("block_size")),
-                            "model": str(item.get("model", item.get("preset", default_model)))})
+                            "model": str(item.get("model", item.get("preset", default_model))), "file": path})
     return records
 
 
@@ -72,6 +72,12 @@ class ModelCurves:
     gen_ppl: StepCurve | None = None  # None: fewer than 3 step counts
     throughput: StepCurve | None = None
 
+    def steps_range(self) -> tuple[float, float]:
+        """The steps measured for both Gen PPL and throughput (empty when lo > hi): the frontier
+        reads neither fit outside it."""
+        return (max(min(self.gen_ppl_points), min(self.throughput_points)),
+                min(max(self.gen_ppl_points), max(self.throughput_points)))
+
     def throughput_at(self, steps: float) -> float:
         if self.throughput is not None:
             return float(self.throughput(steps))
@@ -82,37 +88,53 @@ class ModelCurves:
         return float(np.interp(math.log(steps), np.log(xs), ys))
 
     def steps_for(self, target: float) -> float | None:
-        """Fewest measured-range steps with Gen PPL <= target, None if none."""
+        """Fewest steps in `steps_range` with Gen PPL <= target, None if none."""
+        lo, hi = self.steps_range()
         if self.gen_ppl is None:
-            ok = [t for t, g in self.gen_ppl_points.items() if g <= target]
+            ok = [t for t, g in self.gen_ppl_points.items() if g <= target and lo <= t <= hi]
             return min(ok) if ok else None
-        lo, hi = min(self.gen_ppl_points), max(self.gen_ppl_points)
+        if lo > hi or self.gen_ppl(hi) > target:
+            return None
         if self.gen_ppl(lo) <= target:
             return float(lo)
-        if self.gen_ppl(hi) > target:
-            return None
         return self.gen_ppl.steps_for(target)
 
 
+def _points(records, value: str) -> dict:
+    """(family, model) -> {steps: value}; two files that measure one model at one T differently
+    are refused (two models written into one directory would otherwise merge)."""
+    points, source = defaultdict(dict), {}
+    for r in records:
+        key, steps, measured = (r["family"], r["model"]), float(r["steps"]), float(r[value])
+        if points[key].get(steps, measured) != measured:
+            raise InputError(f"{r.get('file', 'a record')} and {source[key + (steps,)]}: two {value} values for {key[0]} model "
+                             f"{key[1]!r} at T = {steps:g} (give each model its own directory or a 'model' key)")
+        points[key][steps] = measured
+        source[key + (steps,)] = r.get("file", "a record")
+    return points
+
+
 def fit_models(gen_ppl_records, throughput_records) -> tuple[list[ModelCurves], list[str]]:
-    """(one ModelCurves per (family, model) with both kinds of measurement, what has only one)."""
-    gen, thr = defaultdict(dict), defaultdict(dict)
-    for r in gen_ppl_records:
-        gen[(r["family"], r["model"])][float(r["steps"])] = float(r["gen_ppl"])
-    for r in throughput_records:
-        thr[(r["family"], r["model"])][float(r["steps"])] = float(r["tokens_per_s"])
-    models = []
+    """(one ModelCurves per (family, model) with both kinds of measurement, what has only one or
+    no steps measured for both)."""
+    gen, thr = _points(gen_ppl_records, "gen_ppl"), _points(throughput_records, "tokens_per_s")
+    models, unpaired = [], []
     for key in sorted(gen.keys() & thr.keys()):
         m = ModelCurves(*key, gen[key], thr[key])
+        lo, hi = m.steps_range()
+        if lo > hi:
+            unpaired.append(f"{key[0]} {key[1]}: Gen PPL measured at T = {min(gen[key]):g} ... {max(gen[key]):g}, "
+                            f"throughput at {min(thr[key]):g} ... {max(thr[key]):g}: no common range")
+            continue
         if len(m.gen_ppl_points) >= 3:
             m.gen_ppl = fit_step_curve(list(m.gen_ppl_points), list(m.gen_ppl_points.values()))
         if len(m.throughput_points) >= 3:
             m.throughput = fit_step_curve(list(m.throughput_points), list(m.throughput_points.values()))
         models.append(m)
-    unpaired = [f"{family} {model}: {kind} records only (a model's records pair by its 'model'/'preset' key, "
-                f"else its files' directory)" for kind, only in (("Gen PPL", gen.keys() - thr.keys()),
-                                                               ("throughput", thr.keys() - gen.keys()))
-                for family, model in sorted(only)]
+    unpaired += [f"{family} {model}: {kind} records only (a model's records pair by its 'model'/'preset' key, "
+                 f"else its files' directory)" for kind, only in (("Gen PPL", gen.keys() - thr.keys()),
+                                                                ("throughput", thr.keys() - gen.keys()))
+                 for family, model in sorted(only)]
     return models, unpaired
 
 
@@ -128,6 +150,8 @@ def pareto_frontier(models: list[ModelCurves], targets) -> list[dict]:
             if steps is None:
                 continue
             speed = m.throughput_at(steps)
+            if not (math.isfinite(speed) and speed > 0):  # a fit gone wrong between points is no speed
+                continue
             if m.family not in best or speed > best[m.family]["tokens_per_s"]:
                 best[m.family] = {"target": float(target), "family": m.family, "model": m.model,
                                   "steps": steps, "tokens_per_s": speed}

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, get_preset, gpt_shape_of
 from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sample
@@ -125,17 +126,18 @@ def write_manifest(path: str, runs: list[PlannedRun], runs_dir: str, **settings)
     entries = [{**asdict(r), "metrics_file": os.path.relpath(os.path.join(runs_dir, r.name, "metrics.jsonl"), base)}
                for r in runs]
     os.makedirs(base, exist_ok=True)
-    with open(path, "w") as f:
+    with atomic_write(path) as f:
         json.dump({**settings, "runs": entries}, f, indent=1)
 
 
-def read_manifest(path: str) -> list[dict]:
-    """The manifest's runs, metrics_file made absolute."""
+def read_manifest(path: str) -> tuple[dict, list[dict]]:
+    """(the manifest's settings, its runs with metrics_file made absolute)."""
     base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path) as f:
-            runs = json.load(f)["runs"]
-        return [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in runs]
+            manifest = json.load(f)
+        runs = [{**r, "metrics_file": os.path.join(base, r["metrics_file"])} for r in manifest["runs"]]
+        return {k: v for k, v in manifest.items() if k != "runs"}, runs
     except OSError as err:
         raise InputError(f"--manifest {path}: cannot read it ({err.strerror or err})") from None
     except (ValueError, KeyError, TypeError) as err:  # e.g. plan_isoflop's --format json, which has no metrics_file
