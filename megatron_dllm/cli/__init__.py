@@ -69,7 +69,8 @@ def interrupted() -> int:
 
 def reports_bad_input(*errors: type[BaseException]):
     """Decorate a command's `main`: bad input (InputError, OSError and any `errors` given) becomes
-    `fail(str(err))`, a Ctrl-C one line, a closed stdout pipe silence; anything else is a bug and keeps its traceback."""
+    `fail(str(err))`, a Ctrl-C one line, a closed stdout pipe silence; anything else is a bug and
+    keeps its traceback."""
     caught = BAD_INPUT + errors
 
     def wrap(main):

@@ -107,8 +107,9 @@ def _points(records, value: str) -> dict:
     for r in records:
         key, steps, measured = (r["family"], r["model"]), float(r["steps"]), float(r[value])
         if points[key].get(steps, measured) != measured:
-            raise InputError(f"{r.get('file', 'a record')} and {source[key + (steps,)]}: two {value} values for {key[0]} model "
-                             f"{key[1]!r} at T = {steps:g} (give each model its own directory or a 'model' key)")
+            raise InputError(f"{r.get('file', 'a record')} and {source[key + (steps,)]}: two {value} values "
+                             f"for {key[0]} model {key[1]!r} at T = {steps:g} (give each model its own directory "
+                             f"or a 'model' key)")
         points[key][steps] = measured
         source[key + (steps,)] = r.get("file", "a record")
     return points
