@@ -298,6 +298,20 @@ def test_preprocess_counts_and_names_rejections(tmp_path, jsonl_corpus, demo, sp
     assert ds.index.dtype == np.uint16
 
 
+def test_a_list_valued_field_keeps_its_whitespace_items_as_megatron_lm(tmp_path, demo, sp_tok):
+    """Megatron-LM's encoder tokenizes every item of a list and keeps each that gives a token: a
+    paragraph break between two pieces is part of the document."""
+    pieces = ["First piece.", "\n\n", " ", "Second piece."]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": pieces}) + "\n" + json.dumps({"text": [" ", "\n"]}) + "\n")
+    stats = preprocess([str(tmp_path / "c.jsonl")], str(tmp_path / "out"), demo["tokenizer_type"],
+                       demo["tokenizer_model"], append_eod=True)
+    assert dict(stats.keys["text"].rejected) == {"empty_text": 1}  # all whitespace: empty, as a plain string
+    expected = [i for piece in pieces for i in sp_tok.tokenize(piece)] + [sp_tok.eod]
+    assert len(expected) > len(sp_tok.tokenize("First piece.") + sp_tok.tokenize("Second piece.")) + 1
+    dataset = open_indexed_dataset(stats.output_prefixes["text"])  # held: its samples view its mmap
+    assert dataset[0].tolist() == expected
+
+
 def test_preprocess_cli_workers_and_plain_text(tmp_path, jsonl_corpus, demo, paragraphs):
     txt = tmp_path / "plays.txt"
     txt.write_text("\n\n".join(paragraphs[:30]) + "\n\n  \n\n" + paragraphs[30] + "\n", encoding="utf-8")

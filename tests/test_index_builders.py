@@ -251,6 +251,15 @@ def test_auto_without_the_extension_uses_megatrons_helpers_not_numpy(monkeypatch
     assert ib._backend(None) == "megatron"
     for ours, theirs in zip(with_extension, built()):
         np.testing.assert_array_equal(ours, theirs)
+    assert ib.backend_in_words() == "megatron-core's helpers_cpp (extension not built)"
+
+
+@pytest.mark.parametrize("chosen, words", [("", "C++"), ("megatron", "megatron-core's helpers_cpp"),
+                                           ("numpy", "numpy (reference)")])
+def test_the_logs_name_the_builders_in_use(monkeypatch, chosen, words):
+    """build_indexes' log line names MEGATRON_DLLM_INDEX_BACKEND's choice, not whether C++ is built."""
+    monkeypatch.setenv("MEGATRON_DLLM_INDEX_BACKEND", chosen or "auto")
+    assert ib.backend_in_words() == words
 
 
 def test_hook_swaps_and_restores_megatron_helpers():

@@ -77,10 +77,10 @@ def build(argv=None) -> dict:
     new = sorted(n for n, m in after.items() if before.get(n) != m)
 
     training = config.training
-    backend = "C++" if index_builders.HAVE_CPP else "megatron-core's helpers_cpp (extension not built)"
     print(f"build_indexes: family {config.model.family}, seq_length {config.model.seq_length}, seed {training.seed}, "
           f"{training.train_iters} iterations x {training.global_batch_size} = "
-          f"{training.train_iters * training.global_batch_size} training samples; index builders: {backend}")
+          f"{training.train_iters * training.global_batch_size} training samples; index builders: "
+          f"{index_builders.backend_in_words()}")
     print(f"build_indexes: train dataset {len(inputs.train_dataset)} samples"
           + (f", valid dataset {len(inputs.valid_dataset)} samples" if inputs.valid_dataset is not None else ""))
     print(f"build_indexes: cache {cache}: {len(new)} files written, "

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     if not args.allow_incomplete:
         check_shard_set(prefixes)
     if args.blend_file:
-        pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative, overwrite=args.overwrite)
+        pairs = write_blend_file(prefixes, args.blend_file, absolute=not args.relative, overwrite=args.overwrite,
+                                 log=print)
         print(f"wrote {len(pairs)} weighted prefixes ({sum(w for w, _ in pairs)} tokens) to {args.blend_file}")
     else:
         stats = merge_datasets(prefixes, args.output_prefix, log=print, overwrite=args.overwrite)

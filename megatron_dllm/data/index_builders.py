@@ -53,6 +53,14 @@ def _backend(backend: Optional[str]) -> str:
     return backend
 
 
+def backend_in_words() -> str:
+    """The builders in use (auto, or MEGATRON_DLLM_INDEX_BACKEND), for logs."""
+    backend = _backend(None)
+    if backend == "megatron":
+        return "megatron-core's helpers_cpp" + ("" if HAVE_CPP else " (extension not built)")
+    return {"cpp": "C++", "numpy": "numpy (reference)"}[backend]
+
+
 def _num_threads() -> int:
     return int(os.environ.get("MEGATRON_DLLM_INDEX_THREADS", "0"))
 

@@ -74,16 +74,10 @@ def _document_lengths(prefix: str, header: IndexHeader):
         s = header.sequence_count
         lengths = np.frombuffer(mm, np.int32, s, HEADER_SIZE)
         docs = np.frombuffer(mm, np.int64, header.document_count, HEADER_SIZE + 12 * s)
-        if header.document_count - 1 == s:  # one sequence per document (the usual case)
-            for i in range(0, s, _CHUNK):
-                yield lengths[i : i + _CHUNK].astype(np.int64)
-            return
-        csum_at = lambda j: int(lengths[:j].sum(dtype=np.int64)) if j else 0  # noqa: E731
-        for i in range(0, header.document_count - 1, _CHUNK):
+        for i in range(0, header.document_count - 1, _CHUNK):  # a document: sequences docs[d] ... docs[d+1]
             bounds = docs[i : i + _CHUNK + 1]
-            base = csum_at(int(bounds[0]))
-            c = np.concatenate([[0], np.cumsum(lengths[bounds[0] : bounds[-1]], dtype=np.int64)]) + base
-            yield c[bounds - bounds[0]][1:] - c[bounds - bounds[0]][:-1]
+            c = np.concatenate([[0], np.cumsum(lengths[bounds[0] : bounds[-1]], dtype=np.int64)])
+            yield np.diff(c[bounds - bounds[0]])
     finally:
         del mm
 

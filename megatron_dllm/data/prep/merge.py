@@ -64,7 +64,7 @@ def expand_prefixes(patterns: Sequence[str]) -> List[str]:
         if pattern.endswith(".idx") or pattern.endswith(".bin"):
             pattern = pattern[:-4]
         if glob.has_magic(pattern) and not os.path.isfile(pattern + ".idx"):  # an existing dataset is itself
-            matches = sorted(p[:-4] for p in glob.glob(pattern + ".idx"))
+            matches = sorted(p[:-4] for p in glob.glob(pattern + ".idx", recursive=True))
             if not matches:
                 raise InputError(f"--input {pattern!r}: matches no .idx file")
             out.extend(matches)
@@ -219,6 +219,9 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
     multimodal = headers[0].multimodal
     n_seq = sum(h.sequence_count for h in headers)
     n_doc = sum(h.num_documents for h in headers)
+    if not any(h.num_tokens for h in headers):  # as preprocessing: an empty dataset would look finished
+        raise InputError(f"--input: the {len(prefixes)} datasets hold no tokens (every record rejected? see "
+                         f"their _rejected.tsv reports); nothing written")
     tag = staging_tag()
     tmp_bin, tmp_idx = bin_path(output_prefix) + tag, idx_path(output_prefix) + tag
     rejections = rejections_path(output_prefix)
@@ -291,21 +294,25 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
     return stats
 
 
-def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True, overwrite: bool = False
-                     ) -> List[tuple]:
+def write_blend_file(prefixes: Sequence[str], path: str, absolute: bool = True, overwrite: bool = False,
+                     log=lambda message: None) -> List[tuple]:
     """Write `tokens prefix` lines (Megatron `--data-path` weights, proportional to size) of
     datasets made with one tokenizer; the file's whitespace-split contents are a valid
-    `--data-path` value. An existing file is replaced only with `overwrite`. Returns the pairs."""
+    `--data-path` value. A dataset without tokens (a shard that got no file) is left out, logged;
+    an existing file is replaced only with `overwrite`. Returns the pairs."""
     check_result_file(path, "--blend-file", overwrite)
     pairs = []
     for p in prefixes:
         h = validate_indexed_dataset(p)
-        if h.num_tokens == 0:
-            raise InputError(f"--input {p!r} has no tokens; Megatron weights must be positive")
+        if h.num_tokens == 0:  # Megatron weights must be positive
+            log(f"left out of the blend: {p} (no tokens)")
+            continue
         prefix = os.path.abspath(p) if absolute else p
         if len(prefix.split()) != 1:
             raise InputError(f"--input {prefix!r}: a path with whitespace cannot stand in a --data-path list")
         pairs.append((h.num_tokens, prefix))
+    if not pairs:
+        raise InputError(f"--input: none of the {len(prefixes)} datasets holds tokens; no --blend-file written")
     _one_tokenizer(prefixes)
     write_result_file(path, "".join(f"{w} {p}\n" for w, p in pairs))
     return pairs

@@ -67,7 +67,8 @@ def expand_inputs(patterns: Sequence[str], in_given_order: bool = False) -> List
     files = []
     for pattern in patterns:  # an existing file is itself, even where its name has glob characters
         magic = glob.has_magic(pattern) and not os.path.isfile(pattern)
-        matches = [m for m in (sorted(glob.glob(pattern)) if magic else [pattern]) if os.path.isfile(m)]
+        found = sorted(glob.glob(pattern, recursive=True)) if magic else [pattern]  # `**`: every depth
+        matches = [m for m in found if os.path.isfile(m)]
         if not matches:
             raise InputError(f"--input {pattern!r}: " + ("no file matches" if magic else not_a_file(pattern)))
         files += [os.path.normpath(m) for m in matches]

@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from megatron_dllm.errors import InputError
+
 MAX_SEEN_KEYS = 50  # field names remembered to name in a "no record has key" error
 
 
@@ -127,10 +129,12 @@ def _encode_chunk(records):
             if has_surrogates(pieces):  # checked first: the same records are kept whatever the tokenizer
                 rejects[key].append((fi, pos, "invalid_utf8"))
                 continue
-            if len(pieces) == 1:  # the common case: no per-id Python loop
-                doc = tok.tokenize(pieces[0]) if pieces[0].strip() else []
-            else:
-                doc = [i for t in pieces if t.strip() for i in tok.tokenize(t)]
+            if not any(t.strip() for t in pieces):
+                doc = []
+            elif len(pieces) == 1:  # the common case: no per-id Python loop
+                doc = tok.tokenize(pieces[0])
+            else:  # every item, whitespace too (a paragraph break), as Megatron-LM's encoder
+                doc = [i for t in pieces for i in tok.tokenize(t)]
             if not doc:
                 rejects[key].append((fi, pos, "empty_text"))
                 continue
@@ -161,6 +165,7 @@ def encoded_chunks(chunks, tokenizer, json_keys: Sequence[str], append_eod: bool
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     # spawn: the parent may hold threads (pyarrow, tokenizers) that fork would copy mid-lock
     ex = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
@@ -177,6 +182,9 @@ def encoded_chunks(chunks, tokenizer, json_keys: Sequence[str], append_eod: bool
         while pending:
             fut, c = pending.popleft()
             yield fut.result(), c
+    except BrokenProcessPool:  # the writer removes its temporaries: nothing is published
+        raise InputError("a tokenizer worker died (killed, or out of memory: fewer --workers or a smaller "
+                         "--chunk-bytes?); nothing was published, run it again") from None
     finally:
         for fut, _ in pending:
             fut.cancel()
