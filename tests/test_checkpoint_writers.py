@@ -278,6 +278,18 @@ def test_a_pretrained_checkpoint_starts_the_run_and_the_same_command_then_resume
     assert [r["iteration"] for r in records if "loss" in r] == [3, 4] and (run / TRACKER).read_text() == "4"
 
 
+def test_a_bad_pretrained_checkpoint_is_named_by_its_own_flag(demo_cache, tmp_path):
+    """The load errors of a --pretrained-checkpoint started from (it stands in for --load) name the
+    flag given, not --load."""
+    run, missing = tmp_path / "run", tmp_path / "nonexistent"
+    proc, records = _launch(demo_cache, tmp_path, "--pretrained-checkpoint", str(missing), "--load", str(run),
+                            "--save", str(run), "--train-iters", "2")
+    assert proc.returncode == 2 and not records
+    assert _errors(proc.stderr) == [f"error: --pretrained-checkpoint {missing} does not exist (expected "
+                                    f"latest_checkpointed_iteration.txt or iter_XXXXXXX directories, or a checkpoint "
+                                    f"directory itself)"], proc.stderr[-3000:]
+
+
 def test_relaunch_continues_a_finetuned_run_from_its_own_checkpoints(exported, demo_cache, tmp_path):
     """A run that started with --load elsewhere and --finetune continues, once it has saved, from
     its --save, without the file's flags of that first load."""

