@@ -89,8 +89,14 @@ def tool_device(requested: str | None = None) -> str:
     Asking for CUDA on a machine without it is an error, not a silent fall-back to the CPU."""
     if requested is None:
         return "cuda" if HAS_CUDA else "cpu"
-    if requested.startswith("cuda") and not HAS_CUDA:
+    try:
+        kind = torch.device(requested).type
+    except RuntimeError:
+        raise InputError(f"--device {requested}: expected cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not HAS_CUDA:
         raise InputError(f"--device {requested}: CUDA is not available on this machine")
+    if kind not in ("cpu", "cuda"):
+        raise InputError(f"--device {requested}: expected cpu, cuda or cuda:N")
     return requested
 
 

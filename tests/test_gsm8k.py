@@ -48,6 +48,9 @@ def test_input_formats_and_errors(tmp_path):
     deng = tmp_path / "test.txt"
     deng.write_text("How many?||3 + 4 = 7 #### 7\n")
     assert [(p.question, p.gold) for p in gsm8k.load_problems(str(deng))] == [("How many?", "7")]
+    deng.write_text("How many?||3 + 4 = 7 #### 7\nHow many more? 3 + 4 = 7 #### 7\n")
+    with pytest.raises(ValueError, match=r"test.txt:2: expected 'question\|\|solution #### answer'"):
+        gsm8k.load_problems(str(deng))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "Q?", "answer": "no final answer"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: the reference solution has no"):

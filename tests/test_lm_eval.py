@@ -72,6 +72,14 @@ def test_ar_loglikelihood_equals_lm_eval_hf_backend(exports, world_of_one):
     assert args_ours == args_hf and len(ours) == 6 and sum(len(r) for r in ours) >= 20
     flat = [torch.tensor(sum(x, []), dtype=torch.float64) for x in (ours, hf)]
     torch.testing.assert_close(flat[0], flat[1], rtol=0, atol=1e-5)
+    # an empty context and a rolling (perplexity) request start from the export's BOS, the EOD
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    for lm in (MegatronDLLM(exports["ar"], batch_size=4, dtype="float64"),
+               HFLM(pretrained=exports["ar"], trust_remote_code=True, device="cpu", dtype="float64", batch_size=4)):
+        (empty, _), = lm.loglikelihood(_instances("loglikelihood", [("", text)]))
+        flat.append(torch.tensor([empty, *lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]))],
+                                 dtype=torch.float64))
+    torch.testing.assert_close(flat[2], flat[3], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -102,12 +110,43 @@ def test_downstream_bad_input_is_one_error_line(exports, tmp_path, capsys):
 
     for argv, needle in ((["--tasks", "arc_easy,mmlu"], "--tasks arc_easy,mmlu: unknown task mmlu"),
                          (["--tasks", "race"], "--tasks race: RACE ships in no package; give --race-data"),
-                         (["--tasks", "piqa", "--limit", "0"], "--limit: expected a positive finite number, got 0")):
+                         (["--tasks", "piqa", "--limit", "0"], "--limit: expected a positive finite number, got 0"),
+                         (["--tasks", "piqa", "--device", "gpu"], "--device gpu: expected cpu, cuda or cuda:N")):
         capsys.readouterr()
         assert evaluate.main(["downstream", "--load", exports["ar"], *argv,
                               "--output-path", str(tmp_path / "r.json")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_race_data_is_a_dataset_or_a_datasetdict_with_its_test_split(exports, tmp_path, capsys):
+    """`--race-data`: one saved Dataset is the test split; a DatasetDict without one is named."""
+    import datasets
+
+    from megatron_dllm.cli import evaluate
+
+    rows = [{"article": f"The dog ran home to king {i}.", "example_id": str(i),
+             "problems": "[{'question': 'What ran?', 'answer': 'B', 'options': ['a cat', 'a dog', 'a cow', 'a pig']}]"}
+            for i in range(2)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dev"))
+    argv = ["downstream", "--load", exports["ar"], "--tasks", "race", "--race-data"]
+    assert evaluate.main([*argv, str(tmp_path / "one"), "--output-path", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["n-samples"]["race"]["effective"] == 2
+    capsys.readouterr()
+    assert evaluate.main([*argv, str(tmp_path / "dev"), "--output-path", str(tmp_path / "d.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --race-data {tmp_path / 'dev'}: no 'test' split (it has "
+                                               f"validation); expected a DatasetDict with a 'test' split or one "
+                                               f"Dataset")
+
+
+def test_a_misspelt_model_arg_is_refused_not_left_at_its_default():
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+
+    with pytest.raises(InputError, match=r"^--model_args num_mc_sampels: unknown; expected some of load, "
+                                         r"num_mc_samples, likelihood_mode"):
+        MegatronDLLM.create_from_arg_string("load=ck,num_mc_sampels=1024",
+                                            {"batch_size": 4, "max_batch_size": None, "device": None})
 
 
 class WordTokenizer:

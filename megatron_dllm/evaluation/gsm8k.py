@@ -107,6 +107,8 @@ def load_problems(path: str | None = None) -> list[Problem]:
             continue
         try:
             if deng:
+                if "||" not in line:
+                    raise InputError("expected 'question||solution #### answer'")
                 question, solution = line.rstrip("\n").split("||", 1)
             else:
                 record = json.loads(line)

@@ -13,7 +13,8 @@ the model's tokenizer and no special tokens, so an AR model scores as lm-eval's 
 scores its HF export, except that here the [MASK] logit is excluded from the softmax, as in the
 AR training loss (the `hf` backend keeps it: about 1e-3 nats per request apart). An empty
 context is replaced by one EOD token: documents in the training data start right after an EOD
-and never with a BOS.
+and never with a BOS (the export's tokenizer names the EOD its BOS, so the `hf` backend prefixes
+empty contexts and rolling windows alike).
 
 - `loglikelihood`: (ll, is_greedy); the standard errors of the diffusion estimates are kept in
   `self.stderrs` (one per request, in order) and `self.stderrs_by_task` for the results.
@@ -59,8 +60,13 @@ class MegatronDLLM(TemplateLM):
                  max_gen_toks: int = 256, inference_model=None, generation_predictor: str = "left-to-right",
                  generation_steps: int = 64, block_length: int | None = None, tokens_per_step: int | None = None,
                  confidence_threshold: float | None = None, entropy_bound: float | None = None,
-                 approx_kv_cache: str = "none", **kwargs):
+                 approx_kv_cache: str = "none", max_batch_size: int | None = None, **unknown):
         super().__init__()
+        if unknown:  # a misspelt model_arg must not leave its default silently in force
+            import inspect
+
+            known = [p for p in inspect.signature(MegatronDLLM).parameters if p not in ("unknown", "inference_model")]
+            raise InputError(f"--model_args {', '.join(unknown)}: unknown; expected some of {', '.join(known)}")
         from megatron.core import parallel_state
 
         from megatron_dllm import platform

