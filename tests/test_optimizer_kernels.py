@@ -3,6 +3,7 @@ gradient norm and clipping in torch's multi-tensor kernels, equal to the dense f
 host synchronisation per step whatever the depth; and torch's fused AdamW, taking the steps of
 the torch AdamW megatron-core builds, with or without the distributed optimizer."""
 import collections
+import math
 
 import pytest
 import torch
@@ -64,6 +65,17 @@ def test_gradient_norm_and_clipping_equal_the_dense_formulas(world_of_one):
     clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=dense.item())
     for p, g in zip(params, grads):
         torch.testing.assert_close(p.grad, g * (1.0 / (dense.item() + 1e-6)))
+
+
+def test_the_gradient_norm_of_an_embedding_sized_tensor_is_exact_on_cpu(world_of_one):
+    """torch's CPU float32 norm sums in sequence: 1.6e-3 off at 30M elements (an embedding's
+    gradient), enough to change clipping; the norm accumulates in float64 on the CPU."""
+    use_foreach_kernels()
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(30_000_000, generator=gen) * 1e-3, torch.randn(1000, generator=gen) * 1e-3]
+    exact = [torch.linalg.vector_norm(g.double()).item() for g in grads]
+    assert torch.linalg.vector_norm(grads[0]).item() != pytest.approx(exact[0], rel=1e-4)  # the sequential sum
+    assert clip_grads.get_grad_norm_fp32(grads) == pytest.approx(math.hypot(*exact), rel=1e-7)
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed-adam"])

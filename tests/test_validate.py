@@ -244,6 +244,18 @@ def test_optimizer_and_seed_values_out_of_range_are_refused_when_parsed(capsys, 
     assert capsys.readouterr().err.splitlines() == [f"error: argument {flag}: expected {expected}, got {value}"]
 
 
+def test_megatron_lms_virtual_pipeline_flags(capsys):
+    """--num-virtual-stages-per-pipeline-rank is ours, chunks per stage; layers per chunk are refused
+    with the conversion, not an unrecognised-argument error."""
+    parsed = parse_flags(["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"])
+    assert parsed.parallel.virtual_pipeline_model_parallel_size == 3
+    with pytest.raises(SystemExit) as exit_:
+        parse_flags(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage=1"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith(
+        "error: --num-layers-per-virtual-pipeline-stage: give the chunks per pipeline stage instead, "
+        "--virtual-pipeline-model-parallel-size")
+
+
 def test_parse_args_reports_a_broken_rule_as_one_error_line(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--family", "ar", "--loss", "low-var"])

@@ -12,6 +12,7 @@ class ParallelConfig(FlagGroup):
     tensor_model_parallel_size: int = flag(1, type=positive_int, help="TP size")
     pipeline_model_parallel_size: int = flag(1, type=positive_int, help="PP size")
     virtual_pipeline_model_parallel_size: int | None = flag(type=positive_int,
+                                                            aliases=("--num-virtual-stages-per-pipeline-rank",),
                                                             help="model chunks per pipeline stage (interleaved 1F1B)")
     sequence_parallel: bool = flag(False, action="store_true", help="shard activations over TP along the sequence")
     use_distributed_optimizer: bool = flag(False, action="store_true", help="shard optimizer state over DP")

@@ -109,6 +109,10 @@ def parse_flags(argv: list[str] | None = None) -> RunConfig:
         argv = expand_run_yaml(sys.argv[1:] if argv is None else argv, parser)
     except InputError as err:
         parser.error(str(err))
+    if any(a.split("=", 1)[0] == "--num-layers-per-virtual-pipeline-stage" for a in argv):
+        parser.error("--num-layers-per-virtual-pipeline-stage: give the chunks per pipeline stage instead, "
+                     "--virtual-pipeline-model-parallel-size (Megatron-LM's --num-virtual-stages-per-pipeline-rank) "
+                     "= the layers per pipeline stage / the layers per chunk")
     ns = parser.parse_args(argv)
     if ns.family not in FAMILIES:
         parser.error(f"--family {ns.family!r} is not a known family; expected one of: {', '.join(FAMILIES)}")

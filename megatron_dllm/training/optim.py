@@ -9,6 +9,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import optimizer as megatron_optimizers
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_dllm import platform
 from megatron_dllm.config.optimizer import OptimizerConfig
 from megatron_dllm.config.parallel import ParallelConfig
 
@@ -38,8 +39,9 @@ def weight_decay_overrides(opt: OptimizerConfig):
 def _l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron-core's multi-tensor L2 norm (the norm of all tensors as one vector, shape [1]),
     left on the device: its stand-in without TE or Apex reads each tensor's norm to the host."""
-    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+    grads = tensor_lists[0]
+    norms = torch._foreach_norm(grads, 2, dtype=platform.norm_dtype(grads[0].device) if grads else torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).float().reshape(1), None
 
 
 def _scale(chunk_size, noop_flag, tensor_lists, scale):
