@@ -460,3 +460,12 @@ def test_tokenizer_gives_the_mask_id_and_is_exported(tmp_path, capsys):
     small = train_sentencepiece(tmp_path / "small.model", vocab - 20)
     assert convert_from_ref.main(["--ref", ckpt, *flags, small, "--hf-out", str(tmp_path / "x")]) == 2
     assert f"but {ckpt} has {vocab} rows" in capsys.readouterr().err
+    # --save records the tokenizer, so the checkpoint samples and exports with it untold
+    save = tmp_path / "ckpt"
+    proc = run_python([os.path.join(REPO, "tools", "convert_from_ref.py"), "--ref", ckpt, *flags, spm_model,
+                       "--save", str(save)], REPO, launch_env(1), 300)
+    assert proc.returncode == 0 and f"tokenizer {spm_model})" in proc.stdout, proc.stderr[-3000:]
+    again = run_python([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(save), "--out",
+                        str(tmp_path / "again")], REPO, launch_env(1), 300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "again"))(text, add_special_tokens=False)["input_ids"] == ids

@@ -156,6 +156,9 @@ def test_tokenizer_travels_with_the_export(tmp_path, world_of_one):
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.mask_token, tok.mask_token_id, len(tok)) == ("[MASK]", V - 1, V)
     assert tok.encode("w3 w7 </s>", add_special_tokens=False) == [3, 7, 99]
+    # generate stops at the tokenizer's EOS, not at LlamaConfig's default ids 1 and 2
+    generation = transformers.AutoModelForCausalLM.from_pretrained(out).generation_config
+    assert (generation.eos_token_id, generation.bos_token_id, tok.bos_token_id) == (99, 99, 99)
     back = str(tmp_path / "back")
     assert convert_from_hf.main(["--hf", out, "--save", back]) == 0
     identity = dist_checkpointing.load_common_state_dict(locate(back, None).path)["identity"]

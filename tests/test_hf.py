@@ -64,9 +64,10 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     hf1, ckpt, hf2 = tmp_path / "hf1", tmp_path / "ckpt_tp2", tmp_path / "hf2"
     _run([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", checkpoints["mdlm"],
           "--out", str(hf1)])
-    _run([os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
-          "--tensor-model-parallel-size", "2"], nproc=2)
+    back = _run([os.path.join(REPO, "tools", "convert_from_hf.py"), "--hf", str(hf1), "--save", str(ckpt),
+                 "--tensor-model-parallel-size", "2"], nproc=2)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "0"
+    assert back.stderr.count("note: the checkpoint records no tokenizer (tokenizer.model, tokenizer.json in --hf") == 1
     # converting into a directory that holds a checkpoint (a training run's, say) is refused
     from megatron_dllm.checkpoint import manifest
     from megatron_dllm.cli import convert_from_hf
@@ -114,9 +115,11 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     import json
 
     first, second = json.loads((hf1 / "config.json").read_text()), json.loads((hf2 / "config.json").read_text())
-    # the first export has the tokenizer the training run recorded, so it knows its EOS; the
-    # converted checkpoint records none (convert_from_hf takes the weights)
-    assert (first.pop("eos_token_id"), first.pop("pad_token_id")) == (2, 2) and first == second
+    # the first export has the tokenizer the training run recorded, so it knows its EOS (and names
+    # it BOS: documents start after it); the converted checkpoint records none (convert_from_hf
+    # takes the weights, and says so)
+    assert (first.pop("eos_token_id"), first.pop("pad_token_id"), first.pop("bos_token_id")) == (2, 2, 2)
+    assert first == second
 
     # training starts from the converted (model-only) checkpoint exactly as from the original
     # weights: the first loss equals a --finetune run's from the original checkpoint

@@ -89,6 +89,10 @@ def convert(args) -> int:
         raise InputError(f"--seq-length: --hf {args.hf} is an export, which records its own "
                          f"max_position_embeddings; --seq-length applies to released autoregressive models")
     seq_length = cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH)
+    shipped = [name for name in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(args.hf, name))]
+    if shipped and first:  # an export's tokenizer is a conversion of the training one: not recorded as it
+        print(f"note: the checkpoint records no tokenizer ({', '.join(shipped)} in --hf {args.hf} stays there); "
+              f"give --tokenizer-type/--tokenizer-model when sampling, evaluating or exporting it", file=sys.stderr)
     if identity.gpt is not None:
         return _write_gpt_checkpoint(hf_state, identity, seq_length, args)
     return write_checkpoint(hf_state, identity, seq_length, args, source=args.hf)
@@ -118,16 +122,18 @@ def _write_gpt_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: i
     return 0
 
 
-def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
+def write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str,
+                     tokenizer=None) -> int:
     """Write the dense DiT weights `hf_state` ("backbone." names) as a megatron checkpoint at the
     layout of `args` (--save, --tensor/--pipeline-model-parallel-size, --make-vocab-size-divisible-by,
     --iteration, --overwrite), each rank its shard. Rank 0 holds --save's writer lock throughout."""
     first = int(os.environ.get("RANK", "0")) == 0
     with OutputLock(lock_path_for_dir(args.save), f"--save {args.save}") if first else contextlib.nullcontext():
-        return _write_checkpoint(hf_state, identity, seq_length, args, source)
+        return _write_checkpoint(hf_state, identity, seq_length, args, source, tokenizer)
 
 
-def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str) -> int:
+def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args, source: str,
+                      tokenizer) -> int:
     import torch
     from megatron.core import parallel_state
 
@@ -169,12 +175,13 @@ def _write_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, 
     unused = set(hf_state).difference(*stages)
     if unused:
         raise InputError(f"{source}: unused weights {sorted(unused)[:5]}")
-    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, arch.seq_length)
+    path = export.save_megatron_checkpoint(args.save, model, identity, args.iteration, arch.seq_length, tokenizer)
     if torch.distributed.get_rank() == 0:
         if args.overwrite:  # the new checkpoint is complete and tracked: the old ones go
             for old in (p for it, p in layout.iterations(args.save).items() if it != args.iteration):
                 shutil.rmtree(old)
-        print(f"wrote {path} (TP={tp}, PP={pp}, model weights only)")
+        print(f"wrote {path} (TP={tp}, PP={pp}, model weights only"
+              + (f", tokenizer {tokenizer.model})" if tokenizer else ")"))
     return 0
 
 

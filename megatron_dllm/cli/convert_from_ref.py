@@ -89,10 +89,12 @@ def load_reference(args):
 
 def convert(args) -> int:
     if args.save:  # write_checkpoint holds --save's lock
+        from megatron_dllm.checkpoint.tokenizer_record import TokenizerRecord
         from megatron_dllm.cli.convert_from_hf import write_checkpoint
 
         identity, hf_state, max_length = load_reference(args)
-        return write_checkpoint(hf_state, identity, max_length, args, source=args.ref)
+        tokenizer = TokenizerRecord.of(TokenizerConfig.from_args(args)) if args.tokenizer_model else None
+        return write_checkpoint(hf_state, identity, max_length, args, source=args.ref, tokenizer=tokenizer)
     # a sibling lock (OUT.lock), taken before reading --ref: the export is staged beside OUT and renamed whole
     with exclusive(lock_path_for_prefix(os.path.normpath(args.hf_out)), f"--hf-out {args.hf_out}"):
         identity, hf_state, max_length = load_reference(args)

@@ -10,7 +10,8 @@ Runs as one process: the checkpoint is resharded to TP=1/PP=1 on load (model wei
 The directory is written under a temporary name beside DIR and renamed into place when complete;
 an existing DIR is refused unless --overwrite, which replaces it whole. Files are mode 0644.
 The directory loads with `AutoModelForMaskedLM` (mdlm, duo, esolm) or `AutoModelForCausalLM` (ar)
-`.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR)`.
+`.from_pretrained(DIR, trust_remote_code=True)`, and `AutoTokenizer.from_pretrained(DIR,
+trust_remote_code=True)` (its config.json names the remote code, so transformers asks otherwise).
 A `--backbone gpt` checkpoint of family ar exports as transformers' own LlamaForCausalLM (or
 Qwen2ForCausalLM with q/k/v biases), loaded without trust_remote_code; of a diffusion family, as
 the remote code above with its Llama-style backbone. A checkpoint exports the tokenizer it

@@ -378,9 +378,7 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
         path = os.path.join(out, name)
         if os.path.isfile(path):
             config = _read_json(path)
-            for key, value in (("eos_token_id", ours.eod), ("pad_token_id", tok.pad_token_id)):
-                if config.get(key) is None:
-                    config[key] = value
+            config.update(eos_token_id=ours.eod, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
             with open(path, "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
 

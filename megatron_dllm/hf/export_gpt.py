@@ -66,7 +66,9 @@ def transformers_config(identity: ModelIdentity, max_length: int):
                   rms_norm_eps=shape.norm_epsilon, rope_theta=float(shape.rotary_base),
                   max_position_embeddings=int(max_length),
                   tie_word_embeddings=not shape.untie_embeddings_and_output_weights,
-                  mask_token_id=identity.mask_id)
+                  mask_token_id=identity.mask_id,
+                  # the exported tokenizer's ids (export.export_tokenizer), not LlamaConfig's 1 and 2
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if shape.rope_scaling_factor is not None:
         fields["rope_scaling"] = {"rope_type": "llama3", "factor": shape.rope_scaling_factor,
                                   **pretrained_ar.LLAMA3_ROPE}
