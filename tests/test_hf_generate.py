@@ -259,6 +259,11 @@ def test_a_padded_bd3lm_forward_keeps_its_block_causal_attention(tmp_path):
         a, b = model(ids, attention_mask=padded).logits, model(later, attention_mask=padded).logits
     assert torch.equal(a[0, :4], b[0, :4]) and not torch.equal(a[0, 4:7], b[0, 4:7])
     assert torch.allclose(a[0, :7], unpadded[0], atol=1e-12)
+    # left padding (the exported SentencePiece tokenizer's side): the blocks start at the first real token
+    left = torch.cat([torch.tensor([[1, 1, 1]]), ids[:, :7]], 1)
+    with torch.no_grad():
+        shifted = model(left, attention_mask=torch.tensor([[0] * 3 + [1] * 7])).logits
+    assert torch.allclose(shifted[0, 3:], unpadded[0], atol=1e-12)
 
 
 @pytest.mark.parametrize("family", ["mdlm", "ar"])

@@ -475,8 +475,13 @@ class DLLMPreTrainedModel(PreTrainedModel):
         if mask.dim() == 2:
             if bool(mask.all()):
                 return None
+            keys = mask
             mask = mask[:, None, :].expand(-1, s, -1)
-            if self.config.attention in ("causal", "block_diffusion"):
+            if self.config.attention == "block_diffusion":  # blocks count from a row's first real token
+                blocks = (keys.long().cumsum(-1) - 1).div(self.config.family_options["block_size"],
+                                                          rounding_mode="floor")
+                mask = mask & (blocks[:, None, :] <= blocks[:, :, None])
+            elif self.config.attention == "causal":
                 mask = mask & layout_mask(self.config, 0, s, mask.device)
             mask = mask | torch.eye(s, dtype=torch.bool, device=mask.device)  # no empty rows
         return mask[:, None]
@@ -487,9 +492,12 @@ class DLLMPreTrainedModel(PreTrainedModel):
             raise ValueError("output_hidden_states / output_attentions: this model returns logits only")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [batch, length], got shape {tuple(input_ids.shape)}")
-        if position_ids is None and kv_cache is None and input_ids.shape[1] > self.config.max_position_embeddings:
-            raise ValueError(f"input_ids: {input_ids.shape[1]} tokens exceed the model's context of "
-                             f"{self.config.max_position_embeddings} (max_position_embeddings)")
+        if position_ids is None and kv_cache is None:
+            if input_ids.shape[1] > self.config.max_position_embeddings:
+                raise ValueError(f"input_ids: {input_ids.shape[1]} tokens exceed the model's context of "
+                                 f"{self.config.max_position_embeddings} (max_position_embeddings)")
+            if attention_mask is not None and attention_mask.dim() == 2:  # left padding: each row from 0
+                position_ids = (attention_mask.to(input_ids.device).long().cumsum(-1) - 1).clamp(min=0)
         if position_ids is None:  # after the cached tokens when decoding incrementally
             start = 0 if kv_cache is None else kv_cache.offset(input_ids.device)
             position_ids = start + torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -552,8 +560,6 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
         `logits_at`: as DLLMForMaskedLM's."""
         if logits_at is not None and (labels is not None or logits_to_keep):
             raise ValueError("logits_at keeps only some positions; labels and logits_to_keep need others")
-        if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding
         if logits_to_keep and labels is None:
             logits_at = slice(-logits_to_keep, None)
         logits = self._logits(input_ids, position_ids, sigma, timesteps, attention_mask, kv_cache, kv_keep,
