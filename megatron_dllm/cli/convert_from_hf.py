@@ -89,13 +89,15 @@ def convert(args) -> int:
         raise InputError(f"--seq-length: --hf {args.hf} is an export, which records its own "
                          f"max_position_embeddings; --seq-length applies to released autoregressive models")
     seq_length = cfg.get("max_position_embeddings", export.DEFAULT_SEQ_LENGTH)
+    if identity.gpt is not None:
+        code = _write_gpt_checkpoint(hf_state, identity, seq_length, args)
+    else:
+        code = write_checkpoint(hf_state, identity, seq_length, args, source=args.hf)
     shipped = [name for name in ("tokenizer.model", "tokenizer.json") if os.path.isfile(os.path.join(args.hf, name))]
     if shipped and first:  # an export's tokenizer is a conversion of the training one: not recorded as it
         print(f"note: the checkpoint records no tokenizer ({', '.join(shipped)} in --hf {args.hf} stays there); "
               f"give --tokenizer-type/--tokenizer-model when sampling, evaluating or exporting it", file=sys.stderr)
-    if identity.gpt is not None:
-        return _write_gpt_checkpoint(hf_state, identity, seq_length, args)
-    return write_checkpoint(hf_state, identity, seq_length, args, source=args.hf)
+    return code
 
 
 def _write_gpt_checkpoint(hf_state: dict, identity: ModelIdentity, seq_length: int, args) -> int:

@@ -44,11 +44,12 @@ def first_eos_mask(ids: torch.Tensor, attention_mask: torch.Tensor, eos_id: int 
 @torch.no_grad()
 def score_ids(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor, eos_id: int | None,
               suppress_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ nll [b] float64, scored tokens [b]) of right-padded ids [b, s] under a causal LM."""
-    logits = model(input_ids=ids, attention_mask=attention_mask).logits.float()
+    """(Σ nll [b] float64, scored tokens [b]) of right-padded ids [b, s] under a causal LM (which
+    reads s - 1 of them: the last is only a target)."""
+    logits = model(input_ids=ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
     if suppress_ids:
         logits[..., list(suppress_ids)] = float("-inf")
-    nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
     counted = first_eos_mask(ids, attention_mask, eos_id)[:, 1:]
     return (nll.double() * counted).sum(1), counted.sum(1)
 
