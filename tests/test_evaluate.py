@@ -212,6 +212,11 @@ def test_exported_ar_model_is_a_judge_with_the_ar_nll(trained, demo_cache):
     # long texts are cut to the judge's 32-token context
     res = generative_perplexity(judge, _validation_passages(demo_cache, 3), batch_size=2)
     assert math.isfinite(res.gen_ppl) and res.truncated == 3 and res.tokens == 3 * 31
+    # empty samples (a model that wrote only EOD) fill a batch of their own: scored as nothing
+    res = generative_perplexity(judge, ["", ""] + _validation_passages(demo_cache, 1), batch_size=2)
+    assert res.per_sample_nll[:2] == [None, None] and res.tokens == 31
+    with pytest.raises(ValueError, match="no token to score"):  # InputError
+        generative_perplexity(judge, ["", ""], batch_size=2)
 
 
 

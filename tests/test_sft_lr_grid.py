@@ -133,6 +133,14 @@ def test_a_fine_tuning_stopped_by_an_exit_condition_is_not_scored(tmp_path, caps
     monkeypatch.setattr(subprocess, "call", lambda cmd, **k: call(cmd, 4))
     assert sft_lr_grid.main(argv) == 0 and len(started) == 3 and "gsm8k" in started[-1]
     assert "scored already" not in capsys.readouterr().out
+    # started with --load PRETRAINED --finetune, a pair cannot resume its own checkpoints: said so
+    monkeypatch.setattr(subprocess, "call", lambda cmd, **k: call(cmd, 2))
+    (tmp_path / "lr4e-05_min2e-06" / "gsm8k.json").unlink()
+    finetune = [a for a in argv if a not in ("--pretrained-checkpoint", "pre")] + ["--load", "pre", "--finetune"]
+    assert sft_lr_grid.main(finetune) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "a --load PRETRAINED --finetune run cannot continue: use --pretrained-checkpoint, or remove the pair's "
+        "checkpoints/")
 
 
 def test_collect_finds_the_pairs_a_grid_ran(tmp_path, capsys):

@@ -55,15 +55,19 @@ def run_dir(root: str, lr: float, min_lr: float) -> str:
     return os.path.join(root, f"lr{lr:g}_min{min_lr:g}")
 
 
+def resumable(train_flags: list[str]) -> bool:
+    """With --pretrained-checkpoint a pair's fine-tuning also loads its own --save, so it resumes."""
+    return any(f.split("=", 1)[0] == "--pretrained-checkpoint" for f in train_flags)
+
+
 def commands(root: str, train_flags: list[str], pairs, launcher: str, eval_flags: list[str]) -> list[list[str]]:
     """Per pair: the fine-tuning command, then the GSM8K command."""
     out = []
-    resumable = any(f.split("=", 1)[0] == "--pretrained-checkpoint" for f in train_flags)
     for lr, min_lr in pairs:
         d = run_dir(root, lr, min_lr)
         ckpt = os.path.join(d, "checkpoints")
         out.append([*shlex.split(launcher), PRETRAIN, *train_flags,
-                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", *(["--load", ckpt] if resumable else []),
+                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", *(["--load", ckpt] if resumable(train_flags) else []),
                     "--save", ckpt, "--tensorboard-dir", os.path.join(d, "tensorboard")])
         # --overwrite: the predictions of a scoring killed before its gsm8k.json (launch skips finished pairs)
         out.append([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load", ckpt,
@@ -192,9 +196,12 @@ def main(argv=None) -> int:
                 return fail(f"the {what} of {pair} exited with status {code}; the grid stops (pairs finished "
                             f"before it keep their results)")
             if what == "fine-tuning" and (short := stopped_early(args.run_dir, lr, min_lr)) is not None:
+                then = ("launch again to continue it" if resumable(args.train_flags) else
+                        "a --load PRETRAINED --finetune run cannot continue: use --pretrained-checkpoint, or remove "
+                        "the pair's checkpoints/")
                 return fail(f"the fine-tuning of {pair} stopped at {short} (an exit condition: "
                             f"--exit-duration-in-mins, --exit-interval or a signal); the grid stops before scoring "
-                            f"it: launch again to continue it")
+                            f"it: {then}")
     return 0
 
 

@@ -46,6 +46,9 @@ def score_ids(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.T
               suppress_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ nll [b] float64, scored tokens [b]) of right-padded ids [b, s] under a causal LM (which
     reads s - 1 of them: the last is only a target)."""
+    if ids.shape[1] < 2:  # a batch of empty or one-token texts: nothing to score
+        return torch.zeros(len(ids), dtype=torch.float64, device=ids.device), torch.zeros(
+            len(ids), dtype=torch.long, device=ids.device)
     logits = model(input_ids=ids[:, :-1], attention_mask=attention_mask[:, :-1]).logits.float()
     if suppress_ids:
         logits[..., list(suppress_ids)] = float("-inf")

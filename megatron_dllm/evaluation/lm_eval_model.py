@@ -60,12 +60,15 @@ class MegatronDLLM(TemplateLM):
                  max_gen_toks: int = 256, inference_model=None, generation_predictor: str = "left-to-right",
                  generation_steps: int = 64, block_length: int | None = None, tokens_per_step: int | None = None,
                  confidence_threshold: float | None = None, entropy_bound: float | None = None,
-                 approx_kv_cache: str = "none", max_batch_size: int | None = None, **unknown):
+                 approx_kv_cache: str = "none",
+                 # passed by lm-eval (simple_evaluate; its CLI's --trust_remote_code), not needed here
+                 max_batch_size: int | None = None, trust_remote_code: bool | str = False, **unknown):
         super().__init__()
         if unknown:  # a misspelt model_arg must not leave its default silently in force
             import inspect
 
-            known = [p for p in inspect.signature(MegatronDLLM).parameters if p not in ("unknown", "inference_model")]
+            known = [p for p in inspect.signature(MegatronDLLM).parameters
+                     if p not in ("unknown", "inference_model", "max_batch_size", "trust_remote_code")]
             raise InputError(f"--model_args {', '.join(unknown)}: unknown; expected some of {', '.join(known)}")
         from megatron.core import parallel_state
 

@@ -109,7 +109,7 @@ def _points(records, value: str) -> dict:
         if points[key].get(steps, measured) != measured:
             raise InputError(f"{r.get('file', 'a record')} and {source[key + (steps,)]}: two {value} values "
                              f"for {key[0]} model {key[1]!r} at T = {steps:g} (give each model its own directory "
-                             f"or a 'model' key)")
+                             f"or a 'model' key; one model measured twice: keep one)")
         points[key][steps] = measured
         source[key + (steps,)] = r.get("file", "a record")
     return points
