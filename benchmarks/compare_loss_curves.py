@@ -47,7 +47,9 @@ def train(family: str, flags: list[str], iters: int, work: str, name: str) -> di
     if proc.returncode != 0:
         raise SystemExit(f"{family} run {name} failed ({proc.returncode}): {shlex.join(cmd)}\n{proc.stderr[-3000:]}")
     with open(metrics) as f:
-        return {r["iteration"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+        # a non-finite loss is null in the metrics file
+        return {r["iteration"]: float("nan") if r["loss"] is None else r["loss"] for r in map(json.loads, f)
+                if "loss" in r}
 
 
 def end_difference(a: dict[int, float], b: dict[int, float], tail: int) -> tuple[float, float, float]:

@@ -304,7 +304,7 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     from megatron_dllm.checkpoint.meta import CheckpointMeta
 
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "nan.jsonl"
-    flags = ["--demo-cache-dir", demo_cache, *BASE, "--save", str(ckpt), "--check-for-nan-in-loss-and-grad",
+    flags = ["--demo-cache-dir", demo_cache, *BASE, "--save", str(ckpt),  # the guard is on by default
              "--max-consecutive-nonfinite-iters", "2"]
     proc, log = _start(flags, tmp_path, metrics, script=os.path.join(REPO, "tests", "nonfinite_worker.py"),
                        env={"NONFINITE_ITERATIONS": "3,5,6", "PYTHONPATH": REPO_PYTHONPATH})
@@ -317,6 +317,8 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     assert ("error: 2 consecutive iterations with a non-finite loss or gradient (up to iteration 6, "
             "--max-consecutive-nonfinite-iters 2); the last good weights and optimizer state are saved at "
             "iteration 6") in out
+    lines = metrics.read_text().splitlines()  # strict JSON: a non-finite value is null, never NaN
+    assert [json.loads(line, parse_constant=pytest.fail) for line in lines] == _records(metrics)
     grad_norms = {r["iteration"]: r["grad_norm"] for r in _records(metrics) if "loss" in r}
     assert grad_norms[3] is None and grad_norms[5] is None
     assert all(isinstance(grad_norms[i], float) for i in (1, 2, 4))
@@ -361,3 +363,16 @@ def test_selective_and_full_recompute_equal_no_recompute():
                                           **twice["pre_mlp_norm"], **activation_twice}
     assert calls["full-uniform-2"] == {k: 2 for k in calls["none"]}
     assert calls["full-block-1"] == {**calls["none"], **{f"{k}0": 2 for k in parts}}
+
+
+def test_the_metrics_file_writes_a_non_finite_value_as_null(world_of_one, tmp_path):
+    """JSON lines have no NaN or Infinity (strict readers refuse them): a diverged loss or NELBO is null."""
+    from megatron_dllm.training.logger import Logger
+
+    logger = Logger(None, str(tmp_path / "metrics.jsonl"))
+    logger.train(1, 2, float("nan"), 1e-3, None, 10.0, 0.0, 8, 100)
+    logger.valid(1, float("inf"), 100)
+    logger.close()
+    records = [json.loads(line, parse_constant=pytest.fail) for line in open(tmp_path / "metrics.jsonl")]
+    assert (records[0]["loss"], records[0]["grad_norm"], records[1]["valid_nelbo"]) == (None, None, None)
+    assert records[0]["lr"] == 1e-3 and records[1]["flops"] == 100

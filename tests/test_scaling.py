@@ -427,14 +427,15 @@ def test_scaling_laws_tool_end_to_end(tmp_path, capsys):
 
 
 def test_a_diverged_run_is_skipped_by_name_and_unpaired_records_are_reported(tmp_path):
-    planned = [PlannedRun(f"ar-{i}", "ar", "x", 1e12, 1000 * (i + 1), 10, 0, 0) for i in range(2)]
+    planned = [PlannedRun(f"ar-{i}", "ar", "x", 1e12, 1000 * (i + 1), 10, 0, 0) for i in range(3)]
     write_manifest(str(tmp_path / "manifest.json"), planned, str(tmp_path / "runs"))
-    for plan, loss in zip(planned, (float("nan"), 3.0)):  # the trainer writes a diverged run's NELBO as NaN
+    for plan, loss in zip(planned, (float("nan"), 3.0, None)):  # NaN as earlier trainers wrote it, null as now
         os.makedirs(tmp_path / "runs" / plan.name)
         (tmp_path / "runs" / plan.name / "metrics.jsonl").write_text(json.dumps({"iteration": 10, "valid_nelbo": loss}))
     runs, skipped = _tool("scaling_laws").finished_runs([str(tmp_path / "manifest.json")])
     assert [r["name"] for r in runs] == ["ar-1"]
-    assert skipped == ["ar-0: diverged (validation NELBO nan at iteration 10)"]
+    assert skipped == ["ar-0: diverged (validation NELBO nan at iteration 10)",
+                       "ar-2: diverged (validation NELBO non-finite at iteration 10)"]
     gen = [{"family": "mdlm", "model": "a", "steps": 8, "gen_ppl": 50.0, "entropy": 5.0}]
     thr = [{"family": "mdlm", "model": "b", "steps": 8, "tokens_per_s": 9.0}]
     models, unpaired = pareto.fit_models(gen, thr)

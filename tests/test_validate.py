@@ -244,6 +244,11 @@ def test_optimizer_and_seed_values_out_of_range_are_refused_when_parsed(capsys, 
     assert capsys.readouterr().err.splitlines() == [f"error: argument {flag}: expected {expected}, got {value}"]
 
 
+def test_the_nan_guard_is_on_unless_turned_off_as_in_megatron_lm():
+    assert parse_flags([]).training.check_for_nan_in_loss_and_grad
+    assert not parse_flags(["--no-check-for-nan-in-loss-and-grad"]).training.check_for_nan_in_loss_and_grad
+
+
 def test_megatron_lms_virtual_pipeline_flags(capsys):
     """--num-virtual-stages-per-pipeline-rank is ours, chunks per stage; layers per chunk are refused
     with the conversion, not an unrecognised-argument error."""

@@ -50,8 +50,9 @@ def finished_runs(manifests) -> tuple[list[dict], list[str]]:
                                  f"{run['flops']} in {run['iterations']} for {run['name']} (trained with other "
                                  f"--vocab-size, --seq-length or --global-batch-size than planned?)")
             loss = record["valid_nelbo"]
-            if not math.isfinite(loss):  # diverged: no point on its budget's curve
-                skipped.append(f"{run['name']}: diverged (validation NELBO {loss} at iteration {record['iteration']})")
+            if loss is None or not math.isfinite(loss):  # diverged (null: non-finite): no point on its curve
+                skipped.append(f"{run['name']}: diverged (validation NELBO {'non-finite' if loss is None else loss} "
+                               f"at iteration {record['iteration']})")
                 continue
             if loss <= 0:
                 raise InputError(f"{run['metrics_file']}: validation NELBO {loss} at iteration "

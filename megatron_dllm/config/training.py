@@ -1,6 +1,7 @@
 """How long and on what batches the run trains."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from megatron_dllm.config.fields import (
@@ -44,9 +45,9 @@ class TrainingConfig(FlagGroup):
                                                     "(0: off, as in Megatron-LM)")
     exit_interval: int | None = flag(type=non_negative_int, help="save and exit 0 at the first iteration divisible "
                                                                  "by this (0: off)")
-    check_for_nan_in_loss_and_grad: bool = flag(False, action="store_true",
+    check_for_nan_in_loss_and_grad: bool = flag(True, action=argparse.BooleanOptionalAction,
                                                 help="skip (and log) an iteration whose loss or gradient is not "
-                                                     "finite")
+                                                     "finite (on by default, as in Megatron-LM)")
     max_consecutive_nonfinite_iters: int = flag(5, type=positive_int,
                                                 help="--check-for-nan-in-loss-and-grad: after this many skipped "
                                                      "iterations in a row, save the last good state and stop")

@@ -46,8 +46,9 @@ class Logger:
                     writer.add_scalar(f"{tag} vs samples", value, consumed)
 
     def _record(self, **values) -> None:
-        if self.metrics:
-            self.metrics.write(json.dumps(values) + "\n")
+        if self.metrics:  # JSON has no NaN or infinity: a non-finite value is null
+            values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+            self.metrics.write(json.dumps(values, allow_nan=False) + "\n")
             self.metrics.flush()
 
     def info(self, message: str) -> None:
