@@ -96,3 +96,21 @@ def test_token_ids_beyond_the_vocabulary(pretrain, demo_cache, tmp_path):
                        "--train-iters", "1", check=False)
     assert f"{prefix}.bin holds token ids in [0, 5999]" in _error(proc)
     assert "vocab_size=4097" in proc.stderr
+
+
+def test_a_log_line_gives_the_mean_loss_of_its_interval_as_megatron_lm(pretrain, tmp_path):
+    """Megatron-LM's log line averages the loss over the iterations since the last one (a single
+    iteration's loss is a noisy sample of the curve); the same run logged every iteration gives
+    the reference."""
+    from conftest import TINY_RUN
+
+    runs = {}
+    for interval in ("1", "3"):
+        _, records = pretrain(1, "--family", "mdlm", *TINY_RUN, "--train-iters", "7", "--log-interval", interval,
+                              "--save", str(tmp_path / f"every{interval}"))
+        runs[interval] = {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    every = runs["1"]
+    assert list(runs["3"]) == [3, 6, 7]
+    for end, start in ((3, 1), (6, 4), (7, 7)):
+        assert runs["3"][end] == pytest.approx(sum(every[i] for i in range(start, end + 1)) / (end - start + 1),
+                                               rel=1e-12)

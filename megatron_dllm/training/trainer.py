@@ -9,6 +9,7 @@ Building is `build.py`, the step `step.py` (shared with the benchmarks), checkpo
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import torch
@@ -155,15 +156,21 @@ class Trainer:
             self.logger.close()
             return
         self.meter.start(self.iteration)
+        interval_losses = []  # the finite losses since the last log line: it logs their mean, as Megatron-LM
         while self.iteration < iters:
             self.profiler.before_iteration(self.iteration + 1)
             self.checkpointer.poll()
             loss, grad_norm = self.train_step()
+            if loss is not None and math.isfinite(loss):
+                interval_losses.append(loss)
             if (mean := self.spikes.check(loss)) is not None:
                 self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
                                  f"{training.loss_spike_factor:g} x the recent mean {mean:.4f}")
             if self.iteration % logging.log_interval == 0 or self.iteration == iters:
                 report = self.meter.measure(self.iteration)
+                if loss is not None:  # the last pipeline stage's: the interval's mean, NaN if none was finite
+                    loss = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
+                interval_losses = []
                 self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"], grad_norm,
                                   report.rates.tokens_per_s, report.rates.tflops, self.consumed_samples,
                                   self.meter.cumulative_flops(self.consumed_samples), extra_text=report.text,
