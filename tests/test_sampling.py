@@ -718,6 +718,28 @@ def test_sample_tool_on_hf_dir(hf_dir, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_sample_tool_without_a_tokenizer_says_so(hf_dir, tmp_path, capsys):
+    """A model without a tokenizer (a convert_from_hf checkpoint) samples ids, with a note that the
+    texts are null; what needs text (--prompt, --cut-at-eod) is refused."""
+    import shutil
+
+    from megatron_dllm.cli import sample
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in os.listdir(hf_dir):
+        if not name.startswith("tokenizer") and name != "special_tokens_map.json":
+            shutil.copy(os.path.join(hf_dir, name), bare / name)
+    argv = ["--load", str(bare), "--num-samples", "2", "--steps", "4", "--device", "cpu"]
+    assert sample.main([*argv, "--output", str(tmp_path / "ids.json")]) == 0
+    assert json.loads((tmp_path / "ids.json").read_text())["texts"] is None
+    assert capsys.readouterr().err.startswith(f"note: --load {bare} records no tokenizer")
+    assert sample.main([*argv, "--cut-at-eod", "--output", str(tmp_path / "cut.json")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --cut-at-eod needs a tokenizer: give "
+                                               "--tokenizer-type/--tokenizer-model")
+
+
+@pytest.mark.slow
 def test_sample_tool_compile_gives_the_eager_samples(hf_dir, tmp_path, monkeypatch):
     """--compile samples through `InferenceModel.compile()` (here with AOTAutograd's graphs and no
     code generation, which costs a minute a graph on CPU: tests/test_cuda_graphs.py says more)."""

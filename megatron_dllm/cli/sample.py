@@ -84,9 +84,13 @@ def main(argv=None):
     if args.compile:
         inference_model = inference_model.compile()
     prompt_ids = None
+    if inference_model.tokenizer is None:
+        for flag, given in (("--prompt", args.prompt is not None), ("--cut-at-eod", args.cut_at_eod)):
+            if given:
+                raise InputError(f"{flag} needs a tokenizer: give --tokenizer-type/--tokenizer-model")
+        print(f"note: --load {args.load} records no tokenizer: the output holds token ids only (\"texts\": null); "
+              f"give --tokenizer-type/--tokenizer-model to decode them", file=sys.stderr)
     if args.prompt is not None:
-        if inference_model.tokenizer is None:
-            raise InputError("--prompt needs a tokenizer: give --tokenizer-type/--tokenizer-model")
         prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
     start = time.perf_counter()
     tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,

@@ -110,7 +110,7 @@ def _match_keys(model_keys, saved_keys, use_ema: bool, path: str) -> dict:
                 by_suffix.setdefault(".".join(parts[i:]), []).append(saved)
     if use_ema and not by_suffix:
         raise InputError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
-                         f"train with EMA enabled or export without --use-ema")
+                         f"train with EMA enabled (--ema-decay) or drop --use-ema")
     mapping = {}
     for key in model_keys:
         found = by_suffix.get(key, [])
@@ -150,7 +150,7 @@ def load_megatron_model(load: str, use_ema: bool = False, seq_length: int | None
     if not emb:
         if use_ema:
             raise InputError(f"--use-ema: the checkpoint {path} holds no EMA weights (no 'ema' key); "
-                             f"train with EMA enabled or export without --use-ema")
+                             f"train with EMA enabled (--ema-decay) or drop --use-ema")
         raise InputError(f"{path}: no embedding tensor in the checkpoint")
     padded = int(tensors[emb[0]].global_shape[0])
     seq = seq_length or meta.seq_length or DEFAULT_SEQ_LENGTH
