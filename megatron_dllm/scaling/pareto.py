@@ -2,8 +2,9 @@
 
 For each family and model: fit Gen PPL(T) and throughput(T) (fits.StepCurve), find the fewest
 steps T that reach a target Gen PPL, read the throughput there, and keep the best model per family
-and target. T is searched only inside the step range where both were measured (no extrapolation); a model measured
-at fewer than 3 step counts (AR: one) is used at its measured points, without a fit.
+and target. T is searched only inside the step range where both were measured (no extrapolation);
+a model measured at fewer than 3 step counts (AR: one) is used at its measured points, without a
+fit.
 
 Input records are tools/evaluate.py's: Gen PPL {"family", "steps", "gen_ppl", "entropy"} and
 throughput {"family", "steps", "tokens_per_s", "samples_per_s", "batch_size"}. A record's model is
