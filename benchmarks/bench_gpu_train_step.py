@@ -111,6 +111,9 @@ def main(argv=None) -> None:
     p.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=None,
                    help="megatron-core's timers (default: the trainer's, 1; on a GPU each timer at or below "
                         "the level records CUDA events when it starts and stops)")
+    p.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="the trainer's NaN guard (its default, as Megatron-LM's): one all-reduce of a flag and "
+                        "the step in two halves; --no-... times the step without it")
     p.add_argument("--cuda-graph", action="store_true",
                    help="the trainer's full-iteration CUDA graph (--cuda-graph-scope full_iteration), captured at "
                         "the second warm-up step")
@@ -133,7 +136,8 @@ def main(argv=None) -> None:
     options = {"attention_backend": backend, "fusion": args.fusion, "transformer_impl": args.transformer_impl,
                "fp8": args.fp8_format, "fp8_recipe": args.fp8_recipe, "cuda_graph": args.cuda_graph,
                "gradient_accumulation_fusion": args.gradient_accumulation_fusion,
-               "timing_log_level": args.timing_log_level}
+               "timing_log_level": args.timing_log_level,
+               "extra_flags": () if args.check_for_nan_in_loss_and_grad else ("--no-check-for-nan-in-loss-and-grad",)}
     precision = f"fp8 {args.fp8_format} ({args.fp8_recipe})" if args.fp8_format else "bf16"
 
     platform.init_distributed(1, 1, seed=0)
@@ -143,6 +147,7 @@ def main(argv=None) -> None:
           f"fusion {({None: 'default', True: 'on', False: 'off'})[args.gradient_accumulation_fusion]}, "
           f"{'full-iteration CUDA graph, ' if args.cuda_graph else ''}"
           f"timing log level {'default' if args.timing_log_level is None else args.timing_log_level}, "
+          f"NaN guard {'on' if args.check_for_nan_in_loss_and_grad else 'off'}, "
           f"{args.warmup} warm-up + {args.steps} timed steps (median)\n")
     print("| preset | family | recompute | micro-batch | step (ms) | tokens/s | TFLOP/s calflops | "
           "MFU calflops | TFLOP/s full | MFU full | peak memory (GiB) | first loss |")

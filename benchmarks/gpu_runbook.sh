@@ -262,6 +262,9 @@ $PY benchmarks/bench_elementwise_regions.py ${REGIONS[*]} --compare dynamic && e
       train_step step_sdpa_timers$level 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
         --fusion default --max-micro-batch $SDPA_MB --timing-log-level $level
     done
+    # the NaN guard, on by default since 2026-11-29 as in Megatron-LM: one all-reduce of a flag a step
+    train_step step_sdpa_noguard 80 --families mdlm --recompute-granularity off --attention-backend sdpa \
+      --fusion default --max-micro-batch $SDPA_MB --timing-log-level 1 --no-check-for-nan-in-loss-and-grad
     # recomputed norms, MLP activation or whole MLP against the micro-batch they let fit: 8 to 16 by
     # the count of bench_activation_memory.py (4 fits without): does the larger batch pay for the recompute?
     train_step step_sdpa_recompute 260 --families mdlm --recompute-granularity mlp_act layernorm+mlp_act \
