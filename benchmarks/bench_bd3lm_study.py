@@ -98,6 +98,7 @@ def markdown(rows: list[dict], args) -> str:
              "| tokens/s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        r = {**r, **{k: float("nan") for k in ("valid_nelbo", "valid_ppl") if r.get(k) is None}}  # null: diverged
         gen = f"{r['gen_ppl']:.1f}" if "gen_ppl" in r else "-"
         ent = f"{r['entropy']:.2f}" if "entropy" in r else "-"
         lines.append(f"| {r['model']} | {r['iterations']} | {r['valid_nelbo']:.3f} | {r['valid_ppl']:.1f} | {gen} | "

@@ -49,9 +49,13 @@ r = last(sys.argv[1]); sys.exit(not (r and r['iteration'] == int(sys.argv[2])))"
     fi
     rm -rf "$run_dir"
     local start=$SECONDS
-    if bash -c "$1" > "$run_dir.log" 2>&1; then
+    local code=0
+    bash -c "$1" > "$run_dir.log" 2>&1 || code=$?
+    if [ $code = 0 ]; then
         mv "$run_dir.log" "$run_dir/train.log"
         echo "   $(basename "$run_dir"): $(grep -o 'nelbo [0-9.]*' "$run_dir/train.log" | tail -1) ($((SECONDS - start)) s)"
+    elif [ $code = 3 ]; then  # the NaN guard stopped it: a diverged run is no point of the fits, not a failure
+        echo "   DIVERGED: $run_dir (see $run_dir.log; the fits list it as unfinished)"
     else
         echo "   FAILED: $run_dir (see $run_dir.log)"; return 1
     fi

@@ -328,6 +328,27 @@ def test_non_finite_gradients_are_skipped_and_k_in_a_row_stop_after_a_save(demo_
     assert meta.consumed_samples == 6 * 8  # skipped batches are consumed
 
 
+def test_a_log_lines_mean_loss_leaves_skipped_iterations_out_and_counts_them(demo_cache, tmp_path):
+    """Megatron-LM's log line: the mean loss of the iterations that stepped, and how many were
+    skipped; the same run logged every iteration gives the reference (a skipped one's loss: null)."""
+    runs = {}
+    for interval in ("1", "4"):
+        workdir = tmp_path / interval
+        workdir.mkdir()
+        flags = ["--demo-cache-dir", demo_cache, *BASE, "--log-interval", interval, "--save", str(workdir / "ckpt")]
+        proc, log = _start(flags, workdir, workdir / "m.jsonl",
+                           script=os.path.join(REPO, "tests", "nonfinite_worker.py"),
+                           env={"NONFINITE_ITERATIONS": "2,3", "PYTHONPATH": REPO_PYTHONPATH})
+        assert proc.wait(timeout=300) == 0, (workdir / "run.log").read_text()[-3000:]
+        log.close()
+        runs[interval] = {r["iteration"]: r for r in _records(workdir / "m.jsonl") if "loss" in r}
+    every, four = runs["1"], runs["4"]
+    assert every[2]["loss"] is None and every[2]["grad_norm"] is None and every[2]["skipped_iterations"] == 1
+    assert four[4]["loss"] == pytest.approx((every[1]["loss"] + every[4]["loss"]) / 2, rel=1e-12)
+    assert four[4]["skipped_iterations"] == 2 and "skipped_iterations" not in four[8]
+    assert four[8]["loss"] == pytest.approx(sum(every[i]["loss"] for i in range(5, 9)) / 4, rel=1e-12)
+
+
 def test_a_signal_or_a_nan_loss_on_one_rank_stops_or_skips_on_every_rank(tmp_path):
     rank0, rank1 = run_worker_on_two_ranks("exit_decision_worker.py", tmp_path)
     assert rank0["before_signal"] is None and rank1["before_signal"] is None
@@ -374,5 +395,6 @@ def test_the_metrics_file_writes_a_non_finite_value_as_null(world_of_one, tmp_pa
     logger.valid(1, float("inf"), 100)
     logger.close()
     records = [json.loads(line, parse_constant=pytest.fail) for line in open(tmp_path / "metrics.jsonl")]
-    assert (records[0]["loss"], records[0]["grad_norm"], records[1]["valid_nelbo"]) == (None, None, None)
+    assert (records[0]["loss"], records[0]["grad_norm"], records[1]["valid_nelbo"], records[1]["valid_ppl"]) == (
+        None, None, None, None)
     assert records[0]["lr"] == 1e-3 and records[1]["flops"] == 100

@@ -734,9 +734,10 @@ def test_sample_tool_without_a_tokenizer_says_so(hf_dir, tmp_path, capsys):
     assert sample.main([*argv, "--output", str(tmp_path / "ids.json")]) == 0
     assert json.loads((tmp_path / "ids.json").read_text())["texts"] is None
     assert capsys.readouterr().err.startswith(f"note: --load {bare} records no tokenizer")
-    assert sample.main([*argv, "--cut-at-eod", "--output", str(tmp_path / "cut.json")]) == 2
-    assert capsys.readouterr().err.strip() == ("error: --cut-at-eod needs a tokenizer: give "
-                                               "--tokenizer-type/--tokenizer-model")
+    for flag in ("--cut-at-eod", "--stop-at-eos"):  # both need the EOD id
+        assert sample.main([*argv, flag, "--output", str(tmp_path / "cut.json")]) == 2
+        assert capsys.readouterr().err.strip() == (f"error: {flag} needs a tokenizer: give "
+                                                   f"--tokenizer-type/--tokenizer-model")
 
 
 @pytest.mark.slow

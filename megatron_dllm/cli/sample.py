@@ -84,12 +84,12 @@ def main(argv=None):
     if args.compile:
         inference_model = inference_model.compile()
     prompt_ids = None
-    if inference_model.tokenizer is None:
-        for flag, given in (("--prompt", args.prompt is not None), ("--cut-at-eod", args.cut_at_eod)):
+    if inference_model.tokenizer is None:  # what needs its text or its EOD id
+        for flag, given in (("--prompt", args.prompt is not None), ("--cut-at-eod", args.cut_at_eod),
+                            ("--stop-at-eos", args.stop_at_eos),
+                            (f"--family {inference_model.family} without --prompt", inference_model.family == "ar")):
             if given:
                 raise InputError(f"{flag} needs a tokenizer: give --tokenizer-type/--tokenizer-model")
-        print(f"note: --load {args.load} records no tokenizer: the output holds token ids only (\"texts\": null); "
-              f"give --tokenizer-type/--tokenizer-model to decode them", file=sys.stderr)
     if args.prompt is not None:
         prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
     start = time.perf_counter()
@@ -111,6 +111,9 @@ def main(argv=None):
         "texts": texts,
     }
     write_result_file(args.output, json.dumps(record, indent=1))
+    if texts is None:
+        print(f"note: --load {args.load} records no tokenizer: {args.output} holds token ids only (\"texts\": "
+              f"null); give --tokenizer-type/--tokenizer-model to decode them", file=sys.stderr)
     print(f"wrote {args.output}: {args.num_samples} {inference_model.family} samples of {tokens.shape[1]} tokens "
           f"in {wall:.2f} s ({args.predictor}, T={args.steps})")
     return 0

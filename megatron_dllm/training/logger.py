@@ -76,7 +76,7 @@ class Logger:
     def valid(self, iteration, nelbo, flops=None, consumed=None) -> None:
         if not self.active or nelbo is None:
             return
-        ppl = math.exp(min(nelbo, 50.0))
+        ppl = math.exp(min(nelbo, 50.0)) if math.isfinite(nelbo) else nelbo  # a diverged NELBO has no PPL
         print(f" validation at iteration {iteration} | nelbo {nelbo:.4f} | ppl {ppl:.3f}", flush=True)
         self._record(iteration=iteration, valid_nelbo=nelbo, valid_ppl=ppl,
                      **({} if flops is None else {"flops": flops}))

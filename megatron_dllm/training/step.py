@@ -107,4 +107,4 @@ def train_step(model: list, optimizer, scheduler, family, batches, consumed: int
         scheduler.step(increment=1)
         if ema is not None:
             ema.update()
-    return loss, grad_norm
+    return loss, grad_norm if ok else None

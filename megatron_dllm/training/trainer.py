@@ -9,7 +9,6 @@ Building is `build.py`, the step `step.py` (shared with the benchmarks), checkpo
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import torch
@@ -156,25 +155,33 @@ class Trainer:
             self.logger.close()
             return
         self.meter.start(self.iteration)
-        interval_losses = []  # the finite losses since the last log line: it logs their mean, as Megatron-LM
+        # since the last log line, as Megatron-LM's: the losses of the iterations that stepped (a NaN
+        # too: a run diverging without the guard shows it), whose mean is logged, and the skipped ones
+        interval_losses, skipped = [], 0
         while self.iteration < iters:
             self.profiler.before_iteration(self.iteration + 1)
             self.checkpointer.poll()
             loss, grad_norm = self.train_step()
-            if loss is not None and math.isfinite(loss):
+            if grad_norm is None:
+                skipped += 1
+            elif loss is not None:  # the last pipeline stage's
                 interval_losses.append(loss)
             if (mean := self.spikes.check(loss)) is not None:
                 self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
                                  f"{training.loss_spike_factor:g} x the recent mean {mean:.4f}")
             if self.iteration % logging.log_interval == 0 or self.iteration == iters:
                 report = self.meter.measure(self.iteration)
-                if loss is not None:  # the last pipeline stage's: the interval's mean, NaN if none was finite
+                if loss is not None:  # NaN when every iteration of the interval was skipped
                     loss = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
-                interval_losses = []
+                text, extra = report.text, report.extra
+                if skipped:
+                    text += f" | skipped iterations {skipped}"
+                    extra = {**(extra or {}), "skipped_iterations": skipped}
+                interval_losses, skipped = [], 0
                 self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"], grad_norm,
                                   report.rates.tokens_per_s, report.rates.tflops, self.consumed_samples,
-                                  self.meter.cumulative_flops(self.consumed_samples), extra_text=report.text,
-                                  extra=report.extra, scalars=report.scalars)
+                                  self.meter.cumulative_flops(self.consumed_samples), extra_text=text,
+                                  extra=extra, scalars=report.scalars)
             if logging.eval_interval and (self.iteration % logging.eval_interval == 0 or self.iteration == iters):
                 self._validate()
                 self.meter.restart_interval(discard_phase_times=True)  # validation's schedule is not training's
