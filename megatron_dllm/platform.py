@@ -98,12 +98,12 @@ def tool_device(requested: str | None = None) -> str:
         return "cuda" if HAS_CUDA else "cpu"
     try:
         kind = torch.device(requested).type
-    except RuntimeError:
-        raise InputError(f"--device {requested}: expected cpu, cuda or cuda:N") from None
-    if kind == "cuda" and not HAS_CUDA:
-        raise InputError(f"--device {requested}: CUDA is not available on this machine")
+    except RuntimeError:  # not a device name at all ("gpu")
+        kind = None
     if kind not in ("cpu", "cuda"):
         raise InputError(f"--device {requested}: expected cpu, cuda or cuda:N")
+    if kind == "cuda" and not HAS_CUDA:
+        raise InputError(f"--device {requested}: CUDA is not available on this machine")
     return requested
 
 

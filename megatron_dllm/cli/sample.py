@@ -69,6 +69,7 @@ def main(argv=None):
 
     import torch
 
+    from megatron_dllm.families import FAMILIES
     from megatron_dllm.sampling import decode, generate, load_inference_model
 
     sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
@@ -87,7 +88,8 @@ def main(argv=None):
     if inference_model.tokenizer is None:  # what needs its text or its EOD id
         for flag, given in (("--prompt", args.prompt is not None), ("--cut-at-eod", args.cut_at_eod),
                             ("--stop-at-eos", args.stop_at_eos),
-                            (f"--family {inference_model.family} without --prompt", inference_model.family == "ar")):
+                            (f"--family {inference_model.family} without --prompt",  # it starts after an EOD
+                             FAMILIES[inference_model.family].next_token)):
             if given:
                 raise InputError(f"{flag} needs a tokenizer: give --tokenizer-type/--tokenizer-model")
     if args.prompt is not None:

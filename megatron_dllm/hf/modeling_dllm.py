@@ -462,10 +462,10 @@ class DLLMPreTrainedModel(PreTrainedModel):
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=input_ids.device)
         return sigma.reshape(-1).expand(b) if sigma.numel() == 1 else sigma.reshape(b)
 
-    def _attn_mask(self, input_ids, attention_mask):
+    def _attn_mask(self, input_ids, attention_mask, position_ids):
         """None (the family's layout) or a [b, 1, s, s] boolean mask from a [b, s] key padding
         mask (1 = attend) or an explicit [b, s, s] or [b or 1, 1, s, s] mask, combined with the
-        family's layout (causal, or BD3-LM's block-causal)."""
+        family's layout (causal, or BD3-LM's block-causal over `position_ids`' blocks)."""
         if attention_mask is None:
             return None
         if attention_mask.dim() == 4:  # explicit, as SDPA takes it (BD3-LM's [x_t ; x_0] mask)
@@ -475,11 +475,9 @@ class DLLMPreTrainedModel(PreTrainedModel):
         if mask.dim() == 2:
             if bool(mask.all()):
                 return None
-            keys = mask
             mask = mask[:, None, :].expand(-1, s, -1)
-            if self.config.attention == "block_diffusion":  # blocks count from a row's first real token
-                blocks = (keys.long().cumsum(-1) - 1).div(self.config.family_options["block_size"],
-                                                          rounding_mode="floor")
+            if self.config.attention == "block_diffusion":  # by position: a left-padded row's from its first token
+                blocks = position_ids.div(self.config.family_options["block_size"], rounding_mode="floor")
                 mask = mask & (blocks[:, None, :] <= blocks[:, :, None])
             elif self.config.attention == "causal":
                 mask = mask & layout_mask(self.config, 0, s, mask.device)
@@ -503,7 +501,7 @@ class DLLMPreTrainedModel(PreTrainedModel):
             position_ids = start + torch.arange(input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids[None].expand_as(input_ids)
         return self.backbone(input_ids, position_ids, self._sigma(input_ids, sigma, timesteps),
-                             self._attn_mask(input_ids, attention_mask), kv_cache, kv_keep, logits_at)
+                             self._attn_mask(input_ids, attention_mask, position_ids), kv_cache, kv_keep, logits_at)
 
 
 class DLLMForMaskedLM(DLLMPreTrainedModel):
