@@ -66,7 +66,8 @@ def main(argv=None) -> None:
     load = statistics.median(a for a, _ in rows["load"])
     verify = statistics.median(b for _, b in rows["load"])
     ratio = statistics.median(b / a for a, b in rows["load"])
-    print(f"| verify before load, vs the load itself | {load:.2f} | {verify:.2f} | {ratio:.2f} |")
+    print(f"| load (2nd column), and the manifest's verify before it (3rd) | {load:.2f} | {verify:.2f} "
+          f"| {ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 
+import harness
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=float, default=64e6, help="tokens per corpus (whole chunks of 2049 x 1024)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dir", default=None, help="where the corpora are written (default: a temporary directory)")
+    p.add_argument("--dir", type=harness.existing_dir, default=None,
+                   help="where the corpora are written (default: a temporary directory)")
     args = p.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, numpy {np.__version__}; median of {args.repeats} interleaved rounds\n")

@@ -19,7 +19,7 @@ backward, whatever the tensors' size; that is the cost the 1.7B step paid per la
 waited for the host. At many tokens it is the passes over memory: one region reads the new
 residual stream once instead of writing it and reading it back. Both variants compute the same
 values (checked here before timing). Rounds alternate (A, B, then B, A) after a warm-up that
-compiles both (`--repeats` rounds).
+compiles both (two rounds).
 """
 from __future__ import annotations
 

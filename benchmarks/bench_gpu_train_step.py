@@ -84,7 +84,9 @@ def _attempt(preset, family, vocab: int, batch: int, seq: int, recompute: str | 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=["413M", "1.7B"])
-    p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"])
+    p.add_argument("--families", nargs="+", default=["mdlm", "duo", "esolm", "ar"],
+                   choices=["mdlm", "duo", "esolm", "ar"],
+                   help="of the paper's four families (BD3-LM, which needs a block size, is not timed here)")
     p.add_argument("--recompute-granularity", "--recompute", nargs="+", default=["off", "full"],
                    type=recompute_setting,
                    help="settings to measure: off | selective (core attention) | full (every layer, uniform) | "

@@ -7,6 +7,7 @@ import contextlib
 import shutil
 import tempfile
 
+import harness
 import torch
 
 
@@ -15,7 +16,8 @@ def parse_args(doc: str, argv=None) -> argparse.Namespace:
     p.add_argument("--preset", default="116M")
     p.add_argument("--vocab", type=int, default=32001)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--dir", type=harness.existing_dir, default=None,
+                   help="where to write (default: a temporary directory)")
     return p.parse_args(argv)
 
 

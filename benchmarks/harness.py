@@ -29,6 +29,15 @@ def parse_args(ap: argparse.ArgumentParser, *, repeats: int = 3, threads: int = 
     return args
 
 
+def existing_dir(path: str) -> str:
+    """argparse type of a --dir flag: an existing directory (one usage error, not mkdtemp's traceback)."""
+    import os
+
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is not an existing directory")
+    return path
+
+
 def timed(fn, *args, **kwargs):
     """(wall s, CPU s of this process, result) of `fn(*args, **kwargs)`. With one torch thread on a shared machine
     the CPU time is the figure that other processes' load does not inflate."""

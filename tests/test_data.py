@@ -236,6 +236,20 @@ def test_huggingface_tokenizer(tmp_path, paragraphs):
     assert tok.mask_id == 2 and not tok.mask_appended and tok.eod == 1 and tok.bos is None
 
 
+@pytest.mark.parametrize("key", ["eos_token", "bos_token"])
+def test_a_configured_special_token_missing_from_the_vocabulary_is_refused_not_guessed(tmp_path, paragraphs, key):
+    # transformers would give "<|eot|>" a new id: the one we append as [MASK]; falling back to </s> as EOD
+    # would end documents with a token the config does not name
+    _hf_tokenizer_json(str(tmp_path / "tokenizer.json"), paragraphs[:50], ["<unk>", "<s>", "</s>"])
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({key: "<|eot|>"}))
+    with pytest.raises(InputError, match=f"tokenizer.json.*tokenizer_config.json {key} '<.eot.>' is not in the "
+                                         f"vocabulary"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({key: {"content": "</s>"}}))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    assert (tok.bos if key == "bos_token" else tok.eod) == 2
+
+
 def test_tokenizer_errors_name_flags(tmp_path):
     with pytest.raises(ValueError, match="--tokenizer-type 'GPT3'"):
         build_tokenizer("GPT3", "x")

@@ -155,10 +155,26 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=
             if flag_like:  # the command line would read it as a flag
                 raise InputError(f"{where}: {key}: the list element {flag_like[0]!r} starts with '-', which a "
                                  f"command line reads as a flag; give such a value as the flag's only value")
+            _check_values(action, value, f"{where}: {option}")
             tokens += [option, *map(str, value)]
         else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces, or start with -
+            _check_values(action, [value], f"{where}: {option}")
             tokens += [f"{option}={value}"]
     return tokens
+
+
+def _check_values(action: argparse.Action, values, where: str) -> None:
+    """Raises InputError naming the file and line where a value is not of the flag's type or choices
+    (argparse would name only the flag, which the user never typed)."""
+    for value in map(str, values):
+        try:
+            converted = action.type(value) if callable(action.type) else value
+        except argparse.ArgumentTypeError as err:  # the flag's own check, which names the value
+            raise InputError(f"{where}: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise InputError(f"{where}: invalid value {value!r} ({err})") from None
+        if action.choices is not None and converted not in action.choices:
+            raise InputError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
 
 
 def _given(tokens: list[str], parser: argparse.ArgumentParser) -> set[str]:

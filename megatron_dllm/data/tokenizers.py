@@ -152,13 +152,13 @@ class HuggingFaceTokenizer(_Tokenizer):
             raise _bad_model(self.name, model_path, "empty vocabulary")
         existing = next((vocab[p] for p in MASK_PIECES if p in vocab), None)
         self._set_mask(max(vocab.values()) + 1, existing)
-        eos = self._special(config.get("eos_token"), self.EOS_CANDIDATES, vocab)
+        eos = self._special("eos_token", config, self.EOS_CANDIDATES, vocab)
         if eos is None:
             raise _bad_model(self.name, model_path, f"no EOS token found (looked for tokenizer_config.json "
                                                     f"eos_token and {self.EOS_CANDIDATES}), expected one to "
                                                     f"serve as EOD")
         self.eod = eos
-        self.bos = self._special(config.get("bos_token"), self.BOS_CANDIDATES, vocab)
+        self.bos = self._special("bos_token", config, self.BOS_CANDIDATES, vocab)
 
     @staticmethod
     def _read_config(directory: str) -> dict:
@@ -176,14 +176,19 @@ class HuggingFaceTokenizer(_Tokenizer):
                 raise InputError(f"--tokenizer-model {path}: {key} {value!r}, expected a token string")
         return config
 
-    @staticmethod
-    def _special(configured, candidates, vocab) -> Optional[int]:
+    def _special(self, key: str, config: dict, candidates, vocab) -> Optional[int]:
+        """The id of tokenizer_config.json's `key` token; the first of `candidates` only where the
+        config names none (a named token is never swapped for a guess)."""
+        configured = config.get(key)
         if isinstance(configured, dict):  # {"content": "</s>", ...} in some configs
             configured = configured.get("content")
-        for token in ([configured] if configured else []) + list(candidates):
-            if token in vocab:
-                return vocab[token]
-        return None
+        if configured:
+            if configured not in vocab:
+                raise _bad_model(self.name, self.model_path,
+                                 f"tokenizer_config.json {key} {configured!r} is not in the vocabulary, "
+                                 f"expected a token of tokenizer.json")
+            return vocab[configured]
+        return next((vocab[token] for token in candidates if token in vocab), None)
 
     def tokenize(self, text: str) -> List[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
