@@ -186,7 +186,8 @@ def test_a_yaml_scalar_for_a_multi_value_flag_is_one_value(tmp_path):
     ("model:\n  preset: cpu-tiny\n  no-such-flag: 1\n", ":3: 'no_such_flag' is not a flag of this command"),
     (b"preset: cpu-tiny\n# \xe9t\xe9\n", ":2: not UTF-8 text (byte 19 is 0xe9)"),
     ("preset: [\n", ":2: not valid YAML"),
-    ("seq-length: abc\n", ":1: --seq-length: invalid value 'abc' (invalid literal for int()"),  # argparse would not name the file
+    # argparse would name only the flag, which the user never typed
+    ("seq-length: abc\n", ":1: --seq-length: invalid value 'abc' (invalid literal for int()"),
     ("model:\n  attention-backend: flashy\n", ":2: --attention-backend: 'flashy' is not one of "),
 ])
 def test_a_bad_yaml_config_is_one_error_naming_the_file_and_line(tmp_path, capsys, text, message):
