@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_sampling import MASK, V, random_model
 
+from megatron_dllm.errors import InputError
 from megatron_dllm.sampling import InferenceModel
 from megatron_dllm.sampling.conditional import (
     generate_left_to_right,
@@ -103,3 +104,17 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="prompt_ids"):
         generate_left_to_right_batch(inf, [[1, 2], [MASK]], 4, EOS)
     assert generate_native_batch(inf, [], 4, EOS) == []
+
+
+def test_eso_lm_block_refuses_a_batch_row_whose_length_steps_do_not_divide():
+    """Each row's canvas is checked, not only the longest: a shorter row's last positions would
+    otherwise stay [MASK]. A batch whose rows all fit the block plan equals its batch-1 runs."""
+    inf = model("esolm")
+    prompts = [[5, 6, 7, 8], [9, 3, 4, 12, 8, 11, 2, 1, 13, 14, 15, 16, 17, 18, 19, 21, 22, 23, 24, 25]]
+    # canvases of 16 and 32 tokens, prompts of 4 and 20: --steps 4 divides them all
+    got = generate_native_batch(inf, prompts, 12, EOS, steps=4, predictor="block", seeds=SEEDS[:2])
+    assert got == [generate_native(inf, p, 12, EOS, steps=4, predictor="block", seed=s)
+                   for p, s in zip(prompts, SEEDS)]
+    assert all(MASK not in row for row in got)
+    with pytest.raises(InputError, match="--predictor block needs --steps to divide the sequence length 20"):
+        generate_native_batch(inf, [[5] * 8, [9] * 24], 12, EOS, steps=8, predictor="block", seeds=SEEDS[:2])

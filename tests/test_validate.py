@@ -78,6 +78,13 @@ CASES = [
     ("sft_data", ["--sft", "--train-iters", "5"], None, False, "--sft needs --data-path: an SFT dataset"),
     ("family_settings", ["--family", "mdlm", "--block-size", "4"], None, False,
      "--block-size applies to --family bd3lm only (this run: --family mdlm)"),
+    # a run_config.yaml would record them as applied
+    ("family_settings", ["--family", "mdlm", "--noise", "uniform"], None, False,
+     "--noise applies to --family bd3lm only (this run: --family mdlm)"),
+    ("family_settings", ["--family", "esolm", "--sampling-eps-min", "0.5"], None, False,
+     "--sampling-eps-min applies to --family bd3lm only (this run: --family esolm)"),
+    ("family_settings", ["--family", "duo", "--sampling-eps-max", "0.9"], None, False,
+     "--sampling-eps-max applies to --family bd3lm only (this run: --family duo)"),
     ("family_settings", ["--family", "bd3lm"], None, False, "--family bd3lm needs --block-size"),
     ("family_settings", ["--family", "bd3lm", "--block-size", "5", "--seq-length", "128"], None, False,
      "--block-size 5 must divide --seq-length 128"),

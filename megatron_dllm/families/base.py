@@ -9,7 +9,7 @@ HF export and import nothing from them: adding a family means one file and one r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -121,9 +121,13 @@ class Family:
     @classmethod
     def options_from_flags(cls, model) -> dict:
         """The family's own settings from a run's flags (a `ModelConfig`), checked, as `get_family`
-        takes them: none for most families, which refuse BD3-LM's --block-size."""
-        if model.block_size is not None:
-            raise InputError(f"--block-size applies to --family bd3lm only (this run: --family {cls.name})")
+        takes them: none for most families, which refuse BD3-LM's flags set away from their defaults
+        (a run_config.yaml would otherwise record settings the run never applied)."""
+        defaults = {field.name: field.default for field in fields(model)}
+        for name in ("block_size", "noise", "sampling_eps_min", "sampling_eps_max"):
+            if getattr(model, name) != defaults[name]:
+                raise InputError(f"--{name.replace('_', '-')} applies to --family bd3lm only (this run: "
+                                 f"--family {cls.name})")
         return {}
 
     def options(self) -> dict:

@@ -38,9 +38,13 @@ class EsoLMSampler(Sampler):
 
     def __init__(self, family, inf, cfg):
         super().__init__(family, inf, cfg)
-        if cfg.predictor == "block" and (cfg.steps > self.length or self.length % cfg.steps):
-            raise InputError(f"--predictor block needs --steps to divide the sequence length {self.length} "
-                             f"(so steps <= {self.length}); got --steps {cfg.steps}")
+        if cfg.predictor == "block":
+            self._check_block_steps(self.length)
+
+    def _check_block_steps(self, length: int) -> None:
+        if self.cfg.steps > length or length % self.cfg.steps:
+            raise InputError(f"--predictor block needs --steps to divide the sequence length {length} "
+                             f"(so steps <= {length}); got --steps {self.cfg.steps}")
 
     # ------------------------------------------------------------------ plans
 
@@ -57,6 +61,7 @@ class EsoLMSampler(Sampler):
         prompt_order = rand(b, p).argsort(-1)  # clean tokens in a random order, as in training
         if self.cfg.predictor == "block":
             T = self.cfg.steps
+            self._check_block_steps(length)  # a batch's shorter rows too, not only its longest canvas
             if p % T:
                 raise InputError(f"--predictor block with a prompt needs the prompt length ({p} tokens) to "
                                  f"be a multiple of --steps {T}")
