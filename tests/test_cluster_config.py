@@ -141,6 +141,9 @@ def test_relaunch_starts_the_recorded_world_size_with_the_file_and_overrides(tmp
     assert capsys.readouterr().out.split()[-2:] == ["--train-samples", "64"]
     assert relaunch.main([path, "--dry-run", "--nproc-per-node", "2"]) == 0
     assert "--nproc-per-node=2" in capsys.readouterr().out
+    # torchrun killed by SIGKILL: subprocess gives -9; a requeue script tests the shell's 128 + 9
+    monkeypatch.setattr(relaunch.subprocess, "call", lambda cmd, cwd: -9)
+    assert relaunch.main([path]) == 137
     with pytest.raises(SystemExit) as exit_:  # a bad override fails before torchrun starts
         relaunch.main([path, "--dry-run", "--", "--train-iters", "0"])
     assert exit_.value.code == 2
@@ -182,6 +185,14 @@ def test_relaunch_does_not_repeat_a_rollback(tmp_path, capsys, monkeypatch):
     assert relaunch.main([path, "--dry-run"]) == 0
     cmd = shlex.split(capsys.readouterr().out)
     assert "--ckpt-step=2" not in cmd and "--no-load-optim" not in cmd and cmd[-2:] == ["--load", "ckpt"]
+    # going back by naming the checkpoint directory, relaunched from elsewhere (its paths are the launch's)
+    cfg = parse_args(["--preset", "cpu-tiny", "--save", "ckpt", "--load", "ckpt/iter_0000002"])
+    (path,) = write_resolved(cfg, [str(tmp_path / "ckpt")], world_size=2)
+    monkeypatch.chdir(tmp_path / "ckpt")
+    assert relaunch.main([path, "--dry-run"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert "--load=ckpt/iter_0000002" not in cmd and cmd[-2:] == ["--load", "ckpt"]
+    monkeypatch.chdir(tmp_path)
     cfg = parse_args(["--preset", "cpu-tiny", "--load", "ckpt", "--ckpt-step", "2"])  # evaluates only: no --save
     (path,) = write_resolved(cfg, [str(tmp_path / "eval")], world_size=1)
     assert relaunch.main([path, "--dry-run"]) == 0

@@ -79,6 +79,10 @@ CASES = [
     ("family_settings", ["--family", "mdlm", "--block-size", "4"], None, False,
      "--block-size applies to --family bd3lm only (this run: --family mdlm)"),
     # a run_config.yaml would record them as applied
+    ("load_options", [*DATA, "--save", "/s", "--finetune"], None, False,
+     "--finetune needs --load (the checkpoint it applies to); without it the run starts from random weights"),
+    ("load_options", [*DATA, "--ckpt-step", "5", "--no-load-optim"], None, False, "--ckpt-step needs --load"),
+    ("load_options", [*DATA, "--no-load-rng"], None, False, "--no-load-rng needs --load"),
     ("family_settings", ["--family", "mdlm", "--noise", "uniform"], None, False,
      "--noise applies to --family bd3lm only (this run: --family mdlm)"),
     ("family_settings", ["--family", "esolm", "--sampling-eps-min", "0.5"], None, False,

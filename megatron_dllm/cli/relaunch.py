@@ -11,9 +11,9 @@ relative paths (and those of the FLAGS) mean what they meant. The run continues 
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
 resume idiom); a run that has saved continues from its `--save`, without the file's flags of
 its first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`, `--load`
-elsewhere), which would load that checkpoint again and save over the newer ones. A flag of the
-optimizer's settings (a longer --train-iters lengthens the LR decay) needs
---override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
+elsewhere or of one checkpoint, `DIR/iter_N`), which would load that checkpoint again and save
+over the newer ones. A flag of the optimizer's settings (a longer --train-iters lengthens the
+LR decay) needs --override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
 CONFIG` to their own launcher.
 """
 from __future__ import annotations
@@ -47,7 +47,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv[:split])
     args.flags = argv[split + 1:]
 
-    from megatron_dllm.checkpoint.layout import resumes
     from megatron_dllm.checkpoint.store import holds_checkpoint
     from megatron_dllm.config import build_parser, parse_args
     from megatron_dllm.config.run import expand_run_yaml
@@ -66,10 +65,13 @@ def main(argv=None) -> int:
     flags = list(args.flags)
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
-    elif checkpoint.save and (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
-                              or checkpoint.no_load_rng or not resumes(checkpoint.load, checkpoint.save)):
-        with chdir(directory):
-            saved = holds_checkpoint(checkpoint.save)
+    elif checkpoint.save:
+        with chdir(directory):  # the file's relative paths are the launch directory's
+            # a first load: from elsewhere, or going back to one of --save's own checkpoints (DIR/iter_N, --ckpt-step)
+            first_load = (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
+                          or checkpoint.no_load_rng
+                          or os.path.realpath(checkpoint.load) != os.path.realpath(checkpoint.save))
+            saved = first_load and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
             expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
             run = [t for t in expanded[:len(expanded) - len(flags)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
@@ -81,4 +83,5 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(f"cd {shlex.quote(directory)} && {shlex.join(cmd)}")
         return 0
-    return subprocess.call(cmd, cwd=directory)
+    rc = subprocess.call(cmd, cwd=directory)
+    return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, which requeue scripts test

@@ -147,6 +147,18 @@ def retention(config, world_size=None) -> None:
                          "without it every checkpoint is kept: give --keep-last-n-checkpoints N")
 
 
+def load_options(config, world_size=None) -> None:
+    """The flags that say how --load loads, refused without it: a run that forgot --load would
+    otherwise train from random weights with nothing said."""
+    ckpt = config.checkpoint
+    given = [flag for flag, value in (("--finetune", ckpt.finetune), ("--ckpt-step", ckpt.ckpt_step is not None),
+                                      ("--no-load-optim", ckpt.no_load_optim), ("--no-load-rng", ckpt.no_load_rng))
+             if value]
+    if given and not ckpt.load:
+        raise InputError(f"{given[0]} needs --load (the checkpoint it applies to); without it the run starts from "
+                         f"random weights")
+
+
 def pretrained_checkpoint(config, world_size=None) -> None:
     ckpt = config.checkpoint
     if ckpt.pretrained_checkpoint is None:
@@ -397,6 +409,6 @@ def profile(config, world_size=None) -> None:
 
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save, retention,
-         pretrained_checkpoint, schedule_on_resume, recompute, profile, tokenizer_with_data, tokenizer_options,
-         family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels, cuda_graph,
-         warmup_before_decay)
+         pretrained_checkpoint, load_options, schedule_on_resume, recompute, profile, tokenizer_with_data,
+         tokenizer_options, family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels,
+         cuda_graph, warmup_before_decay)
