@@ -75,6 +75,8 @@ def test_an_unknown_flag_is_one_error_line_naming_it(command, capsys, tmp_path, 
      "--chunk-bytes: expected a positive integer"),
     ("tools/inspect_dataset.py", ["prefix", "--sample-tokens", "-5"], "--sample-tokens: expected a positive integer"),
     ("tools/inspect_dataset.py", ["prefix", "--vocab-size", "0"], "--vocab-size: expected a positive integer"),
+    ("tools/chaos_resume.py", ["--work", "w", "--train-iters", "0"], "--train-iters must be positive"),
+    ("tools/chaos_resume.py", ["--work", "/dev/null/w"], "--work /dev/null/w: cannot be made a directory"),
 ])
 def test_a_value_out_of_range_is_refused_before_anything_runs(command, argv, message, capsys, tmp_path,
                                                               monkeypatch):

@@ -5,6 +5,7 @@ Every launch checks the exit code, that the message names the file or flag, and 
 checkpoint directories are byte-identical before and after."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -249,6 +250,48 @@ def test_verify_checkpoint_tool(ckpt, capsys):
     assert verify_checkpoint.main([str(ckpt)]) == 0  # the tracker's checkpoint (4) is intact
     assert verify_checkpoint.main([str(ckpt), "--ckpt-step", "2"]) == 2
     assert f"error: {shard}: " in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_checkpoint_renamed_to_another_iteration_is_refused_by_load_and_verify(ckpt, capsys):
+    """iter_0000002 moved to iter_0000006 (the tracker naming 6) would resume at iteration 2 from
+    what the tracker calls 6; the manifest's iteration gives it away."""
+    from megatron_dllm.cli import verify_checkpoint
+
+    os.rename(ckpt / "iter_0000002", ckpt / "iter_0000006")
+    (ckpt / TRACKER).write_text("6")
+    message = f"{ckpt / 'iter_0000006'}: its manifest.json records iteration 2, not the 6 of its directory's name"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        store.locate(str(ckpt))
+    assert verify_checkpoint.main([str(ckpt)]) == 2 and message in capsys.readouterr().err
+    assert verify_checkpoint.main([str(ckpt), "--all"]) == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_partial_copy_without_its_manifest_names_the_missing_shard(ckpt, capsys):
+    """A copy that has .metadata but lost a shard file and the manifest: the shard is missing,
+    not a file from elsewhere; load and verify say so alike."""
+    from megatron_dllm.cli import verify_checkpoint
+
+    path = ckpt / "iter_0000004"
+    os.remove(path / manifest.MANIFEST)
+    for shard in path.glob("*.distcp"):  # the one holding the writer records among them
+        os.remove(shard)
+    message = rf"{path}/__\d+_\d+\.distcp: missing \(named by {path}/\.metadata\): an incomplete copy of the checkpoint"
+    with pytest.raises(CheckpointError, match=message):
+        store.locate(str(ckpt))
+    assert verify_checkpoint.main([str(ckpt)]) == 2 and re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_verify_all_refuses_what_load_refuses_and_a_step_with_all(ckpt, capsys):
+    from megatron_dllm.cli import verify_checkpoint
+
+    assert verify_checkpoint.main([str(ckpt), "--all", "--ckpt-step", "2"]) == 2
+    assert "--all checks every checkpoint of the root; --ckpt-step names one" in capsys.readouterr().err
+    (ckpt / TRACKER).write_text("9")
+    assert verify_checkpoint.main([str(ckpt), "--all"]) == 2
+    assert "names iteration 9, but" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -210,24 +210,40 @@ def remove_leftover_removals(root: str, log=print) -> list[str]:
 
 
 def locate(load: str, ckpt_step: int | None = None, log=print) -> layout.Found | None:
-    """The checkpoint `--load load [--ckpt-step N]` names, verified against its manifest; None
-    when `load` holds no checkpoint. Errors name the file and what was expected."""
+    """The checkpoint `--load load [--ckpt-step N]` names, verified (`check_files`); None when
+    `load` holds no checkpoint. Errors name the file and what was expected."""
     found = _from_rank0(lambda: layout.find_checkpoint(load, ckpt_step))
-    if found is None:
-        return None
-    if layout.has_manifest(found.path):
-        verify_manifest(found.path)
-    elif _from_rank0(lambda: writers.shard_records(found.path)):  # written since manifests were
-        raise CheckpointError(f"{found.path}: manifest.json is missing from a checkpoint written with one (it holds "
+    if found is not None:
+        check_files(found, log)
+    return found
+
+
+def check_files(found: layout.Found, log=print, unverified: bool = True) -> None:
+    """Before anything of the checkpoint `found` unpickles: its files against its manifest, the
+    iteration the manifest records against its directory's name, its pickles against the
+    allowlist, its shards from one run. Without a manifest (an older version's or another tool's
+    checkpoint) it is `log`ged and loaded unverified where `unverified`, else refused."""
+    path = found.path
+    if layout.has_manifest(path):
+        verify_manifest(path)
+        recorded = _from_rank0(lambda: read_manifest(path).get("iteration"))
+        if None not in (recorded, found.iteration) and recorded != found.iteration:
+            raise CheckpointError(f"{path}: its manifest.json records iteration {recorded}, not the {found.iteration} "
+                                  f"of its directory's name (renamed or copied into place?); name the checkpoint "
+                                  f"by the iteration it holds")
+    elif _from_rank0(lambda: writers.shard_records(path)):  # written since manifests were
+        raise CheckpointError(f"{path}: manifest.json is missing from a checkpoint written with one (it holds "
                               f"the writers' run records), so its files cannot be verified; load an earlier "
                               f"checkpoint with --ckpt-step")
-    else:
-        log(f"{found.path} has no manifest (written by an older version or another tool): "
+    elif unverified:
+        log(f"{path} has no manifest (written by an older version or another tool): "
             f"loading it without verifying its files")
-    safe_read.check_no_code(found.path)  # before anything unpickles a file of it
-    if layout.has_manifest(found.path):
-        _from_rank0(lambda: writers.check_single_run(found.path, read_manifest(found.path).get("run")))
-    return found
+    else:
+        raise CheckpointError(f"{path}: no manifest.json (written by an older version or another tool): nothing "
+                              f"to verify against")
+    safe_read.check_no_code(path)
+    if layout.has_manifest(path):
+        _from_rank0(lambda: writers.check_single_run(path, read_manifest(path).get("run")))
 
 
 def check_writable(save: str) -> None:

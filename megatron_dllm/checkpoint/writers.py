@@ -62,6 +62,9 @@ def shard_records(directory: str) -> dict[str, dict]:
         if not index.fqn.startswith(RECORD_KEY + "/"):
             continue
         path = os.path.join(directory, info.relative_path)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: missing (named by {os.path.join(directory, '.metadata')}): an incomplete "
+                                  f"copy of the checkpoint")
         try:
             with open(path, "rb") as f:
                 f.seek(info.offset)

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_dllm import platform  # noqa: F401  (first: on CPU it quiets megatron-core's fallback warnings)
-from megatron_dllm.cli import OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, fail, reports_bad_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO, "pretrain_dllm.py")
@@ -544,6 +544,7 @@ def compare_checkpoints(ours: str, theirs: str, scratch: str) -> None:
           f"{os.path.basename(ours)} common state")
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--work", required=True, help="a new or empty directory for the corpus, both runs and their logs")
@@ -566,10 +567,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.kills < 0 or args.save_interval < 1 or args.nproc < 1 or not 0 <= args.sigterm_fraction <= 1:
         return fail("--kills must be >= 0, --save-interval and --nproc >= 1, --sigterm-fraction in [0, 1]")
-    args.train_iters = args.train_iters or 2 * args.kills + 8
+    if args.train_iters is None:
+        args.train_iters = 2 * args.kills + 8
     if args.train_iters < 1:
         return fail("--train-iters must be positive")
-    if os.path.exists(args.work) and os.listdir(args.work):
+    try:
+        os.makedirs(args.work, exist_ok=True)
+    except OSError as err:
+        return fail(f"--work {args.work}: cannot be made a directory ({err.strerror})")
+    if os.listdir(args.work):
         return fail(f"--work {args.work}: not empty (give a new directory)")
 
     from megatron_dllm.data.prep.demo import prepare_demo_corpus

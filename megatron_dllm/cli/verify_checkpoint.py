@@ -3,9 +3,10 @@
     python tools/verify_checkpoint.py CKPT [--ckpt-step N] [--all]
 
 CKPT is a checkpoint root (the checkpoint `--load CKPT` would load is checked) or one
-iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root. Prints one line
-per checkpoint, with what its metadata says (iteration, consumed samples, model). A missing,
-truncated or altered file, a pickle naming anything but checkpoint data (which loading would
+iter_XXXXXXX directory; --all checks every iter_XXXXXXX directory of the root (and its tracker,
+as --load reads it). Prints one line per checkpoint, with what its metadata says (iteration,
+consumed samples, model). A missing, truncated or altered file, a manifest of another iteration
+than the directory's name, a pickle naming anything but checkpoint data (which loading would
 refuse rather than run), shards written by different runs (a mixed checkpoint), or metadata
 that cannot be read gives `error: ...` naming the files and exit code 2.
 """
@@ -25,28 +26,23 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="check every iter_XXXXXXX directory of the root")
     args = parser.parse_args(argv)
 
-    from megatron_dllm.checkpoint import CheckpointError, layout, manifest, safe_read, writers
+    from megatron_dllm.checkpoint import CheckpointError, layout, manifest, store
     from megatron_dllm.checkpoint.meta import CheckpointMeta
 
-    if args.all and layout.is_checkpoint_dir(args.ckpt):  # one checkpoint is all there is to check
-        paths = [args.ckpt]
-    elif args.all:
-        paths = list(layout.iterations(args.ckpt).values())
+    if args.all and args.ckpt_step is not None:
+        raise CheckpointError("--all checks every checkpoint of the root; --ckpt-step names one: give one of them")
+    loaded = layout.find_checkpoint(args.ckpt, args.ckpt_step)  # a tracker --load would refuse is refused here too
+    if args.all and not layout.is_checkpoint_dir(args.ckpt):
+        found = [layout.Found(path, it, "--all") for it, path in layout.iterations(args.ckpt).items()]
     else:
-        found = layout.find_checkpoint(args.ckpt, args.ckpt_step)
-        paths = [found.path] if found else []
-    if not paths:
+        found = [loaded] if loaded else []
+    if not found:
         raise CheckpointError(f"{args.ckpt}: no checkpoint there")
-    for path in paths:
-        if not layout.has_manifest(path):
-            raise CheckpointError(f"{path}: no {manifest.MANIFEST} (written by an older version or another "
-                                  f"tool): nothing to verify against")
-        manifest.verify_manifest(path)
-        safe_read.check_no_code(path)
-        record = manifest.read_manifest(path)
-        writers.check_single_run(path, record.get("run"))
+    for checkpoint in found:
+        store.check_files(checkpoint, unverified=False)
+        path, files = checkpoint.path, manifest.read_manifest(checkpoint.path)["files"]
         meta = CheckpointMeta.read(path)  # its pickles passed the allowlist just above
-        files, model = record["files"], meta.identity
+        model = meta.identity
         print(f"ok {path}: {len(files)} files, {sum(f['size'] for f in files.values())} bytes; iteration "
               f"{meta.iteration}, {meta.consumed_samples} consumed samples, {model.family} "
               f"{model.num_layers}x{model.hidden_size} (vocab {model.vocab_size})"
