@@ -58,6 +58,11 @@ def test_the_same_mix_written_otherwise_is_not_a_change(tmp_path, monkeypatch):
     os.symlink(tmp_path / "data", tmp_path / "link")
     meta = TRAINED.replace(data_mix=("0.5", str(tmp_path / "data/a"), "0.5", "data/b"))
     assert not meta.data_mix_changed([".50", "data/a", "5e-1", str(tmp_path / "link/b")])
+    assert not meta.data_mix_changed(["3", "data/a", "3", "data/b"])  # megatron-core normalises the weights
+    assert not TRAINED.replace(data_mix=("0.3", "data/a", "0.7", "data/b")).data_mix_changed(
+        ["3", "data/a", "7", "data/b"])
+    assert meta.data_mix_changed(["0.5", "data/b", "0.5", "data/a"])  # another order: another blended index
+    assert meta.data_mix_changed(["data/a", "data/b"])  # unweighted: by the datasets' sizes
     assert meta.data_mix_changed(["0.4", "data/a", "0.6", "data/b"])
     assert meta.data_mix_changed(["0.5", "data/a", "0.5", "data/c"])
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -404,6 +405,25 @@ def test_datasets_lengths_and_determinism(tmp_path, demo, sp_tok, add_extra_toke
         np.testing.assert_array_equal(s, again[i])
     assert valid[0].shape == (n,)
     assert any(not np.array_equal(train[i], other[i]) for i in range(5))
+
+
+def test_an_index_cache_that_cannot_be_written_is_one_error_naming_the_flag(tmp_path, demo, sp_tok):
+    """megatron-core re-raises the OSError of a failed index write as a bare Exception (a traceback);
+    here a directory stands where an index file goes (what a read-only cache is to a non-root user)."""
+    args = dict(data_path=[demo["data_prefix"]], split="969,30,1", valid_data_path=None, seq_length=32,
+                add_extra_token=False, seed=1, num_train_samples=50, num_valid_samples=5, tokenizer=sp_tok)
+    build_datasets(cache_path=str(tmp_path / "c1"), **args)
+    blocked = tmp_path / "c2"
+    shutil.copytree(tmp_path / "c1" / "token_ranges", blocked / "token_ranges")  # the prefix scan is there
+    for name in os.listdir(tmp_path / "c1"):
+        if name.endswith("-description.txt"):
+            (blocked / name).mkdir()
+    with pytest.raises(InputError, match=rf"^--data-cache-path {blocked}: Is a directory \({blocked}/.*-description"
+                                         rf"\.txt\); the run writes the datasets' index files there"):
+        build_datasets(cache_path=str(blocked), **args)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InputError, match=rf"^--data-cache-path {tmp_path}/file/cache: Not a directory"):
+        build_datasets(cache_path=str(tmp_path / "file" / "cache"), **args)
 
 
 def test_datasets_split_blend_and_shared_cache(tmp_path, demo, sp_tok):

@@ -325,8 +325,10 @@ def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
     (["--global-batch-size", "-1"], "argument --global-batch-size: expected a positive integer, got -1"),
     (["--seq-length", "0"], "argument --seq-length: expected a positive integer, got 0"),
     (["--eval-iters", "0"], "argument --eval-iters: expected a positive integer, got 0"),
-    (["--split", "1,x,0"], "argument --split: expected up to three non-negative numbers such as 969,30,1, got '1,x,0'"),
-    (["--split", "0,0,0"], "argument --split: expected up to three non-negative numbers"),
+    (["--split", "1,x,0"], "argument --split: expected up to three non-negative decimal numbers such as 969,30,1, "
+                           "got '1,x,0'"),
+    (["--split", "0,0,0"], "argument --split: expected up to three non-negative decimal numbers"),
+    (["--split", "1e2,1"], "argument --split: expected up to three non-negative decimal numbers"),  # megatron: 1,2,1
     (["--data-path", "nan", "a", "1", "b"], "--data-path: weights must be positive finite numbers, got [nan, 1.0]"),
     (["--data-path", "inf", "a"], "--data-path: weights must be positive finite numbers, got [inf]"),
     (["--train-flops", "inf"], "argument --train-flops: expected a finite number, got inf"),

@@ -79,6 +79,9 @@ CASES = [
     ("family_settings", ["--family", "mdlm", "--block-size", "4"], None, False,
      "--block-size applies to --family bd3lm only (this run: --family mdlm)"),
     # a run_config.yaml would record them as applied
+    ("data_paths", [*DATA, "--valid-data-path", "/d/v", "--split", "0,100,0"], None, False,
+     "--split 0,100,0 carves the validation data out of --data-path; with --valid-data-path the validation data is "
+     "that blend and --split is unused: drop one of them"),
     ("load_options", [*DATA, "--save", "/s", "--finetune"], None, False,
      "--finetune needs --load (the checkpoint it applies to); without it the run starts from random weights"),
     ("load_options", [*DATA, "--ckpt-step", "5", "--no-load-optim"], None, False, "--ckpt-step needs --load"),
@@ -212,6 +215,19 @@ def test_each_rule_is_raised_by_validate(rule, flags, world_size, resolved, mess
     assert rule in broken, broken
 
 
+def test_train_samples_of_less_than_one_global_batch_is_refused():
+    config = resolve_defaults(parse_flags(["--train-samples", "7", "--global-batch-size", "8"]), DEMO)
+    with pytest.raises(InputError, match=r"^--train-samples 7 is less than one global batch \(--global-batch-size 8\)"):
+        resolve_iterations(config, vocab_size=4097)
+
+
+def test_split_on_the_demo_is_refused_as_unused():
+    """The demo brings its own validation set, so a --split given would be silently unused."""
+    with pytest.raises(InputError, match=r"--valid-data-path \(the embedded demo brings its own\)"):
+        validate(parse_flags(["--split", "90,10,0"]))
+    validate(resolve_defaults(parse_flags(["--split", "969,30,1"]), DEMO))  # the default, as a relaunch writes it
+
+
 def test_every_rule_has_a_case():
     covered = {case[0] for case in CASES} | ({"kernels"} if platform.HAS_TE else set())
     assert {rule.__name__ for rule in RULES} <= covered
@@ -281,7 +297,7 @@ def test_parse_args_reports_a_broken_rule_as_one_error_line(capsys):
 
 @pytest.mark.parametrize("flags", [
     ["--family", "esolm", "--train-flops", "2e12", "--keep-last-n-checkpoints", "2", "--async-save"],
-    ["--train-data-path", "/d/a", "--valid-data-path", "/d/b", *DATA[2:], "--train-samples", "100", "--bf16",
+    ["--train-data-path", "/d/a", "--valid-data-path", "/d/b", *DATA[2:], "--train-samples", "1000", "--bf16",
      "--recompute-granularity", "full", "--recompute-method", "uniform", "--profile-ranks", "0", "1"],
 ])
 def test_the_written_run_config_is_the_resolved_configuration(tmp_path, flags):
@@ -297,6 +313,7 @@ def test_a_run_writes_its_validated_resolved_configuration(demo_cache, tmp_path)
 
     config, _ = prepare_inputs(parse_args(["--demo-cache-dir", demo_cache, *TINY_RUN, "--train-samples", "20",
                                            "--data-cache-path", str(tmp_path / "cache")]))
-    assert config.training.train_iters == 3 and config.training.train_samples is None and not config.demo
+    # 20 samples at 8 a global batch: 2 whole batches, rounded down as Megatron-LM (train_samples // gbs)
+    assert config.training.train_iters == 2 and config.training.train_samples is None and not config.demo
     (path,) = write_resolved(config, [str(tmp_path)])
     assert validate(parse_args(["--yaml-cfg", path]), 1) == config

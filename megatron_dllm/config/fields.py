@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from typing import Any
 
 
@@ -123,11 +124,12 @@ def finite_float(text: str) -> float:
 
 
 def split_spec(text: str) -> str:
-    """Megatron's --split: up to three non-negative weights (train, valid, test), not all zero."""
-    try:
-        weights = [float(w) for w in text.replace("/", ",").split(",")]
-    except ValueError:
-        weights = []
-    if not (1 <= len(weights) <= 3 and all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0):
-        raise argparse.ArgumentTypeError(f"expected up to three non-negative numbers such as 969,30,1, got {text!r}")
+    """Megatron's --split: up to three non-negative weights (train, valid, test), not all zero,
+    written as plain decimals: megatron-core reads the runs of digits and dots, so `1e2,1` would
+    mean 1,2,1 to it."""
+    parts = [part.strip() for part in text.replace("/", ",").split(",")]
+    weights = [float(part) for part in parts if re.fullmatch(r"\d+\.?\d*|\.\d+", part)]
+    if not (1 <= len(weights) == len(parts) <= 3 and sum(weights) > 0):
+        raise argparse.ArgumentTypeError(f"expected up to three non-negative decimal numbers such as 969,30,1, "
+                                         f"got {text!r}")
     return text

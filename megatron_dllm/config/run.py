@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass
 
@@ -197,7 +196,7 @@ def resolve_defaults(config: RunConfig, demo_corpus: dict | None = None) -> RunC
 
 def resolve_iterations(config: RunConfig, vocab_size: int) -> RunConfig:
     """--train-iters from --train-flops (rounded down: a run never exceeds its budget) or
-    --train-samples (rounded up to whole global batches), which are then cleared."""
+    --train-samples (rounded down to whole global batches, as Megatron-LM), which are then cleared."""
     from megatron_dllm.config.validate import check_budget
     from megatron_dllm.scaling.flops import train_flops_per_sequence
     from megatron_dllm.scaling.plan import iterations_for_budget
@@ -210,9 +209,12 @@ def resolve_iterations(config: RunConfig, vocab_size: int) -> RunConfig:
         check_budget(training.train_flops, per_sequence * training.global_batch_size, iters,
                      training.flops_convention, training.global_batch_size)
         return config.replace(training={"train_iters": iters, "train_flops": None})
-    if training.train_samples is not None:
-        return config.replace(training={"train_iters": math.ceil(training.train_samples / training.global_batch_size),
-                                        "train_samples": None})
+    if training.train_samples is not None:  # whole global batches, rounded down as Megatron-LM does
+        iters = training.train_samples // training.global_batch_size
+        if iters < 1:
+            raise InputError(f"--train-samples {training.train_samples} is less than one global batch "
+                             f"(--global-batch-size {training.global_batch_size})")
+        return config.replace(training={"train_iters": iters, "train_samples": None})
     if training.train_iters is None:
         raise InputError("give --train-iters, --train-samples or --train-flops")
     return config

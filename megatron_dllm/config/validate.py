@@ -29,6 +29,8 @@ converters writing a chosen layout share it); `layout` calls the last.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_dllm.errors import InputError
 
 
@@ -50,6 +52,12 @@ def data_paths(config, world_size=None) -> None:
             raise InputError(f"{flag} has no value; give a dataset prefix, or weights and prefixes")
     if data.train_data_path is not None and (data.data_path is not None or data.valid_data_path is None):
         raise InputError("--train-data-path goes with --valid-data-path and replaces --data-path")
+    default_split = next(f.default for f in dataclasses.fields(data) if f.name == "split")
+    if data.split != default_split and (data.valid_data_path is not None or config.demo):  # it would be unused
+        whose = " (the embedded demo brings its own)" if config.demo else ""
+        raise InputError(f"--split {data.split} carves the validation data out of --data-path; with "
+                         f"--valid-data-path{whose} the validation data is that blend and --split is unused: drop "
+                         f"one of them")
 
 
 def tokenizer_with_data(config, world_size=None) -> None:

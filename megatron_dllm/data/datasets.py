@@ -33,6 +33,7 @@ import math
 import os
 import types
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -269,6 +270,23 @@ def _check_all_prefixes(blends, tokenizer, cache_dir) -> None:
         torch.distributed.barrier()
 
 
+@contextmanager
+def _cache_write_errors(cache_path: str, given: bool):
+    """An OSError writing under the index cache (megatron-core re-raises it as a bare Exception)
+    as one InputError naming --data-cache-path; errors elsewhere pass unchanged."""
+    try:
+        yield
+    except Exception as err:
+        cause = err if isinstance(err, OSError) else err.__cause__
+        filename = getattr(cause, "filename", None)
+        if not isinstance(cause, OSError) or not filename or not os.path.abspath(filename).startswith(
+                os.path.abspath(cache_path)):
+            raise
+        where = cache_path if given else f"{cache_path} (the default: beside the first --data-path prefix)"
+        raise InputError(f"--data-cache-path {where}: {cause.strerror} ({filename}); the run writes the "
+                         f"datasets' index files there: give a writable --data-cache-path") from None
+
+
 def build_datasets(
     data_path: Sequence[str],
     split: Optional[str],
@@ -293,10 +311,12 @@ def build_datasets(
     """
     train_blend = parse_data_path(data_path, "--data-path")
     valid_blend = parse_data_path(valid_data_path, "--valid-data-path") if valid_data_path else None
-    if cache_path is None:
+    cache_given = cache_path is not None
+    if not cache_given:
         cache_path = os.path.join(os.path.dirname(os.path.abspath(train_blend[0][0])), "cache")
-    _check_all_prefixes((("--data-path", train_blend), ("--valid-data-path", valid_blend)),
-                        tokenizer, os.path.join(cache_path, "token_ranges"))
+    with _cache_write_errors(cache_path, cache_given):
+        _check_all_prefixes((("--data-path", train_blend), ("--valid-data-path", valid_blend)),
+                            tokenizer, os.path.join(cache_path, "token_ranges"))
     for name, blend, size in (("train", train_blend, num_train_samples),
                               ("valid", valid_blend or train_blend, num_valid_samples)):
         if blend[1] is not None and size is None:
@@ -331,7 +351,8 @@ def build_datasets(
             **common,
         )
 
-    train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
+    with _cache_write_errors(cache_path, cache_given):
+        train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
     for name, flag, blend, dataset, wanted in (("train", "--data-path", train_blend, train, num_train_samples),
                                                ("valid", "--valid-data-path" if valid_blend else "--data-path",
                                                 valid_blend or train_blend, valid, num_valid_samples)):
