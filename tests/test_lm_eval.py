@@ -274,6 +274,11 @@ def test_generate_until_with_a_remasking_predictor(world_of_one):
     assert lm.generate_until(_instances("generate_until", requests)) == one
     with pytest.raises(InputError, match="--tokens-per-step applies to --predictor low-confidence"):
         _tiny_lm("mdlm", generation_predictor="threshold", tokens_per_step=2)
+    # what the family cannot run is refused when the model is built, before any likelihood task runs
+    with pytest.raises(InputError, match="--predictor block is not available for --family mdlm"):
+        _tiny_lm("mdlm", generation_predictor="block")
+    with pytest.raises(InputError, match="--predictor low-confidence is not available for --family ar"):
+        _tiny_lm("ar", generation_predictor="low-confidence")
 
 
 def test_generate_until_native_with_an_approximate_cache(world_of_one):

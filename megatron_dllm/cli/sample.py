@@ -101,7 +101,8 @@ def main(argv=None):
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {
-        "settings": {**vars(args), "device": device, "family": inference_model.family,
+        "settings": {**vars(args), "steps": args.steps if sampling.uses_steps else None,  # what T was, if any
+                     "device": device, "family": inference_model.family,
                      "block_size": (inference_model.family_options or {}).get("block_size"),
                      "shift": bool((inference_model.family_options or {}).get("shift")),
                      "source": inference_model.source,
@@ -117,7 +118,7 @@ def main(argv=None):
         print(f"note: --load {args.load} records no tokenizer: {args.output} holds token ids only (\"texts\": "
               f"null); give --tokenizer-type/--tokenizer-model to decode them", file=sys.stderr)
     print(f"wrote {args.output}: {args.num_samples} {inference_model.family} samples of {tokens.shape[1]} tokens "
-          f"in {wall:.2f} s ({args.predictor}, T={args.steps})")
+          f"in {wall:.2f} s ({args.predictor}{f', T={args.steps}' if sampling.uses_steps else ''})")
     return 0
 
 

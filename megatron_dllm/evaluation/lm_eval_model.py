@@ -99,6 +99,11 @@ class MegatronDLLM(TemplateLM):
         self.seed = int(seed)
         self.generation = self._generation(generation_predictor, generation_steps, block_length, tokens_per_step,
                                            confidence_threshold, entropy_bound, approx_kv_cache)
+        if self.generation["predictor"] != "left-to-right":  # refused now, not after the likelihood tasks ran
+            from megatron_dllm.sampling.config import SamplingConfig
+            from megatron_dllm.sampling.registry import get_sampler
+
+            get_sampler(self.inference_model, SamplingConfig(**self.generation))
         self.stderrs: list[float] = []  # one per scored request, in order
         self.stderrs_by_task: dict[str, list[float]] = {}
 

@@ -148,10 +148,10 @@ class RemaskingSampler(Sampler):
                 if bool(committed[r, lo:hi].all()):
                     row.block, row.step = row.block + 1, 0
                     row.done = row.block == len(row.blocks)
-                if stop_at_eos and not row.done:
+                if stop_at_eos:  # also at the last block's last step, where an EOS often settles
                     settled = int(committed[r, row.start:row.end].cumprod(0).sum())  # committed prefix
                     # an EOS there: all after it (committed earlier or open) becomes EOS
-                    row.done = end_at_eos(x, r, row.start, row.start + settled, row.end, self.eos_id)
+                    row.done = end_at_eos(x, r, row.start, row.start + settled, row.end, self.eos_id) or row.done
             live = [r for r in live if not rows[r].done]
         return x
 
