@@ -72,6 +72,23 @@ def test_the_meter_leaves_mfu_out_without_a_known_peak(monkeypatch):
     assert second.extra["eta_seconds"] == pytest.approx(3.0 / 3 * 5)  # 3 s for 3 iterations, 5 to go
 
 
+def test_a_pause_for_validation_or_a_save_leaves_the_intervals_training_time_and_phases(monkeypatch):
+    """Iterations 1-2 train in 2 s, a validation takes 8 s, iterations 3-4 train in 2 s: the log line
+    at 4 gives the rates of 4 iterations in 4 s, and the phases of training alone (the validation's
+    schedule ran the same timers)."""
+    meter = _meter(monkeypatch, [], Clock(0.0, 100.0, 102.0, 110.0, 112.0, 112.0))
+    read = iter([{"forward-backward": 20.0},    # the training before the pause (ms, totals)
+                 {"forward-backward": 500.0},   # the validation's schedule: dropped
+                 {"forward-backward": 20.0}])   # the training after it
+    monkeypatch.setattr(observability, "phase_times", lambda timers, iterations: next(read))
+    meter.start(0)  # at 100 s
+    with meter.paused(discard_phase_times=True):  # from 102 s to 110 s
+        pass
+    report = meter.measure(4)  # at 112 s
+    assert report.rates.tokens_per_s == 4 * 4 * 16 / 4.0
+    assert report.scalars["iteration-time"] == 1.0 and report.extra["forward-backward_ms"] == 10.0
+
+
 def test_the_data_phase_is_timed_on_the_host_and_never_synchronises_the_device(monkeypatch):
     """megatron-core's Timer synchronises the device at each start and stop. The data phase runs once
     per micro-batch, so there that would drain the GPU's queue before every fetch."""

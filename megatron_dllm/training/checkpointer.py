@@ -150,10 +150,12 @@ class Checkpointer:
         if self.async_queue is not None:
             checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=False)
 
-    def after_iteration(self, iteration: int, consumed: int) -> bool:
-        """Save when `iteration` is a multiple of --save-interval; whether it saved."""
+    def after_iteration(self, iteration: int, consumed: int, paused=contextlib.nullcontext) -> bool:
+        """Save when `iteration` is a multiple of --save-interval, inside `paused()` (the time
+        training is paused for it); whether it saved."""
         if self.ckpt.save and self.ckpt.save_interval and iteration % self.ckpt.save_interval == 0:
-            self.save(iteration, consumed)
+            with paused():
+                self.save(iteration, consumed)
             return True
         return False
 

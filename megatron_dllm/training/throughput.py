@@ -4,11 +4,13 @@ megatron-core's timers, the ETA, and the cumulative training FLOPs.
 
     meter.start(iteration)                 # before the first iteration of this process
     report = meter.measure(iteration)      # at a log interval: rates since the last measure
-    meter.restart_interval()               # after a save or a validation: not training time
+    with meter.paused():                   # around a save or a validation: not training time
+        ...
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from megatron_dllm import platform
@@ -55,17 +57,33 @@ class ThroughputMeter:
         self.world_size, self.total_iterations, self.clock = world_size, training.train_iters, clock
         self.first = self.last = 0
         self.loop_start = self.tick = clock()
+        # the interval's training time and phase milliseconds from before its pauses
+        self.banked_seconds, self.banked_phases = 0.0, {}
 
     def start(self, iteration: int) -> None:
         self.first = self.last = iteration
         self.loop_start = self.tick = self.clock()
 
-    def restart_interval(self, discard_phase_times: bool = False) -> None:
-        """What ran since the last iteration (a validation, a save) is not training time; a
-        validation also runs timed phases (the schedule), whose times `discard_phase_times` drops."""
-        if discard_phase_times:
-            observability.phase_times(self.timers, 1)
-        self.tick = self.clock()
+    @contextmanager
+    def paused(self, discard_phase_times: bool = False):
+        """What runs inside (a validation, a save) is not training time: the interval's training
+        time and phase times so far are banked first. A validation also runs timed phases (the
+        schedule), whose times `discard_phase_times` drops."""
+        platform.synchronize()  # the training steps queued before it belong to the interval
+        self.banked_seconds += self.clock() - self.tick
+        self._bank_phases()
+        try:
+            yield
+        finally:
+            if discard_phase_times:
+                observability.phase_times(self.timers, 1)
+            self.tick = self.clock()
+
+    def _bank_phases(self) -> dict:
+        """The interval's phase milliseconds (totals), the timers read and reset."""
+        for phase, ms in observability.phase_times(self.timers, 1).items():
+            self.banked_phases[phase] = self.banked_phases.get(phase, 0.0) + ms
+        return self.banked_phases
 
     def cumulative_flops(self, consumed_samples: int) -> int:
         """Training FLOPs so far (--flops-convention), from the consumed samples so resumes continue."""
@@ -75,11 +93,12 @@ class ThroughputMeter:
         """Rates, peak memory, phase times and ETA since the last measure (waits for the device)."""
         platform.synchronize()
         now = self.clock()
-        steps, elapsed = iteration - self.last, now - self.tick
+        steps, elapsed = iteration - self.last, self.banked_seconds + now - self.tick
         r = rates(steps, elapsed, self.tokens_per_iteration, self.flops_per_iteration, self.world_size,
                   self.peak_flops)
         eta = (now - self.loop_start) / (iteration - self.first) * (self.total_iterations - iteration)
-        phases = observability.phase_times(self.timers, steps)
+        phases = {phase: ms / steps for phase, ms in self._bank_phases().items()}
+        self.banked_seconds, self.banked_phases = 0.0, {}
         memory, measured = platform.peak_memory()
         text = ((f" | MFU {r.mfu:.1%}" if r.mfu is not None else "")
                 + f" | peak memory {memory / 2**30:.2f} GiB ({measured})"

@@ -183,10 +183,9 @@ class Trainer:
                                   self.meter.cumulative_flops(self.consumed_samples), extra_text=text,
                                   extra=extra, scalars=report.scalars)
             if logging.eval_interval and (self.iteration % logging.eval_interval == 0 or self.iteration == iters):
-                self._validate()
-                self.meter.restart_interval(discard_phase_times=True)  # validation's schedule is not training's
-            if self.checkpointer.after_iteration(self.iteration, self.consumed_samples):
-                self.meter.restart_interval()
+                with self.meter.paused(discard_phase_times=True):  # validation's schedule is not training's
+                    self._validate()
+            self.checkpointer.after_iteration(self.iteration, self.consumed_samples, paused=self.meter.paused)
             reason = self.exits.reason(self.iteration)
             if reason is not None:
                 self.logger.info(f"exiting after iteration {self.iteration}: {reason}")
