@@ -135,12 +135,16 @@ def test_convert_refuses_unsupported_architectures_in_one_line(tmp_path, capsys)
              "scaling": {"model_type": "llama", "rope_scaling": "linear"},
              "llama3": {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "low_freq_factor": 1.0,
                                                                "high_freq_factor": 4.0,
-                                                               "original_max_position_embeddings": 8192}}}
+                                                               "original_max_position_embeddings": 8192}},
+             # transformers' Llama ignores it: importing it as --rotary-percent gave other logits (12%)
+             "partial": {"model_type": "llama", "partial_rotary_factor": 0.5},
+             "partial5": {"model_type": "qwen2", "rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.25}}}
     expected = {"sliding": "sliding_window not supported", "moe": "model_type 'qwen2_moe') not supported",
                 "yarn": "rope scaling", "fields": "hidden_size missing or not an integer",
                 "groups": "num_attention_heads 4 must be a multiple of num_key_value_heads 3",
                 "eps": "max_position_embeddings 'long', rms_norm_eps 'x': expected a positive number",
-                "scaling": "rope_scaling 'linear' is not a mapping", "llama3": "rope scaling {'rope_type': 'llama3'"}
+                "scaling": "rope_scaling 'linear' is not a mapping", "llama3": "rope scaling {'rope_type': 'llama3'",
+                "partial": "partial_rotary_factor not supported", "partial5": "partial_rotary_factor not supported"}
     base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 96,
             "vocab_size": 100}
     for name, fields in cases.items():

@@ -98,6 +98,9 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
         "sliding_window": config.get("sliding_window") is not None and (
             kind == "mistral" or config.get("use_sliding_window")),
         "num_experts": config.get("num_experts") or config.get("num_local_experts"),
+        # transformers' Llama, Mistral and Qwen2 never read it (full rotary): a model made for it is another model
+        "partial_rotary_factor": any(c.get("partial_rotary_factor", 1.0) != 1.0
+                                     for c in (config, config.get("rope_parameters") or {}) if isinstance(c, dict)),
     }
     bad = [name for name, value in unsupported.items() if value]
     if bad:
@@ -107,8 +110,7 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
     if missing:
         raise InputError(f"{source}: {', '.join(missing)} missing or not an integer >= 1")
     wrong = [f"{k} {config[k]!r}" for k, ok in (("num_key_value_heads", _size), ("head_dim", _size),
-                                                 ("max_position_embeddings", _size), ("rms_norm_eps", _positive),
-                                                 ("partial_rotary_factor", _positive))
+                                                 ("max_position_embeddings", _size), ("rms_norm_eps", _positive))
              if config.get(k) is not None and not ok(config[k])]
     if wrong:
         raise InputError(f"{source}: {', '.join(wrong)}: expected a positive number (an integer for sizes)")
@@ -129,7 +131,6 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
         # GGUF stores eps in float32 (1e-5 reads 9.9999997e-06): 6 significant digits, as presets write it
         norm_epsilon=float(f"{float(config.get('rms_norm_eps', 1e-6)):.6g}"),
         position_embedding_type="rope", rotary_base=int(theta),
-        rotary_percent=float(config.get("partial_rotary_factor", 1.0)),
         rope_scaling_factor=float(scaling["factor"]) if scaling else None,
         add_bias_linear=False, add_qkv_bias=kind == "qwen2", qk_layernorm=False,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),  # transformers' default
