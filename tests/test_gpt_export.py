@@ -22,6 +22,9 @@ CASES = [("llama", "ar"), ("qwen2", "ar"), ("llama", "mdlm"), ("qwen2", "duo"), 
          ("qwen2", "bd3lm")]
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} </s> {% endfor %}"
+
+
 def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -37,6 +40,8 @@ def _import(kind: str, family: str, root, tokenizer: bool = False) -> str:
         words.save(os.path.join(hf, "tokenizer.json"))
         with open(os.path.join(hf, "tokenizer_config.json"), "w") as f:
             json.dump({"eos_token": "</s>"}, f)
+        with open(os.path.join(hf, "chat_template.jinja"), "w") as f:  # where transformers 5 saves it
+            f.write(CHAT_TEMPLATE)
     save = str(root / f"{kind}-{family}")
     assert convert_from_hf.main(["--hf", hf, "--save", save, "--family", family, "--seq-length", "16"]) == 0
     return save
@@ -156,6 +161,8 @@ def test_tokenizer_travels_with_the_export(tmp_path, world_of_one):
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (tok.mask_token, tok.mask_token_id, len(tok)) == ("[MASK]", V - 1, V)
     assert tok.encode("w3 w7 </s>", add_special_tokens=False) == [3, 7, 99]
+    # an instruct model's chat template survives the import and the export
+    assert tok.apply_chat_template([{"role": "user", "content": "w3 w7"}], tokenize=False) == "w3 w7 </s> "
     # generate stops at the tokenizer's EOS, not at LlamaConfig's default ids 1 and 2
     generation = transformers.AutoModelForCausalLM.from_pretrained(out).generation_config
     assert (generation.eos_token_id, generation.bos_token_id, tok.bos_token_id) == (99, 99, 99)

@@ -315,6 +315,16 @@ def staged_export(out: str):
 NORMALIZATION_PROBE = "word  word\tand\nline \ufb01ne caf\u00e9\u3000end"
 
 
+def _chat_template(directory: str, config: dict) -> str | dict | None:
+    """A HuggingFace tokenizer's chat template: chat_template.jinja (transformers 5) or
+    tokenizer_config.json's chat_template (4); None without one."""
+    path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return config.get("chat_template")
+
+
 def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int,
                      options: dict | None = None) -> None:
     """Write a tokenizer that `AutoTokenizer.from_pretrained(out)` loads offline, with [MASK] at
@@ -341,6 +351,7 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
                                           eos_token=ours._tok.id_to_token(ours.eod),
                                           bos_token=None if ours.bos is None else ours._tok.id_to_token(ours.bos),
                                           **{k: cfg[k] for k in ("unk_token", "pad_token") if k in cfg})
+            tok.chat_template = _chat_template(os.path.dirname(ours.model_path), cfg)  # an instruct model's
         else:  # TikTokenizer: .tiktoken or Megatron-LM's JSON vocabulary
             from megatron_dllm.hf.tiktoken_tokenizer import hf_tokenizer_from_tiktoken
 

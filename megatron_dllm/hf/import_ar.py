@@ -24,7 +24,8 @@ from megatron_dllm.checkpoint.identity import ModelIdentity
 from megatron_dllm.errors import InputError
 from megatron_dllm.hf import pretrained_ar
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# chat_template.jinja: where transformers 5 saves a chat template (4 kept it in tokenizer_config.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _tokenizer(hf: str, staging: str, target: str):
