@@ -79,10 +79,13 @@ def test_tp_that_does_not_divide_heads(pretrain):
 
 
 def test_missing_data_prefix(pretrain, demo_cache, tmp_path):
+    """Rank 0 checks the prefixes first; its error is every rank's (rank 1 waited at a barrier rank 0
+    never reached, and died there with a traceback)."""
     tokenizer = prepare_demo_corpus(demo_cache)["tokenizer_model"]
-    proc, _ = pretrain(1, "--data-path", str(tmp_path / "nope"), "--tokenizer-type", "SentencePieceTokenizer",
+    proc, _ = pretrain(2, "--data-path", str(tmp_path / "nope"), "--tokenizer-type", "SentencePieceTokenizer",
                        "--tokenizer-model", tokenizer, "--train-iters", "1", check=False)
-    assert f"--data-path: no dataset at prefix '{tmp_path / 'nope'}'" in _error(proc)
+    assert _error(proc).count(f"error: --data-path: no dataset at prefix '{tmp_path / 'nope'}'") == 2
+    assert "[rank1]: Traceback" not in proc.stderr
 
 
 def test_token_ids_beyond_the_vocabulary(pretrain, demo_cache, tmp_path):

@@ -34,6 +34,7 @@ import os
 import types
 from collections import OrderedDict
 from contextlib import contextmanager
+from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -256,18 +257,32 @@ def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
                              f"documents) is empty; change --split or give --valid-data-path")
 
 
-def _check_all_prefixes(blends, tokenizer, cache_dir) -> None:
+def _check_all_prefixes(blends, tokenizer, cache_dir, cache_errors) -> None:
     """Scan token ranges on rank 0 first (the scan reads whole .bin files and is cached), then
-    the other ranks, which find the cache."""
+    the other ranks, which find the cache. Rank 0's error is every rank's: one message, not the
+    other ranks' tracebacks at a barrier rank 0 never reached."""
+    def check_all():
+        with cache_errors():
+            for flag, blend in blends:
+                for prefix in blend[0] if blend else []:
+                    check_prefix(prefix, flag, tokenizer, cache_dir)
+
     distributed = torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if distributed else 0
-    if distributed and rank != 0:
-        torch.distributed.barrier()
-    for flag, blend in blends:
-        for prefix in blend[0] if blend else []:
-            check_prefix(prefix, flag, tokenizer, cache_dir)
-    if distributed and rank == 0:
-        torch.distributed.barrier()
+    error = None
+    if rank == 0:
+        try:
+            check_all()
+        except InputError as err:
+            error = str(err)
+    if distributed:
+        shared = [error]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        error = shared[0]
+    if error is not None:
+        raise InputError(error)
+    if rank != 0:
+        check_all()
 
 
 @contextmanager
@@ -279,8 +294,8 @@ def _cache_write_errors(cache_path: str, given: bool):
     except Exception as err:
         cause = err if isinstance(err, OSError) else err.__cause__
         filename = getattr(cause, "filename", None)
-        if not isinstance(cause, OSError) or not filename or not os.path.abspath(filename).startswith(
-                os.path.abspath(cache_path)):
+        if not isinstance(cause, OSError) or not filename or os.path.commonpath(
+                [os.path.abspath(filename), os.path.abspath(cache_path)]) != os.path.abspath(cache_path):
             raise
         where = cache_path if given else f"{cache_path} (the default: beside the first --data-path prefix)"
         raise InputError(f"--data-cache-path {where}: {cause.strerror} ({filename}); the run writes the "
@@ -314,9 +329,9 @@ def build_datasets(
     cache_given = cache_path is not None
     if not cache_given:
         cache_path = os.path.join(os.path.dirname(os.path.abspath(train_blend[0][0])), "cache")
-    with _cache_write_errors(cache_path, cache_given):
-        _check_all_prefixes((("--data-path", train_blend), ("--valid-data-path", valid_blend)),
-                            tokenizer, os.path.join(cache_path, "token_ranges"))
+    cache_errors = partial(_cache_write_errors, cache_path, cache_given)
+    _check_all_prefixes((("--data-path", train_blend), ("--valid-data-path", valid_blend)),
+                        tokenizer, os.path.join(cache_path, "token_ranges"), cache_errors)
     for name, blend, size in (("train", train_blend, num_train_samples),
                               ("valid", valid_blend or train_blend, num_valid_samples)):
         if blend[1] is not None and size is None:
@@ -351,7 +366,7 @@ def build_datasets(
             **common,
         )
 
-    with _cache_write_errors(cache_path, cache_given):
+    with cache_errors():  # one rank's failure here still leaves the others at megatron-core's barrier
         train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
     for name, flag, blend, dataset, wanted in (("train", "--data-path", train_blend, train, num_train_samples),
                                                ("valid", "--valid-data-path" if valid_blend else "--data-path",
