@@ -193,6 +193,10 @@ def test_relaunch_does_not_repeat_a_rollback(tmp_path, capsys, monkeypatch):
     cmd = shlex.split(capsys.readouterr().out)
     assert "--load=ckpt/iter_0000002" not in cmd and cmd[-2:] == ["--load", "ckpt"]
     monkeypatch.chdir(tmp_path)
+    # a file of one's own asks for that checkpoint (nothing says the run has saved since): kept
+    (tmp_path / "back.yaml").write_text("save: ckpt\nload: ckpt/iter_0000002\n")
+    assert relaunch.main([str(tmp_path / "back.yaml"), "--nproc-per-node", "1", "--dry-run"]) == 0
+    assert shlex.split(capsys.readouterr().out)[-2:] == ["--yaml-cfg", str(tmp_path / "back.yaml")]
     cfg = parse_args(["--preset", "cpu-tiny", "--load", "ckpt", "--ckpt-step", "2"])  # evaluates only: no --save
     (path,) = write_resolved(cfg, [str(tmp_path / "eval")], world_size=1)
     assert relaunch.main([path, "--dry-run"]) == 0

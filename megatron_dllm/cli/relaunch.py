@@ -9,7 +9,8 @@ on this machine, N defaulting to the world size the run was launched with (its `
 section), in the directory the run was launched from (also recorded there), so that the file's
 relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
-resume idiom); a run that has saved continues from its `--save`, without the file's flags of
+resume idiom); a run that has saved (its own run_config.yaml, which its first save writes into
+`--save`, is the file given) continues from its `--save`, without the file's flags of
 its first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`, `--load`
 elsewhere or of one checkpoint, `DIR/iter_N`), which would load that checkpoint again and save
 over the newer ones. A flag of the optimizer's settings (a longer --train-iters lengthens the
@@ -66,12 +67,15 @@ def main(argv=None) -> int:
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
     elif checkpoint.save:
+        written_in = os.path.realpath(os.path.dirname(os.path.abspath(args.config)))
         with chdir(directory):  # the file's relative paths are the launch directory's
             # a first load: from elsewhere, or going back to one of --save's own checkpoints (DIR/iter_N, --ckpt-step)
             first_load = (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
                           or checkpoint.no_load_rng
                           or os.path.realpath(checkpoint.load) != os.path.realpath(checkpoint.save))
-            saved = first_load and holds_checkpoint(checkpoint.save)
+            # the run's own resolved file, which its first save wrote into --save: it has saved since that load
+            own = bool(launch) and written_in == os.path.realpath(checkpoint.save)
+            saved = first_load and own and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
             expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
             run = [t for t in expanded[:len(expanded) - len(flags)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
