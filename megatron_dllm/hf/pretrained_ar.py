@@ -99,7 +99,7 @@ def shape_of(config: dict, source: str) -> tuple[Preset, GPTShape, int]:
             kind == "mistral" or config.get("use_sliding_window")),
         "num_experts": config.get("num_experts") or config.get("num_local_experts"),
         # transformers' Llama, Mistral and Qwen2 never read it (full rotary): a model made for it is another model
-        "partial_rotary_factor": any(c.get("partial_rotary_factor", 1.0) != 1.0
+        "partial_rotary_factor": any(c.get("partial_rotary_factor") not in (None, 1, 1.0)
                                      for c in (config, config.get("rope_parameters") or {}) if isinstance(c, dict)),
     }
     bad = [name for name, value in unsupported.items() if value]

@@ -94,13 +94,6 @@ class SamplingConfig:
             raise InputError(f"{name('entropy_bound')}{sep}{self.entropy_bound}: must be a finite number >= 0")
 
     @property
-    def uses_steps(self) -> bool:
-        """Whether `steps` sets the number of steps (threshold, entropy-bound, low-confidence with
-        tokens_per_step and left to right decide it otherwise), so that a record of it means something."""
-        return self.predictor in ("ancestral", "block") or (self.predictor == "low-confidence"
-                                                            and self.tokens_per_step is None)
-
-    @property
     def threshold(self) -> float:
         return DEFAULT_CONFIDENCE_THRESHOLD if self.confidence_threshold is None else self.confidence_threshold
 
