@@ -118,7 +118,7 @@ def test_round_trip_hf_megatron_tp2_hf_is_exact(checkpoints, demo_cache, tmp_pat
     # the first export has the tokenizer the training run recorded, so it knows its EOS (and names
     # it BOS: documents start after it); the converted checkpoint records none (convert_from_hf
     # takes the weights, and says so)
-    assert (first.pop("eos_token_id"), first.pop("pad_token_id"), first.pop("bos_token_id")) == (2, 2, 2)
+    assert (first.pop("eos_token_id"), first.pop("pad_token_id"), first.pop("bos_token_id")) == (2, None, 2)
     assert first == second
 
     # training starts from the converted (model-only) checkpoint exactly as from the original
@@ -249,6 +249,12 @@ def _compare(out_root, tok_model, specs):
                 # within rounding: the export runs its output layer at the last position only)
                 nxt = model(gen[:, :4], torch.arange(4)[None], torch.zeros(1)).transpose(0, 1)[0, -1, :V]
             assert nxt[gen[0, 4]] >= nxt.max() - 1e-5 * nxt.abs().max(), (gen, nxt.topk(2))
+            # another stop token only moves where it stops: the EOD (a real input token, here a
+            # document start) is never taken for padding, as a pad id equal to it would be
+            start = torch.cat([torch.full((1, 1), 2), ids[:1, :3]], 1)
+            full = hf.generate(start, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                               attention_mask=torch.ones_like(start))
+            assert torch.equal(hf.generate(start, max_new_tokens=5, do_sample=False, eos_token_id=None), full)
         tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
         assert tok.mask_token == "[MASK]" and tok.mask_token_id == identity.mask_id
         # batches pad with EOS and truncate at the model's context; the model knows its EOS

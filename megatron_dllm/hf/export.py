@@ -384,12 +384,14 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
         tok.save_pretrained(out)
     if tokenizer_type == "SentencePieceTokenizer":  # the original beside the conversion (transformers writes none)
         shutil.copyfile(ours.model_path, os.path.join(out, SENTENCEPIECE_MODEL))
-    # the model's generate stops at the tokenizer's EOS without being told it
+    # the model's generate stops at the tokenizer's EOS without being told it. No pad id: the EOS is
+    # a real input token (a document's start), and transformers' generate, given another eos_token_id,
+    # would take every token equal to a pad id for padding (it pads finished rows with the EOS instead)
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(out, name)
         if os.path.isfile(path):
             config = _read_json(path)
-            config.update(eos_token_id=ours.eod, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+            config.update(eos_token_id=ours.eod, pad_token_id=None, bos_token_id=tok.bos_token_id)
             with open(path, "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
 
