@@ -213,7 +213,9 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
     ({"input_ids": [[1, 2]], "max_new_tokens": L}, "do not fit the model's context of 24"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]]}, "give eos_token_id"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "float64": False},
-     "float64=False: padded prompts are answered with conditional generation's own settings"),
+     "float64=False: prompts given with an attention_mask are answered with conditional generation's own"),
+    ({"input_ids": [[1, 2], [3, 4]], "attention_mask": [[1, 1], [0, 0]], "eos_token_id": EOS},
+     "attention_mask: row 1 marks no token; each prompt needs at least one"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "max_new_tokens": L},
      "a prompt of 1 tokens and max_new_tokens=24 do not fit the model's context of 24"),
 ])
@@ -242,6 +244,10 @@ def test_padded_prompts_give_each_of_several_samples_its_own_seed(tmp_path):
         answer = generate_native(inf, prompt, 6, EOS, steps=3, seed=4 + j)
         assert row[5:5 + len(answer)].tolist() == answer
     assert len({tuple(row.tolist()) for row in out[3:]}) == 3  # three samples of the second prompt
+    # a prompt's answer does not depend on whether another prompt of the batch holds padding
+    alone = model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=6, steps=3, seed=4, eos_token_id=EOS)
+    expected = generate_native(inf, PROMPTS[1], 6, EOS, steps=3, seed=4)
+    assert alone[0, 5:5 + len(expected)].tolist() == expected
 
 
 def test_a_padded_bd3lm_forward_keeps_its_block_causal_attention(tmp_path):

@@ -16,8 +16,9 @@ megatron_dllm, and exactly as megatron_dllm does:
         with SamplingConfig(predictor="low-confidence", block_length=16) / generate_native(..., same)
 
 The first two return [rows, P + max_new_tokens]: the prompt, then the filled canvas (the sample
-command's samples). With `attention_mask` marking padding (left or right), each row is its prompt
-(the unpadded tokens) answered by conditional generation (`sampling.conditional`'s batched
+command's samples). With `attention_mask` (marking padding, left or right, or none: the protocol
+never depends on whether a batch happens to hold padding), each row is its prompt (the unmasked
+tokens) answered by conditional generation (`sampling.conditional`'s batched
 protocol: cut after the first EOS); the result is the input as given, then each row's answer,
 filled with `eos_token_id` after it (with conditional's settings: stop at EOS, caches on,
 float64; `float64=False`, `kv_cache=False`, `cuda_graphs=True` and `generator=` are refused
@@ -154,22 +155,26 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, input_ids "
                              f"{tuple(input_ids.shape)}")
+        # always the conditional protocol, padding or not: a row's answer never depends on whether
+        # another prompt of the batch happens to be shorter
         real = attention_mask.bool()
-        if not bool(real.all()):
-            changed = {"generator=": generator is not None, "float64=False": not float64,
-                       "kv_cache=False": not kv_cache, "cuda_graphs=True": cuda_graphs}
-            if any(changed.values()):
-                raise ValueError(f"{', '.join(k for k, v in changed.items() if v)}: padded prompts are answered with "
-                                 f"conditional generation's own settings (rows seeded from seed, float64, KV "
-                                 f"caches, no CUDA graphs)")
-            longest = int(real.sum(1).max())
-            if max_new_tokens is not None and longest + max_new_tokens > inf.seq_length:
-                raise ValueError(f"input_ids: a prompt of {longest} tokens and max_new_tokens={max_new_tokens} do "
-                                 f"not fit the model's context of {inf.seq_length}")
-            seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
-                     for j in range(num_return_sequences)]  # a prompt's samples differ
-            return _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
-                           temperature, top_p, options)
+        changed = {"generator=": generator is not None, "float64=False": not float64,
+                   "kv_cache=False": not kv_cache, "cuda_graphs=True": cuda_graphs}
+        if any(changed.values()):
+            raise ValueError(f"{', '.join(k for k, v in changed.items() if v)}: prompts given with an attention_mask "
+                             f"are answered with conditional generation's own settings (rows seeded from seed, "
+                             f"float64, KV caches, no CUDA graphs)")
+        if not bool(real.any(1).all()):
+            empty = int((~real.any(1)).nonzero()[0, 0]) // num_return_sequences
+            raise ValueError(f"attention_mask: row {empty} marks no token; each prompt needs at least one")
+        longest = int(real.sum(1).max())
+        if max_new_tokens is not None and longest + max_new_tokens > inf.seq_length:
+            raise ValueError(f"input_ids: a prompt of {longest} tokens and max_new_tokens={max_new_tokens} do "
+                             f"not fit the model's context of {inf.seq_length}")
+        seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
+                 for j in range(num_return_sequences)]  # a prompt's samples differ
+        return _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
+                       temperature, top_p, options)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
     if room < 1 or (max_new_tokens or 0) > room:
