@@ -214,6 +214,8 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]]}, "give eos_token_id"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "float64": False},
      "float64=False: prompts given with an attention_mask are answered with conditional generation's own"),
+    ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": [EOS, 3]},
+     f"eos_token_id=[{EOS}, 3]: expected one token id"),
     ({"input_ids": [[1, 2], [3, 4]], "attention_mask": [[1, 1], [0, 0]], "eos_token_id": EOS},
      "attention_mask: row 1 marks no token; each prompt needs at least one"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "max_new_tokens": L},
@@ -248,6 +250,10 @@ def test_padded_prompts_give_each_of_several_samples_its_own_seed(tmp_path):
     alone = model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=6, steps=3, seed=4, eos_token_id=EOS)
     expected = generate_native(inf, PROMPTS[1], 6, EOS, steps=3, seed=4)
     assert alone[0, 5:5 + len(expected)].tolist() == expected
+    # the EOS as transformers' configs may hold it: a one-element list or tensor
+    for eos in ([EOS], torch.tensor([EOS])):
+        assert torch.equal(model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=6, steps=3, seed=4,
+                                          eos_token_id=eos), alone)
 
 
 def test_a_padded_bd3lm_forward_keeps_its_block_causal_attention(tmp_path):
@@ -301,6 +307,9 @@ def test_the_forward_refuses_what_it_cannot_do(tmp_path):
                            "output_hidden_states / output_attentions: this model returns logits only")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             call()
+    ar = load_model(write_export("ar", tmp_path / "ar"))  # transformers' generate: refused there too, not None
+    with pytest.raises(ValueError, match=re.escape("output_hidden_states / output_attentions: this model returns")):
+        ar.generate(torch.tensor([[1, 2]]), max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
 
 
 def test_the_samplers_errors_name_generates_arguments_not_the_flags(tmp_path):

@@ -545,7 +545,10 @@ class DLLMForCausalLM(DLLMPreTrainedModel, GenerationMixin):
 
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, logits_to_keep=0, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
+        # what forward refuses reaches it (generate would otherwise return hidden states of None)
+        refused = {k: kwargs[k] for k in ("output_hidden_states", "output_attentions") if kwargs.get(k)}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep,
+                **refused}
 
     def forward(self, input_ids: torch.LongTensor, position_ids: Optional[torch.LongTensor] = None,
                 sigma: Optional[torch.Tensor] = None, timesteps: Optional[torch.Tensor] = None,

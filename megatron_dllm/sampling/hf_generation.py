@@ -134,7 +134,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     (`--noise-removal`).
     seed: the seed of megatron_dllm's sample command; generator: draw from this one instead.
     num_return_sequences: samples per prompt (rows of a prompt follow each other).
-    eos_token_id: the EOS id (default: config.eos_token_id, if any).
+    eos_token_id: the EOS id, one (default: generation_config.eos_token_id, else config's).
     """
     options = dict(block_length=block_length, tokens_per_step=tokens_per_step, confidence_threshold=threshold,
                      entropy_bound=entropy_bound, noise_removal=noise_removal)  # SamplingConfig's fields
@@ -142,7 +142,8 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     config = model.config
     inf = InferenceModel(model, config.family, config.mask_token_id, config.vocab_size,
                          config.max_position_embeddings, None, "hf", family_options=_family_options(config))
-    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
+    eos = _one_id(eos_token_id if eos_token_id is not None else getattr(
+        getattr(model, "generation_config", None) or config, "eos_token_id", None))
     if input_ids is None:
         input_ids = torch.zeros(num_return_sequences, 0, dtype=torch.long)
         num_return_sequences = 1
@@ -186,6 +187,15 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
                    generator=generator)
     return out.to(inf.device)
+
+
+def _one_id(eos_token_id) -> int | None:
+    """The EOS id of an int, a one-element list or tensor (as transformers' configs hold it), or None."""
+    ids = eos_token_id.flatten().tolist() if isinstance(eos_token_id, torch.Tensor) else eos_token_id
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    if len(ids) != 1 or not isinstance(ids[0], (int, type(None))) or isinstance(ids[0], bool):
+        raise ValueError(f"eos_token_id={eos_token_id!r}: expected one token id (these samplers stop at one EOS)")
+    return ids[0]
 
 
 def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
