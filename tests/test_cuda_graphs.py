@@ -197,6 +197,21 @@ def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypat
     assert len(set(runs[1][:, len(PROMPT):].flatten().tolist())) > 3, "outputs should not be trivial"
 
 
+@pytest.mark.gpu
+def test_a_second_generate_call_replays_the_first_calls_graphs(monkeypatch):
+    """One CUDAGraphModel per model: a benchmark's timed calls after its warm-up capture nothing
+    (MDLM: no KV cache renewed per call, which would drop them)."""
+    inf = InferenceModel(random_model("mdlm").double().cuda(), "mdlm", MASK, V, L, None, "hf")
+    captured = []
+    monkeypatch.setattr(CUDAGraphModel, "capture", lambda self, t, real=CUDAGraphModel.capture:
+                        captured.append(tuple(t["input_ids"].shape)) or real(self, t))
+    cfg = SamplingConfig(steps=8, eos_id=EOS, cuda_graphs=True)
+    first = generate(inf, cfg, num_samples=2, seed=3)
+    assert captured, "no forward was captured"
+    count = len(captured)
+    assert torch.equal(generate(inf, cfg, num_samples=2, seed=3), first) and len(captured) == count
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,predictor,steps", [("ar", "ancestral", 1), ("esolm", "ancestral", 9)])
 def test_a_compiled_model_gives_the_eager_samples_from_a_few_graphs(family, predictor, steps):

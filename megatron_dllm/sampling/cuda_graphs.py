@@ -115,8 +115,12 @@ def power_of_two_rows(positions: torch.Tensor) -> torch.Tensor:
 
 
 def graphed(model: torch.nn.Module) -> CUDAGraphModel:
-    """`model` behind CUDA graphs (`--cuda-graphs`), which need it on a CUDA device."""
+    """`model` behind CUDA graphs (`--cuda-graphs`), which need it on a CUDA device; one per model,
+    so that every generate call (a benchmark's timed ones after its warm-up) replays the graphs
+    the earlier calls captured."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise InputError(f"--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on {device.type}")
-    return CUDAGraphModel(model)
+    if not isinstance(getattr(model, "_cuda_graphs", None), CUDAGraphModel):  # kept on the model: no leak
+        model._cuda_graphs = CUDAGraphModel(model)
+    return model._cuda_graphs
