@@ -297,6 +297,18 @@ def test_errors_name_the_flag_or_file(trained, tmp_path, capsys):
         "error: --seq-length 64 exceeds the model's context 32"
     assert "--max-length: expected a positive integer, got -5" in _error(
         ["gen-ppl", "--samples", str(samples), "--judge", missing, "--max-length", "-5"], capsys)
+    assert "--max-length 1: expected an integer >= 2" in _error(
+        ["gen-ppl", "--samples", str(samples), "--judge", missing, "--max-length", "1"], capsys)
+    recorded = tmp_path / "recorded.json"  # a samples file's seq_length of another type
+    recorded.write_text(json.dumps({"texts": ["some text"], "seq_length": "64"}))
+    assert f"--samples {recorded}: seq_length '64': expected an integer >= 2" in _error(
+        ["gen-ppl", "--samples", str(recorded), "--judge", missing], capsys)
+    # the samples are an input: never replaced by the result, --overwrite or not
+    assert f"--output {recorded}: the same file as --samples (an input)" in _error(
+        ["gen-ppl", "--samples", str(recorded), "--judge", "smollm2", "--output", str(recorded), "--overwrite"],
+        capsys)
+    assert "--judge-gguf-file other.gguf: applies to a --judge directory" in _error(
+        ["gen-ppl", "--samples", str(samples), "--judge", "smollm2", "--judge-gguf-file", "other.gguf"], capsys)
     # a sampler of another family; auto batch size on CPU without a cap
     ckpt = trained["mdlm"][0]
     assert "--predictor block" in _error(["throughput", "--load", ckpt, "--steps", "4", "--batch-size", "2",

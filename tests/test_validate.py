@@ -79,6 +79,8 @@ CASES = [
     ("family_settings", ["--family", "mdlm", "--block-size", "4"], None, False,
      "--block-size applies to --family bd3lm only (this run: --family mdlm)"),
     # a run_config.yaml would record them as applied
+    ("data_paths", ["--valid-data-path", "/d/v"], None, False,
+     "--valid-data-path needs --data-path or --train-data-path (without them the run is the embedded demo"),
     ("data_paths", [*DATA, "--valid-data-path", "/d/v", "--split", "0,100,0"], None, False,
      "--split 0,100,0 carves the validation data out of --data-path; with --valid-data-path the validation data is "
      "that blend and --split is unused: drop one of them"),

@@ -104,10 +104,15 @@ def run_gen_ppl(args) -> dict:
     from megatron_dllm.evaluation.samples import read_samples
 
     samples = read_samples(args.samples)
-    device = platform.tool_device(args.device)
-    judge = load_judge(args.judge, args.judge_gguf_file, device, _dtype(args.dtype), args.judge_cache_dir)
     # the paper's code truncates judge tokens to the samples' length L; without L, the judge's context
     max_length = args.max_length or samples.meta.get("seq_length")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or max_length < 2):  # a judge scores tokens 2.. of each sample
+        where = "--max-length" if args.max_length else f"--samples {args.samples}: seq_length"
+        raise InputError(f"{where} {max_length!r}: expected an integer >= 2 (the judge tokens a sample is "
+                         f"truncated to)")
+    device = platform.tool_device(args.device)
+    judge = load_judge(args.judge, args.judge_gguf_file, device, _dtype(args.dtype), args.judge_cache_dir)
     result = generative_perplexity(judge, samples.texts, args.batch_size, max_length)
     return {
         "metric": "gen_ppl", "family": samples.meta.get("family"), "block_size": samples.meta.get("block_size"),
@@ -361,7 +366,9 @@ def main(argv=None) -> int:
                    ("--output-path", getattr(args, "output_path", None))]
         if outputs[2][1]:  # lm-eval's results JSON and its markdown table beside it
             outputs.append(("--output-path (its .md table)", os.path.splitext(outputs[2][1])[0] + ".md"))
-        claimed = {}
+        # the inputs an output must not replace (a samples file given as --output too, with --overwrite)
+        claimed = {os.path.realpath(path): f"{flag} (an input)" for flag, path in
+                   (("--samples", getattr(args, "samples", None)), ("--data", getattr(args, "data", None))) if path}
         for flag, path in outputs:
             if not path:
                 continue
@@ -373,15 +380,15 @@ def main(argv=None) -> int:
         if args.command != "gen-ppl":  # megatron checkpoints and the family losses: a world of one
             platform.init_distributed(1, 1)
         results = args.func(args)
+        text = json.dumps(results, indent=2)
+        if args.output:  # before printing: a write that fails (a full disk) is one error, not a traceback
+            write_result_file(args.output, text + "\n")
     except BAD_INPUT as err:
         return fail(str(err))
     finally:
         if owns_world and dist.is_initialized():
             platform.destroy_distributed()
-    text = json.dumps(results, indent=2)
     print(text)
-    if args.output:
-        write_result_file(args.output, text + "\n")
     return 0
 
 

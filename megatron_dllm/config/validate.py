@@ -52,6 +52,10 @@ def data_paths(config, world_size=None) -> None:
             raise InputError(f"{flag} has no value; give a dataset prefix, or weights and prefixes")
     if data.train_data_path is not None and (data.data_path is not None or data.valid_data_path is None):
         raise InputError("--train-data-path goes with --valid-data-path and replaces --data-path")
+    if config.demo and data.valid_data_path is not None:  # the demo would replace it with its own
+        raise InputError("--valid-data-path needs --data-path or --train-data-path (without them the run is the "
+                         "embedded demo, which brings its own validation data); to score a dataset X alone give "
+                         "--data-path X --split 0,100,0")
     default_split = next(f.default for f in dataclasses.fields(data) if f.name == "split")
     if data.split != default_split and (data.valid_data_path is not None or config.demo):  # it would be unused
         whose = " (the embedded demo brings its own)" if config.demo else ""

@@ -118,6 +118,9 @@ def load_judge(path: str, gguf_file: str | None = None, device: str | torch.devi
                dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> Judge:
     source, sha256 = path, None
     if path == "smollm2" and not os.path.exists(path):
+        if gguf_file is not None:
+            raise InputError(f"--judge-gguf-file {gguf_file}: applies to a --judge directory; 'smollm2' is one "
+                             f"pinned GGUF file")
         (path, gguf_file), sha256 = smollm2_gguf(), SMOLLM2_SHA256
     if not os.path.isdir(path):
         raise InputError(f"--judge {source}: no such directory (expected a Hugging Face causal LM "
