@@ -274,13 +274,14 @@ def _check_all_prefixes(blends, tokenizer, cache_dir, cache_errors) -> None:
         try:
             check_all()
         except InputError as err:
-            error = str(err)
+            error = err
     if distributed:
-        shared = [error]
+        shared = [None if error is None else str(error)]
         torch.distributed.broadcast_object_list(shared, src=0)
-        error = shared[0]
+        if error is None and shared[0] is not None:
+            error = InputError(shared[0])
     if error is not None:
-        raise InputError(error)
+        raise error
     if rank != 0:
         check_all()
 
