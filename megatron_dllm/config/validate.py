@@ -29,8 +29,6 @@ converters writing a chosen layout share it); `layout` calls the last.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from megatron_dllm.errors import InputError
 
 
@@ -56,8 +54,7 @@ def data_paths(config, world_size=None) -> None:
         raise InputError("--valid-data-path needs --data-path or --train-data-path (without them the run is the "
                          "embedded demo, which brings its own validation data); to score a dataset X alone give "
                          "--data-path X --split 0,100,0")
-    default_split = next(f.default for f in dataclasses.fields(data) if f.name == "split")
-    if data.split != default_split and (data.valid_data_path is not None or config.demo):  # it would be unused
+    if data.split != type(data).split and (data.valid_data_path is not None or config.demo):  # it would be unused
         whose = " (the embedded demo brings its own)" if config.demo else ""
         raise InputError(f"--split {data.split} carves the validation data out of --data-path; with "
                          f"--valid-data-path{whose} the validation data is that blend and --split is unused: drop "

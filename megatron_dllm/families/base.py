@@ -9,7 +9,7 @@ HF export and import nothing from them: adding a family means one file and one r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -123,9 +123,8 @@ class Family:
         """The family's own settings from a run's flags (a `ModelConfig`), checked, as `get_family`
         takes them: none for most families, which refuse BD3-LM's flags set away from their defaults
         (a run_config.yaml would otherwise record settings the run never applied)."""
-        defaults = {field.name: field.default for field in fields(model)}
         for name in ("block_size", "noise", "sampling_eps_min", "sampling_eps_max"):
-            if getattr(model, name) != defaults[name]:
+            if getattr(model, name) != getattr(type(model), name):  # the flag's default
                 raise InputError(f"--{name.replace('_', '-')} applies to --family bd3lm only (this run: "
                                  f"--family {cls.name})")
         return {}
