@@ -88,6 +88,15 @@ def test_missing_data_prefix(pretrain, demo_cache, tmp_path):
     assert "[rank1]: Traceback" not in proc.stderr
 
 
+def test_an_unwritable_log_file_is_every_ranks_one_error(pretrain, tmp_path):
+    """Only the last rank opens the log files; the others would wait for it in a collective."""
+    (tmp_path / "file").write_text("")
+    proc, _ = pretrain(2, "--family", "mdlm", "--train-iters", "1", "--tensorboard-dir", str(tmp_path / "file" / "tb"),
+                       check=False)
+    assert _error(proc).count(f"error: --tensorboard-dir {tmp_path / 'file' / 'tb'}: cannot write there") == 2
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
 def test_token_ids_beyond_the_vocabulary(pretrain, demo_cache, tmp_path):
     prefix = str(tmp_path / "other_tokenizer")
     with IndexedDatasetWriter(prefix, np.int32) as writer:
@@ -117,3 +126,8 @@ def test_a_log_line_gives_the_mean_loss_of_its_interval_as_megatron_lm(pretrain,
     for end, start in ((3, 1), (6, 4), (7, 7)):
         assert runs["3"][end] == pytest.approx(sum(every[i] for i in range(start, end + 1)) / (end - start + 1),
                                                rel=1e-12)
+    # a run that exits between lines (--exit-interval, a signal, the time limit) logs the rest of its interval
+    _, records = pretrain(1, "--family", "mdlm", *TINY_RUN, "--train-iters", "7", "--log-interval", "3",
+                          "--exit-interval", "5", "--save", str(tmp_path / "exits"))
+    exits = {r["iteration"]: r["loss"] for r in records if "loss" in r}
+    assert list(exits) == [3, 5] and exits[5] == pytest.approx((every[4] + every[5]) / 2, rel=1e-12)

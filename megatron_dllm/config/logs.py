@@ -23,8 +23,8 @@ class LoggingConfig(FlagGroup):
                                       "forward-backward, gradient sync, optimizer), 2 also the schedule's parts")
     wandb_project: str | None = flag(help="log to Weights & Biases under this project (pip install wandb)")
     wandb_exp_name: str | None = flag(help="the W&B run name")
-    wandb_save_dir: str | None = flag(help="the W&B local directory (default: --save/wandb, else beside "
-                                           "--tensorboard-dir)")
+    wandb_save_dir: str | None = flag(help="the W&B local directory (default: --save/wandb, else "
+                                           "--tensorboard-dir/wandb)")
     profile: bool = flag(False, action="store_true",
                          help="torch profiler traces (and a CUDA memory snapshot on GPU) into --tensorboard-dir")
     profile_step_start: int = flag(10, type=positive_int, help="--profile: first profiled iteration")

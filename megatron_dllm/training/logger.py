@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import torch.distributed as dist
 
@@ -12,23 +13,34 @@ from megatron_dllm.errors import InputError
 
 
 class Logger:
-    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None):
+    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None, wandb_dir: str | None = None):
+        """Opens the files on the last rank; a file it cannot write is every rank's one error
+        (the other ranks would otherwise wait in a collective the last rank never reaches)."""
         self.active = dist.get_rank() == dist.get_world_size() - 1
         self.writer = self.metrics = None
         self.extra_writers = []
-        if not self.active:
-            return
-        try:
-            if tensorboard_dir:
-                from torch.utils.tensorboard import SummaryWriter
+        error = None
+        if self.active:
+            try:
+                if wandb_dir:
+                    flag, path = "--wandb-save-dir", wandb_dir
+                    os.makedirs(wandb_dir, exist_ok=True)
+                if tensorboard_dir:
+                    from torch.utils.tensorboard import SummaryWriter
 
-                flag, path = "--tensorboard-dir", tensorboard_dir
-                self.writer = SummaryWriter(log_dir=tensorboard_dir)
-            if metrics_file:
-                flag, path = "--metrics-file", metrics_file
-                self.metrics = open(metrics_file, "a")
-        except OSError as err:
-            raise InputError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
+                    flag, path = "--tensorboard-dir", tensorboard_dir
+                    self.writer = SummaryWriter(log_dir=tensorboard_dir)
+                if metrics_file:
+                    flag, path = "--metrics-file", metrics_file
+                    self.metrics = open(metrics_file, "a")
+            except OSError as err:
+                error = f"{flag} {path}: cannot write there ({err.strerror or err})"
+        if dist.get_world_size() > 1:
+            shared = [error]
+            dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
+            error = shared[0]
+        if error is not None:
+            raise InputError(error)
 
     def add_writer(self, writer) -> None:
         """Another scalar sink with TensorBoard's add_scalar(tag, value, step) (e.g. W&B)."""

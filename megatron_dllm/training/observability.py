@@ -177,13 +177,11 @@ class WandbWriter:
     """TensorBoard's add_scalar onto a W&B run (last rank), with the resolved config attached.
     wandb is an optional extra; WANDB_MODE=offline works without a network."""
 
-    def __init__(self, logging: LoggingConfig, config: dict, default_dir: str):
+    def __init__(self, logging: LoggingConfig, config: dict, directory: str):
         try:
             import wandb
         except ImportError:
             raise InputError("--wandb-project needs the wandb package (pip install -e '.[wandb]')") from None
-        directory = logging.wandb_save_dir or default_dir
-        os.makedirs(directory, exist_ok=True)
         self.wandb = wandb
         self.run = wandb.init(project=logging.wandb_project, name=logging.wandb_exp_name, dir=directory, config=config)
 

@@ -45,7 +45,8 @@ class Trainer:
         training, logging = config.training, config.logging
         self.config, self.tokenizer = config, inputs.tokenizer
         claim_save_dir(config.checkpoint)
-        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file)  # its files fail now, not after the build
+        # its files fail now, not after the build
+        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file, self._wandb_dir())
         self.family = build_family(config, self.tokenizer)
         self.meter = ThroughputMeter(config, self.tokenizer.vocab_size, dist.get_world_size())
         built = build_training_model(config, self.family, self.tokenizer.vocab_size, self.meter.timers)
@@ -71,15 +72,21 @@ class Trainer:
         """What a checkpoint must match to be loaded into this run."""
         return ModelIdentity.of(self.family, self.arch)
 
-    def _add_wandb(self) -> None:
+    def _wandb_dir(self) -> str | None:
         logging = self.config.logging
         if not logging.wandb_project:
+            return None
+        return logging.wandb_save_dir or os.path.join(self.config.checkpoint.save or logging.tensorboard_dir or ".",
+                                                      "wandb")
+
+    def _add_wandb(self) -> None:
+        if not self.config.logging.wandb_project:
             return
         if importlib.util.find_spec("wandb") is None:  # checked on every rank: none waits for another
             raise InputError("--wandb-project needs the wandb package (pip install -e '.[wandb]')")
         if self.logger.active:
-            default = os.path.join(self.config.checkpoint.save or logging.tensorboard_dir or ".", "wandb")
-            self.logger.add_writer(observability.WandbWriter(logging, resolved_dict(self.config), default))
+            self.logger.add_writer(observability.WandbWriter(self.config.logging, resolved_dict(self.config),
+                                                             self._wandb_dir()))
 
     # ------------------------------------------------------------------ steps
 
@@ -158,6 +165,22 @@ class Trainer:
         # since the last log line, as Megatron-LM's: the losses of the iterations that stepped (a NaN
         # too: a run diverging without the guard shows it), whose mean is logged, and the skipped ones
         interval_losses, skipped = [], 0
+
+        def log_line(loss, grad_norm):
+            nonlocal interval_losses, skipped
+            report = self.meter.measure(self.iteration)
+            if loss is not None:  # NaN when every iteration of the interval was skipped
+                loss = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
+            text, extra = report.text, report.extra
+            if skipped:
+                text += f" | skipped iterations {skipped}"
+                extra = {**(extra or {}), "skipped_iterations": skipped}
+            interval_losses, skipped = [], 0
+            self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"], grad_norm,
+                              report.rates.tokens_per_s, report.rates.tflops, self.consumed_samples,
+                              self.meter.cumulative_flops(self.consumed_samples), extra_text=text,
+                              extra=extra, scalars=report.scalars)
+
         while self.iteration < iters:
             self.profiler.before_iteration(self.iteration + 1)
             self.checkpointer.poll()
@@ -170,24 +193,15 @@ class Trainer:
                 self.logger.info(f"loss spike at iteration {self.iteration}: {loss:.4f} is over "
                                  f"{training.loss_spike_factor:g} x the recent mean {mean:.4f}")
             if self.iteration % logging.log_interval == 0 or self.iteration == iters:
-                report = self.meter.measure(self.iteration)
-                if loss is not None:  # NaN when every iteration of the interval was skipped
-                    loss = sum(interval_losses) / len(interval_losses) if interval_losses else float("nan")
-                text, extra = report.text, report.extra
-                if skipped:
-                    text += f" | skipped iterations {skipped}"
-                    extra = {**(extra or {}), "skipped_iterations": skipped}
-                interval_losses, skipped = [], 0
-                self.logger.train(self.iteration, iters, loss, self.optimizer.param_groups[0]["lr"], grad_norm,
-                                  report.rates.tokens_per_s, report.rates.tflops, self.consumed_samples,
-                                  self.meter.cumulative_flops(self.consumed_samples), extra_text=text,
-                                  extra=extra, scalars=report.scalars)
+                log_line(loss, grad_norm)
             if logging.eval_interval and (self.iteration % logging.eval_interval == 0 or self.iteration == iters):
                 with self.meter.paused(discard_phase_times=True):  # validation's schedule is not training's
                     self._validate()
             self.checkpointer.after_iteration(self.iteration, self.consumed_samples, paused=self.meter.paused)
             reason = self.exits.reason(self.iteration)
             if reason is not None:
+                if self.iteration != self.meter.last:  # the iterations since the last line: not lost at a resume
+                    log_line(loss, grad_norm)
                 self.logger.info(f"exiting after iteration {self.iteration}: {reason}")
                 break
         self.profiler.stop()
