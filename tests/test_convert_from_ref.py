@@ -6,8 +6,8 @@ tree, parameter names and registration order, adaLN layout, rotary convention, t
 output layer), written for this test. It writes the hub-mixin directory with huggingface_hub's own
 `PyTorchModelHubMixin.save_pretrained`; the Lightning checkpoint is the dict the paper's trainer
 saves (state_dict under `backbone.`, `ema.shadow_params` in parameters() order, hyper_parameters
-with the run config as omegaconf pickles it and a transformers tokenizer, both of which the reader
-keeps as inert data).
+with the run config as omegaconf pickles it and a transformers tokenizer, or the paper's own, all of
+which the reader keeps as inert data).
 """
 import contextlib
 import copyreg
@@ -375,6 +375,28 @@ def test_megatron_checkpoint_at_tp2_reproduces_the_paper_logits(tmp_path):
         platform.destroy_distributed()
     assert (identity.family, identity.vocab_size, identity.mask_id) == ("mdlm", VOCAB, VOCAB - 1)
     assert_close(got, want)
+
+
+def test_a_checkpoint_holding_the_papers_own_tokenizer_converts(tmp_path, demo_cache):
+    """The paper's main.py passes its dataloader.TinyLLamaTokenizer (a SentencePiece processor
+    inside), which Lightning's save_hyperparameters pickles: inert data here, never its code."""
+    import sentencepiece
+
+    from megatron_dllm.data.prep.demo import prepare_demo_corpus
+
+    class TinyLLamaTokenizer:
+        def __init__(self, path):
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=path)
+
+    model = random_paper_model("mdlm")
+    with importable({"dataloader": {"TinyLLamaTokenizer": TinyLLamaTokenizer}}):
+        tokenizer = TinyLLamaTokenizer(prepare_demo_corpus(demo_cache)["tokenizer_model"])
+        ckpt = save_lightning(model, "mdlm", tmp_path / "tok.ckpt",
+                              edit=lambda c: c["hyper_parameters"].update(tokenizer=tokenizer))
+    ids, sigma, _ = inputs()
+    with torch.no_grad():
+        want = model(ids, sigma)
+    assert_close(hf_logits(convert_to_hf(tmp_path / "out", ckpt), "mdlm", ids, sigma), want)
 
 
 def test_refusals_name_the_input(tmp_path, capsys):

@@ -7,8 +7,9 @@ whoever wrote the file chooses what runs. Here every name goes through one allow
   `torch.device` (torch's loader resolves the storage types itself), builtin containers and
   `collections.OrderedDict`/`defaultdict`, which only build data;
 - the classes a Lightning checkpoint of the paper's trainer holds in `hyper_parameters`: omegaconf
-  containers and nodes, `typing.Any`, Lightning's `AttributeDict`, the run's transformers/tokenizers
-  tokenizer. They become inert placeholders that only keep the pickled arguments and state, so the
+  containers and nodes, `typing.Any`, Lightning's `AttributeDict`, the run's tokenizer (the paper's
+  `dataloader` classes with their SentencePiece or tiktoken object, or a transformers/tokenizers
+  one). They become inert placeholders that only keep the pickled arguments and state, so the
   real classes' code never runs, and they need not be installed.
 Any other name is refused before its object is built, with a `RefusedGlobal` naming it. TorchScript
 archives (which torch.load hands to torch.jit.load) and pre-1.0 tar archives are refused unread.
@@ -84,6 +85,10 @@ _ALLOWED.update({("collections", "OrderedDict"): collections.OrderedDict,
 _ATTRIBUTE_DICTS = {"lightning.fabric.utilities.data", "lightning_fabric.utilities.data",
                     "lightning.pytorch.utilities.parsing", "pytorch_lightning.utilities.parsing"}
 _PLACEHOLDER_MODULES = ("omegaconf", "transformers", "tokenizers")  # configs and the run's tokenizer
+# the paper's own tokenizers (its dataloader.py, which Lightning's save_hyperparameters pickles) and what
+# they hold: SentencePiece's processor, tiktoken's encoding
+_PLACEHOLDER_CLASSES = {("dataloader", "TinyLLamaTokenizer"), ("dataloader", "CustomTikTokenizer"),
+                        ("sentencepiece", "SentencePieceProcessor"), ("tiktoken.core", "Encoding")}
 _placeholders: dict = {}
 
 
@@ -102,7 +107,8 @@ def resolve(module: str, name: str):
         return _ALLOWED[(module, name)]
     if module in _ATTRIBUTE_DICTS and name == "AttributeDict":
         return AttributeDict
-    if (module, name) == ("typing", "Any") or module.split(".")[0] in _PLACEHOLDER_MODULES:
+    if ((module, name) == ("typing", "Any") or (module, name) in _PLACEHOLDER_CLASSES
+            or module.split(".")[0] in _PLACEHOLDER_MODULES):
         return _placeholder(module, name)
     raise RefusedGlobal(module, name)
 
