@@ -406,9 +406,18 @@ def test_refusals_name_the_input(tmp_path, capsys):
         {"backbone.blocks.0.attn_qkv.bias": torch.zeros(3 * HIDDEN)}))
     save_lightning(model, "mdlm", tmp_path / "odd.ckpt",
                    edit=lambda c: c["hyper_parameters"]["config"]["algo"].update(name="sedd"))
+    for name, change in (("timed", {"time_conditioning": True}), ("listed", {"name": ["mdlm"]})):
+        save_lightning(model, "mdlm", tmp_path / f"{name}.ckpt",
+                       edit=lambda c, change=change: c["hyper_parameters"]["config"]["algo"].update(change))
+    save_lightning(random_paper_model("esolm"), "esolm", tmp_path / "alpha.ckpt",
+                   edit=lambda c: c["hyper_parameters"]["config"]["algo"].update(alpha_0=0.5))
     hub = tmp_path / "hub"
     model.save_pretrained(hub)
     cases = [
+        # a time input the family's backbone does not take: other logits, converted silently before
+        (["--ref", str(tmp_path / "timed.ckpt")], "algo.time_conditioning True does not fit family mdlm"),
+        (["--ref", str(tmp_path / "alpha.ckpt")], "algo.alpha_0 0.5; the esolm family implements alpha_0 = 1"),
+        (["--ref", str(tmp_path / "listed.ckpt")], "cannot infer the family"),
         (["--ref", ckpt, "--weights", "ema"], "holds no EMA"),
         (["--ref", str(tmp_path / "bias.ckpt")], "unexpected ['blocks.0.attn_qkv.bias']"),
         (["--ref", str(tmp_path / "odd.ckpt")], "cannot infer the family (algo.name 'sedd'"),

@@ -72,6 +72,9 @@ class RefCheckpoint:
         w, src = self.weights, self.source
         if "vocab_embed.embedding" not in w:
             raise InputError(f"{src}: no vocab_embed.embedding tensor; is it a checkpoint of the paper's DiT?")
+        if w["vocab_embed.embedding"].dim() != 2:
+            raise InputError(f"{src}: vocab_embed.embedding has shape {tuple(w['vocab_embed.embedding'].shape)}, "
+                             f"expected [vocabulary, hidden]")
         vocab, hidden = w["vocab_embed.embedding"].shape
         layers = len({k.split(".")[1] for k in w if k.startswith("blocks.")})
         model = self.section("model")
@@ -88,6 +91,9 @@ class RefCheckpoint:
         if heads is None:
             raise InputError(f"{src}: the number of heads is neither in a config (model.n_heads) nor in a "
                              f"rotary_emb.inv_freq buffer; pass --num-attention-heads")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or hidden % heads:
+            raise InputError(f"{src}: model.n_heads {heads!r}, expected a positive integer dividing the hidden "
+                             f"size {hidden}")
         for key, value in (("hidden_size", hidden), ("n_blocks", layers)):
             if key in model and model[key] != value:
                 raise InputError(f"{src}: config model.{key} {model[key]} but the weights have {value}")
@@ -99,9 +105,10 @@ class RefCheckpoint:
 
     def family(self, given: str | None) -> str:
         """--family, else from the config's algo section (its `name`); they must agree with its
-        attention (`causal_attention` only for ar) and backbone (`esolm_dit` only for esolm)."""
+        attention (`causal_attention` only for ar), its time input (`time_conditioning` only for
+        duo) and, for esolm, `alpha_0` = 1 and causal attention modes."""
         algo = self.section("algo")
-        inferred = ALGO_FAMILIES.get(algo.get("name"))
+        inferred = ALGO_FAMILIES.get(algo["name"]) if isinstance(algo.get("name"), str) else None
         if given is None and inferred is None:
             why = f"algo.name {algo['name']!r} is not one of {', '.join(ALGO_FAMILIES)}" if "name" in algo else \
                 "it holds no config with an algo section"
@@ -112,6 +119,15 @@ class RefCheckpoint:
         if "causal_attention" in algo and bool(algo["causal_attention"]) != (family == "ar"):
             raise InputError(f"{self.source}: algo.causal_attention {algo['causal_attention']} does not fit "
                              f"family {family} (causal attention is the ar family's)")
+        # the time input the backbone was trained with: sigma for duo, zero for the others (as the
+        # paper's configs set algo.time_conditioning); another one gives other logits
+        if "time_conditioning" in algo and bool(algo["time_conditioning"]) != (family == "duo"):
+            raise InputError(f"{self.source}: algo.time_conditioning {algo['time_conditioning']} does not fit "
+                             f"family {family} (its backbone's time input is "
+                             f"{'sigma' if family == 'duo' else 'zero'})")
+        if family == "esolm" and algo.get("alpha_0", 1.0) != 1.0:
+            raise InputError(f"{self.source}: algo.alpha_0 {algo['alpha_0']}; the esolm family implements "
+                             f"alpha_0 = 1 only")
         if family == "esolm":
             for key in ("diffusion_attn_mode", "sequential_attn_mode"):
                 if algo.get(key, "causal") != "causal":
