@@ -198,6 +198,18 @@ def test_a_training_step_with_device_timers_never_waits_for_the_device(device_cl
     assert set(phases) == {"data", "forward-backward", "grads-sync", "optimizer"} and min(phases.values()) > 0
 
 
+def test_timing_level_2_adds_the_schedules_forward_and_backward_compute(world_of_one):
+    import step_cases
+
+    config, family, built = step_cases.build("mdlm")
+    for level, extra in ((1, set()), (2, {"forward-compute", "backward-compute"})):
+        timers = built.transformer_config.timers = observability.make_timers(level)
+        step.train_step(built.model, built.optimizer, built.scheduler, family,
+                        step_cases.Batches(family, config.model.seq_length), 0, config, timers, iteration=1)
+        phases = observability.phase_times(timers, 1)
+        assert set(phases) == {"data", "forward-backward", "grads-sync", "optimizer"} | extra
+
+
 @pytest.mark.gpu
 def test_device_timers_time_the_gpu_without_waiting_for_it():
     """On a GPU: a phase around some 50 ms of device work (a spinning kernel) returns to the host at

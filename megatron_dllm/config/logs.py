@@ -20,7 +20,8 @@ class LoggingConfig(FlagGroup):
                                          "peak at the run's precision)")
     timing_log_level: int = flag(1, type=int, choices=[0, 1, 2],
                                  help="megatron-core timers: 0 iteration time only, 1 phases (data, "
-                                      "forward-backward, gradient sync, optimizer), 2 also the schedule's parts")
+                                      "forward-backward, gradient sync, optimizer), 2 also the schedule's forward and "
+                                      "backward compute")
     wandb_project: str | None = flag(help="log to Weights & Biases under this project (pip install wandb)")
     wandb_exp_name: str | None = flag(help="the W&B run name")
     wandb_save_dir: str | None = flag(help="the W&B local directory (default: --save/wandb, else "

@@ -33,9 +33,10 @@ PEAK_FLOPS = {
 }
 
 # megatron-core's timer names for the phases of an iteration (the schedule and the gradient
-# finalisation record theirs through TransformerConfig.timers; the trainer adds the others)
+# finalisation record theirs through TransformerConfig.timers; the trainer adds the others); the
+# last two are the schedule's level-2 parts (--timing-log-level 2)
 PHASES = {"data": "batch-generator", "forward-backward": "forward-backward", "grads-sync": "all-grads-sync",
-          "optimizer": "optimizer"}
+          "optimizer": "optimizer", "forward-compute": "forward-compute", "backward-compute": "backward-compute"}
 
 
 def peak_flops(override: float | None, fp8: bool) -> tuple[float | None, str]:
