@@ -222,3 +222,36 @@ def test_device_timers_time_the_gpu_without_waiting_for_it():
     phase.stop()
     host = time.perf_counter() - start
     assert host < 0.01 and 0.03 < phase.elapsed() < 1.0, host
+
+
+def test_the_profiler_covers_the_part_of_its_window_a_run_reaches(world_of_one, monkeypatch, tmp_path):
+    """A run resumed inside [--profile-step-start, --profile-step-end) profiles the rest of it (the
+    trace names the iterations it holds); one that never reaches it says so."""
+    calls = []
+
+    class Profile:
+        def __init__(self, **options):
+            pass
+
+        def start(self):
+            calls.append("start")
+
+        def step(self):
+            calls.append("step")
+
+        def stop(self):
+            calls.append("stop")
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.profiler, "tensorboard_trace_handler", lambda *args, **kwargs: None)
+    logging = parse_args(["--profile", "--profile-step-start", "3", "--profile-step-end", "6",
+                          "--tensorboard-dir", str(tmp_path)]).logging
+    for first, expected, said_last in ((4, ["start", "step", "stop"], f"iterations 4-5 into {tmp_path}"),
+                                       (7, [], "--profile: no trace: iterations 3-5 are not among those")):
+        calls.clear()
+        said = []
+        profiler = observability.Profiler(logging, report=said.append)
+        for iteration in range(first, 9):
+            profiler.before_iteration(iteration)
+        profiler.stop()  # the end of training
+        assert calls == expected and said_last in said[-1], (calls, said)

@@ -203,22 +203,34 @@ class Profiler:
         self.start, self.end, self.dir, self.report = logging.profile_step_start, logging.profile_step_end, \
             logging.tensorboard_dir, report
         self.prof = None
+        self.first = self.last = None  # the iterations profiled
 
     def before_iteration(self, iteration: int) -> None:
-        """`iteration` is the one about to run (1-based, as logged)."""
+        """`iteration` is the one about to run (1-based, as logged). A run resumed inside the
+        window profiles the rest of it."""
         if not self.active:
             return
-        if iteration == self.start:
+        if self.prof is None and self.first is None and self.start <= iteration < self.end:
             platform.record_memory_history(True)
             self.prof = torch.profiler.profile(
                 activities=platform.profiler_activities(), record_shapes=True, with_stack=False,
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(self.dir, worker_name=f"rank{dist.get_rank()}"))
             self.prof.start()
-        elif iteration == self.end:
+            self.first = iteration
+        elif self.prof is not None and iteration == self.end:
             self.stop()
+        elif self.prof is not None:
+            self.prof.step()  # ProfilerStep#N marks each iteration in the trace
+        if self.prof is not None:
+            self.last = iteration
 
     def stop(self) -> None:
+        """At the window's end, or the end of training (which may come first)."""
         if self.prof is None:
+            if self.active and self.first is None:
+                self.first = 0  # said once
+                self.report(f"--profile: no trace: iterations {self.start}-{self.end - 1} are not among those "
+                            f"this run trained")
             return
         self.prof.stop()
         self.prof = None
@@ -226,4 +238,4 @@ class Profiler:
         if platform.dump_memory_snapshot(snapshot):
             self.report(f"wrote CUDA memory snapshot {snapshot}")
         platform.record_memory_history(False)
-        self.report(f"wrote torch profiler trace of iterations {self.start}-{self.end - 1} into {self.dir}")
+        self.report(f"wrote torch profiler trace of iterations {self.first}-{self.last} into {self.dir}")
