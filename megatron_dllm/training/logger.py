@@ -9,6 +9,7 @@ import os
 
 import torch.distributed as dist
 
+from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 
@@ -41,6 +42,31 @@ class Logger:
             error = shared[0]
         if error is not None:
             raise InputError(error)
+
+    def resumed_at(self, iteration: int) -> None:
+        """A resumed run replays the iterations after its checkpoint: what an earlier attempt
+        recorded of them is dropped (TensorBoard's purge_step; the metrics file rewritten without
+        those records), so that no iteration has two records that may differ."""
+        if not self.active or iteration == 0:
+            return
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir=self.writer.log_dir, purge_step=iteration + 1)
+        if self.metrics is not None:
+            path = self.metrics.name
+            self.metrics.close()
+            with open(path) as f:
+                lines = f.readlines()
+            # a last line without its newline was cut short by the kill: no record, and the next would join it
+            keep = [line for line in lines if line.endswith("\n") and not _recorded_after(line, iteration)]
+            if len(keep) < len(lines):
+                with atomic_write(path) as f:
+                    f.writelines(keep)
+                self.info(f"--metrics-file {path}: dropped {len(lines) - len(keep)} records of iterations after "
+                          f"{iteration}, which this run trains again (or cut short)")
+            self.metrics = open(path, "a")
 
     def add_writer(self, writer) -> None:
         """Another scalar sink with TensorBoard's add_scalar(tag, value, step) (e.g. W&B)."""
@@ -91,7 +117,8 @@ class Logger:
         ppl = math.exp(min(nelbo, 50.0)) if math.isfinite(nelbo) else nelbo  # a diverged NELBO has no PPL
         print(f" validation at iteration {iteration} | nelbo {nelbo:.4f} | ppl {ppl:.3f}", flush=True)
         self._record(iteration=iteration, valid_nelbo=nelbo, valid_ppl=ppl,
-                     **({} if flops is None else {"flops": flops}))
+                     **({} if flops is None else {"flops": flops}),
+                     **({} if consumed is None else {"consumed_samples": consumed}))
         self._scalars(iteration, consumed, **{"lm loss validation": nelbo, "lm loss validation ppl": ppl})
 
     def close(self) -> None:
@@ -102,3 +129,14 @@ class Logger:
             self.writer.close()
         if self.metrics:
             self.metrics.close()
+
+
+def _recorded_after(line: str, iteration: int) -> bool:
+    """Whether a metrics-file line records an iteration after `iteration` (a line that is not such
+    a record is kept)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    recorded = record.get("iteration") if isinstance(record, dict) else None
+    return isinstance(recorded, int) and recorded > iteration

@@ -67,6 +67,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, self.ema,
                                          self.identity(), self.train_batches, self.logger)
         self.iteration, self.consumed_samples = self.checkpointer.load()
+        self.logger.resumed_at(self.iteration)
 
     def identity(self) -> ModelIdentity:
         """What a checkpoint must match to be loaded into this run."""
