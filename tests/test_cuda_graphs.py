@@ -199,17 +199,22 @@ def test_cuda_graph_samples_equal_eager_ones(family, predictor, steps, monkeypat
 
 @pytest.mark.gpu
 def test_a_second_generate_call_replays_the_first_calls_graphs(monkeypatch):
-    """One CUDAGraphModel per model: a benchmark's timed calls after its warm-up capture nothing
-    (MDLM: no KV cache renewed per call, which would drop them)."""
+    """Inside shared_graphs (the throughput benchmark's warm-up and timed calls) a second call
+    captures nothing (MDLM: no KV cache renewed per call, which would drop them); outside, each
+    call's graphs are its own."""
+    from megatron_dllm.sampling.cuda_graphs import shared_graphs
+
     inf = InferenceModel(random_model("mdlm").double().cuda(), "mdlm", MASK, V, L, None, "hf")
     captured = []
     monkeypatch.setattr(CUDAGraphModel, "capture", lambda self, t, real=CUDAGraphModel.capture:
                         captured.append(tuple(t["input_ids"].shape)) or real(self, t))
     cfg = SamplingConfig(steps=8, eos_id=EOS, cuda_graphs=True)
-    first = generate(inf, cfg, num_samples=2, seed=3)
-    assert captured, "no forward was captured"
-    count = len(captured)
-    assert torch.equal(generate(inf, cfg, num_samples=2, seed=3), first) and len(captured) == count
+    with shared_graphs(inf.model):
+        first = generate(inf, cfg, num_samples=2, seed=3)
+        assert captured, "no forward was captured"
+        count = len(captured)
+        assert torch.equal(generate(inf, cfg, num_samples=2, seed=3), first) and len(captured) == count
+    assert torch.equal(generate(inf, cfg, num_samples=2, seed=3), first) and len(captured) == 2 * count
 
 
 @pytest.mark.slow

@@ -214,6 +214,8 @@ def test_a_shifted_export_generates_from_the_logits_at_i_minus_1(tmp_path):
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]]}, "give eos_token_id"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": EOS, "float64": False},
      "float64=False: prompts given with an attention_mask are answered with conditional generation's own"),
+    ({"input_ids": [[1, 2]], "attention_mask": [[1, 1]], "eos_token_id": EOS, "stop_at_eos": False},
+     "stop_at_eos=False: prompts given with an attention_mask are answered"),
     ({"input_ids": [[1, 2]], "attention_mask": [[0, 1]], "eos_token_id": [EOS, 3]},
      f"eos_token_id=[{EOS}, 3]: expected one token id"),
     ({"input_ids": [[1, 2], [3, 4]], "attention_mask": [[1, 1], [0, 0]], "eos_token_id": EOS},
@@ -250,8 +252,10 @@ def test_padded_prompts_give_each_of_several_samples_its_own_seed(tmp_path):
     alone = model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=6, steps=3, seed=4, eos_token_id=EOS)
     expected = generate_native(inf, PROMPTS[1], 6, EOS, steps=3, seed=4)
     assert alone[0, 5:5 + len(expected)].tolist() == expected
-    # the EOS as transformers' configs may hold it: a one-element list or tensor
-    for eos in ([EOS], torch.tensor([EOS])):
+    # the EOS as transformers' configs may hold it: a one-element list or tensor, a numpy integer
+    import numpy as np
+
+    for eos in ([EOS], torch.tensor([EOS]), np.int64(EOS)):
         assert torch.equal(model.generate(ids[1:], attention_mask=mask[1:], max_new_tokens=6, steps=3, seed=4,
                                           eos_token_id=eos), alone)
 
@@ -386,3 +390,22 @@ def test_export_schedule_is_the_families_schedule():
     finally:
         for name in [m for m in sys.modules if m == "export_pkg" or m.startswith("export_pkg.")]:
             del sys.modules[name]
+
+
+def test_a_mask_without_padding_takes_every_sampler_and_an_empty_prompt_is_unconditional(tmp_path):
+    """Eso-LM's block sampler answers prompts given with an attention_mask as generate_native does;
+    `**tok("")` (an empty prompt and mask) samples unconditionally, as without the mask."""
+    from megatron_dllm.hf.load_export import load_model
+    from megatron_dllm.sampling.conditional import generate_native
+    from megatron_dllm.sampling.loading import load_inference_model
+
+    path = write_export("esolm", tmp_path / "esolm")
+    model, inf = load_model(path).double(), load_inference_model(path, dtype=torch.float64)
+    prompt = [5, 6, 7, 8]
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4), max_new_tokens=8, steps=4,
+                         sampler="block", seed=2, eos_token_id=EOS)
+    expected = generate_native(inf, prompt, 8, EOS, steps=4, seed=2, predictor="block")
+    assert out[0, 4:4 + len(expected)].tolist() == expected
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    assert torch.equal(model.generate(empty, attention_mask=empty, max_new_tokens=6, steps=3, seed=1),
+                       model.generate(empty, max_new_tokens=6, steps=3, seed=1))

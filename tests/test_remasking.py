@@ -251,10 +251,10 @@ def test_commands_refuse_a_knob_of_another_predictor_in_one_line(capsys):
 @pytest.mark.parametrize("family, predictor, knobs, taken", [
     ("mdlm", "ancestral", {}, 8), ("esolm", "block", {}, 8), ("mdlm", "low-confidence", {}, 8),
     ("duo", "low-confidence", {"tokens_per_step": 2}, None), ("mdlm", "threshold", {}, None),
-    ("duo", "entropy-bound", {}, None), ("esolm", "left-to-right", {}, None), ("ar", "ancestral", {}, None)])
+    ("duo", "entropy-bound", {}, None), ("esolm", "left-to-right", {}, None), ("ar", "ancestral", {}, 8)])
 def test_records_give_steps_only_where_they_set_the_steps(family, predictor, knobs, taken):
-    """A samples file or GSM8K record with `steps: 64` for the threshold sampler (or AR) would
-    misstate its model calls (and a Pareto fit would read it as T)."""
+    """A samples file or GSM8K record with `steps: 64` for the threshold sampler would misstate
+    its model calls (and a Pareto fit would read it as T); AR's is the point the fit takes of it."""
     from megatron_dllm.sampling.registry import steps_taken
 
-    assert steps_taken(family, SamplingConfig(steps=8, predictor=predictor, **knobs)) == taken
+    assert steps_taken(SamplingConfig(steps=8, predictor=predictor, **knobs)) == taken

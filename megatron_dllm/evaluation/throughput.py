@@ -16,6 +16,7 @@ import torch
 
 from megatron_dllm import platform
 from megatron_dllm.errors import InputError
+from megatron_dllm.sampling.cuda_graphs import shared_graphs
 
 
 def _generate_once(inference_model, sampling, batch_size: int, seed: int) -> tuple[torch.Tensor, float]:
@@ -66,9 +67,10 @@ def measure_throughput(inference_model, sampling, batch_size: int, repeats: int 
     """Generated tokens/s and samples/s over `repeats` timed calls after one warm-up call."""
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: expected at least 1")
-    tokens, _ = _generate_once(inference_model, sampling, batch_size, seed)  # warm-up, not timed
-    length = tokens.shape[1]
-    times = [_generate_once(inference_model, sampling, batch_size, seed + 1 + r)[1] for r in range(repeats)]
+    with shared_graphs(inference_model.model):  # --cuda-graphs: the timed calls replay the warm-up's graphs
+        tokens, _ = _generate_once(inference_model, sampling, batch_size, seed)  # warm-up, not timed
+        length = tokens.shape[1]
+        times = [_generate_once(inference_model, sampling, batch_size, seed + 1 + r)[1] for r in range(repeats)]
     total = sum(times)
     return {"batch_size": batch_size, "seq_length": length, "tokens_per_s": repeats * batch_size * length / total,
             "samples_per_s": repeats * batch_size / total, "seconds_per_batch": times}

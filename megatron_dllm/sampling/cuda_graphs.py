@@ -22,6 +22,7 @@ stopping reads a copy of whether every row is done that the GPU writes without a
 """
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
@@ -115,12 +116,20 @@ def power_of_two_rows(positions: torch.Tensor) -> torch.Tensor:
 
 
 def graphed(model: torch.nn.Module) -> CUDAGraphModel:
-    """`model` behind CUDA graphs (`--cuda-graphs`), which need it on a CUDA device; one per model,
-    so that every generate call (a benchmark's timed ones after its warm-up) replays the graphs
-    the earlier calls captured."""
+    """`model` behind CUDA graphs (`--cuda-graphs`), which need it on a CUDA device: the graphs of
+    this call (freed with it), or inside `shared_graphs(model)` those of every call there."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise InputError(f"--cuda-graphs: CUDA graphs need the model on a CUDA device; it is on {device.type}")
-    if not isinstance(getattr(model, "_cuda_graphs", None), CUDAGraphModel):  # kept on the model: no leak
-        model._cuda_graphs = CUDAGraphModel(model)
-    return model._cuda_graphs
+    return getattr(model, "_shared_cuda_graphs", None) or CUDAGraphModel(model)
+
+
+@contextlib.contextmanager
+def shared_graphs(model: torch.nn.Module):
+    """Inside: every generate call on `model` replays the graphs the earlier ones captured (a
+    benchmark's timed calls after its warm-up, at one batch size); after: they are freed."""
+    model._shared_cuda_graphs = CUDAGraphModel(model)
+    try:
+        yield
+    finally:
+        del model._shared_cuda_graphs

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
 
 import torch
@@ -113,7 +114,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                        sampler: str = SamplingConfig.predictor, seed: int = 0,
                        generator: torch.Generator | None = None, temperature: float = SamplingConfig.temperature,
                        top_p: float = SamplingConfig.top_p, num_return_sequences: int = 1,
-                       eos_token_id: int | None = None, stop_at_eos: bool = SamplingConfig.stop_at_eos,
+                       eos_token_id: int | None = None, stop_at_eos: bool | None = None,
                        kv_cache: bool = SamplingConfig.kv_cache, float64: bool = SamplingConfig.float64,
                        cuda_graphs: bool = SamplingConfig.cuda_graphs,
                        block_length: int | None = None, tokens_per_step: int | None = None,
@@ -151,7 +152,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [batch, prompt length], got shape {tuple(input_ids.shape)}")
     input_ids = input_ids.repeat_interleave(num_return_sequences, dim=0)
-    if attention_mask is not None:
+    if attention_mask is not None and input_ids.shape[1]:  # (an empty prompt is unconditional generation)
         attention_mask = torch.as_tensor(attention_mask).to(inf.device).repeat_interleave(num_return_sequences, 0)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)}, input_ids "
@@ -160,7 +161,8 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
         # another prompt of the batch happens to be shorter
         real = attention_mask.bool()
         changed = {"generator=": generator is not None, "float64=False": not float64,
-                   "kv_cache=False": not kv_cache, "cuda_graphs=True": cuda_graphs}
+                   "kv_cache=False": not kv_cache, "cuda_graphs=True": cuda_graphs,
+                   "stop_at_eos=False": stop_at_eos is False}
         if any(changed.values()):
             raise ValueError(f"{', '.join(k for k, v in changed.items() if v)}: prompts given with an attention_mask "
                              f"are answered with conditional generation's own settings (rows seeded from seed, "
@@ -174,7 +176,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                              f"not fit the model's context of {inf.seq_length}")
         seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
                  for j in range(num_return_sequences)]  # a prompt's samples differ
-        return _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
+        return _conditional(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
                        temperature, top_p, options)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
@@ -183,7 +185,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
                          f"the model's context of {inf.seq_length}")
     cfg = SamplingConfig(steps=steps, seq_length=prompt + (max_new_tokens or room), top_p=top_p,
                          temperature=temperature, float64=float64, predictor=sampler, kv_cache=kv_cache,
-                         cuda_graphs=cuda_graphs, stop_at_eos=stop_at_eos, eos_id=eos, **options)
+                         cuda_graphs=cuda_graphs, stop_at_eos=bool(stop_at_eos), eos_id=eos, **options)
     out = generate(inf, cfg, num_samples=input_ids.shape[0], seed=seed, prompt_ids=input_ids if prompt else None,
                    generator=generator)
     return out.to(inf.device)
@@ -193,28 +195,25 @@ def _one_id(eos_token_id) -> int | None:
     """The EOS id of an int, a one-element list or tensor (as transformers' configs hold it), or None."""
     ids = eos_token_id.flatten().tolist() if isinstance(eos_token_id, torch.Tensor) else eos_token_id
     ids = ids if isinstance(ids, (list, tuple)) else [ids]
-    if len(ids) != 1 or not isinstance(ids[0], (int, type(None))) or isinstance(ids[0], bool):
+    if len(ids) != 1 or not (ids[0] is None or isinstance(ids[0], numbers.Integral)) or isinstance(ids[0], bool):
         raise ValueError(f"eos_token_id={eos_token_id!r}: expected one token id (these samplers stop at one EOS)")
-    return ids[0]
+    return None if ids[0] is None else int(ids[0])
 
 
-def _padded(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
+def _conditional(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
             options: dict) -> torch.Tensor:
     """Conditional generation for prompts given padded (`real` False at padding), row i drawing
     from `seeds[i]`: the input, then each row's answer (cut after its first EOS), EOS-filled to
     the longest."""
     if eos is None:
-        raise ValueError("padded prompts are answered up to EOS: give eos_token_id")
+        raise ValueError("prompts given with an attention_mask are answered up to EOS: give eos_token_id")
     prompts = [row[keep].tolist() for row, keep in zip(input_ids, real)]
     settings = dict(greedy=False, temperature=temperature, top_p=top_p, seeds=seeds)
     if sampler == "left-to-right":
         answers = generate_left_to_right_batch(inf, prompts, max_new_tokens, eos, **settings)
-    elif sampler in ("ancestral",) + REMASKING_PREDICTORS:
+    else:  # the family's sampler refuses what it lacks
         answers = generate_native_batch(inf, prompts, max_new_tokens, eos, steps=steps, predictor=sampler,
                                         **settings, **options)
-    else:
-        raise ValueError(f"sampler={sampler!r}: padded prompts are answered with 'ancestral', 'left-to-right' or "
-                         f"a remasking sampler")
     out = torch.full((len(prompts), input_ids.shape[1] + max(map(len, answers))), eos, dtype=torch.long,
                      device=input_ids.device)
     out[:, :input_ids.shape[1]] = input_ids

@@ -30,11 +30,10 @@ def get_sampler(inf, cfg: SamplingConfig) -> Sampler:
     return SAMPLERS[inf.family](family, inf, cfg)
 
 
-def steps_taken(family: str, cfg: SamplingConfig) -> int | None:
-    """`cfg.steps` where it sets the number of steps, else None (AR and left to right take one per
-    token; threshold, entropy-bound and --tokens-per-step decide it themselves): what a record
-    states as T, so that it never misstates a sampler's model calls."""
-    if (SAMPLERS.get(family) is ARSampler or cfg.predictor in ("left-to-right", "threshold", "entropy-bound")
-            or cfg.tokens_per_step is not None):
+def steps_taken(cfg: SamplingConfig) -> int | None:
+    """`cfg.steps` where it sets the number of denoising steps, else None (left to right takes one
+    per token; threshold, entropy-bound and --tokens-per-step decide it themselves): what a record
+    states as T. AR keeps its `steps`, the one point a Pareto fit takes of it."""
+    if cfg.predictor in ("left-to-right", "threshold", "entropy-bound") or cfg.tokens_per_step is not None:
         return None
     return cfg.steps
