@@ -177,7 +177,7 @@ def diffusion_generate(model, input_ids: torch.Tensor | None = None, attention_m
         seeds = [seed + j for _ in range(len(input_ids) // num_return_sequences)
                  for j in range(num_return_sequences)]  # a prompt's samples differ
         return _conditional(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds,
-                       temperature, top_p, options)
+                            temperature, top_p, options)
     prompt = input_ids.shape[1]
     room = inf.seq_length - prompt
     if room < 1 or (max_new_tokens or 0) > room:
@@ -201,8 +201,8 @@ def _one_id(eos_token_id) -> int | None:
 
 
 def _conditional(inf, input_ids, real, max_new_tokens, eos, sampler, steps, seeds, temperature, top_p,
-            options: dict) -> torch.Tensor:
-    """Conditional generation for prompts given padded (`real` False at padding), row i drawing
+                 options: dict) -> torch.Tensor:
+    """Conditional generation for prompts given with a mask (`real` False at padding), row i drawing
     from `seeds[i]`: the input, then each row's answer (cut after its first EOS), EOS-filled to
     the longest."""
     if eos is None:
