@@ -66,6 +66,8 @@ CASES = [
      "--profile needs --profile-step-end > --profile-step-start"),
     ("profile", ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "3"], 2,
      False, "--profile-ranks 3: this run has ranks 0-1"),
+    ("profile", ["--profile", "--profile-step-start", "2", "--profile-step-end", "4", "--profile-ranks", "-1"], None,
+     False, "--profile-ranks -1: this run has ranks 0-"),
     ("profile", ["--profile", "--save", "/s"], None, False,  # a demo run of its own has no default TensorBoard
      "--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir"),
     ("tokenizer_with_data", ["--tokenizer-model", "t.model"], None, False,

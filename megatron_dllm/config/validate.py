@@ -415,9 +415,10 @@ def profile(config, world_size=None) -> None:
                             or not logging.tensorboard_dir and not demo_tensorboard):
         raise InputError("--profile needs --profile-step-end > --profile-step-start and a --tensorboard-dir for "
                          "its traces")
-    beyond = [rank for rank in logging.profile_ranks or [] if world_size and rank >= world_size]
-    if logging.profile and beyond:
-        raise InputError(f"--profile-ranks {beyond[0]}: this run has ranks 0-{world_size - 1}")
+    for rank in logging.profile_ranks or [] if logging.profile else []:
+        if rank < 0 or world_size and rank >= world_size:
+            raise InputError(f"--profile-ranks {rank}: this run has ranks 0-" + (f"{world_size - 1}" if world_size
+                                                                                 else "(its world size - 1)"))
 
 
 RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save, retention,

@@ -9,7 +9,6 @@ import os
 
 import torch.distributed as dist
 
-from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.errors import InputError
 
 
@@ -36,37 +35,26 @@ class Logger:
                     self.metrics = open(metrics_file, "a")
             except OSError as err:
                 error = f"{flag} {path}: cannot write there ({err.strerror or err})"
-        if dist.get_world_size() > 1:
-            shared = [error]
-            dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
-            error = shared[0]
-        if error is not None:
-            raise InputError(error)
+        _raise_on_every_rank(error)
 
     def resumed_at(self, iteration: int) -> None:
-        """A resumed run replays the iterations after its checkpoint: what an earlier attempt
-        recorded of them is dropped (TensorBoard's purge_step; the metrics file rewritten without
-        those records), so that no iteration has two records that may differ."""
-        if not self.active or iteration == 0:
-            return
-        if self.writer is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer.close()
-            self.writer = SummaryWriter(log_dir=self.writer.log_dir, purge_step=iteration + 1)
-        if self.metrics is not None:
-            path = self.metrics.name
-            self.metrics.close()
-            with open(path) as f:
-                lines = f.readlines()
-            # a last line without its newline was cut short by the kill: no record, and the next would join it
-            keep = [line for line in lines if line.endswith("\n") and not _recorded_after(line, iteration)]
-            if len(keep) < len(lines):
-                with atomic_write(path) as f:
-                    f.writelines(keep)
-                self.info(f"--metrics-file {path}: dropped {len(lines) - len(keep)} records of iterations after "
-                          f"{iteration}, which this run trains again (or cut short)")
-            self.metrics = open(path, "a")
+        """A resumed run trains again the iterations after its checkpoint: the records an earlier
+        attempt wrote of them, the metrics file's last lines, are cut off (and a last line the kill
+        cut short), so that every iteration has one record. Records before them (another run's in
+        a shared file) stay. TensorBoard keeps both attempts' points, as Megatron-LM's does (its
+        purge_step would also hide the earlier 'vs samples' points, whose steps are samples)."""
+        error = None
+        if self.active and self.metrics is not None and iteration > 0:  # at 0: no earlier attempt of its own
+            try:
+                dropped = _cut_replayed(self.metrics.name, iteration)
+            except OSError as err:
+                error = (f"--metrics-file {self.metrics.name}: cannot cut the records of iterations after "
+                         f"{iteration} ({err.strerror or err})")
+            else:
+                if dropped:
+                    self.info(f"--metrics-file {self.metrics.name}: dropped its last {dropped} records (iterations "
+                              f"after {iteration}, which this run trains again, or a line cut short)")
+        _raise_on_every_rank(error)
 
     def add_writer(self, writer) -> None:
         """Another scalar sink with TensorBoard's add_scalar(tag, value, step) (e.g. W&B)."""
@@ -131,9 +119,32 @@ class Logger:
             self.metrics.close()
 
 
-def _recorded_after(line: str, iteration: int) -> bool:
-    """Whether a metrics-file line records an iteration after `iteration` (a line that is not such
-    a record is kept)."""
+def _raise_on_every_rank(error: str | None) -> None:
+    """The last rank's file error (or None) raised on every rank: the others would otherwise wait
+    in a collective the last rank never reaches."""
+    if dist.get_world_size() > 1:
+        shared = [error]
+        dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
+        error = shared[0]
+    if error is not None:
+        raise InputError(error)
+
+
+def _cut_replayed(path: str, iteration: int) -> int:
+    """Truncate the metrics file `path` before its trailing records of iterations after
+    `iteration` (and a last line without its newline); returns how many lines were cut."""
+    with open(path, "rb") as f:
+        lines = f.readlines()
+    keep = len(lines)
+    while keep and (not lines[keep - 1].endswith(b"\n") or _recorded_after(lines[keep - 1], iteration)):
+        keep -= 1
+    if keep < len(lines):
+        os.truncate(path, sum(map(len, lines[:keep])))
+    return len(lines) - keep
+
+
+def _recorded_after(line: bytes, iteration: int) -> bool:
+    """Whether a metrics-file line records an iteration after `iteration`."""
     try:
         record = json.loads(line)
     except ValueError:

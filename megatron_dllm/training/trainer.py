@@ -67,7 +67,6 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, self.ema,
                                          self.identity(), self.train_batches, self.logger)
         self.iteration, self.consumed_samples = self.checkpointer.load()
-        self.logger.resumed_at(self.iteration)
 
     def identity(self) -> ModelIdentity:
         """What a checkpoint must match to be loaded into this run."""
@@ -160,8 +159,10 @@ class Trainer:
                              + ("evaluating only" if evaluates else "nothing to do (no --eval-interval)"))
             if evaluates:
                 self._validate()
+            self.profiler.stop()  # says that no trace was written, if --profile asked for one
             self.logger.close()
             return
+        self.logger.resumed_at(self.iteration)  # it trains those iterations again
         self.meter.start(self.iteration)
         # since the last log line, as Megatron-LM's: the losses of the iterations that stepped (a NaN
         # too: a run diverging without the guard shows it), whose mean is logged, and the skipped ones
