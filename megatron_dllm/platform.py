@@ -236,6 +236,16 @@ def any_rank(flags: list[bool], group=None) -> list[bool]:
     return [bool(f) for f in tensor.tolist()]
 
 
+def from_rank(value, src: int):
+    """`value` as rank `src` has it, on every rank (a picklable object, e.g. the error message a
+    rank alone met, so that every rank stops alike instead of waiting in a later collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=src)
+    return shared[0]
+
+
 def params_dtype(requested_bf16: bool) -> torch.dtype:
     """bf16 where the hardware has it and it was asked for; fp32 on CPU (exact tests, speed)."""
     return torch.bfloat16 if (HAS_CUDA and requested_bf16) else torch.float32

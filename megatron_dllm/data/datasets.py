@@ -44,6 +44,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron_dllm import platform
 from megatron_dllm.atomic_file import atomic_write
 from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
@@ -267,21 +268,16 @@ def _check_all_prefixes(blends, tokenizer, cache_dir, cache_errors) -> None:
                 for prefix in blend[0] if blend else []:
                     check_prefix(prefix, flag, tokenizer, cache_dir)
 
-    distributed = torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if distributed else 0
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     error = None
     if rank == 0:
         try:
             check_all()
         except InputError as err:
             error = err
-    if distributed:
-        shared = [None if error is None else str(error)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        if error is None and shared[0] is not None:
-            error = InputError(shared[0])
-    if error is not None:
-        raise error
+    message = platform.from_rank(None if error is None else str(error), 0)
+    if message is not None:
+        raise error or InputError(message)  # rank 0 its own (a DatasetFormatError stays one)
     if rank != 0:
         check_all()
 

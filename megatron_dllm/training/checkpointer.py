@@ -6,7 +6,7 @@ beside the checkpoints, and the start-of-run disk estimate. The checkpointer dec
     checkpointer = Checkpointer(cfg, model, ..., logger)
     iteration, consumed = checkpointer.load(...)
     checkpointer.poll()                                 # each iteration: finish background saves
-    saved = checkpointer.after_iteration(iteration, consumed)
+    checkpointer.after_iteration(iteration, consumed, paused=meter.paused)
     checkpointer.finish(iteration, consumed)            # final save, wait, release --save
 """
 from __future__ import annotations
@@ -150,14 +150,12 @@ class Checkpointer:
         if self.async_queue is not None:
             checkpoint.store.finalize_saves(self.ckpt.save, self.async_queue, blocking=False)
 
-    def after_iteration(self, iteration: int, consumed: int, paused=contextlib.nullcontext) -> bool:
+    def after_iteration(self, iteration: int, consumed: int, paused=contextlib.nullcontext) -> None:
         """Save when `iteration` is a multiple of --save-interval, inside `paused()` (the time
-        training is paused for it); whether it saved."""
+        training is paused for it)."""
         if self.ckpt.save and self.ckpt.save_interval and iteration % self.ckpt.save_interval == 0:
             with paused():
                 self.save(iteration, consumed)
-            return True
-        return False
 
     def finish(self, iteration: int, consumed: int) -> None:
         """The end of training: save the last iteration unless it just was, wait for every

@@ -9,6 +9,7 @@ import os
 
 import torch.distributed as dist
 
+from megatron_dllm import platform
 from megatron_dllm.errors import InputError
 
 
@@ -122,10 +123,7 @@ class Logger:
 def _raise_on_every_rank(error: str | None) -> None:
     """The last rank's file error (or None) raised on every rank: the others would otherwise wait
     in a collective the last rank never reaches."""
-    if dist.get_world_size() > 1:
-        shared = [error]
-        dist.broadcast_object_list(shared, src=dist.get_world_size() - 1)
-        error = shared[0]
+    error = platform.from_rank(error, dist.get_world_size() - 1)
     if error is not None:
         raise InputError(error)
 
