@@ -292,17 +292,18 @@ def test_a_bad_pretrained_checkpoint_is_named_by_its_own_flag(demo_cache, tmp_pa
 
 def test_relaunch_continues_a_finetuned_run_from_its_own_checkpoints(exported, demo_cache, tmp_path):
     """A run that started with --load elsewhere and --finetune continues, once it has saved, from
-    its --save, without the file's flags of that first load."""
-    run = tmp_path / "run"
+    its --save, without the file's flags of that first load; from the copy beside its logs too."""
+    run, logs = tmp_path / "run", tmp_path / "tb"
     _launch(demo_cache, tmp_path, "--load", str(exported[0]), "--finetune", "--no-load-rng", "--save", str(run),
-            "--train-iters", "4", "--exit-interval", "2", check=True)
+            "--tensorboard-dir", str(logs), "--train-iters", "4", "--exit-interval", "2", check=True)
     config = str(run / "run_config.yaml")
-    dry = run_python([os.path.join(REPO, "tools", "relaunch.py"), config, "--dry-run"], tmp_path, launch_env(1))
-    assert dry.returncode == 0, dry.stderr
-    assert f"continuing from the run's own checkpoints in {run}" in dry.stderr
-    command = dry.stdout.split()
-    assert "--yaml-cfg" not in command and "--finetune" not in command and "--no-load-rng" not in command
-    assert command[command.index("--load") + 1] == str(run) and command.count("--load") == 1
+    for copy in (config, str(logs / "run_config.yaml")):
+        dry = run_python([os.path.join(REPO, "tools", "relaunch.py"), copy, "--dry-run"], tmp_path, launch_env(1))
+        assert dry.returncode == 0, dry.stderr
+        assert f"continuing from the run's own checkpoints in {run}" in dry.stderr
+        command = dry.stdout.split()
+        assert "--yaml-cfg" not in command and "--finetune" not in command and "--no-load-rng" not in command
+        assert command[command.index("--load") + 1] == str(run) and command.count("--load") == 1
     done = run_python([os.path.join(REPO, "tools", "relaunch.py"), config], tmp_path, launch_env(1), 300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"loaded checkpoint {run / 'iter_0000002'} at iteration 2" in done.stdout

@@ -1,8 +1,10 @@
 """The training logger's metrics file across a resume: a run killed after logging iterations its
-last checkpoint does not hold trains them again; the records of the earlier attempt are cut from
-the end of the file (records before them stay, another run's in a shared file too), so that every
-iteration has one record."""
+last checkpoint does not hold trains them again; the records of the earlier attempt (the same
+--save) are cut from the end of the file (another run's records in a shared file stay), so that
+every iteration has one record."""
 import json
+import os
+import threading
 
 from megatron_dllm.training.logger import Logger
 
@@ -17,12 +19,12 @@ def test_a_resume_leaves_one_record_per_iteration(world_of_one, tmp_path, capsys
     tb, metrics = str(tmp_path / "tb"), str(tmp_path / "metrics.jsonl")
     with open(metrics, "w") as f:  # another run's records before this run's in a shared file: kept
         f.write(json.dumps({"iteration": 9, "loss": 1.0}) + "\n")
-    first = Logger(tb, metrics)
+    first = Logger(tb, metrics, save_dir=str(tmp_path / "ckpt"))
     _log(first, range(1, 6), 10.0)  # killed after iteration 5; the last checkpoint is iteration 3
     first.close()
     with open(metrics, "a") as f:
         f.write('{"iteration": 6, "loss": 1')  # a line the kill cut short
-    again = Logger(tb, metrics)
+    again = Logger(tb, metrics, save_dir=str(tmp_path / "ckpt"))
     again.resumed_at(3)
     assert "dropped its last 4 records (iterations after 3" in capsys.readouterr().out
     _log(again, range(4, 7), 20.0)
@@ -33,3 +35,36 @@ def test_a_resume_leaves_one_record_per_iteration(world_of_one, tmp_path, capsys
     assert [r["iteration"] for r in records if "loss" in r] == [9, 1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in records if "loss" in r][4:] == [24.0, 25.0, 26.0]  # the replay's
     assert [r["consumed_samples"] for r in records if "valid_nelbo" in r] == [48]
+
+
+def test_another_runs_later_records_in_a_shared_file_stay(world_of_one, tmp_path, capsys):
+    metrics = str(tmp_path / "shared.jsonl")
+    first = Logger(None, metrics, save_dir=str(tmp_path / "a"))
+    _log(first, range(1, 4), 10.0)  # run A, killed after iteration 3; its checkpoint is iteration 2
+    first.close()
+    other = Logger(None, metrics, save_dir=str(tmp_path / "b"))
+    _log(other, range(1, 6), 30.0)  # run B, from scratch into the same file
+    other.close()
+    with open(metrics) as f:
+        before = f.read()
+    again = Logger(None, metrics, save_dir=str(tmp_path / "a"))
+    again.resumed_at(2)  # B's records after iteration 2 are not A's to cut
+    again.close()
+    with open(metrics) as f:
+        assert f.read() == before
+    assert "dropped" not in capsys.readouterr().out
+    assert {r["save"] for r in map(json.loads, before.splitlines())} == {str(tmp_path / "a"), str(tmp_path / "b")}
+
+
+def test_a_resume_logging_to_a_pipe_goes_on(world_of_one, tmp_path):
+    read_end, write_end = os.pipe()  # --metrics-file /dev/stdout with stdout piped: nothing to cut
+    logger = Logger(None, f"/proc/self/fd/{write_end}", save_dir=str(tmp_path / "ckpt"))
+    resume = threading.Thread(target=logger.resumed_at, args=(3,), daemon=True)
+    resume.start()
+    resume.join(timeout=10)
+    assert not resume.is_alive(), "resumed_at waited for the pipe's end"
+    _log(logger, [4], 1.0)
+    logger.close()
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        assert [json.loads(line)["iteration"] for line in f] == [4, 4]

@@ -10,12 +10,13 @@ section), in the directory the run was launched from (also recorded there), so t
 relative paths (and those of the FLAGS) mean what they meant. The run continues from its last
 checkpoint: a file with `--save` but no `--load` gets `--load` equal to `--save` (Megatron's
 resume idiom); a run that has saved (its own run_config.yaml, which its first save writes into
-`--save`, is the file given) continues from its `--save`, without the file's flags of
-its first load (`--finetune`, `--ckpt-step`, `--no-load-optim`, `--no-load-rng`, `--load`
-elsewhere or of one checkpoint, `DIR/iter_N`), which would load that checkpoint again and save
-over the newer ones. A flag of the optimizer's settings (a longer --train-iters lengthens the
-LR decay) needs --override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg
-CONFIG` to their own launcher.
+`--save`, is the file given, or the copy beside its logs once `--save` holds the same)
+continues from its `--save`, without the file's flags of its first load (`--finetune`,
+`--ckpt-step`, `--no-load-optim`, `--no-load-rng`, `--load` elsewhere or of one checkpoint,
+`DIR/iter_N`), which would load that checkpoint again and save over the newer ones. A flag of
+the optimizer's settings (a longer --train-iters lengthens the LR decay) needs
+--override-opt-param-scheduler, as any resume does. Multi-node runs pass `--yaml-cfg CONFIG` to
+their own launcher.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     from megatron_dllm.checkpoint.store import holds_checkpoint
     from megatron_dllm.config import build_parser, parse_args
     from megatron_dllm.config.run import expand_run_yaml
-    from megatron_dllm.config.yaml_config import YamlFile
+    from megatron_dllm.config.yaml_config import RESOLVED_NAME, YamlFile
 
     launch = YamlFile(args.config, what=None).launch()
     nproc = args.nproc_per_node or launch.get("world-size")
@@ -73,8 +74,11 @@ def main(argv=None) -> int:
             first_load = (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
                           or checkpoint.no_load_rng
                           or os.path.realpath(checkpoint.load) != os.path.realpath(checkpoint.save))
-            # the run's own resolved file, which its first save wrote into --save: it has saved since that load
-            own = bool(launch) and written_in == os.path.realpath(checkpoint.save)
+            # the run's own resolved file, which its first save wrote into --save (or the copy it wrote
+            # beside its logs at start, once --save holds the same): it has saved since that load
+            saved_copy = os.path.join(checkpoint.save, RESOLVED_NAME)
+            own = bool(launch) and (written_in == os.path.realpath(checkpoint.save)
+                                    or _same_bytes(args.config, saved_copy))
             saved = first_load and own and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
             expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
@@ -89,3 +93,12 @@ def main(argv=None) -> int:
         return 0
     rc = subprocess.call(cmd, cwd=directory)
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, which requeue scripts test
+
+
+def _same_bytes(path: str, other: str) -> bool:
+    """Whether two files hold the same bytes (False if `other` is missing)."""
+    try:
+        with open(path, "rb") as a, open(other, "rb") as b:
+            return a.read() == b.read()
+    except FileNotFoundError:
+        return False

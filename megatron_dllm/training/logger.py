@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 
 import torch.distributed as dist
 
@@ -14,10 +15,14 @@ from megatron_dllm.errors import InputError
 
 
 class Logger:
-    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None, wandb_dir: str | None = None):
+    def __init__(self, tensorboard_dir: str | None, metrics_file: str | None = None, wandb_dir: str | None = None,
+                 save_dir: str | None = None):
         """Opens the files on the last rank; a file it cannot write is every rank's one error
-        (the other ranks would otherwise wait in a collective the last rank never reaches)."""
+        (the other ranks would otherwise wait in a collective the last rank never reaches).
+        With `save_dir` (--save), each metrics record names it: the attempts of one run share it,
+        which tells a resume its own records from another run's in a shared file."""
         self.active = dist.get_rank() == dist.get_world_size() - 1
+        self.save = os.path.realpath(save_dir) if save_dir else None
         self.writer = self.metrics = None
         self.extra_writers = []
         error = None
@@ -40,14 +45,16 @@ class Logger:
 
     def resumed_at(self, iteration: int) -> None:
         """A resumed run trains again the iterations after its checkpoint: the records an earlier
-        attempt wrote of them, the metrics file's last lines, are cut off (and a last line the kill
-        cut short), so that every iteration has one record. Records before them (another run's in
-        a shared file) stay. TensorBoard keeps both attempts' points, as Megatron-LM's does (its
-        purge_step would also hide the earlier 'vs samples' points, whose steps are samples)."""
+        attempt (same --save) wrote of them, the metrics file's last lines, are cut off (and a last
+        line the kill cut short), so that every iteration has one record. Another run's records stay,
+        and so does a stream's (a pipe or terminal cannot be cut). TensorBoard keeps both attempts'
+        points, as Megatron-LM's does (its purge_step would also hide the earlier 'vs samples'
+        points, whose steps are samples)."""
         error = None
-        if self.active and self.metrics is not None and iteration > 0:  # at 0: no earlier attempt of its own
+        if (self.active and self.metrics is not None and self.save is not None and iteration > 0
+                and stat.S_ISREG(os.fstat(self.metrics.fileno()).st_mode)):
             try:
-                dropped = _cut_replayed(self.metrics.name, iteration)
+                dropped = _cut_replayed(self.metrics.name, iteration, self.save)
             except OSError as err:
                 error = (f"--metrics-file {self.metrics.name}: cannot cut the records of iterations after "
                          f"{iteration} ({err.strerror or err})")
@@ -75,6 +82,8 @@ class Logger:
     def _record(self, **values) -> None:
         if self.metrics:  # JSON has no NaN or infinity: a non-finite value is null
             values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
+            if self.save is not None:
+                values["save"] = self.save
             self.metrics.write(json.dumps(values, allow_nan=False) + "\n")
             self.metrics.flush()
 
@@ -128,24 +137,26 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise InputError(error)
 
 
-def _cut_replayed(path: str, iteration: int) -> int:
-    """Truncate the metrics file `path` before its trailing records of iterations after
-    `iteration` (and a last line without its newline); returns how many lines were cut."""
+def _cut_replayed(path: str, iteration: int, save: str) -> int:
+    """Truncate the metrics file `path` before its trailing records of run `save`'s iterations
+    after `iteration` (and a last line without its newline); returns how many lines were cut."""
     with open(path, "rb") as f:
         lines = f.readlines()
     keep = len(lines)
-    while keep and (not lines[keep - 1].endswith(b"\n") or _recorded_after(lines[keep - 1], iteration)):
+    while keep and (not lines[keep - 1].endswith(b"\n") or _recorded_after(lines[keep - 1], iteration, save)):
         keep -= 1
     if keep < len(lines):
         os.truncate(path, sum(map(len, lines[:keep])))
     return len(lines) - keep
 
 
-def _recorded_after(line: bytes, iteration: int) -> bool:
-    """Whether a metrics-file line records an iteration after `iteration`."""
+def _recorded_after(line: bytes, iteration: int, save: str) -> bool:
+    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration`."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    recorded = record.get("iteration") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or record.get("save") != save:
+        return False
+    recorded = record.get("iteration")
     return isinstance(recorded, int) and recorded > iteration

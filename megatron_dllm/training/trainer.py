@@ -46,7 +46,7 @@ class Trainer:
         self.config, self.tokenizer = config, inputs.tokenizer
         claim_save_dir(config.checkpoint)
         # its files fail now, not after the build
-        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file, self._wandb_dir())
+        self.logger = Logger(logging.tensorboard_dir, logging.metrics_file, self._wandb_dir(), config.checkpoint.save)
         self.family = build_family(config, self.tokenizer)
         self.meter = ThroughputMeter(config, self.tokenizer.vocab_size, dist.get_world_size())
         built = build_training_model(config, self.family, self.tokenizer.vocab_size, self.meter.timers)
