@@ -97,6 +97,12 @@ def test_plan_refuses_other_optimizer_settings_unless_told_whose_to_keep():
     older = SCHEDULED.replace(adam=None)
     plan = _plan(older, optimizer_settings={**SETTINGS, "adam_eps": 1e-6})
     assert plan.notes == () and "adam_eps" not in plan.optimizer_settings
+    # --lr-warmup-fraction's warmup, which earlier versions rounded down: it resumes as saved
+    rounded = SCHEDULED.replace(scheduler={**SCHEDULED.scheduler, "lr_warmup_steps": 2})
+    plan = _plan(rounded, optimizer_settings={**SETTINGS, "lr_warmup_steps": 2.4})
+    assert plan.notes == () and plan.optimizer_settings["lr_warmup_steps"] == 2
+    with pytest.raises(CheckpointError, match=re.escape("warmup (--lr-warmup-iters/--lr-warmup-fraction) 3.4")):
+        _plan(rounded, optimizer_settings={**SETTINGS, "lr_warmup_steps": 3.4})
 
 
 def test_metadata_round_trips_through_the_stored_form():

@@ -83,6 +83,10 @@ def test_an_alternative_flag_on_the_command_line_displaces_the_file_s(tmp_path):
     # a run_config.yaml an earlier version wrote held the default fraction beside the given iterations
     path = _write(tmp_path, "optimizer:\n  lr-warmup-iters: 10\n  lr-warmup-fraction: 0.05\nlaunch:\n  world-size: 2\n")
     assert parse_args(["--yaml-cfg", path]).optimizer.warmup_iters(1000) == 10
+    # ... and the WSD shape's default of then, cosine, for every decay style (a WSD run's is its own)
+    legacy = "optimizer:\n  lr-decay-style: {}\n  lr-wsd-decay-style: cosine\nlaunch:\n  world-size: 2\n"
+    assert parse_args(["--yaml-cfg", _write(tmp_path, legacy.format("linear"))]).optimizer.lr_wsd_decay_style is None
+    assert parse_args(["--yaml-cfg", _write(tmp_path, legacy.format("WSD"))]).optimizer.wsd_decay_style() == "cosine"
     path = _write(tmp_path, "lr-warmup-iters: 10\nlr-warmup-fraction: 0.05\n")  # a file of one's own: both refused
     with pytest.raises(SystemExit):
         parse_args(["--yaml-cfg", path])

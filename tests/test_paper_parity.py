@@ -79,7 +79,8 @@ def test_paper_warmup_length(train_iters):
     paper = int(max(0.01 * train_iters, 100))  # its lr_scheduler: warmup_steps = max(0.01 * max_steps, 100)
     ours = OptimizerConfig(lr_warmup_fraction=0.01, lr_warmup_min_iters=100)
     assert ours.warmup_iters(train_iters) == paper
-    assert OptimizerConfig(lr_warmup_fraction=0.01).warmup_iters(train_iters) == int(0.01 * train_iters)
+    # without the bound, Megatron-LM's: the fraction of the decay, not rounded to whole iterations
+    assert OptimizerConfig(lr_warmup_fraction=0.01).warmup_iters(train_iters) == 0.01 * train_iters
 
 
 def test_paper_warmup_in_the_scheduler(world_of_one):
@@ -122,6 +123,36 @@ def test_megatron_lm_schedule_lengths(world_of_one):
         lrs[step] = scheduler.get_lr(group)
     assert scheduler.wsd_decay_steps == 15  # (60 - 15) // 3
     assert lrs[15] == lrs[16] == lrs[45] == pytest.approx(1e-3) and lrs[60] == pytest.approx(1e-4)
+
+
+def test_the_lr_at_every_iteration_is_megatron_lms(world_of_one):
+    """A warmup fraction that is no whole number of iterations, and WSD without a shape, give the
+    LR of Megatron-LM's get_optimizer_param_scheduler (which counts samples; its default
+    --lr-wsd-decay-style is exponential) at every iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_dllm.model.builder import Architecture, build_model, transformer_config
+    from megatron_dllm.model.presets import Preset
+    from megatron_dllm.training.optim import build_optimizer, wrap_ddp
+
+    arch = Architecture(Preset(32, 2, 2), 100, 16, "bidirectional")
+    config, mlp_config = transformer_config(arch)
+    model = wrap_ddp(build_model(arch, config, mlp_config, seed=0), config, ParallelConfig())
+    iters, gbs, group = 12, 4, {"max_lr": 1e-3, "min_lr": 1e-4}
+    for opt, warmup_samples, wsd_samples in (
+            (OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_fraction=0.15, lr_decay_style="linear"),
+             0.15 * iters * gbs, None),
+            (OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="WSD", lr_wsd_decay_iters=4),
+             2 * gbs, 4 * gbs)):
+        optimizer, ours = build_optimizer(model, config, opt, ParallelConfig(), train_iters=iters)
+        megatron_lm = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=warmup_samples,
+            lr_decay_steps=iters * gbs, lr_decay_style=opt.lr_decay_style, start_wd=0.1, end_wd=0.1,
+            wd_incr_steps=iters * gbs, wd_incr_style="constant", wsd_decay_steps=wsd_samples,
+            lr_wsd_decay_style="exponential")
+        for iteration in range(1, iters + 1):
+            ours.num_steps, megatron_lm.num_steps = iteration, iteration * gbs
+            assert ours.get_lr(group) == pytest.approx(megatron_lm.get_lr(group), rel=1e-12), (opt, iteration)
 
 
 def test_warmup_min_iters_refuses_fixed_warmup():

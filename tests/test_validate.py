@@ -40,6 +40,8 @@ CASES = [
      "give one of --lr-warmup-iters and --lr-warmup-fraction, not both"),  # Megatron-LM refuses both too
     ("warmup_flags", ["--lr-wsd-decay-iters", "10"], None, False,
      "--lr-wsd-decay-iters applies to --lr-decay-style WSD, not cosine"),
+    ("warmup_flags", ["--lr-decay-style", "linear", "--lr-wsd-decay-style", "cosine"], None, False,
+     "--lr-wsd-decay-style applies to --lr-decay-style WSD, not linear"),
     ("retention", ["--save", "/s", "--keep-checkpoint-interval", "10"], None, False,
      "--keep-checkpoint-interval keeps checkpoints that --keep-last-n-checkpoints would remove"),
     ("recompute", ["--recompute-granularity", "full"], None, False,

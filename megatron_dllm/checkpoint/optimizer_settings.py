@@ -11,6 +11,8 @@ compared up front: equal, they load as saved; different, the run says which to t
 """
 from __future__ import annotations
 
+import math
+
 # setting -> the flag(s) that set it, for messages
 FLAGS = {
     "max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "warmup (--lr-warmup-iters/--lr-warmup-fraction)",
@@ -55,7 +57,14 @@ def differences(run: dict, saved: dict) -> list[str]:
     wsd = run.get("lr_decay_style") == "WSD" or saved.get("lr_decay_style") == "WSD"
     return [f"{FLAGS[key]} {_shown(run[key])} (checkpoint {_shown(saved[key])})"
             for key in FLAGS if key in run and key in saved and _shown(run[key]) != _shown(saved[key])
-            and (wsd or key not in WSD_ONLY)]
+            and (wsd or key not in WSD_ONLY) and not _rounded_warmup(key, run[key], saved[key])]
+
+
+def _rounded_warmup(key: str, run, saved) -> bool:
+    """Whether a checkpoint holds the warmup of the run's --lr-warmup-fraction as earlier versions
+    rounded it, down to whole iterations (it resumes with the checkpoint's)."""
+    return (key == "lr_warmup_steps" and isinstance(saved, int) and isinstance(run, float)
+            and saved == math.floor(run))
 
 
 def _shown(value):

@@ -14,6 +14,8 @@ from megatron_dllm.config.fields import (
     positive_int,
 )
 
+WSD_DECAY_STYLE = "exponential"  # Megatron-LM's default --lr-wsd-decay-style
+
 
 @dataclass(frozen=True)
 class OptimizerConfig(FlagGroup):
@@ -30,14 +32,16 @@ class OptimizerConfig(FlagGroup):
     min_lr: float | None = flag(type=non_negative_float, help="default lr/10")
     lr_warmup_iters: int | None = flag(type=non_negative_int, help="warmup iterations")
     lr_warmup_fraction: float | None = flag(type=fraction, help="warmup as a fraction of the decay iterations "
-                                                                "(Megatron-LM's; the run's without --lr-decay-iters)")
+                                                                "(the run's without --lr-decay-iters), unrounded as "
+                                                                "Megatron-LM's")
     lr_warmup_min_iters: int = flag(0, type=non_negative_int,
                                     help="with --lr-warmup-fraction: at least this many warmup iterations "
                                          "(the paper's code: max(1%% of the run, 100))")
     lr_decay_style: str = flag("cosine", choices=["constant", "linear", "cosine", "WSD"], help="decay shape")
     lr_decay_iters: int | None = flag(type=positive_int, help="default: all training iterations")
-    lr_wsd_decay_style: str = flag("cosine", choices=["linear", "cosine", "exponential", "minus_sqrt"],
-                                   help="WSD: shape of the final decay")
+    lr_wsd_decay_style: str | None = flag(choices=["linear", "cosine", "exponential", "minus_sqrt"],
+                                          help=f"WSD: shape of the final decay (default {WSD_DECAY_STYLE}, "
+                                               f"Megatron-LM's)")
     lr_wsd_decay_iters: int | None = flag(type=positive_int,
                                           help="WSD: iterations of the final decay (default: the last third of "
                                                "the iterations after warmup)")
@@ -45,12 +49,18 @@ class OptimizerConfig(FlagGroup):
     def decay_iters(self, train_iters: int) -> int:
         return self.lr_decay_iters or train_iters
 
-    def warmup_iters(self, train_iters: int) -> int:
+    def warmup_iters(self, train_iters: int) -> float:
+        """--lr-warmup-iters, or the fraction of the decay iterations, unrounded as Megatron-LM's
+        (with --lr-warmup-min-iters, the paper's code: whole iterations, at least that many)."""
         if self.lr_warmup_iters is not None:
             return self.lr_warmup_iters
-        return max(int((self.lr_warmup_fraction or 0.0) * self.decay_iters(train_iters)), self.lr_warmup_min_iters)
+        warmup = (self.lr_warmup_fraction or 0.0) * self.decay_iters(train_iters)
+        return int(max(warmup, self.lr_warmup_min_iters)) if self.lr_warmup_min_iters else warmup
 
     def wsd_decay_iters(self, train_iters: int) -> int:
-        """WSD's final decay: the flag, or the last third of what follows the warmup."""
-        after_warmup = self.decay_iters(train_iters) - self.warmup_iters(train_iters)
+        """WSD's final decay: the flag, or the last third of the whole iterations after the warmup."""
+        after_warmup = round(self.decay_iters(train_iters) - self.warmup_iters(train_iters))
         return self.lr_wsd_decay_iters or max(1, after_warmup // 3)
+
+    def wsd_decay_style(self) -> str:
+        return self.lr_wsd_decay_style or WSD_DECAY_STYLE

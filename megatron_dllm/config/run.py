@@ -86,9 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 # --yaml-cfg file (a run's run_config.yaml holds --train-iters; relaunched with --train-samples).
 ALTERNATIVES = ((("train_iters",), ("train_samples",), ("train_flops",), ("train_epochs",)),
                 (("lr_warmup_iters",), ("lr_warmup_fraction", "lr_warmup_min_iters")))
-# run_config.yaml files written before --lr-warmup-iters and --lr-warmup-fraction were exclusive
-# hold the default fraction beside the iterations the run was given: the iterations were in effect
-SUPERSEDED = {"lr_warmup_fraction": "lr_warmup_iters"}
+# What a run_config.yaml an earlier version wrote holds that the run did not apply: {flag's dest:
+# whether the file's flags (dest -> (value, line)) show it unapplied}. Files written before
+# --lr-warmup-iters and --lr-warmup-fraction were exclusive hold the default fraction beside the
+# iterations the run was given; files written when --lr-wsd-decay-style defaulted to cosine hold
+# it for every decay style.
+SUPERSEDED = {"lr_warmup_fraction": lambda flags: "lr_warmup_iters" in flags,
+              "lr_wsd_decay_style": lambda flags: flags.get("lr_decay_style", (None,))[0] != "WSD"}
 
 
 def expand_run_yaml(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

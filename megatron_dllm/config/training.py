@@ -22,7 +22,8 @@ class TrainingConfig(FlagGroup):
     micro_batch_size: int | None = flag(type=positive_int, help="default 2 (8 on the demo)")
     global_batch_size: int | None = flag(type=positive_int, help="default 256 (32 on the demo)")
     train_iters: int | None = flag(type=positive_int, help="iterations (or --train-samples / --train-flops)")
-    train_samples: int | None = flag(type=positive_int, help="samples, rounded up to whole global batches")
+    train_samples: int | None = flag(type=positive_int,
+                                     help="samples, rounded down to whole global batches (as Megatron-LM)")
     train_flops: float | None = flag(type=finite_float,
                                      help="training compute budget (e.g. 6e18): iterations = floor(budget / (training "
                                           "FLOPs per sequence x --global-batch-size))")

@@ -129,8 +129,10 @@ def warmup_flags(config, world_size=None) -> None:
         raise InputError("give one of --lr-warmup-iters and --lr-warmup-fraction, not both")
     if optimizer.lr_warmup_min_iters and optimizer.lr_warmup_iters is not None:
         raise InputError("--lr-warmup-min-iters bounds --lr-warmup-fraction; give it without --lr-warmup-iters")
-    if optimizer.lr_wsd_decay_iters is not None and optimizer.lr_decay_style != "WSD":
-        raise InputError(f"--lr-wsd-decay-iters applies to --lr-decay-style WSD, not {optimizer.lr_decay_style}")
+    for name in ("lr_wsd_decay_iters", "lr_wsd_decay_style"):
+        if getattr(optimizer, name) is not None and optimizer.lr_decay_style != "WSD":
+            raise InputError(f"--{name.replace('_', '-')} applies to --lr-decay-style WSD, not "
+                             f"{optimizer.lr_decay_style}")
 
 
 def lr_range(config, world_size=None) -> None:
@@ -196,13 +198,13 @@ def warmup_before_decay(config, world_size=None) -> None:
         return  # the run length is resolved later
     warmup_iters = optimizer.warmup_iters(decay)
     if warmup_iters >= decay:
-        raise InputError(f"LR warmup ({warmup_iters} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
+        raise InputError(f"LR warmup ({warmup_iters:g} iterations from --lr-warmup-iters/--lr-warmup-fraction) "
                          f"must be shorter than the decay ({decay} iterations, --lr-decay-iters or "
                          f"--train-iters)")
     wsd = optimizer.lr_wsd_decay_iters
     if optimizer.lr_decay_style == "WSD" and wsd is not None and wsd > decay - warmup_iters:
         raise InputError(f"--lr-wsd-decay-iters {wsd} is longer than the iterations between the warmup's end "
-                         f"({warmup_iters}) and the end of the decay ({decay}, --lr-decay-iters or --train-iters): "
+                         f"({warmup_iters:g}) and the end of the decay ({decay}, --lr-decay-iters or --train-iters): "
                          f"the final decay would begin before the warmup ends")
 
 

@@ -122,8 +122,8 @@ class YamlFile:
 def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=frozenset(),
                 superseded=None) -> list[str]:
     """The command-line tokens equivalent to the flags in `path` (`sections`: the group sections
-    it may have; `skip`: flag dests left out; `superseded`: {dest: the dest that replaces it in a
-    run's resolved file}, for files an earlier version wrote). Raises InputError naming the file,
+    it may have; `skip`: flag dests left out; `superseded`: {dest: whether the file's flags show it
+    unapplied}, read in a run's resolved file, for files an earlier version wrote). Raises InputError naming the file,
     the line and the key for anything that is not a flag or not a value the flag can take."""
     source = YamlFile(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
@@ -131,7 +131,7 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=
     flags = source.flags(sections)
     resolved = bool(source.launch())  # a run's own run_config.yaml
     for key, (value, line) in flags.items():
-        if key in skip or (resolved and (superseded or {}).get(key) in flags):
+        if key in skip or (resolved and key in (superseded or {}) and superseded[key](flags)):
             continue
         where = source.at(line)
         action = actions.get(key)

@@ -96,6 +96,6 @@ def build_optimizer(model, config, opt: OptimizerConfig, parallel: ParallelConfi
         lr_decay_steps=decay, lr_decay_style=opt.lr_decay_style,
         start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=train_iters, wd_incr_style="constant",
         wsd_decay_steps=opt.wsd_decay_iters(train_iters),
-        lr_wsd_decay_style=opt.lr_wsd_decay_style,
+        lr_wsd_decay_style=opt.wsd_decay_style(),
     )
     return optimizer, scheduler
