@@ -111,6 +111,12 @@ def test_downstream_bad_input_is_one_error_line(exports, tmp_path, capsys):
     for argv, needle in ((["--tasks", "arc_easy,mmlu"], "--tasks arc_easy,mmlu: unknown task mmlu"),
                          (["--tasks", "race"], "--tasks race: RACE ships in no package; give --race-data"),
                          (["--tasks", "piqa", "--limit", "0"], "--limit: expected a positive finite number, got 0"),
+                         (["--tasks", "piqa", "--limit", "1.5"],
+                          "--limit: expected a whole number of documents or a fraction below 1, got 1.5"),
+                         (["--tasks", "piqa", "--race-data", str(tmp_path)],
+                          f"--race-data {tmp_path}: --tasks piqa has no race task to read it"),
+                         (["--tasks", "race", "--race-data", str(tmp_path)],
+                          f"--race-data {tmp_path}: not a dataset written by datasets' save_to_disk"),
                          (["--tasks", "piqa", "--device", "gpu"], "--device gpu: expected cpu, cuda or cuda:N")):
         capsys.readouterr()
         assert evaluate.main(["downstream", "--load", exports["ar"], *argv,
@@ -294,3 +300,19 @@ def test_generate_until_native_with_an_approximate_cache(world_of_one):
     assert out == [lm.tok_decode([i for i in r if i != lm.eot_token_id]) for r in ids]
     with pytest.raises(InputError, match="--approx-kv-cache applies to --predictor ancestral only"):
         _tiny_lm("mdlm", approx_kv_cache="prefix")
+
+
+def test_a_continuation_longer_than_the_context_is_refused_before_any_request_is_scored(exports, monkeypatch):
+    from lm_eval.api.instance import Instance
+
+    from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
+
+    lm = MegatronDLLM(exports["ar"], batch_size=4)
+    scored = []
+    monkeypatch.setattr(lm.estimator, "score", lambda requests: scored.append(requests))
+    long = " the" * (LENGTH + 8)
+    requests = [Instance("loglikelihood", {}, ("Question:", " yes"), 0, ("piqa", 0, 1)),
+                Instance("loglikelihood", {}, ("Question:", long), 1, ("piqa", 1, 1))]
+    with pytest.raises(InputError, match=r"loglikelihood \(task piqa\): a continuation of \d+ tokens"):
+        lm.loglikelihood(requests)
+    assert not scored

@@ -86,6 +86,17 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
         args.func(args)  # main() prints it as one error line, exit code 2
 
 
+def test_evaluate_nelbo_on_the_checkpoint_is_the_logged_sft_validation(sft_data, full_run, task_dir, tmp_path):
+    """An SFT dataset is scored as --sft validation scores it (response tokens only), not as text."""
+    work, _, records = full_run
+    logged = [r["valid_nelbo"] for r in records if "valid_nelbo" in r][-1]  # at iteration 6, the checkpoint's
+    proc = run_python([os.path.join(REPO, "tools", "evaluate.py"), "nelbo", "--load", str(work / "ckpt"),
+                       "--data-path", str(task_dir / "train_sft"), "--split", "90,10,0", "--global-batch-size",
+                       "16", "--eval-iters", "1"], tmp_path, launch_env(1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["nelbo"] == pytest.approx(logged, rel=1e-5)
+
+
 def test_bad_combinations_are_named(demo_cache, sft_data):
     from megatron_dllm.config import parse_args, parse_flags
     from megatron_dllm.training.inputs import prepare_inputs
@@ -96,3 +107,6 @@ def test_bad_combinations_are_named(demo_cache, sft_data):
         prepare_inputs(parse_flags(["--demo-cache-dir", demo_cache, "--sft", "--train-epochs", "1"]))
     with pytest.raises(ValueError, match="holds rows of 48 tokens, but --seq-length is 64"):
         prepare_inputs(parse_args([*sft_data, "--seq-length", "64", "--train-epochs", "1"]))
+    with pytest.raises(ValueError, match=r"train_sft is an SFT dataset \(tools/preprocess_sft_data.py\); fine-tune "
+                                         r"on it with --sft"):  # read as text, its prompts would be trained on
+        prepare_inputs(parse_args([a for a in sft_data if a != "--sft"] + ["--train-iters", "1"]))

@@ -177,7 +177,7 @@ def run_downstream(args) -> dict:
     from megatron_dllm.evaluation.lm_eval_model import MegatronDLLM
     from megatron_dllm.evaluation.offline_tasks import task_names
 
-    names = task_names(args.tasks)  # before the (slow) load
+    names = task_names(args.tasks, args.race_data)  # before the (slow) load
     _check_load(args.load)
     lm = MegatronDLLM(args.load, num_mc_samples=args.num_mc_samples, likelihood_mode=args.likelihood_mode,
                       batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, device=args.device,
@@ -235,10 +235,20 @@ def run_gsm8k(args) -> dict:
 # --------------------------------------------------------------------------- command line
 
 
+def document_limit(text: str) -> float:
+    """downstream's --limit: a whole number of documents per task, or a fraction of them below 1."""
+    from megatron_dllm.config.fields import positive_float
+
+    value = positive_float(text)
+    if value >= 1 and not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number of documents or a fraction below 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_dllm.cli.sampling_flags import add_remasking_arguments
     from megatron_dllm.config.data import DataConfig, TokenizerConfig
-    from megatron_dllm.config.fields import positive_float, positive_int
+    from megatron_dllm.config.fields import positive_int
     from megatron_dllm.evaluation.generation_batches import parse_batch_size
     from megatron_dllm.sampling.config import PREDICTORS
 
@@ -305,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "winogrande, sciq, race (needs --race-data)")
     p.add_argument("--output-path", default="downstream_results.json",
                    help="lm-eval's results JSON; the markdown table goes beside it (.md)")
-    p.add_argument("--limit", type=positive_float, default=None,
+    p.add_argument("--limit", type=document_limit, default=None,
                    help="documents per task (< 1: a fraction), for quick runs")
     p.add_argument("--num-mc-samples", type=positive_int, default=64,
                    help="diffusion families: noise draws per request (AR is exact)")

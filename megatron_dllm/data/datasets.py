@@ -50,6 +50,7 @@ from megatron_dllm.data.index_builders import megatron_helpers_replaced
 from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
     check_made_with,
+    read_metadata,
     scan_tokens,
     validate_indexed_dataset,
 )
@@ -223,6 +224,9 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
                          f"(expected {prefix}.bin and {prefix}.idx)")
     header = validate_indexed_dataset(prefix)
     check_made_with(prefix, tokenizer, flag)
+    if (read_metadata(prefix) or {}).get("sft") is not None:  # read as text, its prompts would be noised and scored
+        raise InputError(f"{flag}: {prefix} is an SFT dataset (tools/preprocess_sft_data.py); fine-tune on it "
+                         f"with --sft")
     if header.num_tokens == 0:
         raise InputError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
     # An appended [MASK] id lies past the model's own vocabulary: data must never contain it. A

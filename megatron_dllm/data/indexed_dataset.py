@@ -77,6 +77,8 @@ def read_metadata(prefix: str) -> Optional[dict]:
             return json.load(f)
     except FileNotFoundError:
         return None
+    except ValueError as err:  # not JSON (or not UTF-8): a damaged sidecar
+        raise InputError(f"{meta_path(prefix)}: not a JSON sidecar ({err})") from None
 
 
 def tokenizer_metadata(tokenizer) -> dict:

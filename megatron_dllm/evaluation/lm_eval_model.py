@@ -141,12 +141,19 @@ class MegatronDLLM(TemplateLM):
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         first = len(self.stderrs)
+        self.task_of = {request.args: getattr(request, "task_name", None) for request in requests}  # for errors
         out = super().loglikelihood(requests, disable_tqdm)
         for request, stderr in zip(requests, self.stderrs[first:]):
             self.stderrs_by_task.setdefault(getattr(request, "task_name", None) or "", []).append(stderr)
         return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        for key, _, cont in requests:  # all before any is scored: not after an hour of the others
+            if len(cont) > self.max_length:
+                task, text = getattr(self, "task_of", {}).get(key), key[1][:40] if key else ""
+                raise InputError(f"loglikelihood{f' (task {task})' if task else ''}: a continuation of {len(cont)} "
+                                 f"tokens ({text!r}...) exceeds the model's context {self.max_length}; a longer one "
+                                 f"cannot be scored")
         out = []
         step = max(1, self.estimator.batch_size if self.estimator.family.next_token else 1)
         with tqdm(total=len(requests), disable=disable_tqdm, desc="loglikelihood") as bar:

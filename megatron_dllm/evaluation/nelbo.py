@@ -36,13 +36,20 @@ def validation_run(family: str, seq_length: int, data: DataConfig, tokenizer: To
     An empty pretraining command line gives every default pretrain_dllm.py has; the sizes that
     shape megatron's validation index (seq_length, eval_iters x global_batch_size, seed) are then
     the training run's, so the same samples come out in the same order. `family_options`: the
-    model's (a checkpoint's record); those that are run flags (BD3-LM's block size, noise) are set."""
+    model's (a checkpoint's record); those that are run flags (BD3-LM's block size, noise) are set.
+    An SFT dataset is read as --sft reads it (the bound over response tokens, as SFT validation)."""
     from megatron_dllm.config import parse_args
     from megatron_dllm.config.model import ModelConfig
+    from megatron_dllm.data.datasets import parse_data_path
+    from megatron_dllm.data.sft import sft_metadata
     from megatron_dllm.training.inputs import prepare_inputs
 
     config = dataclasses.replace(parse_args([]), data=data, tokenizer=tokenizer)
-    training = {"global_batch_size": global_batch_size, "seed": seed}
+    paths = [(flag, path) for flag, path in (("--data-path", data.data_path),
+                                             ("--train-data-path", data.train_data_path),
+                                             ("--valid-data-path", data.valid_data_path)) if path]
+    sft = any(sft_metadata(prefix) is not None for flag, path in paths for prefix in parse_data_path(path, flag)[0])
+    training = {"global_batch_size": global_batch_size, "seed": seed, "sft": True if sft else None}
     flags = {f.name for f in dataclasses.fields(ModelConfig)}
     options = {k: v for k, v in (family_options or {}).items() if k in flags}
     config = config.replace(model={"family": family, "seq_length": seq_length, **options},

@@ -70,7 +70,10 @@ def _loader(path: str, split: str, adapt: str | None, flag: str):
     def load(**_):
         import datasets
 
-        data = datasets.load_from_disk(path)
+        try:
+            data = datasets.load_from_disk(path)
+        except (FileNotFoundError, ValueError) as err:  # no dataset there: datasets' own words
+            raise InputError(f"{flag} {path}: not a dataset written by datasets' save_to_disk ({err})") from None
         if not isinstance(data, datasets.DatasetDict):
             data = datasets.DatasetDict({split: data})
         if split not in data:
@@ -80,12 +83,15 @@ def _loader(path: str, split: str, adapt: str | None, flag: str):
     return load
 
 
-def task_names(spec: str) -> list[str]:
+def task_names(spec: str, race_data: str | None = None) -> list[str]:
+    """The tasks of `--tasks` (`race_data`: --race-data, which only RACE reads)."""
     names = [ALIASES.get(n.strip(), n.strip()) for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         raise InputError(f"--tasks {spec}: unknown task {', '.join(unknown) or '(none)'}; "
                          f"available: {', '.join(TASKS)}")
+    if race_data is not None and not any(TASKS[n].data is None for n in names):
+        raise InputError(f"--race-data {race_data}: --tasks {spec} has no race task to read it")
     return names
 
 
