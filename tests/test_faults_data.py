@@ -414,6 +414,11 @@ def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_m
     with open(meta_path(prefix), "w") as f:
         json.dump({k: v for k, v in meta.items() if k != "tokenizer_sha256"}, f)
     check_prefix(prefix, "--data-path", other, None)
+    # a damaged one is named
+    with open(meta_path(prefix), "w") as f:
+        f.write('{"vocab_size": 40')
+    with pytest.raises(ValueError, match=re.escape(f"{meta_path(prefix)}: not a JSON sidecar")):
+        check_prefix(prefix, "--data-path", tok, None)
 
 
 # ---------------------------------------------------------------- index caches never unpickle
