@@ -423,3 +423,49 @@ def test_tokenizer_of_other_content_is_refused(trained, demo_cache, tmp_path):
     with pytest.raises(CheckpointError, match=f"--tokenizer-model {other} differs from the tokenizer {path} was "
                                               f"trained with \\({recorded.model}, sha256"):
         check_tokenizer(recorded, str(other), path)
+
+
+# a process killed inside layout.publish, at the one moment each way of replacing can be caught
+_KILLED_IN_PUBLISH = """
+import os, shutil, signal, sys
+from megatron_dllm.checkpoint import layout
+die = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[3] == "swap":
+    shutil.rmtree = die  # swapped: the old one, under the staging name, not yet removed
+else:  # a filesystem that cannot swap: killed between moving the old one aside and the new one in
+    layout._exchange = lambda a, b: False
+    rename, calls = os.rename, []
+    os.rename = lambda a, b: die() if calls.append(a) or len(calls) == 2 else rename(a, b)
+layout.publish(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("how, survivor", [("swap", "new"), ("aside", "old")])
+def test_a_save_killed_while_replacing_a_checkpoint_leaves_one_complete(tmp_path, how, survivor):
+    """A run rolled back re-saves an iteration that exists: killed at any moment, the next start
+    finds a complete checkpoint under the tracker's iteration and nothing else left over."""
+    root = tmp_path / "ckpt"
+    final, staging = layout.iteration_dir(str(root), 4), layout.staging_dir(str(root), 4, "abc")
+    for path, text in ((final, "old"), (staging, "new")):
+        os.makedirs(path)
+        with open(os.path.join(path, "which"), "w") as f:
+            f.write(text)
+    layout.write_tracker(str(root), 4)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_IN_PUBLISH, staging, final, how], cwd=tmp_path)
+    assert proc.returncode == -signal.SIGKILL
+    layout.remove_incomplete_saves(str(root))  # what the next start does first
+    assert layout.find_checkpoint(str(root)).path == final
+    with open(os.path.join(final, "which")) as f:
+        assert f.read() == survivor
+    assert sorted(os.listdir(root)) == [os.path.basename(final), TRACKER]
+
+
+def test_an_export_moved_aside_by_a_killed_overwrite_is_put_back(tmp_path):
+    from megatron_dllm.hf.export import staged_export
+
+    out = tmp_path / "hf"
+    (tmp_path / "hf.replaced").mkdir()  # the earlier export, with no export under OUT
+    (tmp_path / "hf.replaced" / "config.json").write_text("{}")
+    with staged_export(str(out)) as staging:
+        (tmp_path / staging / "config.json").write_text('{"new": 1}')
+    assert (out / "config.json").read_text() == '{"new": 1}' and sorted(os.listdir(tmp_path)) == ["hf"]

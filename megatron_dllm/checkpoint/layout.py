@@ -9,13 +9,16 @@ Megatron-LM's layout, with a staging name so that nothing unfinished ever looks 
 
 A save writes into `iter_N.RUNID.incomplete` (RUNID: the writing run's id, so two runs never
 stage into one directory), adds the manifest, and renames the directory to `iter_N` (the atomic
-completion step); only then is the tracker pointed at it. Loading therefore never
-has to guess: `iter_N` directories are complete (or were written by an older version or another
-tool, without a manifest: loadable when named, never removed), and `*.incomplete` ones are not.
+completion step; over an existing `iter_N`, an atomic swap); only then is the tracker pointed at
+it. Loading therefore never has to guess: `iter_N` directories are complete (or were written by
+an older version or another tool, without a manifest: loadable when named, never removed), and
+`*.incomplete` ones are not.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
 import os
 import re
 import shutil
@@ -27,6 +30,7 @@ from megatron_dllm.checkpoint.manifest import MANIFEST, CheckpointError, manifes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
+REPLACED = ".replaced"  # a checkpoint publish moved aside (filesystems without an atomic swap)
 _ITER = re.compile(r"iter_(\d+)")
 _STAGED = re.compile(r"iter_\d+(\.[0-9a-f]+)?")  # before INCOMPLETE; older versions staged without a run id
 
@@ -83,7 +87,11 @@ def incomplete_saves(root: str) -> list[str]:
 
 
 def remove_incomplete_saves(root: str) -> list[str]:
-    """Remove the `iter_N[.RUNID].incomplete` directories under `root` (saves that never finished)."""
+    """Remove the `iter_N[.RUNID].incomplete` directories under `root` (saves that never finished),
+    after putting back a checkpoint that `publish` had moved aside when it was killed."""
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.endswith(REPLACED) and _ITER.fullmatch(name[:-len(REPLACED)]):
+            recover_replaced(os.path.join(root, name[:-len(REPLACED)]))
     removed = incomplete_saves(root)
     for path in removed:
         shutil.rmtree(path)
@@ -106,17 +114,49 @@ def _remove_if_empty(directory: str) -> None:
 
 
 def publish(staging: str, final: str) -> None:
-    """Make a finished save visible under its final name. A complete checkpoint already there
-    (a run rolled back to an earlier iteration) is replaced only once the new one is complete."""
-    old = None
+    """Make a finished directory (a save, an export) visible under its final name. One already
+    there (a run rolled back to an earlier iteration, an earlier export) is swapped with it in one
+    step, so that a kill at any moment leaves a complete one under `final`; the old one, now under
+    the staging name, is then removed (or, after a kill, with the other unfinished saves).
+    Where the filesystem cannot swap, the old one is moved aside to FINAL.replaced first, which
+    `recover_replaced` puts back after a kill between the two renames."""
     if os.path.exists(final):
-        old = final + ".replaced"
-        if os.path.exists(old):
-            shutil.rmtree(old)
-        os.rename(final, old)
+        if _exchange(staging, final):
+            shutil.rmtree(staging)
+            return
+        recover_replaced(final)  # a leftover of an earlier kill: `final` stands, so it goes
+        os.rename(final, final + REPLACED)
+        os.rename(staging, final)
+        shutil.rmtree(final + REPLACED)
+        return
     os.rename(staging, final)
-    if old:
-        shutil.rmtree(old)
+
+
+def recover_replaced(final: str) -> None:
+    """FINAL.replaced, left by a kill inside `publish` without a swap: back under its name if
+    nothing took it, else removed."""
+    old = final + REPLACED
+    if os.path.isdir(old):
+        if os.path.exists(final):
+            shutil.rmtree(old)
+        else:
+            os.rename(old, final)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the platform or
+    filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not Linux, or a C library without it
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # this filesystem or kernel cannot swap
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 @dataclass(frozen=True)

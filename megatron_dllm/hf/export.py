@@ -299,6 +299,7 @@ def staged_export(out: str):
     prefix = os.path.basename(out) + ".incomplete-"
     for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix) + "*")):
         shutil.rmtree(stale, ignore_errors=True)
+    layout.recover_replaced(out)  # an earlier export a killed --overwrite had moved aside
     staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         yield staging
