@@ -409,3 +409,31 @@ def test_a_mask_without_padding_takes_every_sampler_and_an_empty_prompt_is_uncon
     empty = torch.zeros(1, 0, dtype=torch.long)
     assert torch.equal(model.generate(empty, attention_mask=empty, max_new_tokens=6, steps=3, seed=1),
                        model.generate(empty, max_new_tokens=6, steps=3, seed=1))
+
+
+def test_an_export_missing_weights_or_damaged_is_refused_not_filled_at_random(tmp_path):
+    """transformers fills a weight missing from model.safetensors with random values and only warns;
+    the tools' loader refuses it, an extra one, and an unreadable file, naming the directory."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_dllm.errors import InputError
+    from megatron_dllm.hf.load_export import load_model
+    from megatron_dllm.hf.random_model import random_dense_model
+
+    export = tmp_path / "hf"
+    random_dense_model("mdlm", 64, 16).save_pretrained(str(export))
+    weights = export / "model.safetensors"
+    intact = load_file(str(weights))
+    assert load_model(str(export)) is not None
+    missing = "backbone.vocab_embed.weight"
+    save_file({k: v for k, v in intact.items() if k != missing}, str(weights))
+    with pytest.raises(InputError, match=rf"^{export}: the weights do not match the mdlm model of config.json "
+                                         rf"\(missing: {missing}\)$"):
+        load_model(str(export))
+    save_file({**intact, "junk.weight": intact[missing].clone()}, str(weights))
+    with pytest.raises(InputError, match=r"\(not of this model: junk.weight\)$"):
+        load_model(str(export))
+    save_file(intact, str(weights))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(InputError, match=rf"^{export}: unreadable safetensors weights"):
+        load_model(str(export))

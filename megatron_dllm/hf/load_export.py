@@ -22,14 +22,28 @@ def load_config(path: str):
 
 
 def load_model(path: str, **kwargs):
-    """DLLMForMaskedLM or DLLMForCausalLM (by the config's family) with the export's weights."""
+    """DLLMForMaskedLM or DLLMForCausalLM (by the config's family) with the export's weights, every
+    one of them (transformers would fill a missing one with random values and only warn)."""
+    from safetensors import SafetensorError
+
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.hf import export
 
     config = load_config(path)
     if config.family not in FAMILIES:
         raise InputError(f"{path}/config.json: family {config.family!r} is not one of {', '.join(FAMILIES)}")
-    return export.model_class(config.family).from_pretrained(path, config=config, **kwargs)
+    try:
+        model, info = export.model_class(config.family).from_pretrained(path, config=config, output_loading_info=True,
+                                                                        **kwargs)
+    except SafetensorError as err:
+        raise InputError(f"{path}: unreadable safetensors weights ({err})") from None
+    problems = [f"{what} {', '.join(map(str, info[key]))}" for key, what in (
+        ("missing_keys", "missing:"), ("unexpected_keys", "not of this model:"), ("mismatched_keys", "other shapes:"))
+        if info.get(key)]
+    if problems:
+        raise InputError(f"{path}: the weights do not match the {config.family} model of config.json "
+                         f"({'; '.join(problems)})")
+    return model
 
 
 def load_tokenizer(path: str):
