@@ -33,7 +33,9 @@ def atomic_write(path: str, mode: str = "w", *, fsync: bool = False, encoding: s
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if isinstance(err, OSError) and err.filename is None:  # a failed write (a full disk) names no file
+            raise OSError(err.errno, err.strerror, path) from None
         raise

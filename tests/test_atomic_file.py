@@ -1,4 +1,7 @@
+import errno
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -66,3 +69,28 @@ def test_fsync_on_request_and_permissions_from_the_umask(tmp_path, monkeypatch):
     assert len(synced) == 1
     assert (tmp_path / "durable").read_text() == "b"
     assert (tmp_path / "durable").stat().st_mode & 0o777 == 0o644  # not tempfile's 0600
+
+
+_FILE_SIZE_LIMIT = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+"""
+
+
+@pytest.mark.parametrize("writer", [
+    "from megatron_dllm.atomic_file import atomic_write\n"
+    "with atomic_write(sys.argv[1]) as f:\n    f.write('x' * 100_000)",
+    # an HF export: safetensors (Rust) reports its failed write as no OSError
+    "import torch\nfrom safetensors.torch import save_file\nfrom megatron_dllm.hf.export import staged_export\n"
+    "with staged_export(sys.argv[1]) as d:\n    save_file({'w': torch.zeros(100_000)}, d + '/model.safetensors')",
+])
+def test_a_failed_write_is_an_os_error_naming_the_output(tmp_path, writer):
+    """The tools print an OSError as their one `error:` line; a failed write() (a full disk) names
+    no file by itself, so the writers name their output."""
+    out = str(tmp_path / "out")
+    script = _FILE_SIZE_LIMIT + f"try:\n    {writer.replace(chr(10), chr(10) + '    ')}\n" \
+                                "except OSError as err:\n    print(err.errno, err.filename)\n"
+    proc = subprocess.run([sys.executable, "-c", script, out], capture_output=True, text=True)
+    assert proc.stdout.split() == [str(errno.EFBIG), out], proc.stderr[-2000:]
+    assert os.listdir(tmp_path) == []  # no temporary, no partial output

@@ -302,7 +302,7 @@ def test_free_space_is_checked_against_the_last_checkpoint(ckpt):
     record["files"]["__0_0.distcp"]["size"] = 1 << 60  # a checkpoint larger than any disk here
     with open(os.path.join(path, manifest.MANIFEST), "w") as f:
         json.dump(record, f)
-    with pytest.raises(CheckpointError, match=rf"--save {ckpt}: [\d.]+ GiB free, but the last checkpoint "
+    with pytest.raises(CheckpointError, match=rf"--save {ckpt}: [\d.]+ [GM]iB free, but the last checkpoint "
                                               rf"iter_0000004 took [\d.]+ GiB"):
         layout.check_save_dir(str(ckpt))
 

@@ -6,6 +6,8 @@ import json
 import os
 import threading
 
+import pytest
+
 from megatron_dllm.training.logger import Logger
 
 
@@ -68,3 +70,11 @@ def test_a_resume_logging_to_a_pipe_goes_on(world_of_one, tmp_path):
     os.close(write_end)
     with os.fdopen(read_end) as f:
         assert [json.loads(line)["iteration"] for line in f] == [4, 4]
+
+
+def test_a_metrics_file_that_cannot_be_written_is_named(world_of_one, tmp_path):
+    from megatron_dllm.errors import InputError
+
+    logger = Logger(None, "/dev/full")  # every write: no space left on device
+    with pytest.raises(InputError, match=r"^--metrics-file /dev/full: cannot write \(No space left on device\)$"):
+        _log(logger, [1], 1.0)

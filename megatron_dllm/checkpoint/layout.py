@@ -229,11 +229,15 @@ def check_free_space(save: str, estimate: int | None) -> None:
     if complete:
         need = manifest_size(complete[-1])
         if need > free:
-            raise CheckpointError(f"--save {save}: {free / 2**30:.2f} GiB free, but the last checkpoint "
-                                  f"{os.path.basename(complete[-1])} took {need / 2**30:.2f} GiB")
+            raise CheckpointError(f"--save {save}: {_size(free)} free, but the last checkpoint "
+                                  f"{os.path.basename(complete[-1])} took {_size(need)}")
     elif estimate is not None and estimate > free:
-        raise CheckpointError(f"--save {save}: {free / 2**20:.1f} MiB free, but one checkpoint of this model "
-                              f"needs about {estimate / 2**20:.1f} MiB")
+        raise CheckpointError(f"--save {save}: {_size(free)} free, but one checkpoint of this model "
+                              f"needs about {_size(estimate)}")
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def refuse_existing(save: str, load: str | None, finetune: bool) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -308,6 +309,11 @@ def staged_export(out: str):
             for name in files:
                 os.chmod(os.path.join(base, name), 0o644)
         layout.publish(staging, out)
+    except Exception as err:  # safetensors' and tokenizers' (Rust) write errors are no OSError
+        code = re.search(r"\(os error (\d+)\)", str(err)) if not isinstance(err, OSError) else None
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), out) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
 

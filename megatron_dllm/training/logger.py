@@ -84,8 +84,11 @@ class Logger:
             values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
             if self.save is not None:
                 values["save"] = self.save
-            self.metrics.write(json.dumps(values, allow_nan=False) + "\n")
-            self.metrics.flush()
+            try:
+                self.metrics.write(json.dumps(values, allow_nan=False) + "\n")
+                self.metrics.flush()
+            except OSError as err:  # a full disk: the write names no file
+                raise InputError(f"--metrics-file {self.metrics.name}: cannot write ({err.strerror or err})") from None
 
     def info(self, message: str) -> None:
         if self.active:
