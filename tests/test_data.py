@@ -458,6 +458,24 @@ def test_a_dataset_written_again_gets_new_indices(tmp_path, sp_tok):
         build_datasets([prefix], "100,0,0", None, 16, False, 3, 50, 0, cache, sp_tok)
 
 
+def test_a_dataset_rewritten_with_only_middle_documents_moved_gets_new_indices(tmp_path, sp_tok):
+    """The same count, .bin size and first and last 2**20 lengths (the corpus preprocessed again
+    with its inputs in another order): every length enters the cache key, not a sample of them."""
+    prefix, cache, n = str(tmp_path / "d"), str(tmp_path / "cache"), 2**21 + 10
+    lengths = np.ones(n, dtype=np.int64)
+    lengths[2**20 + 3] = 5  # one long document between the first and the last 2**20, moved in the rewrite
+
+    def write(lengths):
+        with IndexedDatasetWriter(prefix, np.uint16) as w:
+            w.add_documents(np.arange(int(lengths.sum())) % 100, lengths)
+
+    write(lengths)
+    build_datasets([prefix], "100,0,0", None, 4, False, 3, 50, 0, cache, sp_tok)
+    write(np.roll(lengths, 1))  # to 2**20 + 4, still between them
+    build_datasets([prefix], "100,0,0", None, 4, False, 3, 50, 0, cache, sp_tok)
+    assert len([f for f in os.listdir(cache) if f.endswith("-train-sample_index.npy")]) == 2
+
+
 def test_an_unweighted_blend_shorter_than_the_run_is_one_error(tmp_path, sp_tok):
     """megatron-core sizes an unweighted blend of several prefixes to one epoch of each."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
