@@ -488,6 +488,16 @@ def test_an_unweighted_blend_shorter_than_the_run_is_one_error(tmp_path, sp_tok)
         build_datasets([a, b], "100,0,0", None, 16, False, 3, 5000, 0, str(tmp_path / "c"), sp_tok)
     train, _ = build_datasets(["1", a, "1", b], "100,0,0", None, 16, False, 3, 5000, 0, str(tmp_path / "c"), sp_tok)
     assert len(train) >= 5000
+    # a dataset whose part holds less than one sample would weigh 0 (megatron-core's assertion)
+    tiny = str(tmp_path / "tiny")
+    _write_ours(tiny, [[5] * 10], np.uint16)
+    with pytest.raises(InputError, match=rf"--data-path: the train part of {tiny} holds 10 tokens, less than one "
+                                         rf"sample of 17, and an unweighted blend weighs each dataset by its samples"):
+        build_datasets([a, tiny], "100,0,0", None, 16, True, 3, 10, 0, str(tmp_path / "c"), sp_tok)
+    with pytest.raises(InputError, match=rf"--valid-data-path: the valid part of {tiny} holds 10 tokens"):
+        build_datasets([a], None, [a, tiny], 16, False, 3, 10, 4, str(tmp_path / "c"), sp_tok)
+    train, _ = build_datasets(["1", a, "1", tiny], "100,0,0", None, 8, False, 3, 10, 0, str(tmp_path / "c"), sp_tok)
+    assert len(train) >= 10  # weighted: megatron-core repeats the short one over epochs
 
 
 def test_megatron_built_dataset_trains(tmp_path, sp_tok):

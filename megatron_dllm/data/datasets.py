@@ -263,6 +263,23 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
     return header.num_tokens
 
 
+def _check_unweighted_members(blend, name: str, bounds, sample_tokens: int, flag: str) -> None:
+    """megatron-core weights the datasets of an unweighted blend by their samples in one epoch; a
+    part (`bounds` of each document list) shorter than one sample weighs 0 and fails its assertion."""
+    prefixes, weights = blend
+    if weights is not None or len(prefixes) < 2:
+        return
+    for prefix in prefixes:
+        n = validate_indexed_dataset(prefix).sequence_count
+        lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
+        beg, end = (int(round(b * n)) for b in bounds)
+        tokens = int(lengths[beg:end].sum(dtype=np.int64))
+        if tokens < sample_tokens:
+            raise InputError(f"{flag}: the {name} part of {prefix} holds {tokens} tokens, less than one sample of "
+                             f"{sample_tokens}, and an unweighted blend weighs each dataset by its samples; give "
+                             f"weights ({flag} W1 PREFIX1 W2 PREFIX2 ...), another --split or a shorter --seq-length")
+
+
 def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
     """megatron-core loops forever on a split without tokens; say so instead."""
     n = validate_indexed_dataset(prefix).sequence_count
@@ -381,6 +398,12 @@ def build_datasets(
             **common,
         )
 
+    parts = (config.split_matrix if valid_blend is None else [(0.0, 1.0), (0.0, 1.0), None])
+    for name, flag, blend, bounds, size in (("train", "--data-path", train_blend, parts[0], num_train_samples),
+                                            ("valid", "--valid-data-path" if valid_blend else "--data-path",
+                                             valid_blend or train_blend, parts[1], num_valid_samples)):
+        if size != 0 and bounds is not None:
+            _check_unweighted_members(blend, name, bounds, seq_length + int(add_extra_token), flag)
     with cache_errors():  # one rank's failure here still leaves the others at megatron-core's barrier
         train, valid, _ = DatasetBuilder(TokenGPTDataset, sizes, lambda: True, config).build()
     for name, flag, blend, dataset, wanted in (("train", "--data-path", train_blend, train, num_train_samples),
