@@ -301,7 +301,11 @@ def test_sigkilled_run_resumes_to_identical_output(tmp_path):
     assert killed.returncode == -9, killed.stderr
     assert not os.path.exists(tmp_path / "k.idx")
     assert json.load(open(tmp_path / "k.convert-state.json"))["files_done"] == 2
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cut_short = tmp_path / f"k.convert-state.json.tmp-{dead.stdout.strip()}-deadbeef"  # killed in a state write
+    cut_short.write_text('{"files')
     assert convert_main(argv + ["--output-prefix", str(tmp_path / "k")]) == 0
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("k.") and ("tmp" in p or "state" in p)]
     assert convert_main(argv + ["--output-prefix", str(tmp_path / "once")]) == 0
     assert _bytes(str(tmp_path / "k")) == _bytes(str(tmp_path / "once"))
 

@@ -334,8 +334,8 @@ def _resume_state(output_prefix: str, fingerprint: str, log) -> Optional[dict]:
 
 
 def _remove_temporaries(output_prefix: str) -> None:
-    """An interrupted run's temporaries and state file (of a run that cannot be resumed); not
-    those of a writer still running here (one that bypassed the lock)."""
+    """An interrupted run's temporaries and the state file (of a run that cannot be resumed, or
+    one finished); not those of a writer still running here (one that bypassed the lock)."""
     state = state_path(output_prefix)
     stale = [p for pattern in (glob.escape(output_prefix) + ".*" + TEMP_TAG + "*", glob.escape(state) + ".tmp-*")
              for p in glob.glob(pattern) if not staging_owner_alive(p)]
@@ -431,7 +431,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
                 raise InputError(f"{err.filename or output_prefix}: {err.strerror or err} (converting into "
                                  f"--output-prefix {output_prefix}; a rerun resumes)") from None
             raise
-        os.remove(state_path(output_prefix))
+        _remove_temporaries(output_prefix)  # the state file, and what killed runs left (a state write cut short)
         validate_indexed_dataset(output_prefix, use_cache=False)
         for key in COUNTED:
             setattr(stats, key, counters[key])
