@@ -294,6 +294,8 @@ def test_checkpoints_on_disk_counts_what_retention_leaves():
     assert retention.checkpoints_on_disk(1050, 0, 100, None, None) == 11  # and the final save
     assert retention.checkpoints_on_disk(1000, 0, 100, 2, None) == 3  # 2 kept + the one being written
     assert retention.checkpoints_on_disk(1000, 0, 100, 2, 500) == 5
+    assert retention.checkpoints_on_disk(1000, 950, 100, None, None) == 1  # a resumed run: its final save
+    assert retention.checkpoints_on_disk(1000, 1000, 100, None, None) == 0  # finished: it only evaluates
     assert retention.bytes_per_checkpoint(10, bf16=True, ema=True) == 10 * (2 + 4 + 8 + 4)
 
 

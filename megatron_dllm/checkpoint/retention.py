@@ -63,10 +63,10 @@ def bytes_per_checkpoint(num_parameters: int, bf16: bool, ema: bool) -> int:
 
 def checkpoints_on_disk(train_iters: int, start: int, save_interval: int | None, keep_last: int | None,
                         keep_interval: int | None) -> int:
-    """How many checkpoints this run leaves in --save at most (one more while a save is written
-    before the oldest is removed)."""
+    """How many checkpoints this run writes into --save, or with retention keeps there at most
+    (one more while a save is written before the oldest is removed); 0 when it trains no further."""
     saves = [it for it in range(start + 1, train_iters + 1) if save_interval and it % save_interval == 0]
-    if not saves or saves[-1] != train_iters:
+    if start < train_iters and (not saves or saves[-1] != train_iters):
         saves.append(train_iters)
     if keep_last is None:
         return len(saves)
