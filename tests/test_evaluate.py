@@ -315,3 +315,5 @@ def test_errors_name_the_flag_or_file(trained, tmp_path, capsys):
                                           "--predictor", "block"], capsys)
     if not torch.cuda.is_available():  # on a GPU, auto runs uncapped: a doubling search up to the first OOM
         assert "--max-batch-size" in _error(["throughput", "--load", ckpt, "--steps", "4"], capsys)
+    assert "--max-batch-size caps --batch-size auto; with --batch-size 2 it does nothing" in _error(
+        ["throughput", "--load", ckpt, "--steps", "4", "--batch-size", "2", "--max-batch-size", "4"], capsys)

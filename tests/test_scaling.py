@@ -521,3 +521,36 @@ def test_a_listing_whose_reader_went_away_ends_quietly(command):
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()  # the reader is gone before the child writes a line
     assert (child.wait(timeout=120), child.stderr.read()) == (141, b"")
+
+
+def test_pareto_reads_a_gen_ppl_fit_that_rises_with_the_steps():
+    """A small model's Gen PPL can rise with T: the fewest steps that reach the target are still
+    the first measured ones, not 'unreachable'."""
+    gen = [{"family": "mdlm", "model": "m", "steps": t, "gen_ppl": g} for t, g in ((8, 100.0), (16, 120.0),
+                                                                                   (32, 140.0), (64, 160.0))]
+    thr = [{"family": "mdlm", "model": "m", "steps": t, "tokens_per_s": 6400.0 / t} for t in (8, 16, 32, 64)]
+    models, _ = pareto.fit_models(gen, thr)
+    assert models[0].gen_ppl(64) > models[0].gen_ppl(8)  # the fit rises too
+    (row,) = pareto.pareto_frontier(models, [110])
+    assert (row["steps"], row["tokens_per_s"]) == pytest.approx((8.0, 800.0), rel=1e-6)
+
+
+def test_pareto_refuses_gen_ppl_and_throughput_of_different_samplers(tmp_path):
+    def record(kind, predictor, seq_length):
+        sampling = {"predictor": predictor, "seq_length": seq_length, "approx_kv_cache": "none"}
+        if kind == "gen":  # gen-ppl: its samples' settings
+            return {"family": "esolm", "steps": 8, "gen_ppl": 50.0, "sampling": sampling}
+        return {"family": "esolm", "steps": 8, "tokens_per_s": 1e4, "seq_length": seq_length,  # throughput
+                "settings": {"sampling": {**sampling, "seq_length": None}}}
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "gen.json").write_text(json.dumps(record("gen", "ancestral", 64)))
+    (tmp_path / "m" / "thr.json").write_text(json.dumps(record("thr", "block", 32)))
+    gen = pareto.load_records([str(tmp_path / "m" / "gen.json")], "gen_ppl", "--gen-ppl")
+    thr = pareto.load_records([str(tmp_path / "m" / "thr.json")], "tokens_per_s", "--throughput")
+    with pytest.raises(InputError, match=r"thr.json and .*gen.json: esolm model 'm' measured with different samplers "
+                                         r"\(predictor block vs ancestral; seq_length 32 vs 64\)"):
+        pareto.fit_models(gen, thr)
+    (tmp_path / "m" / "thr.json").write_text(json.dumps(record("thr", "ancestral", 64)))
+    thr = pareto.load_records([str(tmp_path / "m" / "thr.json")], "tokens_per_s", "--throughput")
+    assert len(pareto.fit_models(gen, thr)[0]) == 1

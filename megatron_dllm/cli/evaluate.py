@@ -145,6 +145,9 @@ def run_throughput(args) -> dict:
         raise InputError(f"--batch-size {args.batch_size}: expected a positive integer or 'auto'")
     if auto:
         check_auto_cap(platform.device(), args.max_batch_size)  # before the (slow) load
+    elif args.max_batch_size is not None:
+        raise InputError(f"--max-batch-size caps --batch-size auto; with --batch-size {args.batch_size} it does "
+                         f"nothing: drop it")
     # stop_at_eos off: every call generates the full length, so tokens/s counts real work
     sampling = sampling_config(args, stop_at_eos=False)
     sampling.check()

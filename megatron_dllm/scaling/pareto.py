@@ -60,8 +60,43 @@ def load_records(paths, value: str, flag: str) -> list[dict]:
                 raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
             records.append({**item, "family": series_name(item["family"], item.get("block_size")),
-                            "model": str(item.get("model", item.get("preset", default_model))), "file": path})
+                            "model": str(item.get("model", item.get("preset", default_model))), "file": path,
+                            "sampler": _sampler(item)})
     return records
+
+
+# what makes two measurements of one model at one T the same sampler (the steps aside); KV caching,
+# CUDA graphs, compilation and top-p/temperature change speed or quality too little to refuse a pair
+SAMPLER_KEYS = ("predictor", "seq_length", "max_new_tokens", "block_length", "approx_kv_cache", "noise_removal",
+                "tokens_per_step", "confidence_threshold", "entropy_bound")
+
+
+def _sampler(item: dict) -> dict:
+    """The sampler settings a record was measured with: a Gen PPL record's samples' `sampling`,
+    a throughput record's `settings.sampling` and `seq_length` (what a record holds of them)."""
+    sampling = item.get("sampling") or (item.get("settings") or {}).get("sampling") or {}
+    found = {key: sampling[key] for key in SAMPLER_KEYS if isinstance(sampling, dict) and sampling.get(key) is not None}
+    if item.get("seq_length") is not None:
+        found["seq_length"] = item["seq_length"]
+    return found
+
+
+def _check_one_sampler(records) -> None:
+    """A model's Gen PPL and throughput must come from one sampler: a pair measured with different
+    ones (another predictor, length or cache) would put a point on the frontier no sampler reached."""
+    first = {}
+    for r in records:
+        key = (r["family"], r["model"])
+        if key not in first:
+            first[key] = r
+            continue
+        this, other = r.get("sampler", {}), first[key].get("sampler", {})
+        differ = [f"{k} {this[k]} vs {other[k]}" for k in SAMPLER_KEYS
+                  if k in this and k in other and this[k] != other[k]]
+        if differ:
+            raise InputError(f"{r['file']} and {first[key]['file']}: {key[0]} model {key[1]!r} measured with different "
+                             f"samplers ({'; '.join(differ)}); give one sampler's Gen PPL and throughput per model "
+                             f"(another sampler: another directory or 'model' key)")
 
 
 @dataclass
@@ -94,10 +129,12 @@ class ModelCurves:
         if self.gen_ppl is None:
             ok = [t for t, g in self.gen_ppl_points.items() if g <= target and lo <= t <= hi]
             return min(ok) if ok else None
-        if lo > hi or self.gen_ppl(hi) > target:
+        if lo > hi:
             return None
-        if self.gen_ppl(lo) <= target:
+        if self.gen_ppl(lo) <= target:  # first: a fit may rise with T (a small model's can)
             return float(lo)
+        if self.gen_ppl(hi) > target:
+            return None
         return self.gen_ppl.steps_for(target)
 
 
@@ -119,6 +156,7 @@ def _points(records, value: str) -> dict:
 def fit_models(gen_ppl_records, throughput_records) -> tuple[list[ModelCurves], list[str]]:
     """(one ModelCurves per (family, model) with both kinds of measurement, what has only one or
     no steps measured for both)."""
+    _check_one_sampler([*gen_ppl_records, *throughput_records])
     gen, thr = _points(gen_ppl_records, "gen_ppl"), _points(throughput_records, "tokens_per_s")
     models, unpaired = [], []
     for key in sorted(gen.keys() & thr.keys()):
