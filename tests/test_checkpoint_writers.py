@@ -297,8 +297,9 @@ def test_relaunch_continues_a_finetuned_run_from_its_own_checkpoints(exported, d
     _launch(demo_cache, tmp_path, "--load", str(exported[0]), "--finetune", "--no-load-rng", "--save", str(run),
             "--tensorboard-dir", str(logs), "--train-iters", "4", "--exit-interval", "2", check=True)
     config = str(run / "run_config.yaml")
-    for copy in (config, str(logs / "run_config.yaml")):
-        dry = run_python([os.path.join(REPO, "tools", "relaunch.py"), copy, "--dry-run"], tmp_path, launch_env(1))
+    beside_logs = os.path.relpath(logs / "run_config.yaml", tmp_path.parent)  # relative to another directory
+    for copy, cwd in ((config, tmp_path), (str(logs / "run_config.yaml"), tmp_path), (beside_logs, tmp_path.parent)):
+        dry = run_python([os.path.join(REPO, "tools", "relaunch.py"), copy, "--dry-run"], cwd, launch_env(1))
         assert dry.returncode == 0, dry.stderr
         assert f"continuing from the run's own checkpoints in {run}" in dry.stderr
         command = dry.stdout.split()

@@ -58,6 +58,16 @@ def test_another_runs_later_records_in_a_shared_file_stay(world_of_one, tmp_path
     assert {r["save"] for r in map(json.loads, before.splitlines())} == {str(tmp_path / "a"), str(tmp_path / "b")}
 
 
+def test_records_of_an_earlier_version_without_save_are_cut_as_the_run_s_own(world_of_one, tmp_path):
+    """A run upgraded between requeues: its records from before records named their --save."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in range(1, 5)))
+    again = Logger(None, str(metrics), save_dir=str(tmp_path / "ckpt"))
+    again.resumed_at(2)
+    again.close()
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
 def test_a_resume_logging_to_a_pipe_goes_on(world_of_one, tmp_path):
     read_end, write_end = os.pipe()  # --metrics-file /dev/stdout with stdout piped: nothing to cut
     logger = Logger(None, f"/proc/self/fd/{write_end}", save_dir=str(tmp_path / "ckpt"))

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
         flags += ["--load", checkpoint.save]
     elif checkpoint.save:
         written_in = os.path.dirname(os.path.realpath(args.config))  # a link to the file: where it is
+        config_path = os.path.abspath(args.config)  # before the chdir
         with chdir(directory):  # the file's relative paths are the launch directory's
             # a first load: from elsewhere, or going back to one of --save's own checkpoints (DIR/iter_N, --ckpt-step)
             first_load = (checkpoint.finetune or checkpoint.ckpt_step is not None or checkpoint.no_load_optim
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
             # beside its logs at start, once --save holds the same): it has saved since that load
             saved_copy = os.path.join(checkpoint.save, RESOLVED_NAME)
             own = bool(launch) and (written_in == os.path.realpath(checkpoint.save)
-                                    or _same_bytes(args.config, saved_copy))
+                                    or _same_bytes(config_path, saved_copy))
             saved = first_load and own and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
             expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
@@ -100,5 +101,5 @@ def _same_bytes(path: str, other: str) -> bool:
     try:
         with open(path, "rb") as a, open(other, "rb") as b:
             return a.read() == b.read()
-    except FileNotFoundError:
+    except OSError:  # missing or unreadable: not the same
         return False

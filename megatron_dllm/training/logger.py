@@ -154,12 +154,13 @@ def _cut_replayed(path: str, iteration: int, save: str) -> int:
 
 
 def _recorded_after(line: bytes, iteration: int, save: str) -> bool:
-    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration`."""
+    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration` (a
+    record without `save`, written before records named it, is taken for the run's own)."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    if not isinstance(record, dict) or record.get("save") != save:
+    if not isinstance(record, dict) or record.get("save", save) != save:  # without one: an earlier version's
         return False
     recorded = record.get("iteration")
     return isinstance(recorded, int) and recorded > iteration
