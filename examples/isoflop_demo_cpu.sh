@@ -65,6 +65,20 @@ mkdir -p "$OUT/runs"
 xargs -P "$JOBS" -d '\n' -n 1 bash -c 'train_one "$0"' < "$OUT/commands.sh"
 
 echo "== sample, Gen PPL and throughput ($EVAL_PRESET at $EVAL_BUDGET)"
+measured_before() {  # $1 = results directory, $2 = T, $3 = checkpoint: measured there, of NUM_SAMPLES samples
+    python - "$@" "$NUM_SAMPLES" <<'EOF'
+import json, os, sys
+out, T, checkpoint, n = sys.argv[1:]
+try:
+    g, t = (json.load(open(f"{out}/{kind}_T{T}.json")) for kind in ("gen_ppl", "throughput"))
+    same = (g["num_samples"] == int(n) and os.path.samefile(g["sampling"]["load"], checkpoint)
+            and os.path.samefile(t["settings"]["load"], checkpoint))
+except (OSError, ValueError, KeyError):
+    same = False
+sys.exit(0 if same else 1)
+EOF
+}
+gen_ppl=() throughput=()  # this run's results (a T of an earlier STEPS is left out)
 for family in ar mdlm duo esolm; do
     checkpoint="$OUT/runs/$family-$EVAL_PRESET-C$EVAL_BUDGET/checkpoints"
     out="$OUT/eval/$family"
@@ -72,7 +86,8 @@ for family in ar mdlm duo esolm; do
     steps=("${STEPS[@]}"); [ "$family" = ar ] && steps=(64)
     predictor=ancestral; [ "$family" = esolm ] && predictor=block  # the paper's Eso-LM sampler, L' = T
     for T in "${steps[@]}"; do
-        [ -s "$out/throughput_T$T.json" ] && [ -s "$out/gen_ppl_T$T.json" ] && continue  # done before
+        gen_ppl+=("$out/gen_ppl_T$T.json") throughput+=("$out/throughput_T$T.json")
+        measured_before "$out" "$T" "$checkpoint" && continue  # done before
         python tools/sample.py --load "$checkpoint" --num-samples "$NUM_SAMPLES" --steps "$T" --seed 0 \
             --predictor $predictor --device cpu --output "$out/samples_T$T.json" --overwrite > /dev/null
         python tools/evaluate.py gen-ppl --samples "$out/samples_T$T.json" --judge smollm2 --device cpu \
@@ -89,8 +104,8 @@ EOF
 done
 
 echo "== fit and plot"
-python tools/scaling_laws.py --manifest "$OUT/manifest.json" --gen-ppl "$OUT"/eval/*/gen_ppl_T*.json \
-    --throughput "$OUT"/eval/*/throughput_T*.json --targets "${TARGETS[@]}" --out-dir "$OUT/fits"
+python tools/scaling_laws.py --manifest "$OUT/manifest.json" --gen-ppl "${gen_ppl[@]}" \
+    --throughput "${throughput[@]}" --targets "${TARGETS[@]}" --out-dir "$OUT/fits"
 rm -f "$DOCS"/{isoflop,loss_vs_flops,params_vs_flops,pareto}.png  # this run's only: an empty frontier draws none
 cp "$OUT"/fits/*.png "$OUT/fits/results.md" "$OUT/fits/results.json" "$OUT/plan.txt" "$DOCS/"
 echo "figures and tables in $OUT/fits (copied to $DOCS)"

@@ -16,18 +16,28 @@ families=("$@")
 [ ${#families[@]} -gt 0 ] || families=(ar mdlm)
 mkdir -p "$OUT"
 stamp() { date +%s; }
+# the task and its SFT dataset, shared by the families: one invocation prepares them (several may run at once)
+exec {task_lock}>"$OUT/task.lock"
+flock "$task_lock"
 [ -f "$OUT/task/test.jsonl" ] || python -m megatron_dllm.data.prep.arithmetic "$OUT/task"   # 900 train / 100 test, column steps
+[ -f "$OUT/task/train_sft.idx" ] || python tools/preprocess_sft_data.py --input "$OUT/task/train.txt" \
+  --output-prefix "$OUT/task/train_sft" --seq-length 48 "${TOK[@]}"
+flock -u "$task_lock"
+scored_with_limit() {  # a GSM8K result file of this --limit
+  python -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["settings"]["limit"] != int(sys.argv[2]))' "$1" "$LIMIT" \
+    2>/dev/null
+}
 for family in "${families[@]}"; do
   run="$OUT/$family"
   t0=$(stamp)
-  [ -f "$run/pretrained/latest_checkpointed_iteration.txt" ] || \
+  fresh=0  # whether this invocation runs every stage, whose times wall_time.json records
+  [ -f "$run/pretrained/latest_checkpointed_iteration.txt" ] || { fresh=1;
     torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --family "$family" --demo-cache-dir "$DEMO" \
-      --save "$run/pretrained" --tensorboard-dir "$run/tb-pretrain"
+      --save "$run/pretrained" --tensorboard-dir "$run/tb-pretrain"; }
   t1=$(stamp)
-  [ -f "$OUT/task/train_sft.idx" ] || python tools/preprocess_sft_data.py --input "$OUT/task/train.txt" \
-    --output-prefix "$OUT/task/train_sft" --seq-length 48 "${TOK[@]}"
-  [ -f "$run/before.json" ] || python tools/evaluate.py gsm8k --load "$run/pretrained" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
-    --max-new-tokens 32 --output "$run/before.json" --predictions "$run/before.jsonl"
+  scored_with_limit "$run/before.json" || python tools/evaluate.py gsm8k --load "$run/pretrained" \
+    --data "$OUT/task/test.jsonl" --limit "$LIMIT" --max-new-tokens 32 --output "$run/before.json" \
+    --predictions "$run/before.jsonl" --overwrite
   t2=$(stamp)
   torchrun --nproc-per-node "$NPROC" pretrain_dllm.py --sft --family "$family" --pretrained-checkpoint "$run/pretrained" \
     --data-path "$OUT/task/train_sft" --split 98,2,0 "${TOK[@]}" --preset cpu-small --seq-length 48 \
@@ -38,6 +48,8 @@ for family in "${families[@]}"; do
   python tools/evaluate.py gsm8k --load "$run/sft" --data "$OUT/task/test.jsonl" --limit "$LIMIT" \
     --max-new-tokens 32 --output "$run/after.json" --predictions "$run/after.jsonl" --overwrite
   t4=$(stamp)
-  echo "{\"family\": \"$family\", \"pretrain_s\": $((t1 - t0)), \"score_before_s\": $((t2 - t1)), " \
-       "\"sft_s\": $((t3 - t2)), \"score_after_s\": $((t4 - t3))}" > "$run/wall_time.json"
+  if [ "$fresh" = 1 ]; then
+    echo "{\"family\": \"$family\", \"pretrain_s\": $((t1 - t0)), \"score_before_s\": $((t2 - t1)), " \
+         "\"sft_s\": $((t3 - t2)), \"score_after_s\": $((t4 - t3))}" > "$run/wall_time.json"
+  fi
 done

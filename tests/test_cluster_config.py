@@ -296,6 +296,9 @@ def test_checkpoints_on_disk_counts_what_retention_leaves():
     assert retention.checkpoints_on_disk(1000, 0, 100, 2, 500) == 5
     assert retention.checkpoints_on_disk(1000, 950, 100, None, None) == 1  # a resumed run: its final save
     assert retention.checkpoints_on_disk(1000, 1000, 100, None, None) == 0  # finished: it only evaluates
+    # resumed at 40 (saves every 5, keep 1 and every 10th): 10, 20, 30, 40 kept from before, 50 and 60 kept
+    # after, the newest and the one being written: at most 7, bounded by 8 (the newest may be a 10th)
+    assert retention.checkpoints_on_disk(60, 40, 5, 1, 10) == 8
     assert retention.bytes_per_checkpoint(10, bf16=True, ema=True) == 10 * (2 + 4 + 8 + 4)
 
 
