@@ -469,3 +469,31 @@ def test_an_export_moved_aside_by_a_killed_overwrite_is_put_back(tmp_path):
     with staged_export(str(out)) as staging:
         (tmp_path / staging / "config.json").write_text('{"new": 1}')
     assert (out / "config.json").read_text() == '{"new": 1}' and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ranks_exit_when_torchrun_is_killed_while_they_start(demo_cache, tmp_path):
+    """SIGKILL torchrun a second after its ranks appear, while they still import and parse (seconds
+    on a loaded machine): their watch runs from before that, so they stop too."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.join(REPO, "pretrain_dllm.py"), "--demo-cache-dir", demo_cache, *RUN, "--train-iters", "1000"]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=launch_env(2), stdout=log, stderr=log)
+    try:
+        deadline = time.time() + 60
+        while len(ranks := _children(proc.pid)) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(ranks) == 2, (tmp_path / "run.log").read_text()[-3000:]
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 15
+        while any(_alive(r) for r in ranks) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(r) for r in ranks), "ranks outlived torchrun"
+        assert "parent process" in (tmp_path / "run.log").read_text()
+    finally:
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)

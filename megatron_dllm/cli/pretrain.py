@@ -9,19 +9,20 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_dllm import platform  # before megatron-core: on CPU it quiets megatron-core's fallback warnings
-from megatron_dllm.cli import reports_bad_input
-from megatron_dllm.config import parse_args
+from megatron_dllm.parent_watch import exit_when_parent_dies
+
+if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's ranks stop when torchrun dies: watched from here, before
+    exit_when_parent_dies("training rank")  # the imports and the parsing below (seconds on a loaded machine)
+
+from megatron_dllm import platform  # noqa: E402  (before megatron-core: on CPU it quiets its fallback warnings)
+from megatron_dllm.cli import reports_bad_input  # noqa: E402
+from megatron_dllm.config import parse_args  # noqa: E402
 
 NONFINITE_EXIT = 3  # a scheduler's resubmit loop must not restart a diverged run
 
 
 def main(argv=None) -> int:
     config = parse_args(argv)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's ranks stop when torchrun dies
-        from megatron_dllm.parent_watch import exit_when_parent_dies
-
-        exit_when_parent_dies("training rank")
     note = platform.cpu_fallback_note()
     if note and os.environ.get("RANK", "0") == "0":  # once per run, not per rank
         print(note, flush=True)
