@@ -58,6 +58,28 @@ def test_another_runs_later_records_in_a_shared_file_stay(world_of_one, tmp_path
     assert {r["save"] for r in map(json.loads, before.splitlines())} == {str(tmp_path / "a"), str(tmp_path / "b")}
 
 
+def test_an_attempt_killed_before_its_first_save_and_a_repeated_final_validation(world_of_one, tmp_path):
+    """Killed before any checkpoint, the run starts again at iteration 0: every record of the
+    earlier attempt goes. A finished run started again only validates: the earlier validation of
+    its last iteration goes, its training records stay."""
+    metrics, save = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt")
+    first = Logger(None, metrics, save_dir=save)
+    _log(first, [1, 2], 10.0)
+    first.close()
+    again = Logger(None, metrics, save_dir=save)
+    again.resumed_at(0)
+    _log(again, [1, 2, 3], 20.0)
+    again.close()
+    finished = Logger(None, metrics, save_dir=save)
+    finished.resumed_at(3, validating_only=True)
+    finished.valid(3, 5.0)
+    finished.close()
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f]
+    assert [(r["iteration"], "loss" in r) for r in records] == [(1, True), (2, True), (3, True), (3, False)]
+    assert [r["loss"] for r in records if "loss" in r] == [21.0, 22.0, 23.0] and records[-1]["valid_nelbo"] == 5.0
+
+
 def test_records_of_an_earlier_version_without_save_are_cut_as_the_run_s_own(world_of_one, tmp_path):
     """A run upgraded between requeues: its records from before records named their --save."""
     metrics = tmp_path / "metrics.jsonl"

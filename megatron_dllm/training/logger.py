@@ -43,18 +43,20 @@ class Logger:
                 error = f"{flag} {path}: cannot write there ({err.strerror or err})"
         _raise_on_every_rank(error)
 
-    def resumed_at(self, iteration: int) -> None:
-        """A resumed run trains again the iterations after its checkpoint: the records an earlier
-        attempt (same --save) wrote of them, the metrics file's last lines, are cut off (and a last
-        line the kill cut short), so that every iteration has one record. Another run's records stay,
-        and so does a stream's (a pipe or terminal cannot be cut). TensorBoard keeps both attempts'
-        points, as Megatron-LM's does (its purge_step would also hide the earlier 'vs samples'
-        points, whose steps are samples)."""
+    def resumed_at(self, iteration: int, validating_only: bool = False) -> None:
+        """A resumed run trains again the iterations after its checkpoint (all of them, when an
+        earlier attempt was killed before its first save): the records an earlier attempt (same
+        --save) wrote of them, the metrics file's last lines, are cut off (and a last line the kill
+        cut short), so that every iteration has one record. `validating_only`: a finished run that
+        validates its last iteration again; an earlier attempt's validation record of it goes too.
+        Another run's records stay, and so does a stream's (a pipe or terminal cannot be cut).
+        TensorBoard keeps both attempts' points, as Megatron-LM's does (its purge_step would also
+        hide the earlier 'vs samples' points, whose steps are samples)."""
         error = None
-        if (self.active and self.metrics is not None and self.save is not None and iteration > 0
+        if (self.active and self.metrics is not None and self.save is not None
                 and stat.S_ISREG(os.fstat(self.metrics.fileno()).st_mode)):
             try:
-                dropped = _cut_replayed(self.metrics.name, iteration, self.save)
+                dropped = _cut_replayed(self.metrics.name, iteration, self.save, validating_only)
             except OSError as err:
                 error = (f"--metrics-file {self.metrics.name}: cannot cut the records of iterations after "
                          f"{iteration} ({err.strerror or err})")
@@ -140,22 +142,25 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise InputError(error)
 
 
-def _cut_replayed(path: str, iteration: int, save: str) -> int:
+def _cut_replayed(path: str, iteration: int, save: str, validation_at: bool = False) -> int:
     """Truncate the metrics file `path` before its trailing records of run `save`'s iterations
-    after `iteration` (and a last line without its newline); returns how many lines were cut."""
+    after `iteration` (`validation_at`: and its validation at `iteration`; and a last line without
+    its newline); returns how many lines were cut."""
     with open(path, "rb") as f:
         lines = f.readlines()
     keep = len(lines)
-    while keep and (not lines[keep - 1].endswith(b"\n") or _recorded_after(lines[keep - 1], iteration, save)):
+    while keep and (not lines[keep - 1].endswith(b"\n")
+                    or _recorded_after(lines[keep - 1], iteration, save, validation_at)):
         keep -= 1
     if keep < len(lines):
         os.truncate(path, sum(map(len, lines[:keep])))
     return len(lines) - keep
 
 
-def _recorded_after(line: bytes, iteration: int, save: str) -> bool:
-    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration` (a
-    record without `save`, written before records named it, is taken for the run's own)."""
+def _recorded_after(line: bytes, iteration: int, save: str, validation_at: bool = False) -> bool:
+    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration` (or,
+    `validation_at`, its validation at `iteration`); a record without `save`, written before
+    records named it, is taken for the run's own."""
     try:
         record = json.loads(line)
     except ValueError:
@@ -163,4 +168,5 @@ def _recorded_after(line: bytes, iteration: int, save: str) -> bool:
     if not isinstance(record, dict) or record.get("save", save) != save:  # without one: an earlier version's
         return False
     recorded = record.get("iteration")
-    return isinstance(recorded, int) and recorded > iteration
+    return isinstance(recorded, int) and (recorded > iteration
+                                          or validation_at and recorded == iteration and "valid_nelbo" in record)

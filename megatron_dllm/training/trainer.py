@@ -158,6 +158,7 @@ class Trainer:
             self.logger.info(f"iteration {self.iteration} already reaches --train-iters {iters}: "
                              + ("evaluating only" if evaluates else "nothing to do (no --eval-interval)"))
             if evaluates:
+                self.logger.resumed_at(self.iteration, validating_only=True)  # a killed attempt's record of it
                 self._validate()
             self.profiler.stop()  # says that no trace was written, if --profile asked for one
             self.logger.close()
