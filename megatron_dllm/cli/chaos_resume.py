@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -54,9 +55,9 @@ class Mismatch(Exception):
 class Attempt:
     number: int
     log: str
-    metrics_start: int
+    metrics_start: list  # the metrics file's lines when it started (what the attempts before left)
     left_staged: frozenset = frozenset()  # inodes of the staging directories there at its start
-    metrics_end: int = 0
+    metrics_end: list = field(default_factory=list)  # its lines when it ended
     returncode: int | None = None
     kill: dict | None = None  # signal, phase, time, and what the run did
     leftovers: list = field(default_factory=list)
@@ -222,22 +223,37 @@ def staged_saves(ckpt: str, old: frozenset = frozenset()) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def read_records(path: str, start: int = 0, end: int | None = None) -> tuple[list[dict], int]:
-    """The JSON lines written in [start, end) of the metrics file, and how many were cut short
-    (a kill in the middle of a write leaves a line without its newline)."""
+def metrics_lines(path: str) -> list[bytes]:
+    """The metrics file's lines as they stand (the last one without its newline if a kill cut it)."""
     if not os.path.exists(path):
-        return [], 0
+        return []
     with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read() if end is None else f.read(end - start)
-    lines = data.split(b"\n")
+        return f.readlines()
+
+
+def read_records(lines: list[bytes], kept: int = 0) -> tuple[list[dict], int]:
+    """The JSON records of `lines` after the first `kept`, and how many lines were cut short (a
+    kill in the middle of a write leaves a line without its newline)."""
     records, cut = [], 0
-    for line in lines[:-1]:
+    for line in lines[kept:]:
         try:
+            if not line.endswith(b"\n"):
+                raise ValueError
             records.append(json.loads(line))
         except ValueError:
             cut += 1
-    return records, cut + (1 if lines[-1] else 0)
+    return records, cut
+
+
+def kept_lines(attempt) -> int:
+    """How many lines of the metrics file as the attempt found it are not its own: all but those
+    it cut at its start (the records of the iterations it trains again, which its log counts)."""
+    try:
+        with open(attempt.log, errors="replace") as f:
+            dropped = re.search(r"--metrics-file .*: dropped its last (\d+) records", f.read())
+    except FileNotFoundError:  # not started yet
+        dropped = None
+    return len(attempt.metrics_start) - (int(dropped[1]) if dropped else 0)
 
 
 def read_tracker(ckpt: str) -> int | None:
@@ -295,7 +311,7 @@ class Soak:
         return list(zip(sigs, phases[:self.args.kills]))
 
     def _observe(self, attempt: Attempt) -> dict:
-        records, _ = read_records(self.metrics, attempt.metrics_start)
+        records, _ = read_records(metrics_lines(self.metrics), kept_lines(attempt))
         iters = [r["iteration"] for r in records if "loss" in r]
         with open(attempt.log, errors="replace") as f:
             log = f.read()
@@ -334,7 +350,7 @@ class Soak:
 
     def run_attempt(self, number: int, kill: tuple[int, str] | None) -> Attempt:
         attempt = Attempt(number, os.path.join(self.chaos_dir, f"attempt-{number:02d}.log"),
-                          os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0)
+                          metrics_lines(self.metrics))
         attempt.left_staged = frozenset(staged_saves(self.ckpt).values())
         start = time.time()
         proc = launch(self.flags, self.chaos_dir, attempt.log, self.args.nproc)
@@ -354,7 +370,7 @@ class Soak:
                 signal_tree(proc.pid, signal.SIGKILL)
                 proc.wait()
         attempt.leftovers = leftovers(self.chaos_dir)
-        attempt.metrics_end = os.path.getsize(self.metrics) if os.path.exists(self.metrics) else 0
+        attempt.metrics_end = metrics_lines(self.metrics)
         return attempt
 
     def _kill(self, proc, kill, attempt: Attempt, start: float) -> dict:
@@ -438,13 +454,13 @@ class Soak:
     def compare(self) -> dict:
         ref_dir = os.path.join(self.work, "reference")
         ref_ckpt = os.path.join(ref_dir, "ckpt")
-        reference, _ = read_records(os.path.join(ref_dir, "metrics.jsonl"))
+        reference, _ = read_records(metrics_lines(os.path.join(ref_dir, "metrics.jsonl")))
         by_iter = {(r["iteration"], "loss" in r): r for r in reference}
         last = self.args.train_iters
         stats = {"records": 0, "repeated": 0, "cut": 0}
         trained: dict[int, int] = {}
         for attempt in self.attempts:
-            records, cut = read_records(self.metrics, attempt.metrics_start, attempt.metrics_end)
+            records, cut = read_records(attempt.metrics_end, kept_lines(attempt))  # as the attempt left them
             stats["cut"] += cut
             for r in records:
                 ref = by_iter.get((r["iteration"], "loss" in r))
@@ -463,8 +479,14 @@ class Soak:
         if missing:
             raise Mismatch(f"iterations {missing} have no loss record in any attempt")
         stats["repeated"] = sum(n - 1 for n in trained.values())
-        if not any("valid_nelbo" in r for r in read_records(self.metrics, self.attempts[-1].metrics_start)[0]):
+        final, _ = read_records(metrics_lines(self.metrics))
+        last_attempt = self.attempts[-1]
+        if not any("valid_nelbo" in r for r in read_records(last_attempt.metrics_end, kept_lines(last_attempt))[0]):
             raise Mismatch("the completing attempt logged no final validation")
+        logged = sorted(r["iteration"] for r in final if "loss" in r)
+        if logged != sorted(r["iteration"] for r in reference if "loss" in r):  # the resumes' cuts
+            raise Mismatch(f"the metrics file holds loss records of iterations {logged}, not each logged "
+                           f"iteration once as the reference's")
 
         for d in (ref_ckpt, self.ckpt):
             if read_tracker(d) != last:
