@@ -290,15 +290,20 @@ def test_retention_removes_exactly_the_unkept_complete_checkpoints(tmp_path):
 
 
 def test_checkpoints_on_disk_counts_what_retention_leaves():
-    assert retention.checkpoints_on_disk(1000, 0, 100, None, None) == 10
-    assert retention.checkpoints_on_disk(1050, 0, 100, None, None) == 11  # and the final save
-    assert retention.checkpoints_on_disk(1000, 0, 100, 2, None) == 3  # 2 kept + the one being written
-    assert retention.checkpoints_on_disk(1000, 0, 100, 2, 500) == 5
-    assert retention.checkpoints_on_disk(1000, 950, 100, None, None) == 1  # a resumed run: its final save
-    assert retention.checkpoints_on_disk(1000, 1000, 100, None, None) == 0  # finished: it only evaluates
-    # resumed at 40 (saves every 5, keep 1 and every 10th): 10, 20, 30, 40 kept from before, 50 and 60 kept
-    # after, the newest and the one being written: at most 7, bounded by 8 (the newest may be a 10th)
-    assert retention.checkpoints_on_disk(60, 40, 5, 1, 10) == 8
+    assert retention.checkpoints_on_disk(1000, 0, 100, None, None) == (10, 10)
+    assert retention.checkpoints_on_disk(1050, 0, 100, None, None) == (11, 11)  # and the final save
+    assert retention.checkpoints_on_disk(1000, 0, 100, 2, None) == (3, 3)  # 2 kept + the one being written
+    assert retention.checkpoints_on_disk(1000, 0, 100, 2, 500) == (5, 5)
+    assert retention.checkpoints_on_disk(1000, 950, 100, None, None, [950]) == (2, 1)  # resumed: its final save
+    assert retention.checkpoints_on_disk(1000, 1000, 100, None, None, [1000]) == (1, 0)  # finished: evaluates
+    # resumed at 40 (saves every 5; keep 1 and every 10th): 10, 20, 30, 40 there; 50, 60 kept after, the
+    # newest and the one being written: at most 7, bounded by 8 (the newest may be a 10th); 4 more
+    assert retention.checkpoints_on_disk(60, 40, 5, 1, 10, [10, 20, 30, 40]) == (8, 4)
+    # a job stopped off the save interval (30), keep 2: 30, 50 and the one being written; 1 more
+    assert retention.checkpoints_on_disk(100, 30, 50, 2, None, [30]) == (3, 2)
+    # a long run with retention: the kept checkpoints are not counted again against free space
+    there = [*range(10**5, 10**6, 10**5), 899_000]  # every 100,000th, and the last two
+    assert retention.checkpoints_on_disk(10**6, 9 * 10**5, 1000, 2, 10**5, there) == (13, 3)
     assert retention.bytes_per_checkpoint(10, bf16=True, ema=True) == 10 * (2 + 4 + 8 + 4)
 
 
@@ -344,8 +349,8 @@ def test_the_1_7b_example_config_parses_with_retention_sized_for_the_2_1t_token_
     assert cfg.model.recompute() == {"recompute_granularity": None}  # fused attention: core_attn saves nothing
     assert t.train_iters * t.global_batch_size * cfg.model.seq_length == pytest.approx(2.1e12, rel=1e-3)
     assert t.exit_signal_handler and t.check_for_nan_in_loss_and_grad and ckpt.async_save
-    on_disk = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
-                                            ckpt.keep_checkpoint_interval)
+    on_disk, _ = retention.checkpoints_on_disk(t.train_iters, 0, ckpt.save_interval, ckpt.keep_last_n_checkpoints,
+                                               ckpt.keep_checkpoint_interval)
     each = retention.bytes_per_checkpoint(1_780_000_000, bf16=True, ema=False)
     assert on_disk == 24 and on_disk * each < 0.7e12  # instead of 1002 checkpoints, 25 TB
 

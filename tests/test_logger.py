@@ -80,6 +80,26 @@ def test_an_attempt_killed_before_its_first_save_and_a_repeated_final_validation
     assert [r["loss"] for r in records if "loss" in r] == [21.0, 22.0, 23.0] and records[-1]["valid_nelbo"] == 5.0
 
 
+def test_a_fresh_run_or_one_validating_an_earlier_checkpoint_cuts_no_other_record(world_of_one, tmp_path):
+    """A fresh run keeps the records of a run without --save before it in the file; one that only
+    validates an earlier checkpoint of a finished run keeps that run's later iterations."""
+    metrics, save = str(tmp_path / "metrics.jsonl"), str(tmp_path / "ckpt")
+    unsaved = Logger(None, metrics)
+    _log(unsaved, [1, 2], 10.0)
+    unsaved.close()
+    fresh = Logger(None, metrics, save_dir=save)
+    fresh.resumed_at(0)
+    _log(fresh, [1, 2, 3, 4], 20.0)
+    fresh.close()
+    with open(metrics) as f:
+        before = f.read()
+    earlier = Logger(None, metrics, save_dir=save)
+    earlier.resumed_at(2, validating_only=True)  # --ckpt-step 2 --train-iters 2
+    earlier.close()
+    with open(metrics) as f:
+        assert f.read() == before and len(before.splitlines()) == 3 + 5
+
+
 def test_records_of_an_earlier_version_without_save_are_cut_as_the_run_s_own(world_of_one, tmp_path):
     """A run upgraded between requeues: its records from before records named their --save."""
     metrics = tmp_path / "metrics.jsonl"

@@ -62,16 +62,17 @@ def bytes_per_checkpoint(num_parameters: int, bf16: bool, ema: bool) -> int:
 
 
 def checkpoints_on_disk(train_iters: int, start: int, save_interval: int | None, keep_last: int | None,
-                        keep_interval: int | None) -> int:
-    """How many checkpoints this run writes into --save, or with retention keeps there at most,
-    those of its earlier jobs included (one more while a save is written before the oldest is
-    removed); 0 when it trains no further."""
+                        keep_interval: int | None, existing=()) -> tuple[int, int]:
+    """(the most checkpoints --save holds at once during this run, the `existing` ones (their
+    iterations) included; how many more than now, what the disk must take), under retention
+    (one more while a save is written before the oldest is removed). (len(existing), 0) when the
+    run trains no further."""
     saves = [it for it in range(start + 1, train_iters + 1) if save_interval and it % save_interval == 0]
     if start < train_iters and (not saves or saves[-1] != train_iters):
         saves.append(train_iters)
-    if keep_last is None:
-        return len(saves)
-    # what --keep-checkpoint-interval keeps: this run's saves, and those before its start (still there)
-    saved_before = [it for it in range(1, start + 1) if save_interval and it % save_interval == 0]
-    interval_keeps = len([it for it in saves + saved_before if keep_interval and it % keep_interval == 0])
-    return min(len(saves) + len(saved_before), keep_last + 1 + interval_keeps)
+    held = len(existing) + len(saves)
+    if keep_last is not None:
+        interval_keeps = {it for it in [*existing, *saves] if keep_interval and it % keep_interval == 0}
+        held = min(held, keep_last + 1 + len(interval_keeps))
+    held = max(held, len(existing))  # retention removes what is there only as new saves come
+    return held, held - len(existing) if saves else 0

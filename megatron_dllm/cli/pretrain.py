@@ -11,8 +11,14 @@ import sys
 
 from megatron_dllm.parent_watch import exit_when_parent_dies
 
-if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's ranks stop when torchrun dies: watched from here, before
-    exit_when_parent_dies("training rank")  # the imports and the parsing below (seconds on a loaded machine)
+
+def watch_torchrun() -> None:
+    """torchrun's ranks stop when torchrun dies (the watch starts once per process)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_when_parent_dies("training rank")
+
+
+watch_torchrun()  # from here, before the imports and the parsing below (seconds on a loaded machine)
 
 from megatron_dllm import platform  # noqa: E402  (before megatron-core: on CPU it quiets its fallback warnings)
 from megatron_dllm.cli import reports_bad_input  # noqa: E402
@@ -22,6 +28,7 @@ NONFINITE_EXIT = 3  # a scheduler's resubmit loop must not restart a diverged ru
 
 
 def main(argv=None) -> int:
+    watch_torchrun()  # a rank forked from a process that imported this module (the tests' prewarmed launcher)
     config = parse_args(argv)
     note = platform.cpu_fallback_note()
     if note and os.environ.get("RANK", "0") == "0":  # once per run, not per rank

@@ -206,16 +206,18 @@ class Checkpointer:
         ckpt = self.ckpt
         params = self._checkpointed_parameters()
         each = retention.bytes_per_checkpoint(params, bf16, self.ema is not None)
-        count = retention.checkpoints_on_disk(self.cfg.training.train_iters, iteration, ckpt.save_interval,
-                                              ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval)
-        if count == 0:  # it only evaluates: no save, no disk needed
+        existing = [it for it, path in checkpoint.layout.iterations(ckpt.save).items()
+                    if checkpoint.layout.has_manifest(path)]
+        held, added = retention.checkpoints_on_disk(self.cfg.training.train_iters, iteration, ckpt.save_interval,
+                                                    ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
+                                                    existing)
+        if held == len(existing) and added == 0:  # it only evaluates, or adds nothing: no disk needed
             return
         free = shutil.disk_usage(ckpt.save).free
-        where = (f"up to {count} more in {ckpt.save}" if ckpt.keep_last_n_checkpoints is None
-                 else f"up to {count} in {ckpt.save} at once (--keep-last-n-checkpoints)")
-        line = (f"checkpoints: about {each / 2**30:.3g} GiB each ({params:,} parameters); {where} -> about "
-                f"{count * each / 2**30:.3g} GiB ({free / 2**30:.4g} GiB free)")
-        if count * each > free:
+        line = (f"checkpoints: about {each / 2**30:.3g} GiB each ({params:,} parameters); up to {held} in "
+                f"{ckpt.save} at once ({len(existing)} there now) -> about {added * each / 2**30:.3g} GiB more "
+                f"({free / 2**30:.4g} GiB free)")
+        if added * each > free:
             line += "; NOT ENOUGH DISK for all of them: set --keep-last-n-checkpoints"
         self.logger.info(line)
         checkpoint.store.check_free_space(ckpt.save, each)

@@ -47,8 +47,9 @@ class Logger:
         """A resumed run trains again the iterations after its checkpoint (all of them, when an
         earlier attempt was killed before its first save): the records an earlier attempt (same
         --save) wrote of them, the metrics file's last lines, are cut off (and a last line the kill
-        cut short), so that every iteration has one record. `validating_only`: a finished run that
-        validates its last iteration again; an earlier attempt's validation record of it goes too.
+        cut short), so that every iteration has one record; records naming no --save (an earlier
+        version's) are taken for its own only on a resume from a checkpoint. `validating_only`: a run
+        that only validates its checkpoint's iteration: only its earlier validation of it goes.
         Another run's records stay, and so does a stream's (a pipe or terminal cannot be cut).
         TensorBoard keeps both attempts' points, as Megatron-LM's does (its purge_step would also
         hide the earlier 'vs samples' points, whose steps are samples)."""
@@ -56,14 +57,17 @@ class Logger:
         if (self.active and self.metrics is not None and self.save is not None
                 and stat.S_ISREG(os.fstat(self.metrics.fileno()).st_mode)):
             try:
-                dropped = _cut_replayed(self.metrics.name, iteration, self.save, validating_only)
+                dropped = _cut_replayed(self.metrics.name, iteration, self.save, validating_only,
+                                        unnamed=iteration > 0 and not validating_only)
             except OSError as err:
                 error = (f"--metrics-file {self.metrics.name}: cannot cut the records of iterations after "
                          f"{iteration} ({err.strerror or err})")
             else:
+                what = (f"its validation of iteration {iteration}, which this run repeats" if validating_only
+                        else f"iterations after {iteration}, which this run trains again")
                 if dropped:
-                    self.info(f"--metrics-file {self.metrics.name}: dropped its last {dropped} records (iterations "
-                              f"after {iteration}, which this run trains again, or a line cut short)")
+                    self.info(f"--metrics-file {self.metrics.name}: dropped its last {dropped} records ({what}, "
+                              f"or a line cut short)")
         _raise_on_every_rank(error)
 
     def add_writer(self, writer) -> None:
@@ -142,31 +146,33 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise InputError(error)
 
 
-def _cut_replayed(path: str, iteration: int, save: str, validation_at: bool = False) -> int:
+def _cut_replayed(path: str, iteration: int, save: str, validation_only: bool = False, unnamed: bool = False) -> int:
     """Truncate the metrics file `path` before its trailing records of run `save`'s iterations
-    after `iteration` (`validation_at`: and its validation at `iteration`; and a last line without
-    its newline); returns how many lines were cut."""
+    after `iteration` (`validation_only`: its validation at `iteration` only; `unnamed`: records
+    naming no --save too, which an earlier version wrote), and a last line without its newline;
+    returns how many lines were cut."""
     with open(path, "rb") as f:
         lines = f.readlines()
     keep = len(lines)
     while keep and (not lines[keep - 1].endswith(b"\n")
-                    or _recorded_after(lines[keep - 1], iteration, save, validation_at)):
+                    or _replayed(lines[keep - 1], iteration, save, validation_only, unnamed)):
         keep -= 1
     if keep < len(lines):
         os.truncate(path, sum(map(len, lines[:keep])))
     return len(lines) - keep
 
 
-def _recorded_after(line: bytes, iteration: int, save: str, validation_at: bool = False) -> bool:
-    """Whether a metrics-file line is run `save`'s record of an iteration after `iteration` (or,
-    `validation_at`, its validation at `iteration`); a record without `save`, written before
-    records named it, is taken for the run's own."""
+def _replayed(line: bytes, iteration: int, save: str, validation_only: bool, unnamed: bool) -> bool:
+    """Whether a metrics-file line is what `_cut_replayed` cuts."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    if not isinstance(record, dict) or record.get("save", save) != save:  # without one: an earlier version's
+    if not isinstance(record, dict) or record.get("save", save if unnamed else None) != save:
         return False
     recorded = record.get("iteration")
-    return isinstance(recorded, int) and (recorded > iteration
-                                          or validation_at and recorded == iteration and "valid_nelbo" in record)
+    if not isinstance(recorded, int):
+        return False
+    if validation_only:
+        return recorded == iteration and "valid_nelbo" in record
+    return recorded > iteration
