@@ -366,6 +366,17 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _kill_torchrun_and_wait_for(proc, ranks, log) -> None:
+    """SIGKILL torchrun alone; its ranks must say why and be gone within seconds."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(_alive(r) for r in ranks) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(r) for r in ranks), "ranks outlived torchrun"
+    assert "parent process" in log.read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
@@ -385,16 +396,10 @@ def test_ranks_exit_when_torchrun_is_killed(demo_cache, tmp_path):
         assert (ckpt / TRACKER).exists(), (tmp_path / "run.log").read_text()[-3000:]
         ranks = _children(proc.pid)
         assert len(ranks) == 2
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        deadline = time.time() + 10
-        while any(_alive(r) for r in ranks) and time.time() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(r) for r in ranks), "ranks outlived torchrun"
+        _kill_torchrun_and_wait_for(proc, ranks, tmp_path / "run.log")
         saved = sorted(os.listdir(ckpt))
         time.sleep(2)
         assert sorted(os.listdir(ckpt)) == saved  # nothing written after the ranks were gone
-        assert "parent process" in (tmp_path / "run.log").read_text()
     finally:
         for r in _children(proc.pid) if _alive(proc.pid) else []:
             os.kill(r, signal.SIGKILL)
@@ -486,13 +491,7 @@ def test_ranks_exit_when_torchrun_is_killed_while_they_start(demo_cache, tmp_pat
             time.sleep(0.01)
         assert len(ranks) == 2, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(1.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        deadline = time.time() + 15
-        while any(_alive(r) for r in ranks) and time.time() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(r) for r in ranks), "ranks outlived torchrun"
-        assert "parent process" in (tmp_path / "run.log").read_text()
+        _kill_torchrun_and_wait_for(proc, ranks, tmp_path / "run.log")
     finally:
         for r in ranks:
             if _alive(r):
