@@ -301,6 +301,8 @@ def test_checkpoints_on_disk_counts_what_retention_leaves():
     assert retention.checkpoints_on_disk(60, 40, 5, 1, 10, [10, 20, 30, 40]) == (8, 4)
     # a job stopped off the save interval (30), keep 2: 30, 50 and the one being written; 1 more
     assert retention.checkpoints_on_disk(100, 30, 50, 2, None, [30]) == (3, 2)
+    # more checkpoints there than retention keeps (it was set later): a save still comes before removals
+    assert retention.checkpoints_on_disk(100, 50, 10, 1, None, [10, 20, 30, 40, 50]) == (6, 1)
     # a long run with retention: the kept checkpoints are not counted again against free space
     there = [*range(10**5, 10**6, 10**5), 899_000]  # every 100,000th, and the last two
     assert retention.checkpoints_on_disk(10**6, 9 * 10**5, 1000, 2, 10**5, there) == (13, 3)

@@ -70,9 +70,11 @@ def checkpoints_on_disk(train_iters: int, start: int, save_interval: int | None,
     saves = [it for it in range(start + 1, train_iters + 1) if save_interval and it % save_interval == 0]
     if start < train_iters and (not saves or saves[-1] != train_iters):
         saves.append(train_iters)
+    if not saves:
+        return len(existing), 0
     held = len(existing) + len(saves)
     if keep_last is not None:
         interval_keeps = {it for it in [*existing, *saves] if keep_interval and it % keep_interval == 0}
         held = min(held, keep_last + 1 + len(interval_keeps))
-    held = max(held, len(existing))  # retention removes what is there only as new saves come
-    return held, held - len(existing) if saves else 0
+    held = max(held, len(existing) + 1)  # a save is complete before retention removes anything
+    return held, held - len(existing)

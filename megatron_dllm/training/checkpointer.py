@@ -211,7 +211,7 @@ class Checkpointer:
         held, added = retention.checkpoints_on_disk(self.cfg.training.train_iters, iteration, ckpt.save_interval,
                                                     ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
                                                     existing)
-        if held == len(existing) and added == 0:  # it only evaluates, or adds nothing: no disk needed
+        if added == 0:  # it only evaluates: no save, no disk needed
             return
         free = shutil.disk_usage(ckpt.save).free
         line = (f"checkpoints: about {each / 2**30:.3g} GiB each ({params:,} parameters); up to {held} in "
