@@ -109,6 +109,15 @@ def test_import_keeps_the_tokenizer_and_appends_mask(tmp_path, world_of_one, cap
     assert torch.equal(loaded[:100], embedding)
     assert torch.allclose(loaded[100], embedding.mean(0))
     assert not loaded[101:].any()  # megatron's padding rows
+    # a tokenizer with ids beyond the model's rows is another model's: refused, not given invented rows
+    vocab |= {f"x{i}": 100 + i for i in range(5)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(os.path.join(hf, "tokenizer.json"))
+    assert convert_from_hf.main(["--hf", hf, "--save", str(tmp_path / "other"), "--overwrite"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --hf {hf}/tokenizer.json: the tokenizer has 106 ids (with "
+                                               f"[MASK]), 5 of them beyond the model's 100 embedding rows; expected "
+                                               f"the model's own tokenizer")
+    left = os.listdir(tmp_path / "other") if (tmp_path / "other").exists() else []  # emptied at exit
+    assert not [name for name in left if not name.startswith(".")], left
 
 
 @pytest.mark.slow

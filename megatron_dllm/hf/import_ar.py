@@ -111,6 +111,11 @@ def _write(args, config: dict, whole: dict, hf_rows: int, preset, shape, staging
     tokenizer = _tokenizer(args.hf, staging, target)
     if tokenizer is not None:
         vocab_size, mask_id, record = tokenizer
+        missing = vocab_size - hf_rows - (1 if hf_rows <= mask_id < vocab_size else 0)  # [MASK] gets a row
+        if missing > 0:  # ids with no embedding row: transformers fails on them, here they would be invented
+            raise InputError(f"--hf {os.path.join(args.hf, 'tokenizer.json')}: the tokenizer has {vocab_size} ids "
+                             f"(with [MASK]), {missing} of them beyond the model's {hf_rows} embedding rows; "
+                             f"expected the model's own tokenizer")
     elif isinstance(config.get("mask_token_id"), int):  # this project's export: [MASK] is a row of the model
         vocab_size, mask_id, record = hf_rows, config["mask_token_id"], None
     else:  # a released model: [MASK] appended
