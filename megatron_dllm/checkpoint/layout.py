@@ -52,6 +52,11 @@ def has_manifest(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def complete_checkpoints(root: str) -> dict[int, str]:
+    """{iteration: directory} of the `iter_N` directories under `root` that hold a manifest."""
+    return {it: path for it, path in iterations(root).items() if has_manifest(path)}
+
+
 def iterations(root: str) -> dict[int, str]:
     """{iteration: directory} of every `iter_N` directory under `root` (complete or legacy)."""
     found = {}
@@ -224,7 +229,7 @@ def check_save_dir(save: str) -> None:
 def check_free_space(save: str, estimate: int | None) -> None:
     """Fail if `save` cannot hold one more checkpoint: the size of the newest complete one there,
     else `estimate` (bytes; None: no check without a previous checkpoint)."""
-    complete = [p for p in iterations(save).values() if has_manifest(p)]
+    complete = list(complete_checkpoints(save).values())
     free = shutil.disk_usage(save).free
     if complete:
         need = manifest_size(complete[-1])

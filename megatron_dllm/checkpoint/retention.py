@@ -32,7 +32,7 @@ def apply(root: str, keep_last: int, keep_interval: int | None) -> list[str]:
     tracked = layout.read_tracker(root)
     if tracked is None:
         return []
-    complete = {it: path for it, path in layout.iterations(root).items() if layout.has_manifest(path)}
+    complete = layout.complete_checkpoints(root)
     keep = kept(list(complete), tracked, keep_last, keep_interval)
     removed = []
     for it, path in complete.items():

@@ -206,8 +206,7 @@ class Checkpointer:
         ckpt = self.ckpt
         params = self._checkpointed_parameters()
         each = retention.bytes_per_checkpoint(params, bf16, self.ema is not None)
-        existing = [it for it, path in checkpoint.layout.iterations(ckpt.save).items()
-                    if checkpoint.layout.has_manifest(path)]
+        existing = list(checkpoint.layout.complete_checkpoints(ckpt.save))
         held, added = retention.checkpoints_on_disk(self.cfg.training.train_iters, iteration, ckpt.save_interval,
                                                     ckpt.keep_last_n_checkpoints, ckpt.keep_checkpoint_interval,
                                                     existing)
