@@ -270,9 +270,8 @@ def _check_unweighted_members(blend, name: str, bounds, sample_tokens: int, flag
     if weights is not None or len(prefixes) < 2:
         return
     for prefix in prefixes:
-        n = validate_indexed_dataset(prefix).sequence_count
-        lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
-        beg, end = (int(round(b * n)) for b in bounds)
+        lengths = _document_lengths(prefix)
+        beg, end = (int(round(b * len(lengths))) for b in bounds)
         tokens = int(lengths[beg:end].sum(dtype=np.int64))
         if tokens < sample_tokens:
             raise InputError(f"{flag}: the {name} part of {prefix} holds {tokens} tokens, less than one sample of "
@@ -280,10 +279,16 @@ def _check_unweighted_members(blend, name: str, bounds, sample_tokens: int, flag
                              f"weights ({flag} W1 PREFIX1 W2 PREFIX2 ...), another --split or a shorter --seq-length")
 
 
+def _document_lengths(prefix: str) -> np.ndarray:
+    """The token count of each document (sequence) of a validated dataset, read from its .idx."""
+    n = validate_indexed_dataset(prefix).sequence_count
+    return np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
+
+
 def _check_split_nonempty(prefix: str, split_matrix, sizes, flag: str) -> None:
     """megatron-core loops forever on a split without tokens; say so instead."""
-    n = validate_indexed_dataset(prefix).sequence_count
-    lengths = np.memmap(prefix + ".idx", dtype=np.int32, mode="r", offset=HEADER_SIZE, shape=(n,))
+    lengths = _document_lengths(prefix)
+    n = len(lengths)
     for name, bounds, size in zip(("train", "valid", "test"), split_matrix, sizes):
         if size == 0 or (bounds is None and name == "train"):  # not read; no train split: none built (see below)
             continue
