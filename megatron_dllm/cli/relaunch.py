@@ -20,6 +20,7 @@ their own launcher.
 """
 from __future__ import annotations
 
+import filecmp
 import os
 import shlex
 import subprocess
@@ -78,8 +79,8 @@ def main(argv=None) -> int:
             # the run's own resolved file, which its first save wrote into --save (or the copy it wrote
             # beside its logs at start, once --save holds the same): it has saved since that load
             saved_copy = os.path.join(checkpoint.save, RESOLVED_NAME)
-            own = bool(launch) and (written_in == os.path.realpath(checkpoint.save)
-                                    or _same_bytes(config_path, saved_copy))
+            own = bool(launch) and (written_in == os.path.realpath(checkpoint.save) or (
+                os.path.isfile(saved_copy) and filecmp.cmp(config_path, saved_copy, shallow=False)))
             saved = first_load and own and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
             expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
@@ -94,12 +95,3 @@ def main(argv=None) -> int:
         return 0
     rc = subprocess.call(cmd, cwd=directory)
     return 128 - rc if rc < 0 else rc  # killed by signal N: the shell's 128 + N, which requeue scripts test
-
-
-def _same_bytes(path: str, other: str) -> bool:
-    """Whether two files hold the same bytes (False if `other` is missing)."""
-    try:
-        with open(path, "rb") as a, open(other, "rb") as b:
-            return a.read() == b.read()
-    except OSError:  # missing or unreadable: not the same
-        return False
