@@ -146,23 +146,23 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise InputError(error)
 
 
-def _cut_replayed(path: str, iteration: int, save: str, validation_only: bool = False, unnamed: bool = False) -> int:
+def _cut_replayed(path: str, iteration: int, save: str, validating_only: bool = False, unnamed: bool = False) -> int:
     """Truncate the metrics file `path` before its trailing records of run `save`'s iterations
-    after `iteration` (`validation_only`: its validation at `iteration` only; `unnamed`: records
+    after `iteration` (`validating_only`: its validation at `iteration` only; `unnamed`: records
     naming no --save too, which an earlier version wrote), and a last line without its newline;
     returns how many lines were cut."""
     with open(path, "rb") as f:
         lines = f.readlines()
     keep = len(lines)
     while keep and (not lines[keep - 1].endswith(b"\n")
-                    or _replayed(lines[keep - 1], iteration, save, validation_only, unnamed)):
+                    or _replayed(lines[keep - 1], iteration, save, validating_only, unnamed)):
         keep -= 1
     if keep < len(lines):
         os.truncate(path, sum(map(len, lines[:keep])))
     return len(lines) - keep
 
 
-def _replayed(line: bytes, iteration: int, save: str, validation_only: bool, unnamed: bool) -> bool:
+def _replayed(line: bytes, iteration: int, save: str, validating_only: bool, unnamed: bool) -> bool:
     """Whether a metrics-file line is what `_cut_replayed` cuts."""
     try:
         record = json.loads(line)
@@ -173,6 +173,6 @@ def _replayed(line: bytes, iteration: int, save: str, validation_only: bool, unn
     recorded = record.get("iteration")
     if not isinstance(recorded, int):
         return False
-    if validation_only:
+    if validating_only:
         return recorded == iteration and "valid_nelbo" in record
     return recorded > iteration
