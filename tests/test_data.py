@@ -191,7 +191,7 @@ def test_sentencepiece_appends_mask(sp_tok):
         "Shall I compare thee to a summer's day?\nThou art")
 
 
-def test_sentencepiece_existing_mask(tmp_path, paragraphs):
+def test_sentencepiece_existing_mask(tmp_path, paragraphs, capsys):
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(
@@ -212,6 +212,20 @@ def test_sentencepiece_existing_mask(tmp_path, paragraphs):
     _write_ours(str(tmp_path / "masked"), [[5, 6, tok.mask_id, 7], [tok.mask_id, 2]], np.uint16)  # another tool's
     with pytest.raises(InputError, match=r"--data-path: .*masked.bin holds the tokenizer's \[MASK\] id 3 2 times"):
         check_prefix(str(tmp_path / "masked"), "--data-path", tok, str(tmp_path / "cache"))
+    # the other tools that write or verify a dataset follow the same rule, naming the first offset
+    from megatron_dllm.cli.convert_dataset import main as convert_main
+    from megatron_dllm.cli.inspect_dataset import main as inspect_main
+
+    spm_flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "m.model")]
+    assert inspect_main([str(tmp_path / "masked"), "--verify"] + spm_flags) == 2
+    litpkds = tmp_path / "packed.bin"
+    litpkds.write_bytes(b"LITPKDS" + struct.pack("<Q", 1) + bytes([8]) + struct.pack("<Q", 4)
+                        + np.array([5, 6, tok.mask_id, tok.eod], np.uint16).tobytes())
+    assert convert_main(["--from", "litpkds", str(litpkds), "--output-prefix", str(tmp_path / "conv")] + spm_flags) == 2
+    err = capsys.readouterr().err
+    assert "masked.bin at byte offset 4: token 2 (in sequence 0) is 3, the tokenizer's [MASK] id" in err, err
+    assert "packed.bin at byte offset 28: token id 3, expected 0 <= id < 300, id != 3" in err, err
+    assert not os.path.exists(tmp_path / "conv.bin")
 
 
 def _hf_tokenizer_json(path, lines, specials):

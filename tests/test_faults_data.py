@@ -405,7 +405,7 @@ def test_a_tokenizer_with_another_hash_is_refused(tmp_path, sp_model, other_sp_m
     made_other = preprocess([str(src)], str(tmp_path / "b"), SP, other_sp_model, append_eod=True,
                             **QUIET).output_prefixes["text"]
     r = _tool("merge_datasets.py", "--input", prefix, made_other, "--output-prefix", tmp_path / "m")
-    _one_error_line(r, "different tokenizers (tokenizer_sha256 differ)", meta_path(made_other))
+    _one_error_line(r, "different tokenizers or settings (tokenizer_sha256 differ)", meta_path(made_other))
     assert not glob.glob(str(tmp_path / "m*"))
     # inspect_dataset.py decodes only with the tokenizer the data was made with
     r = _tool("inspect_dataset.py", prefix, "--tokenizer-type", SP, "--tokenizer-model", other_sp_model)

@@ -143,7 +143,7 @@ def test_int32_input_and_block_boundaries(tmp_path):
     assert (stats.tokens_read, stats.tokens_written, stats.chunks) == (n * chunk, n * chunk, n)
 
 
-def test_tokenizer_gives_eos_vocabulary_and_sidecar(tmp_path):
+def test_tokenizer_gives_eos_vocabulary_and_sidecar(tmp_path, capsys):
     """Real text through a SentencePiece tokenizer, packed as TinyLlama's scripts do (encode with
     EOS, sep = BOS), converts back to the documents' ids, with the tokenizer's sidecar."""
     import sentencepiece as spm
@@ -168,6 +168,12 @@ def test_tokenizer_gives_eos_vocabulary_and_sidecar(tmp_path):
     assert joined == [t for d in docs for t in d]
     assert read_metadata(str(tmp_path / "o"))["vocab_size"] == tok.vocab_size
     assert convert_main(flags + ["--eos-id", "5"]) == 2  # disagrees with the tokenizer's EOS
+    # the [MASK] id appended past the model's vocabulary is refused, as training refuses it
+    write_litpkds(str(tmp_path / "m.bin"), [5, tok.mask_id, EOS], 3)
+    flags[flags.index(str(tmp_path / "sp"))] = str(tmp_path / "m.bin")
+    assert convert_main(flags[:-2] + ["--output-prefix", str(tmp_path / "masked")]) == 2
+    assert (f"m.bin at byte offset 26: token id {tok.mask_id}, expected 0 <= id < {tok.mask_id} (the tokenizer's "
+            f"vocabulary, never its [MASK])") in capsys.readouterr().err
 
 
 def _corrupt(tmp_path, name, **kw):

@@ -19,6 +19,7 @@ from megatron_dllm.data.indexed_dataset import (
     HEADER_SIZE,
     DatasetFormatError,
     open_indexed_dataset,
+    read_metadata,
     validate_indexed_dataset,
 )
 from megatron_dllm.data.prep import dataset_writer as idxmod
@@ -373,9 +374,22 @@ def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_mod
     shutil.copytree(tmp_path / "a b", tmp_path / "other")
     meta = json.loads((tmp_path / "other" / "c.meta.json").read_text())
     (tmp_path / "other" / "c.meta.json").write_text(json.dumps({**meta, "tokenizer_sha256": "0" * 64}))
-    with pytest.raises(InputError, match="made with different tokenizers \\(tokenizer_sha256 differ\\)"):
+    with pytest.raises(InputError, match="made with different tokenizers or settings \\(tokenizer_sha256 differ\\)"):
         write_blend_file([one.output_prefixes["text"], str(tmp_path / "other" / "c")], str(tmp_path / "b3.txt"))
     assert not os.path.exists(tmp_path / "b2.txt") and not os.path.exists(tmp_path / "b3.txt")
+    # datasets with and without --append-eod would join documents without a separator; a sidecar
+    # written before `append_eod` was recorded still merges with one that records it
+    eod = preprocess(inputs[:1], str(tmp_path / "eod"), SP, sp_model, append_eod=True, log=lambda m: None)
+    assert read_metadata(eod.output_prefixes["text"])["append_eod"] is True
+    r = _tool("merge_datasets.py", "--input", one.output_prefixes["text"], eod.output_prefixes["text"],
+              "--output-prefix", tmp_path / "eodmix")
+    assert r.returncode == 2 and "different tokenizers or settings (append_eod differ)" in r.stderr, r.stderr
+    old = json.loads((tmp_path / "other" / "c.meta.json").read_text())
+    del old["append_eod"]
+    (tmp_path / "other" / "c.meta.json").write_text(json.dumps({**old, "tokenizer_sha256": meta["tokenizer_sha256"]}))
+    r = _tool("merge_datasets.py", "--input", str(tmp_path / "other" / "c"), one.output_prefixes["text"],
+              "--output-prefix", tmp_path / "oldnew")
+    assert r.returncode == 0, r.stderr
 
 
 def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model):

@@ -20,7 +20,7 @@ That writes megatron-core's cache files under `--data-cache-path` (default
 per blend `{hash}-SingleProcessSafeBlendedDataset-{split}-{description.txt,dataset_index,dataset_sample_index}.npy`,
 plus the token-range scan of each prefix. The cache directory is locked while building
 (`.dllm-writer.lock`): a second builder stops with one line naming the first. Training with the
-same flags then loads them (its log says "Load the ... indices"). Existing cache files are loaded
+same flags then loads them and builds nothing. Existing cache files are loaded
 without unpickling: one that holds Python objects is refused (`error: index cache <file>: ...`,
 exit code 2). The sample and blending indices come from `megatron_dllm.data.index_builders`
 (C++, `MEGATRON_DLLM_INDEX_THREADS` threads, default all cores).

@@ -79,19 +79,22 @@ def main(argv=None) -> int:
         return _validate(args.inputs)
     from megatron_dllm.data.indexed_dataset import tokenizer_metadata
     from megatron_dllm.data.prep.litpkds import convert_litpkds
+    from megatron_dllm.data.tokenizers import data_id_rule
 
-    eos_id, vocab_size, metadata = args.eos_id, None, None
+    eos_id, vocab_size, id_rule, metadata = args.eos_id, None, None, None
     if args.tokenizer_type:
         tokenizer = TokenizerConfig.from_args(args).build()
         if eos_id is not None and eos_id != tokenizer.eod:
             raise InputError(f"--eos-id {eos_id} differs from the EOS {tokenizer.eod} of --tokenizer-model "
                              f"{args.tokenizer_model}")
-        eos_id, vocab_size, metadata = tokenizer.eod, tokenizer.vocab_size, tokenizer_metadata(tokenizer)
+        eos_id, vocab_size = tokenizer.eod, tokenizer.vocab_size
+        metadata = {**tokenizer_metadata(tokenizer), "append_eod": True}  # each document keeps its EOS
+        id_rule = data_id_rule(tokenizer)  # what training accepts: never the [MASK] id
     if eos_id is None:
         raise InputError("--eos-id is required (or --tokenizer-type and --tokenizer-model, whose EOS is taken): "
                          "LITPKDS files do not record their separator")
     stats = convert_litpkds(args.inputs, args.output_prefix, eos_id, pad_id=args.pad_id, vocab_size=vocab_size,
-                            metadata=metadata, progress=False if args.no_progress else None,
+                            id_rule=id_rule, metadata=metadata, progress=False if args.no_progress else None,
                             log_interval=args.log_interval, sync_interval=args.sync_interval,
                             overwrite=args.overwrite)
     print(stats.summary())

@@ -22,6 +22,7 @@ from megatron_dllm.config.fields import non_negative_int, positive_int
 from megatron_dllm.data.indexed_dataset import DatasetFormatError, check_made_with
 from megatron_dllm.data.prep.inspect import describe_dataset, verify_dataset
 from megatron_dllm.data.sft import sft_metadata, validate_sft_dataset
+from megatron_dllm.data.tokenizers import data_id_rule
 
 
 def get_args(argv=None):
@@ -53,8 +54,9 @@ def main(argv=None) -> int:
         if tok is not None:  # decoding with another tokenizer would print other text
             check_made_with(args.prefix, tok, "--tokenizer-model")
         if args.verify:
-            vocab = args.vocab_size if args.vocab_size is not None else (tok.vocab_size if tok else None)
-            verify_dataset(args.prefix, vocab)
+            # with a tokenizer, training's rule: its vocabulary, never its [MASK]
+            rule = (args.vocab_size, None) if args.vocab_size is not None else data_id_rule(tok) if tok else ()
+            verify_dataset(args.prefix, *rule)
         report = describe_dataset(args.prefix, tok, args.samples, args.sample_tokens, scan_tokens=args.verify)
         sft = sft_metadata(args.prefix)
         if sft is not None:  # the SFT format: also check the prompt mask against the rows
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
                   + (" verified" if args.verify else ""))
         if args.verify:
             print("verify: OK (header, pointers, lengths, document indices, .bin size"
-                  + (", token ids < vocabulary)" if (args.vocab_size or tok) else ")"))
+                  + (", token ids < vocabulary" + ("" if args.vocab_size else ", no [MASK]") + ")"
+                     if (args.vocab_size or tok) else ")"))
     return 0
 
 

@@ -54,6 +54,7 @@ from megatron_dllm.data.indexed_dataset import (
     scan_tokens,
     validate_indexed_dataset,
 )
+from megatron_dllm.data.tokenizers import data_id_rule
 from megatron_dllm.errors import InputError
 
 Blend = Tuple[List[str], Optional[List[float]]]
@@ -243,12 +244,8 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
                          f"with --sft")
     if header.num_tokens == 0:
         raise InputError(f"{flag}: {prefix}.bin holds no tokens, expected a non-empty dataset")
-    # An appended [MASK] id lies past the model's own vocabulary: data must never contain it. A
-    # mask piece of the model's own (SentencePiece's <mask>, a JSON vocabulary's) must not occur
-    # either: the clean target [MASK] has log-probability -inf under every diffusion loss.
-    appended = getattr(tokenizer, "mask_appended", False)
-    lo, hi, masks = scan_tokens(prefix, cache_dir, None if appended else tokenizer.mask_id)
-    limit = tokenizer.mask_id if appended else tokenizer.vocab_size
+    limit, own_mask = data_id_rule(tokenizer)
+    lo, hi, masks = scan_tokens(prefix, cache_dir, own_mask)
     if hi >= limit or lo < 0:
         raise InputError(
             f"{flag}: {prefix}.bin holds token ids in [{lo}, {hi}] but the tokenizer "
@@ -259,7 +256,8 @@ def check_prefix(prefix: str, flag: str, tokenizer, cache_dir: Optional[str]) ->
         raise InputError(
             f"{flag}: {prefix}.bin holds the tokenizer's [MASK] id {tokenizer.mask_id} {masks} times (text that "
             f"spells the mask token, encoded as it): a diffusion model cannot be trained to predict [MASK]; "
-            f"preprocess it again with tools/preprocess_data.py, which rejects such documents")
+            f"preprocess it again with tools/preprocess_data.py, which rejects such documents "
+            f"(tools/convert_dataset.py refuses such LITPKDS files)")
     return header.num_tokens
 
 

@@ -41,6 +41,16 @@ DEFAULT_TIKTOKEN_PATTERN = "llama3"
 DEFAULT_TIKTOKEN_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
 
 
+def data_id_rule(tokenizer) -> Tuple[int, Optional[int]]:
+    """What a corpus for `tokenizer` may hold: ids below the first value and never the second. An
+    appended [MASK] lies past the model's vocabulary, at the limit itself; a mask piece of the model's
+    own (SentencePiece's <mask>, a JSON vocabulary's) lies inside it. Either way the data must not
+    hold it: the clean target [MASK] has log-probability -inf under every diffusion loss."""
+    if getattr(tokenizer, "mask_appended", False):
+        return tokenizer.mask_id, None
+    return tokenizer.vocab_size, tokenizer.mask_id
+
+
 def _bad_model(tokenizer_type: str, path, expected: str) -> InputError:
     return InputError(f"--tokenizer-model {path!r}: {expected} (for --tokenizer-type {tokenizer_type})")
 

@@ -130,8 +130,8 @@ def describe_dataset(prefix: str, tokenizer=None, samples: int = 3, sample_token
     return rep
 
 
-def _token_scan(prefix: str, header: IndexHeader, vocab_size: Optional[int] = None):
-    """(min id, max id, index of the first id outside [0, vocab_size) or None)."""
+def _token_scan(prefix: str, header: IndexHeader, vocab_size: Optional[int] = None, own_mask: Optional[int] = None):
+    """(min id, max id, index of the first id outside [0, vocab_size) or equal to `own_mask`, or None)."""
     data = np.memmap(bin_path(prefix), mode="r", dtype=header.dtype, shape=(header.num_tokens,))
     lo = hi = None
     try:
@@ -140,19 +140,23 @@ def _token_scan(prefix: str, header: IndexHeader, vocab_size: Optional[int] = No
             cmin, cmax = int(chunk.min()), int(chunk.max())
             lo = cmin if lo is None else min(lo, cmin)
             hi = cmax if hi is None else max(hi, cmax)
-            if vocab_size is not None and (cmin < 0 or cmax >= vocab_size):
-                j = int(np.argmax((chunk < 0) | (chunk >= vocab_size)))
-                return lo, hi, i + j
+            if vocab_size is not None:
+                bad = (chunk < 0) | (chunk >= vocab_size)
+                if own_mask is not None:
+                    bad |= chunk == own_mask
+                if bad.any():
+                    return lo, hi, i + int(np.argmax(bad))
     finally:
         del data
     return lo, hi, None
 
 
-def verify_dataset(prefix: str, vocab_size: Optional[int] = None) -> IndexHeader:
-    """Full check; raise DatasetFormatError naming the first inconsistency and its byte offset."""
+def verify_dataset(prefix: str, vocab_size: Optional[int] = None, own_mask: Optional[int] = None) -> IndexHeader:
+    """Full check; raise DatasetFormatError naming the first inconsistency and its byte offset.
+    With `vocab_size`, every id must lie below it and differ from `own_mask` (`data_id_rule`)."""
     header = validate_indexed_dataset(prefix, use_cache=False)
     if vocab_size is not None and header.num_tokens:
-        _, _, bad = _token_scan(prefix, header, vocab_size)
+        _, _, bad = _token_scan(prefix, header, vocab_size, own_mask)
         if bad is not None:
             itemsize = np.dtype(header.dtype).itemsize
             value = int(np.memmap(bin_path(prefix), mode="r", dtype=header.dtype, shape=(header.num_tokens,))[bad])
@@ -162,5 +166,6 @@ def verify_dataset(prefix: str, vocab_size: Optional[int] = None) -> IndexHeader
             del pointers, mm
             raise DatasetFormatError(
                 f"{bin_path(prefix)} at byte offset {bad * itemsize}: token {bad} (in sequence {seq}) "
-                f"is {value}, outside the vocabulary [0, {vocab_size})")
+                f"is {value}, " + ("the tokenizer's [MASK] id, which training refuses" if value == own_mask
+                                   else f"outside the vocabulary [0, {vocab_size})"))
     return header

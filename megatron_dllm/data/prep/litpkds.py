@@ -237,23 +237,30 @@ def _padding_run(path: str, header: LitpkdsHeader, token: int, limit: int, block
     return run
 
 
-def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, vocab_size: Optional[int],
+IdRule = Tuple[int, Optional[int]]  # tokenizers.data_id_rule: ids below the first, never the second
+
+
+def _check_ids(path: str, arr: np.ndarray, start: int, itemsize: int, id_rule: Optional[IdRule],
                out_dtype: np.dtype) -> None:
-    """Negative ids, ids beyond the vocabulary, or (without one) beyond what the output dtype
-    holds, are refused with the byte offset of the first."""
-    if vocab_size is not None:
-        limit, what = vocab_size, "the vocabulary"
+    """Ids outside the tokenizer's `data_id_rule` (its vocabulary, never its [MASK]) or, without a
+    tokenizer, beyond what the output dtype holds, are refused with the byte offset of the first."""
+    if id_rule is not None:
+        (limit, own_mask), what = id_rule, "the tokenizer's vocabulary, never its [MASK]"
     else:
-        limit, what = int(np.iinfo(out_dtype).max) + 1, f"what the {out_dtype.name} output holds"
-    if not arr.size or (arr.min() >= 0 and arr.max() < limit):
+        limit, own_mask, what = int(np.iinfo(out_dtype).max) + 1, None, f"what the {out_dtype.name} output holds"
+    bad = (arr < 0) | (arr >= limit)
+    if own_mask is not None:
+        bad |= arr == own_mask
+    if not bad.any():
         return
-    bad = int(np.flatnonzero((arr < 0) | (arr >= limit))[0])
-    raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + bad) * itemsize}: token id "
-                     f"{int(arr[bad])}, expected 0 <= id < {limit} ({what})")
+    first = int(np.flatnonzero(bad)[0])
+    expected = f"0 <= id < {limit}" + (f", id != {own_mask}" if own_mask is not None else "")
+    raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + first) * itemsize}: token id "
+                     f"{int(arr[first])}, expected {expected} ({what})")
 
 
 def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: int, pad_id: Optional[int],
-                  vocab_size: Optional[int], block: int, counters: dict, on_block: Callable[[int, int, int], None],
+                  id_rule: Optional[IdRule], block: int, counters: dict, on_block: Callable[[int, int, int], None],
                   log: Callable[[str], None]) -> None:
     path, n, itemsize = header.path, header.num_tokens, header.dtype.itemsize
     if pad_id is not None:
@@ -275,7 +282,7 @@ def _convert_file(header: LitpkdsHeader, writer: IndexedDatasetWriter, eos_id: i
             if arr.size != count:
                 raise InputError(f"{path} at byte offset {HEADER_SIZE + (start + arr.size) * itemsize}: file "
                                  f"ended early (did it change during the conversion?)")
-            _check_ids(path, arr, start, itemsize, vocab_size, writer.dtype)
+            _check_ids(path, arr, start, itemsize, id_rule, writer.dtype)
             ends = np.flatnonzero(arr == eos_id)
             writer.write_tokens(arr)
             if ends.size:
@@ -345,13 +352,15 @@ def _remove_temporaries(output_prefix: str) -> None:
 
 
 def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_id: Optional[int] = None,
-                    vocab_size: Optional[int] = None, metadata: Optional[dict] = None,
+                    vocab_size: Optional[int] = None, id_rule: Optional[IdRule] = None,
+                    metadata: Optional[dict] = None,
                     log: Optional[Callable[[str], None]] = None, progress: Optional[bool] = None,
                     log_interval: float = 30.0, block_tokens: int = 1 << 24,
                     sync_interval: float = 10.0, overwrite: bool = False) -> ConvertStats:
     """Convert the LITPKDS files `inputs` (files, globs, directories) into `output_prefix.bin/.idx`.
 
-    `vocab_size` (when known) picks the output dtype by Megatron's rule and bounds the ids;
+    `vocab_size` (when known) picks the output dtype by Megatron's rule and bounds the ids, or
+    `id_rule` does (`tokenizers.data_id_rule`: the ids below a limit, never the tokenizer's [MASK]);
     `metadata` is written as the dataset's `.meta.json` sidecar. Raises ValueError, naming the
     file and byte offset, for invalid inputs (all headers are checked before anything is read).
     """
@@ -372,6 +381,8 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
         if value is not None and not info.min <= value <= info.max:
             raise InputError(f"{flag} {value} cannot occur in {in_dtype.name} data ({files[0]})")
     dtype = output_dtype(in_dtype, vocab_size)
+    if id_rule is None and vocab_size is not None:
+        id_rule = (vocab_size, None)
     out_abs = os.path.abspath(output_prefix)
     if any(os.path.abspath(f) in (out_abs + ".bin", out_abs + ".idx") for f in files):
         raise InputError(f"--output-prefix {output_prefix}: would overwrite an input")
@@ -413,7 +424,7 @@ def convert_litpkds(inputs: Sequence[str], output_prefix: str, eos_id: int, pad_
         last_sync = time.time()
         try:
             for i in range(done, len(files)):
-                _convert_file(headers[i], writer, eos_id, pad_id, vocab_size, block_tokens, counters, on_block, log)
+                _convert_file(headers[i], writer, eos_id, pad_id, id_rule, block_tokens, counters, on_block, log)
                 if time.time() - last_sync >= sync_interval or i + 1 == len(files):
                     tokens, documents = writer.checkpoint()
                     _write_json(state_path(output_prefix), {"fingerprint": fingerprint, "tag": tag,

@@ -194,14 +194,16 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
 
 
 def _one_tokenizer(prefixes: Sequence[str]) -> List[Optional[dict]]:
-    """The datasets' sidecars, which must agree: one tokenizer made them all."""
+    """The datasets' sidecars, which must agree: one tokenizer and one --append-eod made them all. A
+    field only one sidecar holds (written by an older version) is not compared."""
     metas = [read_metadata(p) for p in prefixes]
     for p, m in zip(prefixes, metas):
-        if m != metas[0]:
-            first, other = metas[0] or {}, m or {}
-            fields = sorted(k for k in first.keys() | other.keys() if first.get(k) != other.get(k))
-            raise InputError(f"--input datasets were made with different tokenizers ({', '.join(fields)} "
-                             f"differ): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
+        first, other = metas[0] or {}, m or {}
+        fields = sorted(k for k in first.keys() & other.keys() if first[k] != other[k])
+        if fields or (m is None) != (metas[0] is None):
+            raise InputError(f"--input datasets were made with different tokenizers or settings "
+                             f"({', '.join(fields) or 'sidecar'} differ): {_sidecar(prefixes[0], metas[0])}; "
+                             f"{_sidecar(p, m)}")
     return metas
 
 

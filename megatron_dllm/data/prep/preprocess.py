@@ -135,7 +135,7 @@ def _tokenize(files: Sequence[str], options: PreprocessOptions, tokenizer, finge
         # Everything is written in full before anything is renamed into place (a full disk fails
         # here, publishing nothing). Then: each dataset with its rejections report and sidecar, marker last.
         writer.prepare()
-        metadata = tokenizer_metadata(tokenizer)
+        metadata = {**tokenizer_metadata(tokenizer), "append_eod": bool(options.append_eod)}
         if options.sharded and os.path.exists(marker):
             os.remove(marker)  # the outputs are about to be replaced
         writer.publish(metadata)
