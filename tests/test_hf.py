@@ -170,6 +170,11 @@ def test_an_export_replaces_only_an_earlier_export(checkpoints, tmp_path, capsys
     (stale / "model.safetensors").write_bytes(b"partial")
     _run([os.path.join(REPO, "tools", "convert_to_hf.py"), "--load", str(ckpt), "--out", str(tmp_path / "hf")])
     assert not stale.exists() and (tmp_path / "hf" / "config.json").is_file()
+    # through a symlink (a `latest` link), the export it names is replaced; the link stays
+    (tmp_path / "latest").symlink_to(tmp_path / "hf")
+    assert convert_to_hf.main(["--load", str(ckpt), "--out", str(tmp_path / "latest"), "--overwrite"]) == 0
+    assert (tmp_path / "latest").is_symlink() and (tmp_path / "hf" / "config.json").is_file()
+    assert not [n for n in os.listdir(tmp_path) if ".incomplete-" in n or n.endswith(".replaced")]
 
     hf = str(tmp_path / "hf")
     for flags, message in [(["--family", "ar"], f"--family ar: --hf {hf} is an export of family mdlm"),

@@ -433,7 +433,12 @@ def test_an_export_missing_weights_or_damaged_is_refused_not_filled_at_random(tm
     save_file({**intact, "junk.weight": intact[missing].clone()}, str(weights))
     with pytest.raises(InputError, match=r"\(not of this model: junk.weight\)$"):
         load_model(str(export))
+    config = json.loads((export / "config.json").read_text())  # weights beside another model's config
+    (export / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
     save_file(intact, str(weights))
+    with pytest.raises(InputError, match=r"\(other shapes: .*backbone.vocab_embed.weight"):
+        load_model(str(export))
+    (export / "config.json").write_text(json.dumps(config))
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(InputError, match=rf"^{export}: unreadable safetensors weights"):
         load_model(str(export))

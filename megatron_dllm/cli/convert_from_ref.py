@@ -96,7 +96,7 @@ def convert(args) -> int:
         tokenizer = TokenizerRecord.of(TokenizerConfig.from_args(args)) if args.tokenizer_model else None
         return write_checkpoint(hf_state, identity, max_length, args, source=args.ref, tokenizer=tokenizer)
     # a sibling lock (OUT.lock), taken before reading --ref: the export is staged beside OUT and renamed whole
-    with exclusive(lock_path_for_prefix(os.path.normpath(args.hf_out)), f"--hf-out {args.hf_out}"):
+    with exclusive(lock_path_for_prefix(os.path.realpath(args.hf_out)), f"--hf-out {args.hf_out}"):
         identity, hf_state, max_length = load_reference(args)
         return write_hf(args, identity, hf_state, max_length)
 
@@ -106,7 +106,7 @@ def write_hf(args, identity, hf_state: dict, max_length: int) -> int:
     from megatron_dllm.families import FAMILIES
     from megatron_dllm.hf import export
 
-    out = os.path.normpath(args.hf_out)
+    out = os.path.realpath(args.hf_out)  # through a symlink: replace the export it names
     export.check_export_target(out, "--hf-out", args.overwrite, source=args.ref)
     with export.staged_export(out) as staging:
         export.write_hf_dir(staging, hf_state,

@@ -47,7 +47,7 @@ def main(argv=None):
 
     from megatron_dllm.hf import export
 
-    out = os.path.normpath(args.out)
+    out = os.path.realpath(args.out)  # through a symlink (a `latest` link): replace the export it names
     # the lock is a sibling (OUT.lock): the export is staged beside OUT and renamed whole
     with exclusive(lock_path_for_prefix(out), f"--out {args.out}"):
         export.check_export_target(out, "--out", args.overwrite, source=args.load)

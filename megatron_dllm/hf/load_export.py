@@ -33,8 +33,9 @@ def load_model(path: str, **kwargs):
     if config.family not in FAMILIES:
         raise InputError(f"{path}/config.json: family {config.family!r} is not one of {', '.join(FAMILIES)}")
     try:
-        model, info = export.model_class(config.family).from_pretrained(path, config=config, output_loading_info=True,
-                                                                        **kwargs)
+        # mismatched shapes are reported, not raised: refused below with the others, naming them
+        model, info = export.model_class(config.family).from_pretrained(
+            path, config=config, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
     except SafetensorError as err:
         raise InputError(f"{path}: unreadable safetensors weights ({err})") from None
     problems = [f"{what} {', '.join(map(str, info[key]))}" for key, what in (
