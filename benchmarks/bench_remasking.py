@@ -59,6 +59,8 @@ def main():
     args = harness.parse_args(ap)
     L = args.seq_length
     inf = load_inference_model(args.load, platform.device()) if args.load else random_model(args.family, L)
+    if inf.family not in ("mdlm", "duo"):  # the remasking predictors are theirs
+        ap.error(f"--load {args.load}: a {inf.family} model; the remasking predictors are MDLM's and Duo's")
     prompt = inf.tokenizer.tokenize(args.prompt) if args.prompt else None
     generated = L - len(prompt or [])
     configs = []

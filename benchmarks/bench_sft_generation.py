@@ -8,13 +8,15 @@ dims: hidden 128, 4 layers, 4 heads; the demo vocabulary of 4097 ids incl. [MASK
 the run never stops at, so every run generates exactly that many (random weights would stop at
 random places). Native = MDLM/Duo ancestral and Eso-LM ancestral (KV cache) with `--steps` steps;
 AR's native sampler is left to right. The two protocols of a family alternate over `--repeats`
-rounds; medians are reported, and the ratio is taken within one run. Besides wall time (the
+rounds; medians are reported, and the ratio is taken within one run. Both protocols decode alike:
+sampled (temperature 1, top-p 1), or with `--greedy` the most likely token (the top-p nucleus of
+one id, as `tools/evaluate.py gsm8k` decodes left to right by default). Besides wall time (the
 paper's definition) the CPU time of the process is reported: with one torch thread on a shared
 machine it is the figure that other processes' load does not inflate. AR's two protocols are the
 same computation, so their ratio shows the noise of the measurement.
 
     python benchmarks/bench_sft_generation.py [--seq-length 256] [--prompt-length 64] [--new-tokens 192] \\
-        [--steps 64] [--repeats 3] [--threads 1] [--json out.json]
+        [--steps 64] [--greedy] [--repeats 3] [--threads 1] [--json out.json]
 """
 from __future__ import annotations
 
@@ -35,21 +37,22 @@ def main():
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--greedy", action="store_true", help="both protocols greedy (default: both sampled)")
     args = harness.parse_args(ap)
     prompt = torch.randint(1, 4000, (args.prompt_length,), generator=torch.Generator().manual_seed(0)).tolist()
     results = {}
     print(f"## batch 1, context {args.seq_length}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
-          f"native T = {args.steps}, torch threads {args.threads}")
+          f"native T = {args.steps}, {'greedy' if args.greedy else 'sampled'}, torch threads {args.threads}")
     print("| family | left-to-right tokens/s (wall) | native tokens/s (wall) | native / left-to-right (wall) | "
           "left-to-right tokens/s (CPU) | native tokens/s (CPU) | native / left-to-right (CPU) |\n"
           "|---|---|---|---|---|---|---|")
     for family in FAMILIES:
         inf = build(family, args.seq_length)
-        generate_left_to_right(inf, prompt, 4, NO_EOS)  # warm-up
+        generate_left_to_right(inf, prompt, 4, NO_EOS, greedy=args.greedy)  # warm-up
         walls, cpus = {"l2r": [], "native": []}, {"l2r": [], "native": []}
         for _ in range(args.repeats):
-            for key, fn, kw in (("l2r", generate_left_to_right, {}),
-                                ("native", generate_native, {"steps": args.steps, "seed": 0})):
+            for key, fn, kw in (("l2r", generate_left_to_right, {"greedy": args.greedy}),
+                                ("native", generate_native, {"steps": args.steps, "greedy": args.greedy})):
                 w, c, out = harness.timed(fn, inf, prompt, args.new_tokens, NO_EOS, **kw)
                 assert len(out) == args.new_tokens
                 walls[key].append(w)

@@ -10,4 +10,6 @@ warnings.filterwarnings("ignore", message="full scope is deprecated")
 warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is "
                         r"deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor",
+                        category=FutureWarning)  # megatron-core's SwiGLU checkpoint factory
 defer_megatron_jit_fuser()  # before anything imports megatron-core (see lazy_imports.py)

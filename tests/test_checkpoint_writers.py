@@ -305,6 +305,9 @@ def test_relaunch_continues_a_finetuned_run_from_its_own_checkpoints(exported, d
         command = dry.stdout.split()
         assert "--yaml-cfg" not in command and "--finetune" not in command and "--no-load-rng" not in command
         assert command[command.index("--load") + 1] == str(run) and command.count("--load") == 1
+    relaunch = [os.path.join(REPO, "tools", "relaunch.py"), config, "--dry-run"]
+    debug = run_python(relaunch + ["--", "--debug"], tmp_path, launch_env(1))  # only adds tracebacks
+    assert debug.stdout.split() == run_python(relaunch, tmp_path, launch_env(1)).stdout.split() + ["--debug"]
     done = run_python([os.path.join(REPO, "tools", "relaunch.py"), config], tmp_path, launch_env(1), 300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"loaded checkpoint {run / 'iter_0000002'} at iteration 2" in done.stdout
@@ -420,7 +423,8 @@ def test_a_full_disk_during_a_save_is_named_and_nothing_partial_is_published(exp
         line = _errors(proc.stderr)[0]
         assert line.startswith(f"error: --save {ckpt}: no space left on device (ENOSPC) writing "
                                f"{ckpt}/iter_0000002."), line
-        assert sorted(os.listdir(ckpt)) == ["iter_0000001", TRACKER, "run_config.yaml"]  # lock released too
+        # the lock released too
+        assert sorted(os.listdir(ckpt)) == ["iter_0000001", TRACKER, "metrics_run_id.txt", "run_config.yaml"]
         assert (ckpt / TRACKER).read_text() == "1"
         manifest.verify_manifest(layout.iteration_dir(str(ckpt), 1))
 

@@ -96,8 +96,25 @@ def test_an_alternative_flag_on_the_command_line_displaces_the_file_s(tmp_path):
     assert exit_.value.code == 2
 
 
+def test_a_yaml_value_is_read_as_written_and_a_key_may_be_any_name_of_its_flag(tmp_path):
+    """YAML 1.1 would read `0755` as 493, `1.10` as 1.1 and `on` as True; a flag takes the text, as
+    the command line gives it. A Megatron-LM alias and the --no-x of a switch are flags' names too."""
+    path = _write(tmp_path, "save: 0755\nwandb-exp-name: 1.10\nwandb-project: on\ntrain-iters: 0100\n"
+                            "no-check-for-nan-in-loss-and-grad: true\nnum-virtual-stages-per-pipeline-rank: 2\n"
+                            "pipeline-model-parallel-size: 2\n")
+    cfg = parse_args(["--yaml-cfg", path])
+    assert (cfg.checkpoint.save, cfg.logging.wandb_exp_name, cfg.logging.wandb_project) == ("0755", "1.10", "on")
+    assert parse_args(["--yaml-cfg", path]) == parse_args(
+        ["--save", "0755", "--wandb-exp-name", "1.10", "--wandb-project", "on", "--train-iters", "100",
+         "--no-check-for-nan-in-loss-and-grad", "--num-virtual-stages-per-pipeline-rank", "2",
+         "--pipeline-model-parallel-size", "2"])
+
+
 @pytest.mark.parametrize("text, message", [
     (YAML, "'sequence_parallel_never_heard_of' is not a flag of this command"),
+    ("check-for-nan-in-loss-and-grad: true\nno-check-for-nan-in-loss-and-grad: false\n",
+     "run.yaml:2: 'no_check_for_nan_in_loss_and_grad' is --check-for-nan-in-loss-and-grad, given already"),
+    ("help: true\n", "'help' is not a flag of this command"),
     ("bf16: 3\n", "bf16 is a switch; expected true or false, got 3"),
     ("preset: [a, b]\n", "preset takes one value, got a list"),
     ("- preset\n", "expected a mapping of flag names to values, found list"),

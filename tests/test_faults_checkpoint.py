@@ -313,7 +313,8 @@ def test_a_save_replaces_a_complete_checkpoint_only_once_complete(ckpt):
     shutil.copytree(ckpt / "iter_0000002", staging)
     layout.publish(staging, layout.iteration_dir(str(ckpt), 4))
     assert _snapshot(ckpt / "iter_0000004") == _snapshot(ckpt / "iter_0000002")
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER, "run_config.yaml"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", TRACKER, "metrics_run_id.txt",
+                                        "run_config.yaml"]
 
 
 # ------------------------------------------------------------------ parse-time errors

@@ -302,7 +302,7 @@ def test_shift_scores_token_i_with_the_logits_at_i_minus_1(world_of_one):
 
 def trained_in_process(flags: list) -> dict:
     """A Trainer run in this process: every iteration's loss, the last validation NELBO, the final
-    weights."""
+    weights and (with --ema-decay) their average."""
     from megatron_dllm import platform
     from megatron_dllm.config import parse_args
     from megatron_dllm.training.trainer import Trainer
@@ -315,10 +315,12 @@ def trained_in_process(flags: list) -> dict:
         try:
             trainer = Trainer(parse_args(flags))
             trainer.train()
-            weights = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+            named = list(trainer.model[0].module.named_parameters())
+            weights = {n: p.detach().clone() for n, p in named}
+            ema = {n: trainer.ema.shadow[0][id(p)].clone() for n, p in named} if trainer.ema else None
         finally:
             platform.destroy_distributed()
-    return {"loss": [loss for loss, _ in losses], "valid": valid, "weights": weights}
+    return {"loss": [loss for loss, _ in losses], "valid": valid, "weights": weights, "ema": ema}
 
 
 def test_the_checkpoint_size_estimate_counts_every_weight_of_a_swiglu_model(demo_cache, tmp_path):
@@ -343,14 +345,15 @@ def test_the_checkpoint_size_estimate_counts_every_weight_of_a_swiglu_model(demo
 @pytest.fixture(scope="module")
 def gpt_resumed(demo_cache, tmp_path_factory):
     """{family: (uninterrupted run, the same run resumed from its iteration-2 checkpoint, its
-    checkpoints)} on a Qwen2-shaped GPT backbone (what evaluation loads), in process."""
+    checkpoints)} on a Qwen2-shaped GPT backbone (what evaluation loads), in process, with an EMA
+    (SwiGLU's fc1 is saved through a factory, as its two halves)."""
     from conftest import TINY_RUN
 
     out = {}
     for family in ("mdlm", "esolm"):
         root = tmp_path_factory.mktemp(f"gpt-{family}")
         common = ["--demo-cache-dir", demo_cache, *TINY_RUN, *QWEN2_FLAGS, "--family", family, "--train-iters", "4",
-                  "--eval-iters", "1", "--eval-interval", "4"]
+                  "--eval-iters", "1", "--eval-interval", "4", "--ema-decay", "0.9"]
         whole = trained_in_process([*common, "--save", str(root / "a"), "--save-interval", "2",
                                     "--tensorboard-dir", str(root / "tb-a")])
         resumed = trained_in_process([*common, "--load", str(root / "a"), "--ckpt-step", "2",
@@ -363,7 +366,7 @@ def gpt_resumed(demo_cache, tmp_path_factory):
 @pytest.mark.parametrize("family", ["mdlm", "esolm"])
 def test_gpt_backbone_resumes_bit_exactly(family, gpt_resumed):
     """Resumed from its iteration-2 checkpoint, a GPT-backbone run continues the uninterrupted one
-    bit for bit: losses, validation and final weights (Eso-LM: a per-sample shuffled order)."""
+    bit for bit: losses, validation, final weights and their EMA (Eso-LM: a per-sample shuffled order)."""
     whole, resumed, _ = gpt_resumed[family]
     assert len(whole["loss"]) == 4 and whole["loss"][0] != whole["loss"][2]
     assert resumed["loss"] == whole["loss"][2:]
@@ -371,6 +374,9 @@ def test_gpt_backbone_resumes_bit_exactly(family, gpt_resumed):
     assert whole["weights"].keys() == resumed["weights"].keys()
     for name, want in whole["weights"].items():
         assert torch.equal(resumed["weights"][name], want), name
+        assert torch.equal(resumed["ema"][name], whole["ema"][name]), name
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert not torch.equal(whole["ema"][fc1], whole["weights"][fc1])  # an average, loaded from the halves
 
 
 @pytest.mark.slow

@@ -130,3 +130,39 @@ def test_a_metrics_file_that_cannot_be_written_is_named(world_of_one, tmp_path):
     logger = Logger(None, "/dev/full")  # every write: no space left on device
     with pytest.raises(InputError, match=r"^--metrics-file /dev/full: cannot write \(No space left on device\)$"):
         _log(logger, [1], 1.0)
+
+
+def test_a_moved_run_knows_its_records_and_a_new_run_in_a_reused_path_does_not(world_of_one, tmp_path, capsys):
+    """The run id lives in --save: it moves with the directory and goes with it."""
+    import shutil
+
+    metrics = str(tmp_path / "metrics.jsonl")
+    first = Logger(None, metrics, save_dir=str(tmp_path / "a"))
+    _log(first, range(1, 6), 10.0)  # killed after iteration 5; the last checkpoint is iteration 3
+    first.close()
+    os.rename(tmp_path / "a", tmp_path / "b")  # the run's directory moved before the resume
+    again = Logger(None, metrics, save_dir=str(tmp_path / "b"))
+    again.resumed_at(3)
+    _log(again, range(4, 7), 20.0)
+    again.close()
+    shutil.rmtree(tmp_path / "b")  # the finished run deleted; a new run in the same path
+    fresh = Logger(None, metrics, save_dir=str(tmp_path / "b"))
+    fresh.resumed_at(0)
+    _log(fresh, [1, 2], 30.0)
+    fresh.close()
+    records = [json.loads(line) for line in open(metrics)]
+    assert [r["iteration"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6, 1, 2]
+    assert len({r["run"] for r in records}) == 2 and "dropped its last 3 records" in capsys.readouterr().out
+
+
+def test_records_naming_the_save_path_of_an_earlier_version_are_cut_only_on_a_resume(world_of_one, tmp_path):
+    metrics, save = tmp_path / "metrics.jsonl", str(tmp_path / "ckpt")
+    metrics.write_text("".join(json.dumps({"iteration": i, "loss": 1.0, "save": save}) + "\n" for i in range(1, 5)))
+    fresh = Logger(None, str(metrics), save_dir=save)
+    fresh.resumed_at(0)  # a new run in that path: not its records
+    fresh.close()
+    assert len(metrics.read_text().splitlines()) == 4
+    again = Logger(None, str(metrics), save_dir=save)
+    again.resumed_at(2)
+    again.close()
+    assert [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()] == [1, 2]

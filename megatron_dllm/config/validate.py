@@ -142,13 +142,24 @@ def lr_range(config, world_size=None) -> None:
                          f"--lr down to --min-lr")
 
 
-def exit_needs_save(config, world_size=None) -> None:
-    training = config.training
-    given = [flag for flag, value in (("--exit-interval", training.exit_interval),
+def needs_save(config, world_size=None) -> None:
+    """The flags that say when or how --save saves, refused without it: a run that forgot --save
+    would otherwise end with nothing to resume from, nothing said."""
+    training, ckpt = config.training, config.checkpoint
+    if ckpt.save or config.demo:  # the demo saves to its default --save
+        return
+    exits = [flag for flag, value in (("--exit-interval", training.exit_interval),
                                       ("--exit-duration-in-mins", training.exit_duration_in_mins),
                                       ("--exit-signal-handler", training.exit_signal_handler)) if value]
-    if given and not config.checkpoint.save and not config.demo:  # the demo saves to its default --save
-        raise InputError(f"{given[0]} saves a checkpoint to resume from before it exits: give --save DIR")
+    if exits:
+        raise InputError(f"{exits[0]} saves a checkpoint to resume from before it exits: give --save DIR")
+    saves = [flag for flag, value in (("--save-interval", ckpt.save_interval is not None),
+                                      ("--async-save", ckpt.async_save),
+                                      ("--keep-last-n-checkpoints", ckpt.keep_last_n_checkpoints is not None),
+                                      ("--keep-checkpoint-interval", ckpt.keep_checkpoint_interval is not None))
+             if value]
+    if saves:
+        raise InputError(f"{saves[0]} says how checkpoints are written, but no --save DIR is given to write them")
 
 
 def retention(config, world_size=None) -> None:
@@ -423,7 +434,7 @@ def profile(config, world_size=None) -> None:
                                                                                  else "(its world size - 1)"))
 
 
-RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, exit_needs_save, retention,
+RULES = (data_paths, sequence_parallel, sft_data, run_length, warmup_flags, lr_range, needs_save, retention,
          pretrained_checkpoint, load_options, schedule_on_resume, recompute, profile, tokenizer_with_data,
          tokenizer_options, family_loss, family_settings, attention_anneal, backbone, layout, batch, kernels,
          cuda_graph, warmup_before_decay)

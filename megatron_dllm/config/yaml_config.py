@@ -93,7 +93,7 @@ class YamlFile:
         return {}
 
     def flags(self, sections=None) -> dict:
-        """flag dest -> (value, its line), from the top level and the group sections (`sections`:
+        """flag dest -> (value, its line, its node), from the top level and the group sections (`sections`:
         their names, if only those may appear). A flag given twice (top level and a section, or
         two sections) is refused, naming both."""
         out = {}
@@ -112,7 +112,7 @@ class YamlFile:
                 place = f"in section {section} (line {line})" if section else f"at the top level (line {line})"
                 if dest in places:
                     raise InputError(f"{self.at(line)}: {key!r} is given twice: {places[dest]} and {place}")
-                places[dest], out[dest] = place, (self.value(value), line)
+                places[dest], out[dest] = place, (self.value(value), line, value)
 
         places = {}
         walk(None, None)
@@ -126,18 +126,26 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=
     unapplied}, read in a run's resolved file, for files an earlier version wrote). Raises InputError naming the file,
     the line and the key for anything that is not a flag or not a value the flag can take."""
     source = YamlFile(path)
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    tokens = []
+    # a key is a flag's dest or any of its names (a Megatron-LM alias, the --no-x of a switch)
+    names = {o.lstrip("-").replace("-", "_"): (a, o) for a in parser._actions for o in a.option_strings}
+    names.update({a.dest: (a, a.option_strings[0]) for a in parser._actions if a.option_strings})
+    tokens, keys = [], {}
     flags = source.flags(sections)
     resolved = bool(source.launch())  # a run's own run_config.yaml
-    for key, (value, line) in flags.items():
-        if key in skip or (resolved and key in (superseded or {}) and superseded[key](flags)):
-            continue
+    for key, (value, line, node) in flags.items():
         where = source.at(line)
-        action = actions.get(key)
-        if action is None or key == "yaml_cfg":
+        action, written = names.get(key, (None, None))
+        if action is None or action.dest in ("yaml_cfg", "help"):
             raise InputError(f"{where}: {key!r} is not a flag of this command")
+        if action.dest in keys:
+            raise InputError(f"{where}: {key!r} is {action.option_strings[0]}, given already as {keys[action.dest]!r}")
+        keys[action.dest] = key
+        if action.dest in skip or (resolved and key in (superseded or {}) and superseded[key](flags)):
+            continue
         option = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(value, bool) \
+                and written.startswith("--no-"):  # `no-x: true` is --no-x
+            value = not value
         if value is None:  # `key:` with nothing after it: a forgotten value, never a default
             raise InputError(f"{where}: {option} has no value; give one, or leave the key out")
         if isinstance(action, argparse._StoreTrueAction):
@@ -155,12 +163,20 @@ def yaml_tokens(path: str, parser: argparse.ArgumentParser, sections=None, skip=
             if flag_like:  # the command line would read it as a flag
                 raise InputError(f"{where}: {key}: the list element {flag_like[0]!r} starts with '-', which a "
                                  f"command line reads as a flag; give such a value as the flag's only value")
+            value = [_as_written(n, v) for n, v in zip(node.value, value)]
             _check_values(action, value, f"{where}: {option}")
-            tokens += [option, *map(str, value)]
+            tokens += [option, *value]
         else:  # a scalar is one value, also for a multi-value flag: a path may hold spaces, or start with -
+            value = _as_written(node, value)
             _check_values(action, [value], f"{where}: {option}")
             tokens += [f"{option}={value}"]
     return tokens
+
+
+def _as_written(node, value) -> str:
+    """A value's text as the file writes it, as a command line would give it: YAML 1.1 would read
+    `0755` as 493, `1.10` as 1.1 and `on` as True."""
+    return node.value if isinstance(node, yaml.ScalarNode) else str(value)
 
 
 def _check_values(action: argparse.Action, values, where: str) -> None:

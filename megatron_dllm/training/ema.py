@@ -4,14 +4,15 @@ An fp32 copy of every local parameter shard, updated after each successful optim
 ema <- D * ema + (1 - D) * param. It is sharded exactly like the weights, so the checkpoint
 holds it under the top-level key "ema" with the same sharded-state-dict structure as "model"
 (the same dict keys, global layer numbers, TP/PP sharding), each ShardedTensor/ShardedObject key
-prefixed "ema." -- it reshards across TP/PP/DP layouts like the weights.
+prefixed "ema." -- it reshards across TP/PP/DP layouts like the weights. A ShardedTensorFactory
+(SwiGLU's fc1, saved as its two halves) builds its halves from the EMA tensor under the prefixed key.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_dllm.errors import InputError
 
@@ -45,7 +46,7 @@ class EMA:
         for i, (module, shadow) in enumerate(zip(self.modules, self.shadow)):
             sharded = {}
             for name, item in module.sharded_state_dict().items():
-                if isinstance(item, ShardedTensor):
+                if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
                     data = shadow.get(id(item.data))
                     if data is None:  # not a parameter (a buffer): average of nothing, keep it
                         data = item.data.detach().clone()
@@ -60,8 +61,13 @@ class EMA:
 
     @torch.no_grad()
     def load(self, sharded: dict, loaded: dict) -> None:
-        """Copy loaded tensors (dist_checkpointing.load of `sharded`) into the shadow weights."""
+        """Copy loaded tensors (dist_checkpointing.load of `sharded`; a factory's merged halves) into
+        the shadow weights. A tensor loaded in place is there already: megatron-core's layer-stacked
+        entries (the GPT backbone's) then hold a view of it with a leading layer axis."""
         for key, chunk in sharded.items():
             for name, item in chunk.items():
-                if isinstance(item, ShardedTensor):
-                    item.data.copy_(loaded[key][name])
+                if not isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+                    continue
+                source = loaded[key][name]
+                if source.data_ptr() != item.data.data_ptr():
+                    item.data.copy_(source.reshape(item.data.shape))

@@ -7,11 +7,17 @@ import json
 import math
 import os
 import stat
+import uuid
 
 import torch.distributed as dist
 
 from megatron_dllm import platform
 from megatron_dllm.errors import InputError
+
+# In --save: the id that names this run's records in --metrics-file. It moves with the directory
+# and goes with it, so a moved run still knows its records and a new run in a reused path does not
+# take an old one's for its own.
+RUN_ID_FILE = "metrics_run_id.txt"
 
 
 class Logger:
@@ -19,10 +25,12 @@ class Logger:
                  save_dir: str | None = None):
         """Opens the files on the last rank; a file it cannot write is every rank's one error
         (the other ranks would otherwise wait in a collective the last rank never reaches).
-        With `save_dir` (--save), each metrics record names it: the attempts of one run share it,
-        which tells a resume its own records from another run's in a shared file."""
+        With `save_dir` (--save), each metrics record names it and the run id kept there
+        (`RUN_ID_FILE`): the attempts of one run share it, which tells a resume its own records from
+        another run's in a shared file."""
         self.active = dist.get_rank() == dist.get_world_size() - 1
         self.save = os.path.realpath(save_dir) if save_dir else None
+        self.run = None
         self.writer = self.metrics = None
         self.extra_writers = []
         error = None
@@ -43,12 +51,31 @@ class Logger:
                 error = f"{flag} {path}: cannot write there ({err.strerror or err})"
         _raise_on_every_rank(error)
 
+    def _run_id(self, create: bool) -> str | None:
+        """The run id in --save (made by the run's first record; None before it)."""
+        if self.run is not None:
+            return self.run
+        path = os.path.join(self.save, RUN_ID_FILE)
+        try:
+            if create and not os.path.exists(path):
+                os.makedirs(self.save, exist_ok=True)
+                with open(path, "x") as f:
+                    f.write(uuid.uuid4().hex + "\n")
+            if os.path.exists(path):
+                with open(path) as f:
+                    self.run = f.read().strip()
+        except OSError as err:
+            raise InputError(f"--save {self.save}: cannot keep the run id of --metrics-file there ({path}: "
+                             f"{err.strerror or err})") from None
+        return self.run
+
     def resumed_at(self, iteration: int, validating_only: bool = False) -> None:
         """A resumed run trains again the iterations after its checkpoint (all of them, when an
-        earlier attempt was killed before its first save): the records an earlier attempt (same
-        --save) wrote of them, the metrics file's last lines, are cut off (and a last line the kill
-        cut short), so that every iteration has one record; records naming no --save (an earlier
-        version's) are taken for its own only on a resume from a checkpoint. `validating_only`: a run
+        earlier attempt was killed before its first save): the records an earlier attempt (the run
+        id in --save) wrote of them, the metrics file's last lines, are cut off (and a last line the
+        kill cut short), so that every iteration has one record. Records of earlier versions name
+        the --save path or nothing; they are taken for its own only on a resume from a checkpoint
+        (the path's, or any). `validating_only`: a run
         that only validates its checkpoint's iteration: only its earlier validation of it goes.
         Another run's records stay, and so does a stream's (a pipe or terminal cannot be cut).
         TensorBoard keeps both attempts' points, as Megatron-LM's does (its purge_step would also
@@ -57,7 +84,8 @@ class Logger:
         if (self.active and self.metrics is not None and self.save is not None
                 and stat.S_ISREG(os.fstat(self.metrics.fileno()).st_mode)):
             try:
-                dropped = _cut_replayed(self.metrics.name, iteration, self.save, validating_only,
+                dropped = _cut_replayed(self.metrics.name, iteration, self._run_id(create=False),
+                                        self.save if iteration > 0 else None, validating_only,
                                         unnamed=iteration > 0 and not validating_only)
             except OSError as err:
                 error = (f"--metrics-file {self.metrics.name}: cannot cut the records of iterations after "
@@ -89,7 +117,7 @@ class Logger:
         if self.metrics:  # JSON has no NaN or infinity: a non-finite value is null
             values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
             if self.save is not None:
-                values["save"] = self.save
+                values.update(save=self.save, run=self._run_id(create=True))
             try:
                 self.metrics.write(json.dumps(values, allow_nan=False) + "\n")
                 self.metrics.flush()
@@ -146,29 +174,39 @@ def _raise_on_every_rank(error: str | None) -> None:
         raise InputError(error)
 
 
-def _cut_replayed(path: str, iteration: int, save: str, validating_only: bool = False, unnamed: bool = False) -> int:
-    """Truncate the metrics file `path` before its trailing records of run `save`'s iterations
-    after `iteration` (`validating_only`: its validation at `iteration` only; `unnamed`: records
-    naming no --save too, which an earlier version wrote), and a last line without its newline;
-    returns how many lines were cut."""
+def _cut_replayed(path: str, iteration: int, run: str | None, save: str | None, validating_only: bool = False,
+                  unnamed: bool = False) -> int:
+    """Truncate the metrics file `path` before its trailing records of run `run`'s iterations
+    after `iteration` (`validating_only`: its validation at `iteration` only), and a last line
+    without its newline; returns how many lines were cut. Records of earlier versions count as the
+    run's when they name no run but the --save path `save`, or (`unnamed`) nothing at all."""
     with open(path, "rb") as f:
         lines = f.readlines()
     keep = len(lines)
     while keep and (not lines[keep - 1].endswith(b"\n")
-                    or _replayed(lines[keep - 1], iteration, save, validating_only, unnamed)):
+                    or _replayed(lines[keep - 1], iteration, run, save, validating_only, unnamed)):
         keep -= 1
     if keep < len(lines):
         os.truncate(path, sum(map(len, lines[:keep])))
     return len(lines) - keep
 
 
-def _replayed(line: bytes, iteration: int, save: str, validating_only: bool, unnamed: bool) -> bool:
+def _replayed(line: bytes, iteration: int, run: str | None, save: str | None, validating_only: bool,
+              unnamed: bool) -> bool:
     """Whether a metrics-file line is what `_cut_replayed` cuts."""
     try:
         record = json.loads(line)
     except ValueError:
         return False
-    if not isinstance(record, dict) or record.get("save", save if unnamed else None) != save:
+    if not isinstance(record, dict):
+        return False
+    if "run" in record:
+        own = run is not None and record["run"] == run
+    elif "save" in record:
+        own = save is not None and record["save"] == save
+    else:
+        own = unnamed
+    if not own:
         return False
     recorded = record.get("iteration")
     if not isinstance(recorded, int):
