@@ -11,7 +11,9 @@ the `categorical` row of the runs before 2026-11-28; `categorical, softmax apart
 `probabilities` as it was until later that day, its softmax a buffer of its own. A second table
 times the samplers' draw from the logits (p_x0 alone, as MDLM draws where positions unmask):
 `categorical.draw`, which forms the distribution a chunk of rows at a time, beside the same draw
-over every row at once (the same ids). The logits come
+over every row at once (the same ids). A third times a greedy draw (greedy decoding's top-p of
+1e-12, a nucleus of one id): formed and drawn from, as until 2026-11-29, beside `categorical.draw`,
+which takes the argmax (the same ids; its uniforms are drawn all the same). The logits come
 in `--logits-dtype` (a GPU model's bf16 or a CPU model's fp32). Memory: the peak allocated above
 the logits (`memory_peak.AllocatedPeak`); at [positions, V] in float64 each buffer is 8 bytes a
 logit, so the peak bounds the largest batch a GPU fits. Variants alternate over `--repeats` rounds.
@@ -69,6 +71,24 @@ def in_chunks(logits, mask_id, generator):
     return categorical.draw(logits, torch.float64, generator, suppress=mask_id)
 
 
+GREEDY_TOP_P = 1e-12  # greedy decoding's (sampling.conditional): a nucleus of one id
+
+
+def greedy_formed(logits, mask_id, generator):
+    """A greedy draw as it was before 2026-11-29: the nucleus of one id formed (a sort of every
+    row) and drawn from, a chunk of rows at a time."""
+    ids = []
+    u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
+    for chunk in categorical.row_chunks(*logits.shape, torch.float64, logits.device):
+        probs = categorical.probabilities(logits[chunk], torch.float64, top_p=GREEDY_TOP_P, suppress=mask_id)
+        ids.append(categorical.sample_by_cdf(probs, u[chunk]))
+    return torch.cat(ids)
+
+
+def greedy_draw(logits, mask_id, generator):
+    return categorical.draw(logits, torch.float64, generator, top_p=GREEDY_TOP_P, suppress=mask_id)
+
+
 def compare(title: str, variants: dict, same: tuple, logits, mask_id: int, repeats: int) -> None:
     """Time and peak memory of each variant (alternating over `repeats` rounds) as a table; the two
     variants named in `same` must draw the same ids."""
@@ -114,6 +134,8 @@ def main(argv=None):
     compare("The samplers' draw from the logits", {"every row at once": every_row_at_once,
                                                     "categorical.draw (chunks)": in_chunks},
             ("every row at once", "categorical.draw (chunks)"), logits, mask_id, args.repeats)
+    compare("A greedy draw (top-p 1e-12)", {"nucleus formed": greedy_formed, "categorical.draw (argmax)": greedy_draw},
+            ("nucleus formed", "categorical.draw (argmax)"), logits, mask_id, args.repeats)
 
 
 if __name__ == "__main__":

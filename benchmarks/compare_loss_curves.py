@@ -64,16 +64,16 @@ def end_difference(a: dict[int, float], b: dict[int, float], tail: int) -> tuple
 LOG_INTERVAL = 10
 
 
-def logged_losses(iters: int, flags: list[str]) -> int:
-    """How many losses a run of `iters` iterations logs: every --log-interval (the last one given
-    wins, as train() passes LOG_INTERVAL first) and the last iteration."""
+def logged_iterations(iters: int, flags: list[str]) -> list[int]:
+    """The iterations a run of `iters` iterations logs a loss at: every --log-interval (the last one
+    given wins, as train() passes LOG_INTERVAL first) and the last iteration."""
     interval = LOG_INTERVAL
     for i, flag in enumerate(flags):
         if flag == "--log-interval" and i + 1 < len(flags):
             interval = int(flags[i + 1])
         elif flag.startswith("--log-interval="):
             interval = int(flag.split("=", 1)[1])
-    return iters // interval + (1 if iters % interval else 0)
+    return sorted(set(range(interval, iters + 1, interval)) | {iters})
 
 
 def main(argv=None) -> int:
@@ -88,11 +88,14 @@ def main(argv=None) -> int:
     p.add_argument("--tail", type=positive_int, default=3, help="logged losses averaged for 'at the end'")
     p.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    for flags in (args.a, args.b):  # before any training: the verdict needs --tail logged losses
-        logged = logged_losses(args.train_iters, shlex.split(flags) + common)
-        if logged < args.tail:
-            p.error(f"--train-iters {args.train_iters} logs {logged} losses with {flags or 'no flags'} "
-                    f"{shlex.join(common)}, fewer than --tail {args.tail}")
+    # before any training: the verdict compares --tail losses logged at the same iterations
+    logged = [logged_iterations(args.train_iters, shlex.split(flags) + common) for flags in (args.a, args.b)]
+    if logged[0] != logged[1]:
+        p.error(f"--a and --b log losses at different iterations (another --log-interval): {logged[0]} and "
+                f"{logged[1]}")
+    if len(logged[0]) < args.tail:
+        p.error(f"--train-iters {args.train_iters} logs {len(logged[0])} losses with {shlex.join(common)}, fewer "
+                f"than --tail {args.tail}")
     work = args.work or tempfile.mkdtemp(prefix="loss-curves-")
     os.makedirs(work, exist_ok=True)
     print(f"a: {args.a or '(no flags)'}\nb: {args.b or '(no flags)'}\nboth: {shlex.join(common) or '(no flags)'}, "

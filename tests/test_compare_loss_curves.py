@@ -29,3 +29,6 @@ def test_a_difference_beyond_the_tolerance_fails(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:  # too few logged losses: refused before any run
         curves.main([*argv, "--train-iters", "10"])
     assert exit_.value.code == 2 and "--train-iters 10 logs 1 losses" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # other log intervals: refused before any run
+        curves.main([*argv[:-1], "--log-interval 5", "--train-iters", "20"])
+    assert exit_.value.code == 2 and "log losses at different iterations" in capsys.readouterr().err

@@ -218,6 +218,7 @@ def test_sentencepiece_existing_mask(tmp_path, paragraphs, capsys):
 
     spm_flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "m.model")]
     assert inspect_main([str(tmp_path / "masked"), "--verify"] + spm_flags) == 2
+    assert inspect_main([str(tmp_path / "masked"), "--verify", "--vocab-size", "300"] + spm_flags) == 2  # still
     litpkds = tmp_path / "packed.bin"
     litpkds.write_bytes(b"LITPKDS" + struct.pack("<Q", 1) + bytes([8]) + struct.pack("<Q", 4)
                         + np.array([5, 6, tok.mask_id, tok.eod], np.uint16).tobytes())

@@ -390,6 +390,9 @@ def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_mod
     r = _tool("merge_datasets.py", "--input", str(tmp_path / "other" / "c"), one.output_prefixes["text"],
               "--output-prefix", tmp_path / "oldnew")
     assert r.returncode == 0, r.stderr
+    r = _tool("merge_datasets.py", "--input", str(tmp_path / "other" / "c"), one.output_prefixes["text"],
+              eod.output_prefixes["text"], "--output-prefix", tmp_path / "oldnewnew")  # the two new ones differ
+    assert r.returncode == 2 and "(append_eod differ)" in r.stderr and not os.path.exists(tmp_path / "oldnewnew.bin")
 
 
 def test_sigkill_mid_run_then_rerun_is_byte_identical(tmp_path, plays, sp_model):

@@ -513,6 +513,25 @@ def test_draws_a_chunk_of_rows_at_a_time_with_the_ids_of_one_draw(dtype, monkeyp
     assert [len(categorical.row_chunks(100, 32001, torch.float64, torch.device(d))) for d in ("cpu", "cuda")] == [4, 1]
 
 
+def test_a_greedy_draw_is_the_argmax_with_the_draws_uniforms_consumed():
+    """Greedy decoding's vanishing top-p leaves a nucleus of one id: `draw` takes the argmax, with
+    no distribution formed and no sort of the vocabulary, and still draws its uniforms, so the ids
+    and the generator's state after are those of the full draw."""
+    gen = torch.Generator().manual_seed(4)
+    logits = 4 * torch.randn(4, 5, 500, generator=gen)
+    at = torch.randint(0, 500, (4, 5), generator=gen)
+    at[0, 0] = categorical.greedy(logits[0, 0], 3)  # a row asking for its argmax's probability
+    for top_p in (1e-12, 0.5 / 500):
+        full, fast = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        probs = categorical.probabilities(logits, torch.float64, 0.7, top_p, suppress=3)
+        want = categorical.sample(probs.clone(), full)
+        with NewBuffers(probs.numel()) as buffers:
+            ids, p_at = categorical.draw(logits, torch.float64, fast, temperature=0.7, top_p=top_p, suppress=3, at=at)
+        assert torch.equal(ids, want) and torch.equal(p_at, probs.gather(-1, at[..., None])[..., 0])
+        assert torch.equal(full.get_state(), fast.get_state()) and buffers.count == 0 and p_at[0, 0] == 1
+    assert categorical.one_id(1e-12, 32001) and not categorical.one_id(1e-2, 500)
+
+
 @pytest.mark.parametrize("noise_removal", ["greedy", "ancestral"])
 def test_duo_samples_have_the_distribution_of_the_papers_step(noise_removal):
     """Duo draws each position from a mixture (`duo.draw`), not from the posterior formed over the

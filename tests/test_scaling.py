@@ -274,6 +274,20 @@ def test_isoflop_fits_recover_minima_exponents_and_multiplier():
     assert ar["compute_multiplier_vs_ar"] == pytest.approx(1.0) and result["reference_compute"] == 1e18
 
 
+def test_a_compute_multiplier_a_flat_loss_law_cannot_give_is_skipped_not_infinite():
+    """L*(C) = A C^-1e-4 reaches AR's loss only at a compute past any float: no multiplier, no
+    size ratio (null in results.json), and the reason under "skipped"."""
+    runs = _synthetic_isoflop(np.random.default_rng(0), noise=0)
+    for r in runs:
+        if r["family"] == "duo":  # L* = 30 C^-1e-4 in place of duo's own law
+            r["loss"] *= 30 * r["budget"] ** -1e-4 / (40 * (r["budget"] / 20) ** -0.05)
+    result = analyze_isoflop(runs)
+    duo = result["families"]["duo"]
+    assert duo["loss_law"].exponent == pytest.approx(-1e-4, abs=1e-6)
+    assert duo["compute_multiplier_vs_ar"] is None and duo["size_ratio_vs_ar"] is None
+    assert any(s.startswith("duo: no finite compute multiplier or size ratio against AR") for s in result["skipped"])
+
+
 def test_isoflop_fit_without_a_minimum_is_skipped():
     runs = [{"family": "ar", "budget": 1e18, "non_embedding_params": n, "loss": math.exp(-0.01 * math.log(n) ** 2)}
             for n in (1e6, 1e7, 1e8)]  # log L concave in log N: a maximum, no minimum
@@ -478,9 +492,16 @@ def test_the_fits_refuse_runs_that_trained_other_flops_or_settings_than_planned(
                                                                               "iterations, but --manifest"),
         ("longer", {"iteration": 20, "valid_nelbo": 3.0, "flops": 2 * 10**12}, "in 20 iterations, but"),
         ("zero", {"iteration": 10, "valid_nelbo": 0.0}, "validation NELBO 0.0 at iteration 10; a NELBO is positive"),
+        # twice the planned batch: the planned FLOPs in half the iterations, not an unfinished run
+        ("batch", {"iteration": 5, "valid_nelbo": 3.0, "flops": 10**12 - 5}, "in 5 iterations, but --manifest"),
+        ("text", {"iteration": 10, "valid_nelbo": "3.0"}, r"metrics.jsonl:1: a validation record needs an integer "
+                                                         r"'iteration' and a number \(or null\) 'valid_nelbo'"),
     ]:
         with pytest.raises(InputError, match=message):
             finished_runs([_finished(tmp_path, name, [run], [record], seq_length=64)])
+    half = _finished(tmp_path, "half", [run], [{"iteration": 5, "valid_nelbo": 3.0, "flops": (10**12 - 5) // 2}],
+                     seq_length=64)
+    assert finished_runs([half]) == ([], ["ar-a: unfinished (validation at iteration 5, planned 10 iterations)"])
     other = _finished(tmp_path, "s128", [run], [{"iteration": 10, "valid_nelbo": 3.5}], seq_length=128)
     with pytest.raises(InputError, match=re.escape(f"--manifest {other}: seq_length 128, but {ok} has 64")):
         finished_runs([ok, other])

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             check_made_with(args.prefix, tok, "--tokenizer-model")
         if args.verify:
             # with a tokenizer, training's rule: its vocabulary, never its [MASK]
-            rule = (args.vocab_size, None) if args.vocab_size is not None else data_id_rule(tok) if tok else ()
+            rule = data_id_rule(tok) if tok else (args.vocab_size, None) if args.vocab_size is not None else ()
             verify_dataset(args.prefix, *rule)
         report = describe_dataset(args.prefix, tok, args.samples, args.sample_tokens, scan_tokens=args.verify)
         sft = sft_metadata(args.prefix)
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                   + (" verified" if args.verify else ""))
         if args.verify:
             print("verify: OK (header, pointers, lengths, document indices, .bin size"
-                  + (", token ids < vocabulary" + ("" if args.vocab_size else ", no [MASK]") + ")"
+                  + (", token ids < vocabulary" + (", no [MASK]" if tok else "") + ")"
                      if (args.vocab_size or tok) else ")"))
     return 0
 

@@ -40,11 +40,14 @@ def finished_runs(manifests) -> tuple[list[dict], list[str]]:
                                  f"compare runs of one setting)")
         for run in planned:
             record = final_validation(run["metrics_file"])
-            if record is None or record["iteration"] < run["iterations"]:
+            # FLOPs per iteration other than planned: another --global-batch-size, --seq-length or vocabulary
+            other = record is not None and "flops" in record and not math.isclose(
+                record["flops"] * run["iterations"], run["flops"] * record["iteration"], rel_tol=1e-9)
+            if not other and (record is None or record["iteration"] < run["iterations"]):
                 got = "no validation" if record is None else f"validation at iteration {record['iteration']}"
                 skipped.append(f"{run['name']}: unfinished ({got}, planned {run['iterations']} iterations)")
                 continue
-            if record["iteration"] > run["iterations"] or record.get("flops", run["flops"]) != run["flops"]:
+            if other or record["iteration"] > run["iterations"]:
                 raise InputError(f"{run['metrics_file']}: {record.get('flops', '?')} training FLOPs in "
                                  f"{record['iteration']} iterations, but --manifest {manifest} planned "
                                  f"{run['flops']} in {run['iterations']} for {run['name']} (trained with other "
@@ -156,6 +159,8 @@ def main(argv=None):
                                    f"({min(args.targets):g} ... {max(args.targets):g}); "
                                    f"the lowest measured is {lowest:.4g}")
 
+    result = to_json(analysis, frontier, models)
+    text = json.dumps(result, indent=1, allow_nan=False)  # before any file: a NaN would make it unreadable as JSON
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as err:
@@ -173,9 +178,8 @@ def main(argv=None):
         plots.plot_pareto(frontier, out("pareto.png"))
     elif os.path.exists(out("pareto.png")):  # an earlier run's frontier is not this one's
         os.remove(out("pareto.png"))
-    result = to_json(analysis, frontier, models)
     with atomic_write(out("results.json")) as f:
-        json.dump(result, f, indent=1, allow_nan=False)  # a NaN would make it unreadable as JSON
+        f.write(text)
     with atomic_write(out("results.md")) as f:
         f.write(to_markdown(result))
     print(to_markdown(result))

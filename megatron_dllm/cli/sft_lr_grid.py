@@ -52,7 +52,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def run_dir(root: str, lr: float, min_lr: float) -> str:
-    return os.path.join(root, f"lr{lr:g}_min{min_lr:g}")
+    return os.path.join(root, f"lr{lr!r}_min{min_lr!r}")  # repr: two pairs never share one (1e-05 as :g writes it)
 
 
 def resumable(train_flags: list[str]) -> bool:
@@ -67,7 +67,7 @@ def commands(root: str, train_flags: list[str], pairs, launcher: str, eval_flags
         d = run_dir(root, lr, min_lr)
         ckpt = os.path.join(d, "checkpoints")
         out.append([*shlex.split(launcher), PRETRAIN, *train_flags,
-                    "--lr", f"{lr:g}", "--min-lr", f"{min_lr:g}", *(["--load", ckpt] if resumable(train_flags) else []),
+                    "--lr", repr(lr), "--min-lr", repr(min_lr), *(["--load", ckpt] if resumable(train_flags) else []),
                     "--save", ckpt, "--tensorboard-dir", os.path.join(d, "tensorboard")])
         # --overwrite: the predictions of a scoring killed before its gsm8k.json (launch skips finished pairs)
         out.append([sys.executable, os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load", ckpt,

@@ -8,8 +8,9 @@ probability space): one uniform drawn and logged per id. In float64 `sample` inv
 cumulative sum at one uniform per row instead (`sample_by_cdf`), the same distribution at a
 fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose truncated noise is what
 that setting exists to show. Neither needs p normalised. Samplers draw from logits through
-`draw`, which forms the float64 distribution a chunk of rows at a time (`row_chunks`), and take
-greedy ids through `greedy`, which forms none; `draw` reaches `probabilities` through this
+`draw`, which forms the float64 distribution a chunk of rows at a time (`row_chunks`) unless its
+nucleus is one id (then the argmax, its uniforms drawn all the same), and take greedy ids through
+`greedy`, which forms none; `draw` reaches `probabilities` through this
 module's namespace, so a test can watch which dtype reaches it.
 """
 from __future__ import annotations
@@ -68,6 +69,9 @@ def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, t
     if dtype == torch.float64:
         u = torch.rand(rows.shape[0], generator=generator, dtype=dtype, device=rows.device)
         chunks = row_chunks(*rows.shape, dtype, rows.device)
+        if one_id(top_p, rows.shape[-1]):  # greedy: the draw is the argmax, its uniforms drawn all the same
+            ids = greedy(rows, suppress)
+            return ids.view(shape) if at is None else (ids.view(shape), (ids == at.reshape(-1)).to(dtype).view(shape))
     else:
         chunks = [slice(None)]
     ids, p_at = [], []
@@ -79,6 +83,12 @@ def draw(logits: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, t
         del probs  # before the next chunk's is made
     ids = joined(ids).view(shape)
     return ids if at is None else (ids, joined(p_at).view(shape))
+
+
+def one_id(top_p: float, vocab: int) -> bool:
+    """Whether the top-p nucleus is the most likely id alone in every row: it holds at least 1/V of
+    the mass, which reaches a top-p this small (greedy decoding's vanishing top-p)."""
+    return top_p * vocab <= 0.5
 
 
 def joined(parts: list[torch.Tensor]) -> torch.Tensor:

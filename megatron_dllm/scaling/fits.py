@@ -152,10 +152,16 @@ def analyze_isoflop(runs: list[dict], reference_compute: float | None = None) ->
     if reference_compute is None and runs:
         reference_compute = max(float(r["budget"]) for r in runs)
     ar = results.get("ar")
-    for _family, entry in results.items():
+    for family, entry in results.items():
+        entry["compute_multiplier_vs_ar"] = entry["size_ratio_vs_ar"] = None
         if ar is None or ar["loss_law"] is None or entry["loss_law"] is None:
-            entry["compute_multiplier_vs_ar"] = entry["size_ratio_vs_ar"] = None
             continue
-        entry["compute_multiplier_vs_ar"] = compute_multiplier(entry["loss_law"], ar["loss_law"], reference_compute)
-        entry["size_ratio_vs_ar"] = size_ratio(entry["params_law"], ar["params_law"], reference_compute)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            multiplier = compute_multiplier(entry["loss_law"], ar["loss_law"], reference_compute)
+            ratio = size_ratio(entry["params_law"], ar["params_law"], reference_compute)
+        if not (math.isfinite(multiplier) and math.isfinite(ratio)):  # a flat L*(C): AR's loss never reached
+            skipped.append(f"{family}: no finite compute multiplier or size ratio against AR at C = "
+                           f"{reference_compute:.3g} (L* = A C^alpha with alpha {entry['loss_law'].exponent:.3g})")
+            continue
+        entry["compute_multiplier_vs_ar"], entry["size_ratio_vs_ar"] = multiplier, ratio
     return {"families": results, "reference_compute": reference_compute, "skipped": skipped}

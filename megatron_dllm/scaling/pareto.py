@@ -59,6 +59,12 @@ def load_records(paths, value: str, flag: str) -> list[dict]:
             if item.get("steps") is None:
                 raise InputError(f"{path}: a record has no 'steps' (Gen PPL and throughput are fitted "
                                  f"against the sampling steps T)")
+            for key in ("steps", value):  # a fit of null, NaN, 0 or text would fail far from the file
+                number = item[key]
+                if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < math.inf:
+                    raise InputError(f"{flag} {path}: {key} {number!r}, expected a finite positive number")
+            if not isinstance(item.get("family"), str):
+                raise InputError(f"{flag} {path}: a record without its 'family' (expected tools/evaluate.py's)")
             records.append({**item, "family": series_name(item["family"], item.get("block_size")),
                             "model": str(item.get("model", item.get("preset", default_model))), "file": path,
                             "sampler": _sampler(item)})

@@ -20,7 +20,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from megatron_dllm.atomic_file import atomic_write
-from megatron_dllm.errors import InputError
+from megatron_dllm.errors import InputError, read_text
 from megatron_dllm.model.presets import ALIASES, PAPER_PRESETS, get_preset, gpt_shape_of
 from megatron_dllm.scaling.flops import non_embedding_params, train_flops_per_sample
 
@@ -150,16 +150,26 @@ def final_validation(metrics_file: str) -> dict | None:
     if not os.path.exists(metrics_file):
         return None
     last = None
-    with open(metrics_file) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict):
-                raise InputError(f"{metrics_file}:{number}: not a JSON record of --metrics-file")
-            if "valid_nelbo" in record:
-                last = record
+    at = lambda line: f"{metrics_file}:{line}" if line else metrics_file  # noqa: E731
+    for number, line in enumerate(read_text(metrics_file, at).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise InputError(f"{metrics_file}:{number}: not a JSON record of --metrics-file")
+        if "valid_nelbo" in record:
+            nelbo, iteration = record["valid_nelbo"], record.get("iteration")
+            if not (_is_number(nelbo) or nelbo is None) or type(iteration) is not int:
+                raise InputError(f"{metrics_file}:{number}: a validation record needs an integer 'iteration' and "
+                                 f"a number (or null) 'valid_nelbo', got {iteration!r} and {nelbo!r}")
+            if "flops" in record and not _is_number(record["flops"]):
+                raise InputError(f"{metrics_file}:{number}: 'flops' {record['flops']!r} is not a number")
+            last = record
     return last
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

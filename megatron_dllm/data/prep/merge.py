@@ -195,15 +195,18 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
 
 def _one_tokenizer(prefixes: Sequence[str]) -> List[Optional[dict]]:
     """The datasets' sidecars, which must agree: one tokenizer and one --append-eod made them all. A
-    field only one sidecar holds (written by an older version) is not compared."""
+    field only some sidecars hold (written by an older version) is compared among those."""
     metas = [read_metadata(p) for p in prefixes]
+    first = {}  # field -> (its first holder, the value there)
     for p, m in zip(prefixes, metas):
-        first, other = metas[0] or {}, m or {}
-        fields = sorted(k for k in first.keys() & other.keys() if first[k] != other[k])
-        if fields or (m is None) != (metas[0] is None):
-            raise InputError(f"--input datasets were made with different tokenizers or settings "
-                             f"({', '.join(fields) or 'sidecar'} differ): {_sidecar(prefixes[0], metas[0])}; "
-                             f"{_sidecar(p, m)}")
+        if (m is None) != (metas[0] is None):
+            raise InputError(f"--input datasets were made with different tokenizers or settings (one has no "
+                             f"sidecar): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
+        for key, value in (m or {}).items():
+            holder, held = first.setdefault(key, (p, value))
+            if held != value:
+                raise InputError(f"--input datasets were made with different tokenizers or settings ({key} "
+                                 f"differ): {_sidecar(holder, read_metadata(holder))}; {_sidecar(p, m)}")
     return metas
 
 
