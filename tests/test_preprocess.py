@@ -389,7 +389,7 @@ def test_merge_refuses_shards_that_one_run_did_not_make(tmp_path, corpus, sp_mod
     (tmp_path / "other" / "c.meta.json").write_text(json.dumps({**old, "tokenizer_sha256": meta["tokenizer_sha256"]}))
     r = _tool("merge_datasets.py", "--input", str(tmp_path / "other" / "c"), one.output_prefixes["text"],
               "--output-prefix", tmp_path / "oldnew")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and read_metadata(str(tmp_path / "oldnew"))["append_eod"] is False, r.stderr
     r = _tool("merge_datasets.py", "--input", str(tmp_path / "other" / "c"), one.output_prefixes["text"],
               eod.output_prefixes["text"], "--output-prefix", tmp_path / "oldnewnew")  # the two new ones differ
     assert r.returncode == 2 and "(append_eod differ)" in r.stderr and not os.path.exists(tmp_path / "oldnewnew.bin")

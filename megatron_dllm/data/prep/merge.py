@@ -193,9 +193,10 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str,
         release_all(locks)
 
 
-def _one_tokenizer(prefixes: Sequence[str]) -> List[Optional[dict]]:
+def _one_tokenizer(prefixes: Sequence[str]) -> Optional[dict]:
     """The datasets' sidecars, which must agree: one tokenizer and one --append-eod made them all. A
-    field only some sidecars hold (written by an older version) is compared among those."""
+    field only some sidecars hold (written by an older version) is compared among those. Returns
+    the merged dataset's sidecar: every field any of them holds (None: the datasets have none)."""
     metas = [read_metadata(p) for p in prefixes]
     first = {}  # field -> (its first holder, the value there)
     for p, m in zip(prefixes, metas):
@@ -207,13 +208,13 @@ def _one_tokenizer(prefixes: Sequence[str]) -> List[Optional[dict]]:
             if held != value:
                 raise InputError(f"--input datasets were made with different tokenizers or settings ({key} "
                                  f"differ): {_sidecar(holder, read_metadata(holder))}; {_sidecar(p, m)}")
-    return metas
+    return None if metas[0] is None else {key: value for key, (_, value) in first.items()}
 
 
 def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
     out_abs = os.path.abspath(output_prefix)
     headers = [validate_indexed_dataset(p) for p in prefixes]
-    metas = _one_tokenizer(prefixes)
+    sidecar = _one_tokenizer(prefixes)
     dtypes = {np.dtype(h.dtype) for h in headers}
     if len(dtypes) != 1:
         raise InputError(f"--input datasets have different dtypes {sorted(d.name for d in dtypes)}; "
@@ -277,8 +278,8 @@ def _merge(prefixes: Sequence[str], output_prefix: str, log) -> MergeStats:
             os.remove(rejections)  # from an earlier merge into the same prefix
         if os.path.exists(idx_path(output_prefix)):
             os.remove(idx_path(output_prefix))  # no dataset is visible while its sidecar changes
-        if metas[0] is not None:
-            write_metadata(output_prefix, metas[0])
+        if sidecar is not None:
+            write_metadata(output_prefix, sidecar)
         elif os.path.exists(meta_path(output_prefix)):
             os.remove(meta_path(output_prefix))  # the replaced (--overwrite) dataset's, not these datasets'
         publish_pair(output_prefix, tmp_bin, tmp_idx)
