@@ -101,3 +101,21 @@ def test_ctrl_c_in_a_commands_work_is_one_line_and_exit_130(tmp_path):
                 code=INJECT_CTRL_C_INTO_MERGE)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.splitlines() == ["interrupted"]
+
+
+INJECT_CTRL_C_INTO_EVALUATE = """
+import sys
+import megatron_dllm.cli.evaluate as command
+
+def run_nelbo(args):
+    raise KeyboardInterrupt
+
+command.run_nelbo = run_nelbo
+sys.exit(command.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_in_an_evaluation_is_one_line_and_exit_130(tmp_path):
+    proc = _run(["nelbo", "--load", str(tmp_path)], code=INJECT_CTRL_C_INTO_EVALUATE)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines() == ["interrupted"]

@@ -691,10 +691,11 @@ def test_sample_tool_on_megatron_checkpoint(esolm_checkpoint, tmp_path):
     out = tmp_path / "out.json"
     proc = run_python([os.path.join(REPO, "tools", "sample.py"), "--load", esolm_checkpoint, "--num-samples", "3",
                        "--steps", "8", "--batch-size", "2", "--prompt", "To be", "--top-p", "0.9", "--device", "cpu",
-                       "--output", str(out)], tmp_path, launch_env(1), 300)
+                       "--output", "out.json"], tmp_path, launch_env(1), 300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     settings = record["settings"]
+    assert settings["output"] == str(out)  # absolute: the record names its files wherever it is read
     assert settings["family"] == "esolm" and settings["source"] == "megatron" and settings["steps"] == 8
     assert settings["top_p"] == 0.9 and settings["seq_length"] == 32 and record["wall_time_s"] > 0
     tokens = torch.tensor(record["tokens"])

@@ -72,10 +72,13 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
     preds = tmp_path / "pred.jsonl"
     proc = run_python([os.path.join(REPO, "tools", "evaluate.py"), "gsm8k", "--load", str(work / "ckpt"),
                        "--data", str(task_dir / "test.jsonl"), "--limit", "3", "--max-new-tokens", "6",
-                       "--predictions", str(preds)], tmp_path, launch_env(1))
+                       "--predictions", "pred.jsonl", "--seed", "5"], tmp_path, launch_env(1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["problems"] == 3 and result["family"] == "esolm" and result["batch_size"] == 1
+    settings = result["settings"]  # every setting that made the answers, its files by absolute path
+    assert (settings["seed"], settings["predictions"]) == (5, str(preds))
+    assert settings["data"] == str(task_dir / "test.jsonl")
     records = [json.loads(line) for line in preds.read_text().splitlines()]
     assert len(records) == 3 and result["generated_tokens"] == sum(r["generated_tokens"] for r in records)
     assert records[0]["prompt"].startswith("Question: What is ")

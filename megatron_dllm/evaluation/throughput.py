@@ -2,7 +2,9 @@
 
 Each measurement is one `sampling.generate` call of exactly one batch, wall-clock between device
 synchronisations; one warm-up call (allocator, kernels, caches) is run first and not counted.
-The figure is total generated tokens / total time over `repeats` calls (plus each call's time).
+The figure is total tokens / total time over `repeats` calls (plus each call's time), a sample's
+tokens being its `seq_length` positions: for AR these include the EOD it starts from, which it does
+not generate (1/L of its figure), so that every family is counted over the same L.
 
 `batch_size="auto"` finds the largest power of two that runs: it tries 1, 2, 4, ... until a call
 runs out of device memory or `max_batch_size` is reached. Running out of host memory is not an
@@ -64,7 +66,8 @@ def auto_batch_size(inference_model, sampling, max_batch_size: int | None, seed:
 
 
 def measure_throughput(inference_model, sampling, batch_size: int, repeats: int = 3, seed: int = 0) -> dict:
-    """Generated tokens/s and samples/s over `repeats` timed calls after one warm-up call."""
+    """Tokens/s (over each sample's L positions) and samples/s over `repeats` timed calls after one
+    warm-up call."""
     if repeats < 1:
         raise InputError(f"--repeats {repeats}: expected at least 1")
     with shared_graphs(inference_model.model):  # --cuda-graphs: the timed calls replay the warm-up's graphs
