@@ -70,9 +70,9 @@ def logged_iterations(iters: int, flags: list[str]) -> list[int]:
     interval = LOG_INTERVAL
     for i, flag in enumerate(flags):
         if flag == "--log-interval" and i + 1 < len(flags):
-            interval = int(flags[i + 1])
+            interval = positive_int(flags[i + 1])
         elif flag.startswith("--log-interval="):
-            interval = int(flag.split("=", 1)[1])
+            interval = positive_int(flag.split("=", 1)[1])
     return sorted(set(range(interval, iters + 1, interval)) | {iters})
 
 
@@ -89,7 +89,10 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     # before any training: the verdict compares --tail losses logged at the same iterations
-    logged = [logged_iterations(args.train_iters, shlex.split(flags) + common) for flags in (args.a, args.b)]
+    try:
+        logged = [logged_iterations(args.train_iters, shlex.split(flags) + common) for flags in (args.a, args.b)]
+    except (argparse.ArgumentTypeError, ValueError) as err:
+        p.error(f"--log-interval: {err}")
     if logged[0] != logged[1]:
         p.error(f"--a and --b log losses at different iterations (another --log-interval): {logged[0]} and "
                 f"{logged[1]}")

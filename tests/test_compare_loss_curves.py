@@ -32,3 +32,7 @@ def test_a_difference_beyond_the_tolerance_fails(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:  # other log intervals: refused before any run
         curves.main([*argv[:-1], "--log-interval 5", "--train-iters", "20"])
     assert exit_.value.code == 2 and "log losses at different iterations" in capsys.readouterr().err
+    for bad in ("0", "x"):  # a --log-interval that is no positive integer: one line, before any run
+        with pytest.raises(SystemExit) as exit_:
+            curves.main([*argv, "--", "--log-interval", bad])
+        assert exit_.value.code == 2 and "--log-interval: " in capsys.readouterr().err

@@ -98,6 +98,18 @@ def test_validation_catches_a_bad_mask(tmp_path, tokenizer, capsys):
         f"error: {sft.mask_prefix(prefix)}.bin: row 0 has no response token"]
 
 
+def test_merging_an_sft_dataset_is_refused(tmp_path, tokenizer, capsys):
+    """Its rows' prompt masks live in files of their own that a merge would not carry."""
+    from megatron_dllm.cli.merge_datasets import main
+
+    a = _write(tmp_path / "a.jsonl", [json.dumps({"prompt": "p", "response": "r"})] * 3)
+    for name in ("one", "two"):
+        prep_sft.preprocess_sft([a], str(tmp_path / name), tokenizer, 16)
+    assert main(["--input", str(tmp_path / "one"), str(tmp_path / "two"), "--output-prefix", str(tmp_path / "m")]) == 2
+    assert "an SFT dataset (tools/preprocess_sft_data.py), whose prompt masks are not merged" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "m.bin")
+
+
 @pytest.mark.parametrize("record, message", [
     (json.dumps({"prompt": 3}), "expected string fields 'prompt' and 'response', or 'messages'"),
     (json.dumps({"prompt": "bad \ud800 surrogate", "response": "x"}),  # json.dumps writes the \ud800 escape

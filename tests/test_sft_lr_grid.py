@@ -20,12 +20,14 @@ def test_print_gives_two_commands_per_paper_pair(capsys, tmp_path):
     assert all(" gsm8k --load " in line and line.endswith("--limit 5 --overwrite") for line in evals)
     assert not any("--load" in line for line in train)  # the flags' own --load, if any, is the start
     assert f"{tmp_path}/lr2e-05_min5e-08/checkpoints" in train[1] and f"{tmp_path}/lr2e-05_min5e-08" in evals[1]
-    # pairs that one significant digit would write alike are two runs, each with its own lr
-    assert sft_lr_grid.main(["print", "--run-dir", str(tmp_path), "--pairs", "1e-5:2e-6", "1.0000001e-5:2e-6", "--",
+    # the exact lr reaches training; pairs that 6 significant digits write alike would share a run
+    assert sft_lr_grid.main(["print", "--run-dir", str(tmp_path), "--pairs", "1.0000001e-5:2e-6", "--",
                              "--family", "duo", "--sft"]) == 0
-    train = capsys.readouterr().out.strip().splitlines()[0::2]
-    assert [line.split("--lr ")[1].split()[0] for line in train] == ["1e-05", "1.0000001e-05"]
-    assert f"{tmp_path}/lr1.0000001e-05_min2e-06/checkpoints" in train[1]
+    assert " --lr 1.0000001e-05 " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sft_lr_grid.main(["print", "--run-dir", str(tmp_path), "--pairs", "1e-5:2e-6", "1.0000001e-5:2e-6", "--",
+                          "--family", "duo", "--sft"])
+    assert "two pairs alike to 6 significant digits" in capsys.readouterr().err
 
 
 def test_collect_tabulates_and_marks_missing_runs(capsys, tmp_path):

@@ -52,7 +52,7 @@ def _pair(text: str) -> tuple[float, float]:
 
 
 def run_dir(root: str, lr: float, min_lr: float) -> str:
-    return os.path.join(root, f"lr{lr!r}_min{min_lr!r}")  # repr: two pairs never share one (1e-05 as :g writes it)
+    return os.path.join(root, f"lr{lr:g}_min{min_lr:g}")
 
 
 def resumable(train_flags: list[str]) -> bool:
@@ -157,8 +157,9 @@ def get_args(argv=None):
     if args.pairs is None:  # collect: the pairs of a grid run with other --pairs, else the paper's
         found = pairs_in(args.run_dir) if args.action == "collect" else []
         args.pairs = found if set(found) - set(PAPER_GRID) else list(PAPER_GRID)
-    if len(set(args.pairs)) != len(args.pairs):
-        p.error(f"--pairs: a pair is given twice ({' '.join(f'{lr:g}:{m:g}' for lr, m in args.pairs)})")
+    if len({run_dir("", lr, m) for lr, m in args.pairs}) != len(args.pairs):  # a run directory each
+        p.error(f"--pairs: a pair is given twice, or two pairs alike to 6 significant digits "
+                f"({' '.join(f'{lr!r}:{m!r}' for lr, m in args.pairs)})")
     args.train_flags = train_flags
     return args
 

@@ -200,6 +200,9 @@ def _one_tokenizer(prefixes: Sequence[str]) -> Optional[dict]:
     metas = [read_metadata(p) for p in prefixes]
     first = {}  # field -> (its first holder, the value there)
     for p, m in zip(prefixes, metas):
+        if (m or {}).get("sft") is not None:  # its rows' prompt masks live in files of their own
+            raise InputError(f"--input {p}: an SFT dataset (tools/preprocess_sft_data.py), whose prompt masks "
+                             f"are not merged; preprocess its examples together with the others' instead")
         if (m is None) != (metas[0] is None):
             raise InputError(f"--input datasets were made with different tokenizers or settings (one has no "
                              f"sidecar): {_sidecar(prefixes[0], metas[0])}; {_sidecar(p, m)}")
