@@ -10,8 +10,8 @@ fraction of the cost; in float32 (`--no-float64`) it keeps the race, whose trunc
 that setting exists to show. Neither needs p normalised. Samplers draw from logits through
 `draw`, which forms the float64 distribution a chunk of rows at a time (`row_chunks`) unless its
 nucleus is one id (then the argmax, its uniforms drawn all the same), and take greedy ids through
-`greedy`, which forms none; `draw` reaches `probabilities` through this
-module's namespace, so a test can watch which dtype reaches it.
+`greedy`, which forms none; `draw` reaches `probabilities` through this module's namespace, so a
+test can watch which dtype reaches it.
 """
 from __future__ import annotations
 

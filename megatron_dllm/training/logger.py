@@ -75,8 +75,8 @@ class Logger:
         id in --save) wrote of them, the metrics file's last lines, are cut off (and a last line the
         kill cut short), so that every iteration has one record. Records of earlier versions name
         the --save path or nothing; they are taken for its own only on a resume from a checkpoint
-        (the path's, or any). `validating_only`: a run
-        that only validates its checkpoint's iteration: only its earlier validation of it goes.
+        (the path's, or any). `validating_only`: a run that only validates its checkpoint's
+        iteration: only its earlier validation of it goes.
         Another run's records stay, and so does a stream's (a pipe or terminal cannot be cut).
         TensorBoard keeps both attempts' points, as Megatron-LM's does (its purge_step would also
         hide the earlier 'vs samples' points, whose steps are samples)."""
