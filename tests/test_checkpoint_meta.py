@@ -65,6 +65,10 @@ def test_the_same_mix_written_otherwise_is_not_a_change(tmp_path, monkeypatch):
     assert meta.data_mix_changed(["data/a", "data/b"])  # unweighted: by the datasets' sizes
     assert meta.data_mix_changed(["0.4", "data/a", "0.6", "data/b"])
     assert meta.data_mix_changed(["0.5", "data/a", "0.5", "data/c"])
+    (tmp_path / "run").mkdir()  # a run directory of links to the files themselves
+    for ext in (".bin", ".idx"):
+        os.symlink(tmp_path / f"data/b{ext}", tmp_path / f"run/mine{ext}")
+    assert not meta.data_mix_changed(["0.5", "data/a", "0.5", "run/mine"])
 
 
 def test_plan_refuses_optimizer_state_megatron_cannot_read():

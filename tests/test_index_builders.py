@@ -343,3 +343,16 @@ def test_build_indexes_then_training_hits_the_cache(tmp_path):
     assert sorted(theirs) == sorted(built)
     for name in built:
         assert built[name][1] == theirs[name][1], name
+
+
+@pytest.mark.parametrize("sizes, doc_idx, seq, epochs", [
+    ([1], [0], 8, 1),  # a one-token dataset or split (an empty text with --append-eod)
+    ([5, 3], [0, 1, 0, 1], 1, 2),  # --seq-length 1
+])
+def test_sample_idx_of_one_token_samples_or_splits_is_megatrons(sizes, doc_idx, seq, epochs):
+    """The builders here need samples and epochs of 2 tokens or more; megatron-core's handles
+    fewer, and the public builder hands such cases to it."""
+    sizes, doc_idx = np.asarray(sizes, dtype=np.int32), np.asarray(doc_idx, dtype=np.int32)
+    tpe = int(sizes[doc_idx[: len(doc_idx) // epochs]].sum())
+    ref = megatron_sample_idx(sizes, doc_idx, seq, epochs, tpe, True, True)
+    np.testing.assert_array_equal(ib.build_sample_idx(sizes, doc_idx, seq, epochs, tpe), ref)

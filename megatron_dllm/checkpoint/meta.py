@@ -135,9 +135,10 @@ def _entry(stored: dict, key: str, types, path: str, required: bool = False):
 
 
 def _canonical_mix(data_path) -> tuple | None:
-    """A --data-path as the datasets it builds: prefixes resolved (relative to this process's
-    directory, as the run reading them resolves them) and weights normalised to sum 1, as
-    megatron-core normalises them (`0.3 A 0.7 B` and `3 A 7 B` are one mix); the order counts."""
+    """A --data-path as the datasets it builds: each prefix as its resolved .bin and .idx (relative
+    to this process's directory, as the run reading them resolves them; through links to the
+    directory or to the files) and weights normalised to sum 1, as megatron-core normalises them
+    (`0.3 A 0.7 B` and `3 A 7 B` are one mix); the order counts."""
     from megatron_dllm.data.datasets import parse_data_path
 
     if data_path is None:
@@ -145,7 +146,7 @@ def _canonical_mix(data_path) -> tuple | None:
     prefixes, weights = parse_data_path(data_path)
     if weights is not None:
         weights = tuple(round(w / sum(weights), 12) for w in weights)
-    return tuple(os.path.realpath(p) for p in prefixes), weights
+    return tuple((os.path.realpath(p + ".bin"), os.path.realpath(p + ".idx")) for p in prefixes), weights
 
 
 def _listed(values) -> list | None:

@@ -121,6 +121,8 @@ def build_sample_idx(sizes, document_indices, sequence_length, num_epochs, token
                      backend: Optional[str] = None) -> np.ndarray:
     """Drop-in for `megatron.core.datasets.helpers.build_sample_idx` (same arguments, output, dtype)."""
     backend = _backend(backend)
+    if sequence_length <= 1 or tokens_per_epoch <= 1:  # a 1-token sample or split: the builders here need 2
+        backend = "megatron"
     args = (sequence_length, num_epochs, tokens_per_epoch, drop_last_partial_sequence)
     if backend == "numpy":
         return build_sample_idx_numpy(sizes, document_indices, *args, add_extra_token_to_sequence)
