@@ -140,8 +140,8 @@ class Checkpointer:
             raise InputError(f"--load {plan.path}: {plan.consumed_samples} samples consumed by iteration "
                              f"{plan.iteration} and {training.train_iters - plan.iteration} more iterations of "
                              f"--global-batch-size {training.global_batch_size} need {needed} training samples; the "
-                             f"training set holds {held} (--train-iters x --global-batch-size): resume with the "
-                             f"checkpoint's --global-batch-size")
+                             f"training set holds {held} (built for --train-iters x --global-batch-size): resume "
+                             f"with the checkpoint's --global-batch-size")
 
     # ------------------------------------------------------------------ cadence
 
