@@ -3,6 +3,7 @@ the exported transformers model reproduces the megatron model's logits (fp32), i
 permuted positions and Duo's non-zero sigma; AR generates; the tokenizer knows [MASK]; HF ->
 megatron (TP=2) -> HF is bit-exact, and training starts from the converted checkpoint. The Eso-LM
 checkpoint is trained at TP=2 (sharded), the AR one at PP=2 with 2 virtual stages (interleaved)."""
+import json
 import os
 import shutil
 import sys
@@ -327,3 +328,49 @@ def test_exported_sentencepiece_tokenizer_reads_special_strings_as_text(demo_cac
     export_tokenizer(str(tmp_path / "nfkc"), "SentencePieceTokenizer", str(tmp_path / "nfkc.model"),
                      nfkc.vocab_size, nfkc.mask_id)
     assert "note: the exported tokenizer encodes some text to other ids" in capsys.readouterr().err
+
+
+def test_an_exported_unigram_sentencepiece_tokenizer_segments_as_training(paragraphs, tmp_path, capsys):
+    """SentencePiece's default model type is unigram, which the Llama conversion would turn into a
+    BPE of other segmentations (most lines to other ids); the export keeps it a unigram."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from megatron_dllm.data.tokenizers import build_tokenizer
+    from megatron_dllm.hf.export import export_tokenizer
+
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(paragraphs), model_prefix=str(tmp_path / "uni"),
+                                   vocab_size=500, num_threads=1, minloglevel=2)  # unigram, nmt_nfkc
+    ours = build_tokenizer("SentencePieceTokenizer", str(tmp_path / "uni.model"))
+    export_tokenizer(str(tmp_path / "hf"), "SentencePieceTokenizer", str(tmp_path / "uni.model"), ours.vocab_size,
+                     ours.mask_id)
+    assert "note:" not in capsys.readouterr().err
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    lines = [line for p in paragraphs[:40] for line in p.splitlines() if line.strip()]
+    assert len(lines) > 100 and all(hf.encode(t, add_special_tokens=False) == ours.tokenize(t) for t in lines)
+    assert (hf.mask_token_id, hf.eos_token_id) == (ours.mask_id, ours.eod)
+    assert hf.decode(ours.tokenize(lines[0])) == lines[0]
+
+
+def test_an_exported_tokenizer_json_adds_no_bos_training_never_saw(tmp_path):
+    """A tokenizer.json whose post-processor prepends a BOS (Llama's, TinyLlama's): training encodes
+    without it, and so does the export, `tok(text)` included."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from megatron_dllm.data.tokenizers import build_tokenizer
+    from megatron_dllm.hf.export import export_tokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2} | {f"w{i}": i + 3 for i in range(60)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok" / "tokenizer.json"))
+    export_tokenizer(str(tmp_path / "hf"), "HuggingFaceTokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                     ours.vocab_size, ours.mask_id)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert ours.tokenize("w5 w7 w9") == [8, 10, 12] == hf("w5 w7 w9")["input_ids"] == hf.encode("w5 w7 w9")

@@ -332,6 +332,27 @@ def _chat_template(directory: str, config: dict) -> str | dict | None:
     return config.get("chat_template")
 
 
+def _sentencepiece_unigram(model_path: str) -> bool:
+    """Whether a SentencePiece model is a unigram one (SentencePiece's default type), which the Llama
+    conversion would turn into a BPE of other segmentations."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    return proto.trainer_spec.model_type == sentencepiece_model_pb2.TrainerSpec.UNIGRAM
+
+
+def _unigram_tokenizer(model_path: str):
+    """A `tokenizers` Unigram of the model's pieces and scores, with its normalizer and pre-tokenizer
+    (transformers' generic SentencePiece conversion), adding no special token to the text."""
+    from types import SimpleNamespace
+
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    return SpmConverter(SimpleNamespace(vocab_file=model_path, legacy=True, add_prefix_space=True)).converted()
+
+
 def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_size: int, mask_id: int,
                      options: dict | None = None) -> None:
     """Write a tokenizer that `AutoTokenizer.from_pretrained(out)` loads offline, with [MASK] at
@@ -346,7 +367,11 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:
-        if tokenizer_type == "SentencePieceTokenizer":
+        if tokenizer_type == "SentencePieceTokenizer" and _sentencepiece_unigram(ours.model_path):
+            tok = PreTrainedTokenizerFast(tokenizer_object=_unigram_tokenizer(ours.model_path),
+                                          eos_token=ours._sp.id_to_piece(ours.eod),
+                                          unk_token=ours._sp.id_to_piece(ours._sp.unk_id()))
+        elif tokenizer_type == "SentencePieceTokenizer":  # BPE: transformers' Llama conversion
             shutil.copyfile(ours.model_path, os.path.join(tmp, SENTENCEPIECE_MODEL))
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "LlamaTokenizer", "add_bos_token": False,
@@ -359,6 +384,11 @@ def export_tokenizer(out: str, tokenizer_type: str, tokenizer_model: str, vocab_
                                           bos_token=None if ours.bos is None else ours._tok.id_to_token(ours.bos),
                                           **{k: cfg[k] for k in ("unk_token", "pad_token") if k in cfg})
             tok.chat_template = _chat_template(os.path.dirname(ours.model_path), cfg)  # an instruct model's
+            # a post-processor that adds a BOS (Llama's, TinyLlama's) would put before every text a
+            # token training never saw: training encodes without special tokens
+            from tokenizers.processors import TemplateProcessing
+
+            tok.backend_tokenizer.post_processor = TemplateProcessing(single="$A", pair="$A $B")
         else:  # TikTokenizer: .tiktoken or Megatron-LM's JSON vocabulary
             from megatron_dllm.hf.tiktoken_tokenizer import hf_tokenizer_from_tiktoken
 

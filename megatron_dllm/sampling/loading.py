@@ -46,14 +46,16 @@ def _from_hf(path: str, tokenizer_type, tokenizer_model, tokenizer_options):
     from megatron_dllm.hf.export import SENTENCEPIECE_MODEL
 
     if pretrained_ar.is_pretrained_ar(path):  # transformers' Llama/Qwen2 (an AR export): only tensors are read
-        return export_gpt.dense_from_transformers_dir(path), _given_config(tokenizer_type, tokenizer_model,
-                                                                           tokenizer_options)
-    read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers reads it
-    model = load_export.load_model(path)  # this project's classes: no python file of the export runs
+        model = export_gpt.dense_from_transformers_dir(path)
+        ours = "mask_token_id" in read_config_json(os.path.join(path, "config.json"), "--load", dllm=False)
+    else:
+        read_config_json(os.path.join(path, "config.json"), "--load")  # its faults named, before transformers
+        model, ours = load_export.load_model(path), True  # this project's classes: no python file of it runs
     original = os.path.join(path, SENTENCEPIECE_MODEL)
-    if not tokenizer_model and os.path.isfile(original):
-        # the SentencePiece model itself, not transformers' conversion of it, which decodes byte
-        # pieces that form no character otherwise: texts equal the checkpoint's
+    if not tokenizer_model and ours and os.path.isfile(original):
+        # the SentencePiece model an export ships beside its conversion, which drops a leading
+        # space's piece and decodes byte pieces that form no character otherwise: texts equal the
+        # checkpoint's
         tokenizer_type, tokenizer_model = "SentencePieceTokenizer", original
     return model, _given_config(tokenizer_type, tokenizer_model, tokenizer_options)
 
