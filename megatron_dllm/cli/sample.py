@@ -95,6 +95,9 @@ def main(argv=None):
                 raise InputError(f"{flag} needs a tokenizer: give --tokenizer-type/--tokenizer-model")
     if args.prompt is not None:
         prompt_ids = inference_model.tokenizer.tokenize(args.prompt)
+        if inference_model.mask_id in prompt_ids:  # the tokenizer's own mask piece, spelled in the text
+            raise InputError(f"--prompt: the text encodes to the [MASK] id {inference_model.mask_id} (it spells the "
+                             f"mask token), which a prompt cannot hold; write it otherwise")
     start = time.perf_counter()
     tokens = generate(inference_model, sampling, num_samples=args.num_samples, batch_size=args.batch_size,
                       seed=args.seed, prompt_ids=prompt_ids)
