@@ -375,3 +375,26 @@ def test_a_failed_import_over_a_checkpoint_leaves_its_tokenizer(tmp_path, world_
     assert convert_from_hf.main(["--hf", hf, "--save", fresh, "--family", "mdlm"]) == 2
     assert not os.path.exists(os.path.join(fresh, "tokenizer"))
     assert "the write failed" in capsys.readouterr().err
+
+
+def test_an_ar_exports_tools_read_its_shipped_sentencepiece_model(tmp_path, world_of_one, paragraphs):
+    """transformers' conversion of a SentencePiece model drops a leading space's piece; the tools
+    read the model an export of this project ships beside it, not a released model's own."""
+    import shutil
+
+    import sentencepiece as spm
+
+    from megatron_dllm.cli import convert_to_hf
+    from megatron_dllm.hf.export import SENTENCEPIECE_MODEL
+    from megatron_dllm.sampling import load_inference_model
+
+    out = str(tmp_path / "hf-ar")  # transformers' Llama: read by the tools from its tensors alone
+    assert convert_to_hf.main(["--load", _import("llama", "ar", tmp_path, tokenizer=True), "--out", out]) == 0
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(paragraphs), model_prefix=str(tmp_path / "sp"),
+                                   vocab_size=V - 1, model_type="bpe", num_threads=1, minloglevel=2)
+    shutil.copyfile(tmp_path / "sp.model", os.path.join(out, SENTENCEPIECE_MODEL))  # [MASK] appended: V ids
+    assert load_inference_model(out).tokenizer.name == "SentencePieceTokenizer"
+    config = json.loads((tmp_path / "hf-ar" / "config.json").read_text())
+    del config["mask_token_id"]  # a released model's directory: its own tokenizer files
+    (tmp_path / "hf-ar" / "config.json").write_text(json.dumps(config))
+    assert getattr(load_inference_model(out).tokenizer, "name", None) != "SentencePieceTokenizer"
