@@ -83,9 +83,8 @@ def main(argv=None) -> int:
                 os.path.isfile(saved_copy) and filecmp.cmp(config_path, saved_copy, shallow=False)))
             saved = first_load and own and holds_checkpoint(checkpoint.save)
         if saved:  # it has saved since its first load: it continues from there
-            given = [t for t in flags if t != "--debug"]  # --yaml-cfg's pre-parser takes --debug
-            expanded = expand_run_yaml([*run, *given], build_parser())  # the file's flags, as --yaml-cfg reads them
-            run = [t for t in expanded[:len(expanded) - len(given)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
+            expanded = expand_run_yaml([*run, *flags], build_parser())  # the file's flags, as --yaml-cfg reads them
+            run = [t for t in expanded[:len(expanded) - len(flags)] if t.split("=", 1)[0] not in FIRST_LOAD_FLAGS]
             flags = ["--load", checkpoint.save, *flags]  # the FLAGS given still win
             print(f"relaunch: continuing from the run's own checkpoints in {checkpoint.save}, without the flags "
                   f"of its first load from {checkpoint.load}", file=sys.stderr)

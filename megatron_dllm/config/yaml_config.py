@@ -211,6 +211,8 @@ def expand_yaml(argv: list[str], parser: argparse.ArgumentParser, sections=None,
     pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--yaml-cfg", dest="yaml_cfg", action="append", default=[])
     known, rest = pre.parse_known_args(argv)
+    if getattr(known, "debug", False):  # every OneLineParser takes it: left for the command's own
+        rest.append("--debug")
     if len(known.yaml_cfg) > 1:  # which would win is not obvious: one file, flags override it
         raise InputError(f"--yaml-cfg given {len(known.yaml_cfg)} times ({', '.join(known.yaml_cfg)}); give one "
                          f"file, and override its values with flags")
